@@ -1,0 +1,151 @@
+"""Build a Megatron-Core model through Megatron-Bridge on CPU (gloo) or on the meta device.
+
+Everything here is set up for CPU machines without Transformer Engine: the local (non-TE)
+layer spec, gloo process groups initialised by us (Bridge would otherwise pick NCCL), CPU
+initialisation, no mixed-precision wrapper, MoE's allgather dispatcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_refit.layout import TrainLayout
+
+from .te_shim import import_bridge
+
+
+@dataclass
+class BuiltModel:
+    """A Megatron model (one chunk per virtual pipeline stage) and the bridge that built it."""
+
+    bridge: Any
+    """megatron.bridge.AutoBridge for the HF config."""
+    model: list
+    """Megatron model chunks (a list, as Megatron-Bridge expects)."""
+    hf_config: Any
+    layout: TrainLayout
+
+    @property
+    def config(self):
+        return self.model[0].config
+
+
+def init_model_parallel(layout: TrainLayout, *, create_gloo_process_groups: bool = True) -> None:
+    """``initialize_model_parallel`` for ``layout`` on the already-initialised default group."""
+    from megatron.core import parallel_state
+
+    world = torch.distributed.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(
+            f"world size {world} does not match layout {layout.describe()} "
+            f"(needs tp*pp*dp = {layout.world_size} ranks)"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=create_gloo_process_groups,
+    )
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.float32):
+    """Bridge's model provider for ``hf_config``, configured for ``layout`` on CPU."""
+    import_bridge()
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    bridge = AutoBridge.from_hf_config(hf_config)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = layout.tp
+    provider.pipeline_model_parallel_size = layout.pp
+    provider.expert_model_parallel_size = layout.ep
+    provider.expert_tensor_parallel_size = layout.etp
+    provider.sequence_parallel = False
+    provider.transformer_layer_spec = local_layer_spec
+    provider.params_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = False
+    provider.autocast_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.gradient_accumulation_fusion = False
+    provider.persist_layer_norm = False
+    provider.masked_softmax_fusion = False
+    provider.bias_activation_fusion = False
+    provider.bias_dropout_fusion = False
+    provider.apply_rope_fusion = False
+    provider.cross_entropy_loss_fusion = False
+    provider.attention_backend = _local_attention_backend()
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_token_dispatcher_type = "allgather"
+        provider.moe_permute_fusion = False
+        provider.moe_grouped_gemm = False
+        provider.moe_router_fusion = False
+    provider.finalize()
+    return bridge, provider
+
+
+def _local_attention_backend():
+    from megatron.core.transformer.enums import AttnBackend
+
+    return AttnBackend.local
+
+
+def build_model(
+    hf_config,
+    layout: TrainLayout,
+    *,
+    meta: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+) -> BuiltModel:
+    """Build this rank's Megatron model chunks. torch.distributed and model-parallel state
+    must be initialised for ``layout`` (see :func:`init_model_parallel`)."""
+    from megatron.core import tensor_parallel
+
+    bridge, provider = make_provider(hf_config, layout, dtype=dtype)
+    torch.manual_seed(seed)
+    if not meta:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_cpu_rng=True) if _accepts_cpu_rng() \
+            else None
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=True,
+        init_model_with_meta_device=meta,
+        mixed_precision_wrapper=None,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+    )
+    return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
+
+
+def _accepts_cpu_rng() -> bool:
+    import inspect
+
+    from megatron.core import tensor_parallel
+
+    return "force_cpu_rng" in inspect.signature(tensor_parallel.model_parallel_cuda_manual_seed).parameters
+
+
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -> None:
+    """Initialise the default process group on gloo over localhost."""
+    import datetime
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

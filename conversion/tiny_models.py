@@ -1,0 +1,70 @@
+"""Tiny Hugging Face configs built in code (no hub access), for tests and the demo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=250,  # not a multiple of 128: exercises vocab padding
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+}
+
+# Command-line shape overrides -> HF config field.
+OVERRIDE_FIELDS = {
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "experts": "num_experts",
+    "vocab": "vocab_size",
+    "ffn": "intermediate_size",
+    "head_dim": "head_dim",
+}
+
+
+def tiny_hf_config(model: str = "qwen3", **overrides: Any):
+    """A transformers config for the named preset, with HF field overrides applied."""
+    if model not in PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; choose from {sorted(PRESETS)}")
+    fields = dict(PRESETS[model])
+    for key, value in overrides.items():
+        if value is not None:
+            fields[OVERRIDE_FIELDS.get(key, key)] = value
+    if model == "qwen3-moe" and "ffn" in overrides and overrides["ffn"] is not None:
+        fields["moe_intermediate_size"] = overrides["ffn"]
+    fields.setdefault("rms_norm_eps", 1e-6)
+    fields.setdefault("max_position_embeddings", 256)
+    fields["torch_dtype"] = "float32"
+    if model == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**fields)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**fields)

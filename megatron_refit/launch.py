@@ -1,0 +1,111 @@
+"""Run a function in N spawned processes (one per rank) with a hard timeout.
+
+Used by the demo, the benchmarks and the multi-process tests. Each rank's return value
+comes back to the parent; an exception in any rank, or the timeout, kills every rank and
+raises in the parent with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed, died, or the group ran past its timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_bytes(value: Any) -> bytes:
+    # torch.save, not the queue's pickler: torch registers shared-memory reductions for
+    # tensors with multiprocessing, and those need the sender alive when the parent reads.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _entry(fn, rank, world_size, port, args, results, env):
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+    try:
+        out = fn(rank, world_size, port, *args)
+        results.put((rank, True, _to_bytes(out)))
+    except BaseException:  # noqa: BLE001 -- reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_spawned(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
+
+    ``fn`` must be importable (module-level). Returns the ranks' results in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    base_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, base_env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SpawnError(f"ranks {sorted(set(range(world_size)) - set(out))} ran past {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a crashing rank's report a moment to arrive before blaming it.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise SpawnError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                else:
+                    continue
+            if not ok:
+                raise SpawnError(f"rank {rank} failed:\n{value}")
+            out[rank] = _from_bytes(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(out) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates .venv from Python 3.12 and installs the project (idempotent: a stamp file
+# records the inputs' hash; a second run with the same inputs does nothing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+STAMP="$VENV/.setup-stamp"
+hash=$(cat pyproject.toml requirements/*.txt scripts/setup_venv.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$hash" ]; then
+  exit 0
+fi
+
+find_python312() {
+  local cand
+  for cand in python3.12 "$(command -v pyenv >/dev/null 2>&1 && pyenv root)"/versions/3.12*/bin/python3 \
+              /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    [ -n "$cand" ] || continue
+    if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      echo "$cand"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY=$(find_python312) || {
+    echo "setup: no Python 3.12 found (megatron-core 0.19 needs >=3.12)." >&2
+    echo "setup: install one (e.g. 'pyenv install 3.12') or put python3.12 on PATH." >&2
+    exit 1
+  }
+  echo "setup: creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip --disable-pip-version-check -q"
+$PIP install --upgrade pip
+# Project + its resolvable dependencies (torch, transformers in Bridge's range, test tools).
+$PIP install -e '.[megatron,test]'
+# Megatron pins without their dependency lists (Bridge's full list is neither needed nor
+# installable on CPU machines); see README "Why two install steps".
+$PIP install --no-deps -r requirements/megatron.txt
+echo "$hash" > "$STAMP"
+echo "setup: done ($VENV)"
