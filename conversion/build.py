@@ -59,8 +59,11 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.float32):
-    """Bridge's model provider for ``hf_config``, configured for ``layout`` on CPU."""
+def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.float32, pad_vocab: bool = False):
+    """Bridge's model provider for ``hf_config``, configured for ``layout`` on CPU.
+
+    ``pad_vocab`` pads Megatron's vocab to a multiple of (divisor x TP), as Megatron
+    training does; the HF names keep the unpadded vocab."""
     import_bridge()
     from megatron.bridge import AutoBridge
     from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -72,6 +75,7 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
     provider.sequence_parallel = False
+    provider.should_pad_vocab = pad_vocab
     provider.transformer_layer_spec = local_layer_spec
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
@@ -108,16 +112,12 @@ def build_model(
     meta: bool = False,
     dtype: torch.dtype = torch.float32,
     seed: int = 1234,
+    pad_vocab: bool = False,
 ) -> BuiltModel:
     """Build this rank's Megatron model chunks. torch.distributed and model-parallel state
     must be initialised for ``layout`` (see :func:`init_model_parallel`)."""
-    from megatron.core import tensor_parallel
-
-    bridge, provider = make_provider(hf_config, layout, dtype=dtype)
+    bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
     torch.manual_seed(seed)
-    if not meta:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_cpu_rng=True) if _accepts_cpu_rng() \
-            else None
     model = provider.provide_distributed_model(
         wrap_with_ddp=False,
         use_cpu_initialization=True,
@@ -127,14 +127,6 @@ def build_model(
         fp16=False,
     )
     return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
-
-
-def _accepts_cpu_rng() -> bool:
-    import inspect
-
-    from megatron.core import tensor_parallel
-
-    return "force_cpu_rng" in inspect.signature(tensor_parallel.model_parallel_cuda_manual_seed).parameters
 
 
 def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -> None:

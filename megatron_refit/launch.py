@@ -47,6 +47,10 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _entry(fn, rank, world_size, port, args, results, env):
+    if env.pop("REFIT_QUIET_LOGS", "0") == "1":
+        import logging
+
+        logging.disable(logging.WARNING)  # Megatron/Bridge import chatter, once per rank
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
     try:
@@ -62,6 +66,7 @@ def run_spawned(
     *args: Any,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    quiet: bool = True,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
 
@@ -72,7 +77,9 @@ def run_spawned(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    base_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    base_env = {"OMP_NUM_THREADS": "1", "REFIT_QUIET_LOGS": "1" if quiet else "0", **(env or {})}
+    if quiet:
+        base_env.setdefault("PYTHONWARNINGS", "ignore")
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, base_env), daemon=True)
         for r in range(world_size)

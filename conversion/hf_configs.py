@@ -1,4 +1,5 @@
-"""Tiny Hugging Face configs built in code (no hub access), for tests and the demo."""
+"""Hugging Face configs built in code (no hub access): tiny presets for tests and the demo,
+and full-size shapes of published models for meta-device enumeration and dry runs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True,
         tie_word_embeddings=False,
     ),
+    # Published shapes (config.json of Qwen/Qwen3-30B-A3B), for meta enumeration only.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
 }
 
 # Command-line shape overrides -> HF config field.
@@ -48,7 +68,7 @@ OVERRIDE_FIELDS = {
 }
 
 
-def tiny_hf_config(model: str = "qwen3", **overrides: Any):
+def hf_config(model: str = "qwen3", **overrides: Any):
     """A transformers config for the named preset, with HF field overrides applied."""
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; choose from {sorted(PRESETS)}")
@@ -56,12 +76,13 @@ def tiny_hf_config(model: str = "qwen3", **overrides: Any):
     for key, value in overrides.items():
         if value is not None:
             fields[OVERRIDE_FIELDS.get(key, key)] = value
-    if model == "qwen3-moe" and "ffn" in overrides and overrides["ffn"] is not None:
+    is_moe = "num_experts" in fields
+    if is_moe and "ffn" in overrides and overrides["ffn"] is not None:
         fields["moe_intermediate_size"] = overrides["ffn"]
     fields.setdefault("rms_norm_eps", 1e-6)
     fields.setdefault("max_position_embeddings", 256)
-    fields["torch_dtype"] = "float32"
-    if model == "qwen3":
+    fields["dtype"] = "float32"
+    if not is_moe:
         from transformers import Qwen3Config
 
         return Qwen3Config(**fields)

@@ -1,0 +1,364 @@
+"""The refit plan: which train rank sends which box of which parameter to which gen rank (pure).
+
+Every process builds the same plan from the same ShardSpecs, so no collective is needed to
+agree on it. All validation happens in :meth:`RefitPlan.build`, before any transfer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megatron_refit.spec import Box, ShardSpec, box_shape, intersect, relative
+
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+ALIGN = 16
+"""Byte alignment of items in a bucket, so any slice can be viewed as any dtype above."""
+
+
+class PlanError(ValueError):
+    """The train and gen ShardSpecs cannot be matched; the message names the parameter."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One box of one parameter, from a train rank's piece to a gen rank's piece."""
+
+    name: str
+    src_rank: int
+    """Trainer-local rank index."""
+    dst_rank: int
+    """Gen-local rank index."""
+    src_box: Box
+    """The box in the coordinates of the sender's local piece."""
+    dst_box: Box
+    """The box in the coordinates of the receiver's local piece."""
+    global_box: Box
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketItem:
+    transfer: Transfer
+    offset: int
+    """Byte offset in the bucket, a multiple of :data:`ALIGN`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Transfers from one train rank to one gen rank, packed into one flat byte buffer."""
+
+    src_rank: int
+    dst_rank: int
+    index: int
+    """Position among the buckets of this (src_rank, dst_rank) pair."""
+    items: tuple[BucketItem, ...]
+    nbytes: int
+
+
+def _itemsize(name: str, dtype: str) -> int:
+    if dtype not in ITEMSIZE:
+        raise PlanError(f"{name}: unsupported dtype {dtype!r}")
+    return ITEMSIZE[dtype]
+
+
+def _numel(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """Distinct train boxes must be pairwise disjoint and cover ``shape`` exactly."""
+    covered = sum(_numel(box) for box in boxes)
+    if covered != math.prod(shape):
+        raise PlanError(f"{name}: train pieces cover {covered} elements, the global shape {shape} has {math.prod(shape)}")
+    if not shape:
+        return
+    # Sweep along the dim with the most distinct starts; only boxes open at a start can overlap.
+    dim = max(range(len(shape)), key=lambda d: len({box[d][0] for box in boxes}))
+    active: list[Box] = []
+    for box in sorted(boxes, key=lambda b: b[dim][0]):
+        active = [a for a in active if a[dim][1] > box[dim][0]]
+        for other in active:
+            if intersect(box, other) is not None:
+                raise PlanError(f"{name}: train pieces {other} and {box} overlap")
+        active.append(box)
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _split(transfer: Transfer, dim: int, start: int, stop: int, itemsize: int) -> Transfer:
+    """Rows ``[start, stop)`` along ``dim`` of ``transfer`` (relative to its global box)."""
+
+    def narrow(box: Box) -> Box:
+        lo = box[dim][0]
+        return box[:dim] + ((lo + start, lo + stop),) + box[dim + 1 :]
+
+    global_box = narrow(transfer.global_box)
+    return Transfer(
+        name=transfer.name,
+        src_rank=transfer.src_rank,
+        dst_rank=transfer.dst_rank,
+        src_box=narrow(transfer.src_box),
+        dst_box=narrow(transfer.dst_box),
+        global_box=global_box,
+        dtype=transfer.dtype,
+        nbytes=_numel(global_box) * itemsize,
+    )
+
+
+def _pack(transfers: list[Transfer], bucket_bytes: int) -> list[list[BucketItem]]:
+    """Pack one (src, dst) pair's transfers into buckets of at most ``bucket_bytes``.
+
+    A transfer larger than a bucket is split along its first dim of extent > 1, filling the
+    current bucket first. If one row along that dim alone exceeds ``bucket_bytes`` the
+    transfer is not split further: each such row gets a bucket of its own.
+    """
+    buckets: list[list[BucketItem]] = []
+    items: list[BucketItem] = []
+    end = 0
+
+    def add(transfer: Transfer) -> None:
+        nonlocal end
+        offset = _align(end)
+        items.append(BucketItem(transfer, offset))
+        end = offset + transfer.nbytes
+
+    def close() -> None:
+        nonlocal items, end
+        if items:
+            buckets.append(items)
+        items, end = [], 0
+
+    for transfer in transfers:
+        offset = _align(end)
+        if offset + transfer.nbytes <= bucket_bytes:
+            items.append(BucketItem(transfer, offset))
+            end = offset + transfer.nbytes
+            continue
+        shape = box_shape(transfer.global_box)
+        dim = next((d for d, size in enumerate(shape) if size > 1), None)
+        if transfer.nbytes <= bucket_bytes or dim is None:
+            close()
+            add(transfer)
+            continue
+        itemsize = transfer.nbytes // _numel(transfer.global_box)
+        row_bytes = transfer.nbytes // shape[dim]
+        start = 0
+        while start < shape[dim]:
+            rows = (bucket_bytes - _align(end)) // row_bytes
+            if rows <= 0 and items:
+                close()
+                continue
+            stop = min(start + max(rows, 1), shape[dim])
+            add(_split(transfer, dim, start, stop, itemsize))
+            start = stop
+    close()
+    return buckets
+
+
+def _index_specs(
+    side: str, specs: dict[int, list[ShardSpec]]
+) -> tuple[dict[str, dict[Box, list[int]]], dict[str, ShardSpec]]:
+    """``name -> box -> ranks holding it`` and one spec per name; rejects duplicates and inconsistent metadata."""
+    if sorted(specs) != list(range(len(specs))):
+        raise PlanError(f"{side} ranks must be 0..{len(specs) - 1}, got {sorted(specs)}")
+    index: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
+    meta: dict[str, ShardSpec] = {}
+    for rank in range(len(specs)):
+        seen: set[str] = set()
+        for spec in specs[rank]:
+            if spec.name in seen:
+                raise PlanError(f"{spec.name}: listed twice on {side} rank {rank}")
+            seen.add(spec.name)
+            first = meta.setdefault(spec.name, spec)
+            if first is spec:
+                _itemsize(spec.name, spec.dtype)
+            elif (first.global_shape, first.dtype) != (spec.global_shape, spec.dtype):
+                raise PlanError(
+                    f"{spec.name}: {side} pieces disagree: global shape {first.global_shape} {first.dtype} "
+                    f"vs {spec.global_shape} {spec.dtype} on {side} rank {rank}"
+                )
+            index[spec.name][spec.box].append(rank)
+    return index, meta
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitPlan:
+    """Transfers and their buckets, with trainer-local and gen-local rank indices."""
+
+    train_global: tuple[int, ...]
+    """Rank in the shared process group of each train rank."""
+    gen_global: tuple[int, ...]
+    """Rank in the shared process group of each gen rank."""
+    transfers: tuple[Transfer, ...]
+    buckets: tuple[Bucket, ...]
+    """Ordered by (src_rank, dst_rank, index)."""
+    unused_train_params: tuple[str, ...]
+    """Train parameters that no gen rank needs (not sent)."""
+    gen_specs: dict[int, tuple[ShardSpec, ...]] = field(repr=False)
+    _from: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False)
+    _to: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        train_specs: dict[int, list[ShardSpec]],
+        gen_specs: dict[int, list[ShardSpec]],
+        *,
+        bucket_bytes: int = 64 << 20,
+        train_rank_ids: list[int] | None = None,
+        gen_rank_ids: list[int] | None = None,
+    ) -> RefitPlan:
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise PlanError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        num_train, num_gen = len(train_specs), len(gen_specs)
+        train_global = tuple(range(num_train) if train_rank_ids is None else train_rank_ids)
+        gen_global = tuple(range(num_train, num_train + num_gen) if gen_rank_ids is None else gen_rank_ids)
+        for side, ids, count in (("train", train_global, num_train), ("gen", gen_global, num_gen)):
+            if len(ids) != count or len(set(ids)) != count:
+                raise PlanError(f"{side}_rank_ids {list(ids)} must be {count} distinct ranks")
+
+        train_index, train_meta = _index_specs("train", train_specs)
+        gen_index, gen_meta = _index_specs("gen", gen_specs)
+        for name in sorted(gen_meta):
+            gen, train = gen_meta[name], train_meta.get(name)
+            if train is None:
+                raise PlanError(f"HF name {name} is not produced by the trainer")
+            if gen.global_shape != train.global_shape:
+                raise PlanError(f"{name}: global shape {gen.global_shape} on gen ranks, {train.global_shape} on train ranks")
+            if gen.dtype != train.dtype:
+                raise PlanError(f"{name}: dtype {gen.dtype} on gen ranks, {train.dtype} on train ranks")
+        for name in sorted(train_meta):
+            _check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
+
+        # Intersections of each distinct gen box with the distinct train boxes, sorted along dim 0.
+        sorted_train = {
+            name: sorted(train_index[name], key=lambda box: box[0][0] if box else 0) for name in gen_meta
+        }
+        pieces: dict[tuple[str, Box], list[tuple[list[int], Box, Box, Box, int]]] = {}
+
+        def overlaps(name: str, gen_box: Box) -> list[tuple[list[int], Box, Box, Box, int]]:
+            """``(train holders, src_box, dst_box, global_box, nbytes)`` per overlapping train box."""
+            boxes = sorted_train[name]
+            if gen_box:  # train boxes starting at or after gen_box's dim-0 stop cannot overlap
+                boxes = boxes[: bisect.bisect_left(boxes, gen_box[0][1], key=lambda box: box[0][0])]
+            itemsize = ITEMSIZE[gen_meta[name].dtype]
+            out = []
+            for train_box in boxes:
+                box = intersect(train_box, gen_box)
+                if box is not None:
+                    holders = train_index[name][train_box]
+                    out.append((holders, relative(box, train_box), relative(box, gen_box), box, _numel(box) * itemsize))
+            assert sum(piece[-1] for piece in out) == _numel(gen_box) * itemsize, (name, gen_box)
+            return out
+
+        # Greedy balance: each piece goes from the least-loaded holder (lowest rank on ties).
+        load = [0] * num_train
+        transfers: list[Transfer] = []
+        for gen_rank in range(num_gen):
+            for spec in sorted(gen_specs[gen_rank], key=lambda spec: spec.name):
+                key = (spec.name, spec.box)
+                if key not in pieces:
+                    pieces[key] = overlaps(spec.name, spec.box)
+                for holders, src_box, dst_box, box, nbytes in pieces[key]:
+                    src = min(holders, key=load.__getitem__)
+                    load[src] += nbytes
+                    transfers.append(Transfer(spec.name, src, gen_rank, src_box, dst_box, box, spec.dtype, nbytes))
+
+        by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        for transfer in transfers:
+            by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
+        buckets = []
+        for src, dst in sorted(by_pair):
+            pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
+            for index, items in enumerate(_pack(pair, bucket_bytes)):
+                nbytes = items[-1].offset + items[-1].transfer.nbytes
+                buckets.append(Bucket(src, dst, index, tuple(items), nbytes))
+        from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
+        to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
+        for bucket in buckets:
+            from_[bucket.src_rank].append(bucket)
+            to[bucket.dst_rank].append(bucket)
+        return cls(
+            train_global=train_global,
+            gen_global=gen_global,
+            transfers=tuple(transfers),
+            buckets=tuple(buckets),
+            unused_train_params=tuple(sorted(set(train_meta) - set(gen_meta))),
+            gen_specs={rank: tuple(specs) for rank, specs in gen_specs.items()},
+            _from={rank: tuple(b) for rank, b in from_.items()},
+            _to={rank: tuple(b) for rank, b in to.items()},
+        )
+
+    def global_src(self, bucket: Bucket) -> int:
+        return self.train_global[bucket.src_rank]
+
+    def global_dst(self, bucket: Bucket) -> int:
+        return self.gen_global[bucket.dst_rank]
+
+    def buckets_from(self, train_idx: int) -> tuple[Bucket, ...]:
+        return self._from[train_idx]
+
+    def buckets_to(self, gen_idx: int) -> tuple[Bucket, ...]:
+        return self._to[gen_idx]
+
+    def gen_pieces(self, gen_idx: int) -> list[ShardSpec]:
+        return list(self.gen_specs[gen_idx])
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
+    @property
+    def bytes_minimal(self) -> int:
+        """Bytes the gen ranks hold: what any refit must deliver at least."""
+        return sum(spec.numel * ITEMSIZE[spec.dtype] for specs in self.gen_specs.values() for spec in specs)
+
+    def bytes_from(self, train_idx: int) -> int:
+        return sum(item.transfer.nbytes for bucket in self._from[train_idx] for item in bucket.items)
+
+    def bytes_to(self, gen_idx: int) -> int:
+        return sum(item.transfer.nbytes for bucket in self._to[gen_idx] for item in bucket.items)
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical plan text; equal on every rank that built the same plan."""
+        lines = [f"train {self.train_global}", f"gen {self.gen_global}", f"unused {self.unused_train_params}"]
+        for bucket in self.buckets:
+            lines.append(f"bucket {bucket.src_rank} {bucket.dst_rank} {bucket.index} {bucket.nbytes}")
+            for item in bucket.items:
+                t = item.transfer
+                lines.append(f"  {item.offset} {t.name} {t.dtype} {t.nbytes} {t.global_box} {t.src_box} {t.dst_box}")
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+    def summary(self) -> dict[str, int]:
+        sent = [self.bytes_from(rank) for rank in self._from]
+        return {
+            "num_train_ranks": len(self.train_global),
+            "num_gen_ranks": len(self.gen_global),
+            "num_transfers": len(self.transfers),
+            "num_buckets": len(self.buckets),
+            "num_unused_train_params": len(self.unused_train_params),
+            "bytes_sent": self.bytes_sent,
+            "bytes_minimal": self.bytes_minimal,
+            "max_bytes_from_one_train_rank": max(sent, default=0),
+            "min_bytes_from_one_train_rank": min(sent, default=0),
+            "max_bucket_bytes": max((b.nbytes for b in self.buckets), default=0),
+        }

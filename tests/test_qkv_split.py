@@ -1,0 +1,45 @@
+"""Local QKV split: Bridge's split_qkv_weights on per-rank head counts, and its limits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conversion.local_shards import LocalSplitError, qkv_local_pieces
+from conversion.te_shim import import_bridge
+
+import_bridge()
+from megatron.bridge.models.conversion.param_mapping import merge_qkv_weights, split_qkv_weights  # noqa: E402
+
+
+def _cfg(heads, groups, head_dim=4, hidden=8):
+    return SimpleNamespace(
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim, hidden_size=hidden,
+        attention_output_gate=False,
+    )
+
+
+@pytest.mark.parametrize("heads,groups,tp", [(4, 2, 1), (4, 2, 2), (8, 4, 4), (8, 8, 2), (6, 3, 3)])
+def test_local_split_equals_slices_of_global_split(heads, groups, tp):
+    cfg = _cfg(heads, groups)
+    hd, hidden = cfg.kv_channels, cfg.hidden_size
+    q, k, v = torch.randn(heads * hd, hidden), torch.randn(groups * hd, hidden), torch.randn(groups * hd, hidden)
+    fused = merge_qkv_weights(cfg, q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv_weights(cfg, fused), (q, k, v)))
+    local_rows = fused.shape[0] // tp
+    for rank in range(tp):
+        local = fused[rank * local_rows:(rank + 1) * local_rows]  # Megatron's column-parallel shard
+        pieces = qkv_local_pieces(cfg, tp, rank, local)
+        for key, ref in zip("qkv", (q, k, v)):
+            global_shape, box, get = pieces[key]
+            assert global_shape == tuple(ref.shape)
+            assert torch.equal(get(), ref[box[0][0]:box[0][1]])
+
+
+def test_tp_beyond_kv_heads_is_refused_not_mis_split():
+    cfg = _cfg(heads=8, groups=2)
+    local = torch.randn((8 + 2 * 2) * 4 // 4, 8)
+    with pytest.raises(LocalSplitError, match="tensor-parallel size 4 does not divide num_query_groups=2"):
+        qkv_local_pieces(cfg, 4, 0, local)

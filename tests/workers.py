@@ -1,0 +1,117 @@
+"""Rank functions run in spawned processes by the multi-process tests (must be importable)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "gather", "gather_object", "barrier", "send", "recv", "isend", "irecv", "all_to_all",
+    "all_to_all_single", "batch_isend_irecv",
+)
+
+
+class CollectiveCalled(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def forbid_collectives():
+    """Make every torch.distributed collective / P2P call raise while active."""
+    saved = {}
+
+    def refuse(name):
+        def _raise(*args, **kwargs):
+            raise CollectiveCalled(f"torch.distributed.{name} called during enumeration")
+        return _raise
+
+    modules = (dist, dist.distributed_c10d)
+    for mod in modules:
+        for name in COLLECTIVES:
+            if hasattr(mod, name):
+                saved[(mod, name)] = getattr(mod, name)
+                setattr(mod, name, refuse(name))
+    try:
+        yield
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def layout_from(kw):
+    from megatron_refit.layout import TrainLayout
+
+    return TrainLayout(**kw)
+
+
+def enumerate_cases(rank, world_size, port, cases):
+    """For each (model, layout kwargs, pad_vocab) case: this rank's real shards (cloned),
+    its meta-device specs, and (rank 0) Bridge's full export. Layouts are re-initialised
+    in the same processes, so one spawn covers several layouts."""
+    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.local_shards import enumerate_local_shards, group_experts
+    from conversion.hf_configs import hf_config
+
+    init_gloo(rank, world_size, port)
+    results = []
+    for model_name, layout_kw, pad_vocab in cases:
+        layout = layout_from(layout_kw)
+        init_model_parallel(layout)
+        cfg = hf_config(model_name)
+        built = build_model(cfg, layout, pad_vocab=pad_vocab)
+        randomize_replicated_(built.model)
+        with forbid_collectives():
+            shards = enumerate_local_shards(built.bridge, built.model, cfg)
+            grouped = group_experts(shards, getattr(cfg, "num_experts", 0) or 0)
+        real = [(s.spec, s.tensor().detach().clone()) for s in shards]
+        grouped = [(s.spec, s.tensor().detach().clone()) for s in grouped]
+        views = [_is_view_of_param(s, built.model) for s in shards]
+        export = {
+            name: t.detach().clone()
+            for name, t in built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False)
+        }
+        meta_built = build_model(cfg, layout, meta=True, pad_vocab=pad_vocab)
+        with forbid_collectives():
+            meta_shards = enumerate_local_shards(meta_built.bridge, meta_built.model, cfg)
+        meta_devices = {s.tensor().device.type for s in meta_shards}
+        results.append(
+            dict(
+                real=real,
+                grouped=grouped,
+                views=views,
+                meta=[s.spec for s in meta_shards],
+                meta_devices=meta_devices,
+                export=export if rank == 0 else None,
+            )
+        )
+        destroy_model_parallel()
+    dist.destroy_process_group()
+    return results
+
+
+def randomize_replicated_(model) -> None:
+    """Give TP-replicated params (norms, router: initialised to constants or identical
+    draws) distinct values, seeded by their global name so every replica agrees."""
+    import zlib
+
+    from megatron.bridge.models.conversion.model_bridge import _megatron_local_name_to_global
+
+    config = model[0].config
+    for vp, chunk in enumerate(model):
+        for name, p in chunk.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                continue
+            gname = _megatron_local_name_to_global(model, config, name.removeprefix("module."), vp)
+            g = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _is_view_of_param(shard, model) -> bool:
+    """Whether the shard's tensor shares storage with a model parameter (no copy)."""
+    ptrs = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    return shard.tensor().untyped_storage().data_ptr() in ptrs
