@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +33,9 @@ def pack_bucket(
         device = get_src(bucket.items[0].transfer.name).device
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < bucket.nbytes:
-        raise ValueError(f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got {out.dtype} {tuple(out.shape)}"
+        )
     out = out[: bucket.nbytes]
     for item in bucket.items:
         src = get_src(item.transfer.name)

@@ -146,9 +146,7 @@ def _expert_owner(name: str, tp: int, model: ModelShape) -> int:
     return expert // (model.num_experts // tp)
 
 
-def _vllm_box(
-    name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int, model: ModelShape
-) -> Box | None:
+def _vllm_box(name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int, model: ModelShape) -> Box | None:
     """The box of ``name`` held by ``tp_rank``, or None if that rank holds none of it."""
     role = param_role(name, len(shape))
     tp = layout.tp

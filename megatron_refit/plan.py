@@ -62,7 +62,11 @@ class BucketItem:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Transfers from one train rank to one gen rank, packed into one flat byte buffer."""
+    """Transfers from one train rank to one gen rank, packed into one flat byte buffer.
+
+    ``nbytes`` is at most the plan's ``bucket_bytes``, except for a bucket holding a single
+    row of a transfer that alone is larger (see :func:`_pack`).
+    """
 
     src_rank: int
     dst_rank: int
@@ -72,10 +76,9 @@ class Bucket:
     nbytes: int
 
 
-def _itemsize(name: str, dtype: str) -> int:
+def _check_dtype(name: str, dtype: str) -> None:
     if dtype not in ITEMSIZE:
-        raise PlanError(f"{name}: unsupported dtype {dtype!r}")
-    return ITEMSIZE[dtype]
+        raise PlanError(f"{name}: unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE)}")
 
 
 def _numel(box: Box) -> int:
@@ -86,7 +89,9 @@ def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """Distinct train boxes must be pairwise disjoint and cover ``shape`` exactly."""
     covered = sum(_numel(box) for box in boxes)
     if covered != math.prod(shape):
-        raise PlanError(f"{name}: train pieces cover {covered} elements, the global shape {shape} has {math.prod(shape)}")
+        raise PlanError(
+            f"{name}: train pieces cover {covered} elements, the global shape {shape} has {math.prod(shape)}"
+        )
     if not shape:
         return
     # Sweep along the dim with the most distinct starts; only boxes open at a start can overlap.
@@ -190,7 +195,7 @@ def _index_specs(
             seen.add(spec.name)
             first = meta.setdefault(spec.name, spec)
             if first is spec:
-                _itemsize(spec.name, spec.dtype)
+                _check_dtype(spec.name, spec.dtype)
             elif (first.global_shape, first.dtype) != (spec.global_shape, spec.dtype):
                 raise PlanError(
                     f"{spec.name}: {side} pieces disagree: global shape {first.global_shape} {first.dtype} "
@@ -198,6 +203,60 @@ def _index_specs(
                 )
             index[spec.name][spec.box].append(rank)
     return index, meta
+
+
+def _assign(
+    train_index: dict[str, dict[Box, list[int]]], gen_specs: dict[int, list[ShardSpec]], num_train: int
+) -> list[Transfer]:
+    """One transfer per (gen piece, overlapping train box), sent by the least-loaded holder
+    of that train box so far (lowest rank on ties)."""
+    # Train boxes sorted by their dim-0 start: those starting at or after a gen box's dim-0
+    # stop cannot overlap it.
+    by_start = {name: sorted(boxes, key=lambda box: box[0][0] if box else 0) for name, boxes in train_index.items()}
+    overlaps: dict[tuple[str, Box], list[tuple[list[int], Box, Box, Box, int]]] = {}
+
+    def find_overlaps(spec: ShardSpec) -> list[tuple[list[int], Box, Box, Box, int]]:
+        """``(holders, src_box, dst_box, global_box, nbytes)`` per train box overlapping ``spec``."""
+        boxes = by_start[spec.name]
+        if spec.box:
+            boxes = boxes[: bisect.bisect_left(boxes, spec.box[0][1], key=lambda box: box[0][0])]
+        out = []
+        for train_box in boxes:
+            box = intersect(train_box, spec.box)
+            if box is not None:
+                nbytes = _numel(box) * ITEMSIZE[spec.dtype]
+                out.append(
+                    (train_index[spec.name][train_box], relative(box, train_box), relative(box, spec.box), box, nbytes)
+                )
+        assert sum(piece[-1] for piece in out) == spec.numel * ITEMSIZE[spec.dtype], spec
+        return out
+
+    load = [0] * num_train
+    transfers = []
+    for gen_rank in range(len(gen_specs)):
+        for spec in sorted(gen_specs[gen_rank], key=lambda spec: spec.name):
+            key = (spec.name, spec.box)
+            if key not in overlaps:
+                overlaps[key] = find_overlaps(spec)
+            for holders, src_box, dst_box, box, nbytes in overlaps[key]:
+                src = min(holders, key=load.__getitem__)
+                load[src] += nbytes
+                transfers.append(Transfer(spec.name, src, gen_rank, src_box, dst_box, box, spec.dtype, nbytes))
+    return transfers
+
+
+def _bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[Bucket]:
+    """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box)."""
+    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for transfer in transfers:
+        by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
+    buckets = []
+    for src, dst in sorted(by_pair):
+        pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
+        for index, items in enumerate(_pack(pair, bucket_bytes)):
+            nbytes = items[-1].offset + items[-1].transfer.nbytes
+            buckets.append(Bucket(src, dst, index, tuple(items), nbytes))
+    return buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,61 +296,22 @@ class RefitPlan:
                 raise PlanError(f"{side}_rank_ids {list(ids)} must be {count} distinct ranks")
 
         train_index, train_meta = _index_specs("train", train_specs)
-        gen_index, gen_meta = _index_specs("gen", gen_specs)
+        _, gen_meta = _index_specs("gen", gen_specs)
         for name in sorted(gen_meta):
             gen, train = gen_meta[name], train_meta.get(name)
             if train is None:
                 raise PlanError(f"HF name {name} is not produced by the trainer")
             if gen.global_shape != train.global_shape:
-                raise PlanError(f"{name}: global shape {gen.global_shape} on gen ranks, {train.global_shape} on train ranks")
+                raise PlanError(
+                    f"{name}: global shape {gen.global_shape} on gen ranks, {train.global_shape} on train ranks"
+                )
             if gen.dtype != train.dtype:
                 raise PlanError(f"{name}: dtype {gen.dtype} on gen ranks, {train.dtype} on train ranks")
         for name in sorted(train_meta):
             _check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
 
-        # Intersections of each distinct gen box with the distinct train boxes, sorted along dim 0.
-        sorted_train = {
-            name: sorted(train_index[name], key=lambda box: box[0][0] if box else 0) for name in gen_meta
-        }
-        pieces: dict[tuple[str, Box], list[tuple[list[int], Box, Box, Box, int]]] = {}
-
-        def overlaps(name: str, gen_box: Box) -> list[tuple[list[int], Box, Box, Box, int]]:
-            """``(train holders, src_box, dst_box, global_box, nbytes)`` per overlapping train box."""
-            boxes = sorted_train[name]
-            if gen_box:  # train boxes starting at or after gen_box's dim-0 stop cannot overlap
-                boxes = boxes[: bisect.bisect_left(boxes, gen_box[0][1], key=lambda box: box[0][0])]
-            itemsize = ITEMSIZE[gen_meta[name].dtype]
-            out = []
-            for train_box in boxes:
-                box = intersect(train_box, gen_box)
-                if box is not None:
-                    holders = train_index[name][train_box]
-                    out.append((holders, relative(box, train_box), relative(box, gen_box), box, _numel(box) * itemsize))
-            assert sum(piece[-1] for piece in out) == _numel(gen_box) * itemsize, (name, gen_box)
-            return out
-
-        # Greedy balance: each piece goes from the least-loaded holder (lowest rank on ties).
-        load = [0] * num_train
-        transfers: list[Transfer] = []
-        for gen_rank in range(num_gen):
-            for spec in sorted(gen_specs[gen_rank], key=lambda spec: spec.name):
-                key = (spec.name, spec.box)
-                if key not in pieces:
-                    pieces[key] = overlaps(spec.name, spec.box)
-                for holders, src_box, dst_box, box, nbytes in pieces[key]:
-                    src = min(holders, key=load.__getitem__)
-                    load[src] += nbytes
-                    transfers.append(Transfer(spec.name, src, gen_rank, src_box, dst_box, box, spec.dtype, nbytes))
-
-        by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        for transfer in transfers:
-            by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
-        buckets = []
-        for src, dst in sorted(by_pair):
-            pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
-            for index, items in enumerate(_pack(pair, bucket_bytes)):
-                nbytes = items[-1].offset + items[-1].transfer.nbytes
-                buckets.append(Bucket(src, dst, index, tuple(items), nbytes))
+        transfers = _assign(train_index, gen_specs, num_train)
+        buckets = _bucketize(transfers, bucket_bytes)
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:

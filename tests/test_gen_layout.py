@@ -91,7 +91,12 @@ def test_router_is_not_gate_proj():
 
 def test_q_heads_must_divide():
     with pytest.raises(ValueError, match=r"q_proj.*num_attention_heads=6.*tp=4"):
-        rows_by_rank(L + "self_attn.q_proj.weight", (24, HIDDEN), 4, ModelShape(num_attention_heads=6, num_kv_heads=2, vocab_size=8))
+        rows_by_rank(
+            L + "self_attn.q_proj.weight",
+            (24, HIDDEN),
+            4,
+            ModelShape(num_attention_heads=6, num_kv_heads=2, vocab_size=8),
+        )
 
 
 @pytest.mark.parametrize("proj", ["k_proj", "v_proj"])
@@ -126,19 +131,33 @@ def test_vocab_padding(name):
     assert rows_by_rank(name, (200, HIDDEN), 4) == [(0, 64), (64, 128), (128, 192), (192, 200)]
     # 100 rows pad to 128, 16 per rank at tp=8: rank 7 would start at 112 >= 100 and holds nothing.
     model = ModelShape(num_attention_heads=8, num_kv_heads=2, vocab_size=100)
-    assert rows_by_rank(name, (100, HIDDEN), 8, model) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80), (80, 96), (96, 100), None]
+    assert rows_by_rank(name, (100, HIDDEN), 8, model) == [
+        (0, 16),
+        (16, 32),
+        (32, 48),
+        (48, 64),
+        (64, 80),
+        (80, 96),
+        (96, 100),
+        None,
+    ]
 
 
 def test_vocab_errors():
     with pytest.raises(ValueError, match=r"embed_tokens.*201 rows but vocab_size=200"):
         rows_by_rank("model.embed_tokens.weight", (201, HIDDEN), 2)
     with pytest.raises(ValueError, match=r"lm_head.*padded vocab 256 is not divisible by tp=3"):
-        rows_by_rank("lm_head.weight", (200, HIDDEN), 3, ModelShape(num_attention_heads=3, num_kv_heads=3, vocab_size=200))
+        rows_by_rank(
+            "lm_head.weight", (200, HIDDEN), 3, ModelShape(num_attention_heads=3, num_kv_heads=3, vocab_size=200)
+        )
 
 
 def test_experts_tp_sharded_without_ep():
-    params = {f"{L}mlp.experts.{e}.{p}.weight": ((FFN, HIDDEN) if p != "down_proj" else (HIDDEN, FFN), "bfloat16")
-              for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    params = {
+        f"{L}mlp.experts.{e}.{p}.weight": ((FFN, HIDDEN) if p != "down_proj" else (HIDDEN, FFN), "bfloat16")
+        for e in range(4)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
     out = boxes(params, GenLayout(tp=2))
     for rank in range(2):
         assert len(out[rank]) == 12
@@ -147,8 +166,11 @@ def test_experts_tp_sharded_without_ep():
 
 
 def test_experts_ep_split():
-    params = {f"{L}mlp.experts.{e}.{p}": ((FFN, HIDDEN) if p == "up_proj.weight" else (HIDDEN,), "bfloat16")
-              for e in range(4) for p in ("up_proj.weight", "down_proj.bias")}
+    params = {
+        f"{L}mlp.experts.{e}.{p}": ((FFN, HIDDEN) if p == "up_proj.weight" else (HIDDEN,), "bfloat16")
+        for e in range(4)
+        for p in ("up_proj.weight", "down_proj.bias")
+    }
     params[L + "mlp.gate.weight"] = ((4, HIDDEN), "float32")
     specs = gen_target_specs(params, GenLayout(tp=2, dp=2, expert_parallel=True), MODEL)
     for rank in range(4):
@@ -164,13 +186,22 @@ def test_experts_ep_split():
 def test_ep_errors():
     name = L + "mlp.experts.0.up_proj.weight"
     with pytest.raises(ValueError, match=r"experts\.0.*num_experts=4 is not a positive multiple of tp=3"):
-        rows_by_rank(name, (FFN, HIDDEN), 3, ModelShape(num_attention_heads=3, num_kv_heads=3, vocab_size=8, num_experts=4), expert_parallel=True)
+        rows_by_rank(
+            name,
+            (FFN, HIDDEN),
+            3,
+            ModelShape(num_attention_heads=3, num_kv_heads=3, vocab_size=8, num_experts=4),
+            expert_parallel=True,
+        )
     with pytest.raises(ValueError, match=r"experts\.9.*out of range for num_experts=4"):
         rows_by_rank(L + "mlp.experts.9.up_proj.weight", (FFN, HIDDEN), 2, expert_parallel=True)
 
 
 def test_dp_replicas_match_dp0():
-    params = {L + "self_attn.q_proj.weight": ((32, HIDDEN), "float32"), "model.embed_tokens.weight": ((200, HIDDEN), "float32")}
+    params = {
+        L + "self_attn.q_proj.weight": ((32, HIDDEN), "float32"),
+        "model.embed_tokens.weight": ((200, HIDDEN), "float32"),
+    }
     out = boxes(params, GenLayout(tp=2, dp=3))
     assert sorted(out) == list(range(6))
     for rank in range(6):

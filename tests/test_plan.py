@@ -53,8 +53,7 @@ def gen_specs(tp, dp=1, style="vllm"):
 def full_tensors(seed=0):
     gen = torch.Generator().manual_seed(seed)
     return {
-        name: torch.randn(shape, generator=gen).to(getattr(torch, dtype))
-        for name, (shape, dtype, _) in PARAMS.items()
+        name: torch.randn(shape, generator=gen).to(getattr(torch, dtype)) for name, (shape, dtype, _) in PARAMS.items()
     }
 
 
@@ -74,8 +73,10 @@ def local_tensors(specs, full):
 
 
 def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     )
 
 
@@ -135,9 +136,13 @@ def test_buckets_respect_size_and_alignment():
         assert all(item.offset % ALIGN == 0 for item in bucket.items)
         assert bucket.nbytes == bucket.items[-1].offset + bucket.items[-1].transfer.nbytes
     # The embedding transfer (64 x 8 float32 = 2 KiB) is split into row chunks of 32 bytes.
-    embed = [item.transfer for b in plan.buckets for item in b.items if item.transfer.name == "model.embed_tokens.weight"]
+    embed = [
+        item.transfer for b in plan.buckets for item in b.items if item.transfer.name == "model.embed_tokens.weight"
+    ]
     assert len(embed) == VOCAB
-    assert sum(t.nbytes for t in embed) == sum(t.nbytes for t in plan.transfers if t.name == "model.embed_tokens.weight")
+    assert sum(t.nbytes for t in embed) == sum(
+        t.nbytes for t in plan.transfers if t.name == "model.embed_tokens.weight"
+    )
     # Bucket indices count up per (src, dst) pair, and buckets_from / buckets_to partition them.
     for src in range(4):
         for dst in range(2):
@@ -212,11 +217,27 @@ W = "w.weight"
 @pytest.mark.parametrize(
     "train, gen, match",
     [
-        ({0: [spec(W, (4,), ((0, 4),))] * 2}, {0: [spec(W, (4,), ((0, 4),))]}, "w.weight: listed twice on train rank 0"),
+        (
+            {0: [spec(W, (4,), ((0, 4),))] * 2},
+            {0: [spec(W, (4,), ((0, 4),))]},
+            "w.weight: listed twice on train rank 0",
+        ),
         ({0: [spec(W, (4,), ((0, 4),))]}, {0: [spec(W, (4,), ((0, 4),))] * 2}, "w.weight: listed twice on gen rank 0"),
-        ({0: [spec(W, (4,), ((0, 4),))]}, {0: [spec("x", (4,), ((0, 4),))]}, "HF name x is not produced by the trainer"),
-        ({0: [spec(W, (4,), ((0, 4),))]}, {0: [spec(W, (5,), ((0, 4),))]}, r"w.weight: global shape \(5,\) on gen ranks, \(4,\) on train"),
-        ({0: [spec(W, (4,), ((0, 4),))]}, {0: [spec(W, (4,), ((0, 4),), "bfloat16")]}, "w.weight: dtype bfloat16 on gen ranks, float32 on train"),
+        (
+            {0: [spec(W, (4,), ((0, 4),))]},
+            {0: [spec("x", (4,), ((0, 4),))]},
+            "HF name x is not produced by the trainer",
+        ),
+        (
+            {0: [spec(W, (4,), ((0, 4),))]},
+            {0: [spec(W, (5,), ((0, 4),))]},
+            r"w.weight: global shape \(5,\) on gen ranks, \(4,\) on train",
+        ),
+        (
+            {0: [spec(W, (4,), ((0, 4),))]},
+            {0: [spec(W, (4,), ((0, 4),), "bfloat16")]},
+            "w.weight: dtype bfloat16 on gen ranks, float32 on train",
+        ),
         (
             {0: [spec(W, (4,), ((0, 3),))], 1: [spec(W, (4,), ((2, 4),))]},
             {0: [spec(W, (4,), ((0, 4),))]},

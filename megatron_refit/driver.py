@@ -1,0 +1,228 @@
+"""Refit driver: ``Refitter`` on train ranks, ``Receiver`` on generation ranks.
+
+``prepare()`` (once): every rank contributes its pieces (train: the HF-named local shards
+it holds; generation: the pieces its engine needs), all build the same plan from the
+gathered specs, validate it, and agree on its fingerprint — any error is raised here,
+before a single weight byte moves. ``refit(version)`` / ``receive(version)`` (every step):
+the ranks agree on the version, then each sender packs its buckets straight from its
+local pieces and each receiver unpacks straight into engine storage, at most two buckets
+in flight per rank.
+
+Buckets are processed in the plan's global order by every rank; with a bounded window
+this cannot deadlock (the globally first unfinished bucket is always posted at both ends).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .buckets import pack_bucket, unpack_bucket
+from .plan import RefitPlan
+from .spec import ShardSpec
+from .transport import RefitGroup
+
+
+class HasPiece(Protocol):
+    """A trainer's local piece: ``conversion.local_shards.LocalShard`` satisfies it."""
+
+    spec: ShardSpec
+
+    def tensor(self) -> torch.Tensor: ...
+
+
+class ReceiverBackend(Protocol):
+    """What a generation engine provides to :class:`Receiver`."""
+
+    def target_specs(self) -> list[ShardSpec]:
+        """The pieces of HF tensors this generation rank holds (HF names, global boxes)."""
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Engine storage for the piece ``name``, shaped like its box (written in place)."""
+
+    def finalize(self) -> None:
+        """Post-load step, once all pieces of a refit are in."""
+
+
+@dataclass
+class RefitReport:
+    version: int
+    role: str
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_minimal: int = 0
+    """Sum over generation ranks of the bytes they must hold (the whole refit's floor)."""
+    seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0))
+
+    @property
+    def gbps(self) -> float:
+        moved = self.bytes_sent + self.bytes_received
+        return moved / self.seconds["total"] / 1e9 if self.seconds["total"] > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gbps": self.gbps}
+
+
+class _Endpoint:
+    role: str
+
+    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int):
+        if group.world_size != num_train + num_gen:
+            raise ValueError(
+                f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
+                f"= {num_train + num_gen}"
+            )
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.group = group
+        self.num_train = num_train
+        self.num_gen = num_gen
+        self.bucket_bytes = bucket_bytes
+        self.plan: RefitPlan | None = None
+        self.version: int | None = None
+
+    def _local_specs(self) -> list[ShardSpec]:
+        raise NotImplementedError
+
+    def prepare(self) -> RefitPlan:
+        mine = (self.role, self._local_specs())
+        gathered = self.group.all_gather_object(mine)
+        roles = [role for role, _ in gathered]
+        expected = ["train"] * self.num_train + ["gen"] * self.num_gen
+        if roles != expected:
+            raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
+        train_specs = {i: specs for i, (_, specs) in enumerate(gathered[: self.num_train])}
+        gen_specs = {i: specs for i, (_, specs) in enumerate(gathered[self.num_train:])}
+        plan = RefitPlan.build(
+            train_specs,
+            gen_specs,
+            bucket_bytes=self.bucket_bytes,
+            train_rank_ids=list(range(self.num_train)),
+            gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
+        )
+        fingerprint = bytes.fromhex(plan.fingerprint())
+        prints = self.group.all_gather_object(fingerprint)
+        if any(p != fingerprint for p in prints):
+            bad = [r for r, p in enumerate(prints) if p != fingerprint]
+            raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
+        self.plan = plan
+        return plan
+
+    def _agree_on_version(self, version: int) -> None:
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if self.plan is None:
+            raise RuntimeError("call prepare() before the first refit")
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"refit version {version} does not advance past {self.version}")
+        versions = self.group.all_gather_tensor(torch.tensor([version], dtype=torch.int64))
+        if any(int(v) != version for v in versions):
+            raise ValueError(f"refit ranks disagree on the version: {[int(v) for v in versions]}")
+
+    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
+        """Post buckets in order with at most two in flight; ``retire`` after each wait."""
+        width = max((b.nbytes for b in buckets), default=0)
+        slots = [torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))]
+        in_flight: deque = deque()
+        for i, bucket in enumerate(buckets):
+            if len(in_flight) == len(slots):
+                self._retire(in_flight.popleft(), retire, report)
+            in_flight.append((bucket, post(bucket, slots[i % len(slots)][: bucket.nbytes])))
+        while in_flight:
+            self._retire(in_flight.popleft(), retire, report)
+
+    def _retire(self, item, retire, report) -> None:
+        bucket, pending = item
+        start = time.perf_counter()
+        self.group.wait(pending)
+        report.seconds["transfer"] += time.perf_counter() - start
+        retire(bucket, pending.buffer)
+
+
+class Refitter(_Endpoint):
+    """Train side. ``pieces``: this rank's local shards (objects with ``spec``, ``tensor()``)."""
+
+    role = "train"
+
+    def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
+                 bucket_bytes: int = 64 << 20):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes)
+        if group.rank >= num_train:
+            raise ValueError(f"refit rank {group.rank} is a generation rank (num_train={num_train})")
+        self.pieces = {p.spec.name: p for p in pieces}
+        if len(self.pieces) != len(pieces):
+            raise ValueError("duplicate HF names among this rank's pieces")
+
+    def _local_specs(self) -> list[ShardSpec]:
+        return [p.spec for p in self.pieces.values()]
+
+    def refit(self, version: int) -> RefitReport:
+        self._agree_on_version(version)
+        start = time.perf_counter()
+        report = RefitReport(version=version, role="train", rank=self.group.rank,
+                             bytes_minimal=self.plan.bytes_minimal)
+        cache: dict[str, torch.Tensor] = {}
+
+        def get_src(name: str) -> torch.Tensor:
+            if name not in cache:
+                cache[name] = self.pieces[name].tensor().detach()
+            return cache[name]
+
+        def post(bucket, buf):
+            t0 = time.perf_counter()
+            pack_bucket(bucket, get_src, out=buf)
+            report.seconds["pack"] += time.perf_counter() - t0
+            report.bytes_sent += bucket.nbytes
+            return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
+
+        with torch.no_grad():
+            self._run(self.plan.buckets_from(self.group.rank), post, lambda b, buf: None, report)
+        self.version = version
+        report.seconds["total"] = time.perf_counter() - start
+        return report
+
+
+class Receiver(_Endpoint):
+    """Generation side: receives this rank's pieces into ``backend`` storage."""
+
+    role = "gen"
+
+    def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
+                 bucket_bytes: int = 64 << 20):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes)
+        if group.rank < num_train:
+            raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
+        self.backend = backend
+        self.gen_index = group.rank - num_train
+
+    def _local_specs(self) -> list[ShardSpec]:
+        return list(self.backend.target_specs())
+
+    def receive(self, version: int) -> RefitReport:
+        self._agree_on_version(version)
+        start = time.perf_counter()
+        report = RefitReport(version=version, role="gen", rank=self.group.rank,
+                             bytes_minimal=self.plan.bytes_minimal)
+
+        def post(bucket, buf):
+            return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
+
+        def retire(bucket, buf):
+            t0 = time.perf_counter()
+            unpack_bucket(bucket, buf, self.backend.buffer)
+            report.seconds["load"] += time.perf_counter() - t0
+            report.bytes_received += bucket.nbytes
+
+        with torch.no_grad():
+            self._run(self.plan.buckets_to(self.gen_index), post, retire, report)
+            t0 = time.perf_counter()
+            self.backend.finalize()
+            report.seconds["load"] += time.perf_counter() - t0
+        self.version = version
+        report.seconds["total"] = time.perf_counter() - start
+        return report

@@ -1,0 +1,67 @@
+"""Hugging Face transformers receiver (the CPU reference engine, generation TP = 1).
+
+Holds a transformers model built from the same config and writes every received piece in
+place into its parameters. Checkpoint names map onto the model's storage: most are the
+model's own parameter names; routed experts, which transformers 5 keeps fused per layer
+(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), receive the
+per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views into those
+tensors. A tied ``lm_head`` is not a target (it is the embedding).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..spec import ShardSpec, full_box
+
+
+
+class HFReceiver:
+    """Receiver backend over a transformers causal LM (all pieces whole: gen TP 1)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._views: dict[str, torch.Tensor] = {}
+        params = dict(model.named_parameters())
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        for name, param in params.items():
+            if tied and name == "lm_head.weight":
+                continue
+            if name.endswith(".experts.gate_up_proj"):
+                prefix = name.removesuffix(".gate_up_proj")
+                half = param.shape[1] // 2
+                for e in range(param.shape[0]):
+                    self._views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :half]
+                    self._views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, half:]
+            elif name.endswith(".experts.down_proj"):
+                prefix = name.removesuffix(".down_proj")
+                for e in range(param.shape[0]):
+                    self._views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
+            else:
+                self._views[name] = param.data
+
+    @classmethod
+    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32) -> "HFReceiver":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model.eval()
+        return cls(model)
+
+    def target_specs(self) -> list[ShardSpec]:
+        return [
+            ShardSpec(name=name, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                      box=full_box(tuple(t.shape)))
+            for name, t in self._views.items()
+        ]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def finalize(self) -> None:
+        pass
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """Current weights under checkpoint (per-expert) names."""
+        return {name: t.detach().clone() for name, t in self._views.items()}

@@ -1,0 +1,158 @@
+"""Property tests: random tilings, replicas and targets; the plan must reproduce every target."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_refit.buckets import replay
+from megatron_refit.plan import PlanError, RefitPlan
+from megatron_refit.spec import Box, ShardSpec, full_box
+
+pytestmark = pytest.mark.reliability
+
+DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "int32", "uint8"]
+BUCKET_BYTES = [1, 3, 16, 33, 64, 200, 64 << 20]
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
+
+
+def _spans(size: int, cuts: set[int]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise([0, *sorted(cuts), size]))
+
+
+@st.composite
+def tilings(draw, shape: tuple[int, ...]) -> list[Box]:
+    """A partition of ``shape``: cut along one dim, then maybe cut each slab along another."""
+    dim = draw(st.sampled_from(range(len(shape))))
+    boxes = []
+    for lo, hi in _spans(
+        shape[dim], draw(st.sets(st.integers(1, shape[dim] - 1)) if shape[dim] > 1 else st.just(set()))
+    ):
+        slab = full_box(shape)[:dim] + ((lo, hi),) + full_box(shape)[dim + 1 :]
+        other = [d for d in range(len(shape)) if d != dim and shape[d] > 1]
+        if not other or not draw(st.booleans()):
+            boxes.append(slab)
+            continue
+        dim2 = draw(st.sampled_from(other))
+        for lo2, hi2 in _spans(shape[dim2], draw(st.sets(st.integers(1, shape[dim2] - 1)))):
+            boxes.append(slab[:dim2] + ((lo2, hi2),) + slab[dim2 + 1 :])
+    return boxes
+
+
+@st.composite
+def sub_boxes(draw, shape: tuple[int, ...]) -> Box:
+    box = []
+    for size in shape:
+        lo = draw(st.integers(0, size - 1))
+        box.append((lo, draw(st.integers(lo + 1, size))))
+    return tuple(box)
+
+
+def _place(draw, slots_by_name: dict[str, list[Box]], meta: dict[str, tuple]) -> dict[int, list[ShardSpec]]:
+    """Put each name's boxes on distinct random ranks (at most one piece of a name per rank)."""
+    num_ranks = max((len(slots) for slots in slots_by_name.values()), default=0) or 1
+    specs: dict[int, list[ShardSpec]] = {rank: [] for rank in range(num_ranks)}
+    for name, slots in slots_by_name.items():
+        ranks = draw(st.permutations(range(num_ranks)))
+        shape, dtype = meta[name]
+        for rank, box in zip(ranks, slots):
+            specs[rank].append(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box))
+    return specs
+
+
+@st.composite
+def problems(draw):
+    """``(train_specs, gen_specs, bucket_bytes, seed)`` for 1-3 parameters."""
+    meta = {f"p{i}": (draw(shapes), draw(st.sampled_from(DTYPES))) for i in range(draw(st.integers(1, 3)))}
+    train_slots, gen_slots = {}, {}
+    for name, (shape, _) in meta.items():
+        # Each distinct train box held by 1-3 replicas.
+        train_slots[name] = [box for box in draw(tilings(shape)) for _ in range(draw(st.integers(1, 3)))]
+        targets = []
+        if draw(st.integers(0, 4)):  # sometimes no gen rank needs the parameter
+            # A partition (e.g. TP) whose pieces may each go to several ranks (DP, KV replication)...
+            targets = [box for box in draw(tilings(shape)) for _ in range(draw(st.integers(1, 3)))]
+            # ...plus arbitrary extra boxes on other ranks.
+            targets += draw(st.lists(sub_boxes(shape), max_size=2))
+        gen_slots[name] = targets
+    return (
+        _place(draw, train_slots, meta),
+        _place(draw, gen_slots, meta),
+        draw(st.sampled_from(BUCKET_BYTES)),
+        draw(st.integers(0, 2**31)),
+    )
+
+
+def _random_full(shape: tuple[int, ...], dtype: str, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (NaNs included) of ``dtype``."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@settings(max_examples=600, **SETTINGS)
+@given(problems())
+def test_plan_reproduces_targets(problem):
+    train, gen, bucket_bytes, seed = problem
+    plan = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes)
+    rng = torch.Generator().manual_seed(seed)
+    meta = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
+    full = {name: _random_full(shape, dtype, rng) for name, (shape, dtype) in meta.items()}
+    train_tensors = {r: {s.name: full[s.name][_slices(s.box)].clone() for s in specs} for r, specs in train.items()}
+
+    got = replay(plan, train_tensors)
+    coverage = {r: {s.name: torch.zeros(s.shape, dtype=torch.int32) for s in specs} for r, specs in gen.items()}
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= bucket_bytes or len(bucket.items) == 1
+        for item in bucket.items:
+            coverage[bucket.dst_rank][item.transfer.name][_slices(item.transfer.dst_box)] += 1
+    for rank, specs in gen.items():
+        for spec in specs:
+            assert torch.equal(_bits(got[rank][spec.name]), _bits(full[spec.name][_slices(spec.box)]))
+            assert bool((coverage[rank][spec.name] == 1).all())
+    assert plan.bytes_sent == plan.bytes_minimal
+    needed = {s.name for specs in gen.values() for s in specs}
+    assert set(plan.unused_train_params) == set(meta) - needed
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(st.data())
+def test_broken_tiling_is_rejected(data):
+    shape = data.draw(shapes)
+    boxes = data.draw(tilings(shape))
+    victim = data.draw(st.integers(0, len(boxes) - 1))
+    box = list(boxes[victim])
+    grow = data.draw(st.booleans())
+    if grow:  # overlap: extend the box by one along a dim where a neighbour lies
+        dims = [d for d, (lo, hi) in enumerate(box) if hi < shape[d]]
+        assume(dims)
+        d = data.draw(st.sampled_from(dims))
+        box[d] = (box[d][0], box[d][1] + 1)
+    else:  # gap: shrink the box, or drop it if it is a single element
+        dims = [d for d, (lo, hi) in enumerate(box) if hi - lo > 1]
+        if dims:
+            d = data.draw(st.sampled_from(dims))
+            box[d] = (box[d][0], box[d][1] - 1)
+        else:
+            assume(len(boxes) > 1)
+            box = None
+    broken = boxes[:victim] + ([tuple(box)] if box else []) + boxes[victim + 1 :]
+    # Intact copies of the original boxes on other ranks are not replicas of a changed box.
+    pieces = broken + (boxes if box is not None and data.draw(st.booleans()) else [])
+    train = {r: [ShardSpec(name="w", global_shape=shape, dtype="float32", box=b)] for r, b in enumerate(pieces)}
+    gen = {0: [ShardSpec(name="w", global_shape=shape, dtype="float32", box=full_box(shape))]}
+    with pytest.raises(PlanError, match=r"^w: train pieces"):
+        RefitPlan.build(train, gen)
