@@ -65,3 +65,8 @@ class HFReceiver:
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Current weights under checkpoint (per-expert) names."""
         return {name: t.detach().clone() for name, t in self._views.items()}
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits of the received model (for checks against the trainer)."""
+        return self.model(tokens).logits.float()

@@ -1,0 +1,100 @@
+"""A real training step and a reference forward for the CPU harness (any TP/PP/EP).
+
+Pipeline stages run in order, exchanging activations and gradients over the PP group with
+plain send/recv (one microbatch, one model chunk). Every
+rank feeds the same tokens, so data-parallel replicas stay identical without a gradient
+all-reduce. The model runs in eval mode: dropout is off in these models anyway, and MoE
+with TP refuses train mode without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import BuiltModel, cpu_forward
+
+
+def _inputs(tokens: torch.Tensor):
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril().logical_not()
+    mask = causal.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+    return position_ids, mask
+
+
+def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
+    """This stage's forward. Returns ``(output, stage_input)``; activations travel
+    between stages over the PP group (Megatron's own schedules assume CUDA)."""
+    from megatron.core import parallel_state as ps
+
+    model = built.model[0]
+    model.eval()
+    position_ids, mask = _inputs(tokens)
+    stage_input = None
+    if not ps.is_pipeline_first_stage():
+        stage_input = torch.empty(tokens.shape[1], tokens.shape[0], built.config.hidden_size,
+                                  dtype=built.config.params_dtype)
+        torch.distributed.recv(stage_input, ps.get_pipeline_model_parallel_prev_rank())
+        stage_input.requires_grad_(torch.is_grad_enabled())
+    model.set_input_tensor(stage_input)
+    with cpu_forward():
+        output = model(tokens, position_ids, mask, labels=tokens if labels else None)
+    if not ps.is_pipeline_last_stage():
+        torch.distributed.send(output.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+    return output, stage_input
+
+
+def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> float | None:
+    """Forward + backward (next-token loss on ``tokens``) + one optimizer step.
+    Returns the loss on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    if len(built.model) != 1:
+        raise ValueError("train_step supports one model chunk (no virtual pipeline)")
+    optimizer.zero_grad(set_to_none=True)
+    output, stage_input = _pipeline_forward(built, tokens, labels=True)
+    loss = None
+    with cpu_forward():
+        if ps.is_pipeline_last_stage():
+            loss = output.float().mean()
+            loss.backward()
+        else:
+            grad = torch.empty_like(output)
+            torch.distributed.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            output.backward(grad)
+    if stage_input is not None:
+        torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+    _reduce_tp_replicated_grads(built)
+    optimizer.step()
+    return float(loss.detach()) if loss is not None else None
+
+
+def _reduce_tp_replicated_grads(built: BuiltModel) -> None:
+    """What Megatron's ``finalize_model_grads`` does for TP-replicated parameters that see
+    different data on each TP rank (QK layernorms: each rank normalises its own heads):
+    sum their gradients over the TP group, so the replicas stay identical."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1 or not built.config.qk_layernorm:
+        return
+    group = ps.get_tensor_model_parallel_group()
+    for chunk in built.model:
+        for name, param in chunk.named_parameters():
+            if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                torch.distributed.all_reduce(param.grad, group=group)
+
+
+@torch.no_grad()
+def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab logits ``[batch, seq, vocab]`` on the last pipeline stage (None elsewhere);
+    HF vocab (Megatron's padding rows dropped)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron.core import parallel_state as ps
+
+    output, _ = _pipeline_forward(built, tokens, labels=False)
+    if not ps.is_pipeline_last_stage():
+        return None
+    with cpu_forward():
+        full = gather_from_tensor_model_parallel_region(output)
+    return full[..., : built.hf_config.vocab_size].float().clone()

@@ -1,0 +1,213 @@
+"""End-to-end refit on CPU: spawned Megatron train ranks and generation ranks over gloo.
+
+Used by the demo, the end-to-end tests and the benchmark. Train ranks build a tiny model
+through Megatron-Bridge and take a real optimizer step (forward, backward, Adam) before
+every refit; generation ranks hold a receiver. After each refit the parent checks the
+generation weights against Bridge's ``export_hf_weights`` bit for bit and, where a gen
+rank holds a whole model, its logits against the Megatron forward.
+
+Train-rank code imports ``conversion`` (Megatron); generation-rank code does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .gen_layout import GenLayout, ModelShape
+from .layout import TrainLayout
+
+SEQ, BATCH = 8, 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    model: str = "qwen3"
+    overrides: dict = field(default_factory=dict)
+    train: TrainLayout = TrainLayout()
+    gen: GenLayout = GenLayout()
+    bucket_bytes: int = 1 << 20
+    refits: int = 3
+    dtype: str = "float32"
+    megatron_port: int = 0
+    collect: bool = True
+    """Return weights and logits for checking (off in benchmarks)."""
+    timeout_s: float = 120.0
+
+    @property
+    def num_train(self) -> int:
+        return self.train.world_size
+
+    @property
+    def num_gen(self) -> int:
+        return self.gen.world_size
+
+
+def model_shape(cfg) -> ModelShape:
+    return ModelShape(
+        num_attention_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        vocab_size=cfg.vocab_size,
+        num_experts=getattr(cfg, "num_experts", 0) or 0,
+    )
+
+
+def tokens_for(version: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + version)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+
+
+def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
+    from .transport import RefitGroup
+
+    cfg = _hf_config(spec)
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world_size,
+                               timeout_s=spec.timeout_s)
+    if rank < spec.num_train:
+        return _train_rank(rank, spec, cfg, group)
+    return _gen_rank(rank - spec.num_train, spec, cfg, group)
+
+
+def _hf_config(spec: RunSpec):
+    # transformers configs are importable on both sides; conversion.hf_configs is not Megatron.
+    from conversion.hf_configs import hf_config
+
+    return hf_config(spec.model, **spec.overrides)
+
+
+def _train_rank(rank: int, spec: RunSpec, cfg, group):
+    from conversion.build import build_model, init_gloo, init_model_parallel
+    from conversion.local_shards import enumerate_local_shards
+    from conversion.train_step import forward_logits, train_step
+
+    from .driver import Refitter
+
+    init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
+    init_model_parallel(spec.train)
+    built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
+    shards = enumerate_local_shards(built.bridge, built.model, cfg)
+    refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
+                        bucket_bytes=spec.bucket_bytes)
+    plan = refitter.prepare()
+    optimizer = torch.optim.Adam([p for chunk in built.model for p in chunk.parameters()], lr=1e-2)
+    out = []
+    for version in range(1, spec.refits + 1):
+        loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
+        report = refitter.refit(version)
+        item = dict(report=report.as_dict(), loss=loss)
+        if spec.collect:
+            export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
+                built.model, cpu=True, show_progress=False)}
+            logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
+            item.update(export=export if rank == 0 else None, logits=logits)
+        out.append(item)
+    return dict(role="train", summary=plan.summary(), refits=out)
+
+
+def _gen_rank(gen_index: int, spec: RunSpec, cfg, group):
+    from .driver import Receiver
+
+    backend = make_gen_backend(spec, cfg, gen_index)
+    receiver = Receiver(group, backend, num_train=spec.num_train, num_gen=spec.num_gen,
+                        bucket_bytes=spec.bucket_bytes)
+    receiver.prepare()
+    out = []
+    for version in range(1, spec.refits + 1):
+        report = receiver.receive(version)
+        item = dict(report=report.as_dict())
+        if spec.collect:
+            item["weights"] = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
+            item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
+        out.append(item)
+    return dict(role="gen", gen_index=gen_index, refits=out)
+
+
+def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
+    dtype = getattr(torch, spec.dtype)
+    if spec.gen.tp == 1:
+        from .receivers.hf import HFReceiver
+
+        return HFReceiver.from_config(cfg, dtype=dtype)
+    from .receivers.vllm_layout import VllmLayoutReceiver
+
+    return VllmLayoutReceiver.allocate(
+        _param_table(cfg, dtype), spec.gen, model_shape(cfg), gen_index=gen_index
+    )
+
+
+def _param_table(cfg, dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF checkpoint names and shapes, from a meta-device transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    from .receivers.hf import HFReceiver
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return {s.name: (s.global_shape, s.dtype) for s in HFReceiver(model).target_specs()}
+
+
+def run(spec: RunSpec) -> list[dict]:
+    """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order)."""
+    from dataclasses import replace
+
+    from .launch import free_port, run_spawned
+
+    spec = replace(spec, megatron_port=free_port())
+    timeout = 180.0 + 60.0 * spec.refits
+    return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout)
+
+
+def evaluate(spec: RunSpec, results: list[dict]) -> dict:
+    """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
+    from .receivers.vllm_layout import expected_storage
+
+    train = [r for r in results if r["role"] == "train"]
+    gens = [r for r in results if r["role"] == "gen"]
+    cfg = _hf_config(spec)
+    shape = model_shape(cfg)
+    refits = []
+    for i in range(spec.refits):
+        t_items = [t["refits"][i] for t in train]
+        g_items = [g["refits"][i] for g in gens]
+        bit_exact, logit_diff = None, None
+        if spec.collect:
+            export = t_items[0]["export"]
+            bit_exact = True
+            for g, item in zip(gens, g_items):
+                if spec.gen.tp == 1:
+                    want = export
+                    got = item["weights"]
+                    missing = set(want) - set(got) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+                    bit_exact &= not missing
+                else:
+                    backend = make_gen_backend(spec, cfg, g["gen_index"])
+                    want = expected_storage(export, backend.target_specs(), shape, spec.gen.tp)
+                    got = item["weights"]
+                bit_exact &= set(got) <= set(want) and all(torch.equal(got[n], want[n]) for n in got)
+            ref = next((t["logits"] for t in t_items if t["logits"] is not None), None)
+            diffs = [float((item["logits"] - ref).abs().max()) for item in g_items if item["logits"] is not None]
+            logit_diff = max(diffs) if diffs and ref is not None else None
+        reports = [item["report"] for item in t_items + g_items]
+        secs = lambda key, items: max(item["report"]["seconds"][key] for item in items)  # noqa: E731
+        refits.append(dict(
+            version=i + 1,
+            bit_exact=bit_exact,
+            max_logit_diff=logit_diff,
+            bytes_sent=sum(item["report"]["bytes_sent"] for item in t_items),
+            bytes_minimal=reports[0]["bytes_minimal"],
+            seconds=dict(total=max(r["seconds"]["total"] for r in reports), pack=secs("pack", t_items),
+                         transfer=max(r["seconds"]["transfer"] for r in reports), load=secs("load", g_items)),
+            loss=t_items[-1].get("loss"),
+        ))
+    diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]
+    return dict(
+        bit_exact=all(r["bit_exact"] for r in refits) if spec.collect else None,
+        max_logit_diff=max(diffs) if diffs else None,
+        model=spec.model,
+        dtype=spec.dtype,
+        train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),
+        gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),
+        summary=train[0]["summary"],
+        refits=refits,
+    )

@@ -1,0 +1,138 @@
+"""vLLM's parameter layout on one generation TP rank, and HF pieces as views into it.
+
+vLLM fuses projections per layer (``qkv_proj = [q; k; v]``, ``gate_up_proj = [gate; up]``,
+FusedMoE ``w13_weight [E_local, 2·I_tp, H]`` with gate then up, ``w2_weight [E_local, H,
+I_tp]``) and pads vocab-parallel rows per rank. Given the HF pieces a rank needs
+(:func:`megatron_refit.gen_layout.gen_target_specs`), :func:`fused_layout` says where each
+piece lives in that storage; received bytes are then unpacked straight into it.
+
+This module imports no vLLM: :class:`VllmLayoutReceiver` allocates vLLM-shaped tensors
+itself (CPU tests without the engine); the real receiver applies the same layout to the
+engine's own parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
+from ..spec import ShardSpec
+
+# (pattern on the HF name, fused vLLM name template, member key group, member order)
+_FUSED = (
+    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>[qkv])_proj\.(?P<t>weight|bias)"), "{p}.qkv_proj.{t}", ("q", "k", "v")),
+    (re.compile(r"(?P<p>.*\.mlp)\.(?P<m>gate|up)_proj\.(?P<t>weight)"), "{p}.gate_up_proj.{t}", ("gate", "up")),
+    (re.compile(r"(?P<p>.*\.shared_experts?)\.(?P<m>gate|up)_proj\.(?P<t>weight)"), "{p}.gate_up_proj.{t}",
+     ("gate", "up")),
+)
+_EXPERT = re.compile(r"(?P<p>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<m>gate|up|down)_proj\.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where an HF piece lives: ``storage[vllm_name][index]`` (index: ints and slices)."""
+
+    vllm_name: str
+    index: tuple
+
+
+def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[dict, dict]:
+    """``(shapes, placements)``: vLLM parameter name → (shape, dtype), HF name → Placement."""
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    placements: dict[str, Placement] = {}
+    fused: dict[str, tuple[tuple[str, ...], dict[str, ShardSpec]]] = {}
+    experts: dict[str, dict[int, dict[str, ShardSpec]]] = {}
+    for piece in pieces:
+        if m := _EXPERT.fullmatch(piece.name):
+            experts.setdefault(m["p"], {}).setdefault(int(m["e"]), {})[m["m"]] = piece
+            continue
+        for pattern, template, order in _FUSED:
+            if m := pattern.fullmatch(piece.name):
+                fused.setdefault(template.format(p=m["p"], t=m["t"]), (order, {}))[1][m["m"]] = piece
+                break
+        else:
+            shape = piece.shape
+            if piece.name in _VOCAB:  # vLLM's per-rank rows are padded; HF rows fill a prefix
+                padded = math.ceil(model.vocab_size / VOCAB_PADDING) * VOCAB_PADDING
+                shape = (padded // tp, *shape[1:])
+            shapes[piece.name] = (shape, piece.dtype)
+            placements[piece.name] = Placement(piece.name, (slice(0, piece.shape[0]),))
+    for vllm_name, (order, members) in fused.items():
+        start = 0
+        for key in order:
+            piece = members[key]
+            placements[piece.name] = Placement(vllm_name, (slice(start, start + piece.shape[0]),))
+            start += piece.shape[0]
+        first = members[order[0]]
+        shapes[vllm_name] = ((start, *first.shape[1:]), first.dtype)
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        for local, e in enumerate(ids):
+            gate, up, down = (by_expert[e].get(k) for k in ("gate", "up", "down"))
+            if gate is not None:  # gated: w13 = [gate; up]
+                n = gate.shape[0]
+                placements[gate.name] = Placement(f"{prefix}.w13_weight", (local, slice(0, n)))
+                placements[up.name] = Placement(f"{prefix}.w13_weight", (local, slice(n, 2 * n)))
+                shapes[f"{prefix}.w13_weight"] = ((len(ids), 2 * n, gate.shape[1]), gate.dtype)
+            elif up is not None:  # non-gated (e.g. ReLU²): w13 is the up projection alone
+                placements[up.name] = Placement(f"{prefix}.w13_weight", (local,))
+                shapes[f"{prefix}.w13_weight"] = ((len(ids), *up.shape), up.dtype)
+            placements[down.name] = Placement(f"{prefix}.w2_weight", (local,))
+            shapes[f"{prefix}.w2_weight"] = ((len(ids), *down.shape), down.dtype)
+    return shapes, placements
+
+
+class VllmLayoutReceiver:
+    """Receiver backend over vLLM-shaped storage of one generation TP rank."""
+
+    def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],
+                 placements: dict[str, Placement]):
+        self._storage = storage
+        self._pieces = pieces
+        self._views = {}
+        for piece in pieces:
+            place = placements[piece.name]
+            view = storage[place.vllm_name][place.index]
+            if tuple(view.shape) != piece.shape:
+                raise ValueError(
+                    f"{piece.name}: vLLM storage {place.vllm_name}{list(place.index)} has shape "
+                    f"{tuple(view.shape)}, the piece needs {piece.shape}"
+                )
+            self._views[piece.name] = view
+
+    @classmethod
+    def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
+                 *, gen_index: int) -> "VllmLayoutReceiver":
+        pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
+        shapes, placements = fused_layout(pieces, model, layout.tp)
+        storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
+        return cls(storage, pieces, placements)
+
+    def target_specs(self) -> list[ShardSpec]:
+        return list(self._pieces)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def finalize(self) -> None:
+        pass
+
+    def storage(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self._storage.items()}
+
+
+def expected_storage(full: dict[str, torch.Tensor], pieces: list[ShardSpec], model: ModelShape,
+                     tp: int) -> dict[str, torch.Tensor]:
+    """What a rank's vLLM storage must hold, filled from full HF tensors (vocab padding
+    rows zero)."""
+    shapes, placements = fused_layout(pieces, model, tp)
+    out = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
+    for piece in pieces:
+        place = placements[piece.name]
+        out[place.vllm_name][place.index] = full[piece.name][tuple(slice(a, b) for a, b in piece.box)]
+    return out
