@@ -1,41 +1,104 @@
-"""``python -m megatron_refit.demo``: local-shard enumeration on a tiny model (placeholder
-until the end-to-end refit lands: prints every rank's HF-named pieces)."""
+"""``python -m megatron_refit.demo``: refit a tiny Megatron model into generation ranks.
+
+Train ranks build the model through Megatron-Bridge and take a real optimizer step
+before every refit; generation ranks hold a Hugging Face transformers model (gen TP 1)
+or vLLM-shaped storage (gen TP > 1); everything runs on gloo. After each refit the
+generation weights are checked bit for bit against Bridge's ``export_hf_weights`` and,
+where a rank holds a whole model, its logits against the Megatron forward.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
+
+from .gen_layout import GenLayout
+from .harness import RunSpec, evaluate, run
+from .layout import TrainLayout
+
+LOGIT_TOLERANCE = 1e-5
 
 
-def _rank(rank, world_size, port, model, tp, pp, ep):
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
-    from conversion.local_shards import enumerate_local_shards
-    from megatron_refit.layout import TrainLayout
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3", choices=["qwen3", "qwen3-moe"])
+    for flag in ("hidden", "layers", "heads", "kv-heads", "experts", "vocab", "ffn"):
+        p.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+    p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--train-ep", type=int, default=1)
+    p.add_argument("--train-dp", type=int, default=None, help="default: the smallest that fits EP")
+    p.add_argument("--gen-tp", type=int, default=1)
+    p.add_argument("--gen-dp", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--refits", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "fp32", "bfloat16", "bf16"])
+    p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
+    return p.parse_args(argv)
 
-    init_gloo(rank, world_size, port)
-    layout = TrainLayout(tp=tp, pp=pp, ep=ep, dp=world_size // (tp * pp))
-    init_model_parallel(layout)
-    cfg = hf_config(model)
-    built = build_model(cfg, layout)
-    return [s.spec for s in enumerate_local_shards(built.bridge, built.model, cfg)]
+
+def spec_from_args(args) -> RunSpec:
+    if args.refits < 1:
+        raise ValueError(f"--refits must be >= 1, got {args.refits}")
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    dp = args.train_dp or args.train_ep // math.gcd(args.train_tp, args.train_ep)
+    overrides = {k: getattr(args, k.replace("-", "_")) for k in
+                 ("hidden", "layers", "heads", "kv_heads", "experts", "vocab", "ffn")}
+    if args.model == "qwen3" and overrides["experts"]:
+        raise ValueError("--experts needs --model qwen3-moe")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
+    return RunSpec(
+        model=args.model,
+        overrides={k: v for k, v in overrides.items() if v is not None},
+        train=TrainLayout(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, dp=dp),
+        gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),
+        bucket_bytes=int(args.bucket_mb * (1 << 20)),
+        refits=args.refits,
+        dtype=dtype,
+    )
+
+
+def format_table(result: dict) -> str:
+    t, g = result["train"], result["gen"]
+    lines = [
+        f"model {result['model']} ({result['dtype']}), train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
+        f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
+        f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'bytes sent':>11} {'minimal':>11} "
+        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}",
+    ]
+    for r in result["refits"]:
+        s = r["seconds"]
+        diff = "n/a" if r["max_logit_diff"] is None else f"{r['max_logit_diff']:.2e}"
+        gbps = r["bytes_sent"] / s["total"] / 1e9 if s["total"] else 0.0
+        lines.append(
+            f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {r['bytes_sent']:>11,} {r['bytes_minimal']:>11,} "
+            f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {gbps:>6.2f}"
+        )
+    lines.append(f"ok: {result['ok']}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    from megatron_refit.launch import run_spawned
-
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="qwen3-moe", choices=["qwen3", "qwen3-moe"])
-    p.add_argument("--train-tp", type=int, default=2)
-    p.add_argument("--train-pp", type=int, default=1)
-    p.add_argument("--train-ep", type=int, default=2)
-    args = p.parse_args(argv)
-    world = args.train_tp * args.train_pp * max(1, args.train_ep // args.train_tp)
-    specs = run_spawned(_rank, world, args.model, args.train_tp, args.train_pp, args.train_ep)
-    for rank, rank_specs in enumerate(specs):
-        print(f"== train rank {rank}: {len(rank_specs)} pieces")
-        for s in rank_specs:
-            print(f"  {s.name:55s} global {str(s.global_shape):12s} box {s.box}")
-    return 0
+    args = parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = evaluate(spec, run(spec))
+    diff = result["max_logit_diff"]
+    result["ok"] = bool(result["bit_exact"]) and (diff is None or diff <= LOGIT_TOLERANCE) and all(
+        r["bytes_sent"] == r["bytes_minimal"] for r in result["refits"])
+    print(format_table(result))
+    if args.json:
+        out = {k: v for k, v in result.items() if k != "summary"}
+        out["refits"] = [{k: v for k, v in r.items() if k != "loss"} for r in result["refits"]]
+        print(json.dumps(out))
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ class RefitReport:
     rank: int
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_wire: int = 0
+    """Bytes on the wire: payload plus alignment padding inside buckets (≤ 15 per item)."""
     bytes_minimal: int = 0
     """Sum over generation ranks of the bytes they must hold (the whole refit's floor)."""
     seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0))
@@ -177,7 +179,8 @@ class Refitter(_Endpoint):
             t0 = time.perf_counter()
             pack_bucket(bucket, get_src, out=buf)
             report.seconds["pack"] += time.perf_counter() - t0
-            report.bytes_sent += bucket.nbytes
+            report.bytes_sent += bucket.payload_bytes
+            report.bytes_wire += bucket.nbytes
             return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
 
         with torch.no_grad():
@@ -216,7 +219,8 @@ class Receiver(_Endpoint):
             t0 = time.perf_counter()
             unpack_bucket(bucket, buf, self.backend.buffer)
             report.seconds["load"] += time.perf_counter() - t0
-            report.bytes_received += bucket.nbytes
+            report.bytes_received += bucket.payload_bytes
+            report.bytes_wire += bucket.nbytes
 
         with torch.no_grad():
             self._run(self.plan.buckets_to(self.gen_index), post, retire, report)

@@ -74,6 +74,9 @@ class Bucket:
     """Position among the buckets of this (src_rank, dst_rank) pair."""
     items: tuple[BucketItem, ...]
     nbytes: int
+    """Wire size: payload plus alignment padding between items."""
+    payload_bytes: int
+    """Sum of the items' bytes (what :attr:`RefitPlan.bytes_sent` counts)."""
 
 
 def _check_dtype(name: str, dtype: str) -> None:
@@ -255,7 +258,8 @@ def _bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[Bucket]:
         pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
         for index, items in enumerate(_pack(pair, bucket_bytes)):
             nbytes = items[-1].offset + items[-1].transfer.nbytes
-            buckets.append(Bucket(src, dst, index, tuple(items), nbytes))
+            payload = sum(item.transfer.nbytes for item in items)
+            buckets.append(Bucket(src, dst, index, tuple(items), nbytes, payload))
     return buckets
 
 
