@@ -64,24 +64,37 @@ def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torc
             output.backward(grad)
     if stage_input is not None:
         torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
-    _reduce_tp_replicated_grads(built)
+    _finalize_grads(built)
     optimizer.step()
     return float(loss.detach()) if loss is not None else None
 
 
-def _reduce_tp_replicated_grads(built: BuiltModel) -> None:
-    """What Megatron's ``finalize_model_grads`` does for TP-replicated parameters that see
-    different data on each TP rank (QK layernorms: each rank normalises its own heads):
-    sum their gradients over the TP group, so the replicas stay identical."""
+def _finalize_grads(built: BuiltModel) -> None:
+    """The gradient reductions of Megatron's ``finalize_model_grads`` (no DDP wrapper here),
+    so that every replica applies one identical update:
+
+    - average over the data-parallel group (expert params: the expert-data-parallel group);
+    - QK layernorms: sum over TP (each TP rank normalises only its own heads);
+    - other TP-replicated params (norms, router): average over TP. Megatron gets the same
+      effect from sequence parallelism, which MoE+TP training requires; without it the
+      MoE dispatch sums in a rank-dependent order and replicas drift by an ulp."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_tensor_model_parallel_world_size() == 1 or not built.config.qk_layernorm:
-        return
-    group = ps.get_tensor_model_parallel_group()
+    dense_dp = ps.get_data_parallel_group()
+    expert_dp = ps.get_expert_data_parallel_group()
+    tp = ps.get_tensor_model_parallel_group()
     for chunk in built.model:
         for name, param in chunk.named_parameters():
-            if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                torch.distributed.all_reduce(param.grad, group=group)
+            if param.grad is None:
+                continue
+            dp = dense_dp if getattr(param, "allreduce", True) else expert_dp
+            if dp.size() > 1:
+                torch.distributed.all_reduce(param.grad, group=dp)
+                param.grad /= dp.size()
+            if tp.size() > 1 and not getattr(param, "tensor_model_parallel", False) and dp is dense_dp:
+                torch.distributed.all_reduce(param.grad, group=tp)
+                if not ("q_layernorm" in name or "k_layernorm" in name):
+                    param.grad /= tp.size()
 
 
 @torch.no_grad()
