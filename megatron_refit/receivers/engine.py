@@ -1,0 +1,96 @@
+"""Receivers over a live engine's model (vLLM, SGLang): pieces unpack in place into the
+engine's own parameters, then the engine's post-load step runs.
+
+Both engines store a layer's projections fused the same way (``qkv_proj``,
+``gate_up_proj``, FusedMoE ``w13_weight`` / ``w2_weight``), so the layout of
+:mod:`.vllm_layout` applies to both; only parameter-name spellings and the post-load hook
+differ. Parameters are updated with ``copy_`` into existing storage: replacing
+``Parameter`` objects would break CUDA-graph pointers and lose ``weight_loader``
+attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..gen_layout import GenLayout, ModelShape, gen_target_specs
+from ..spec import ShardSpec
+from .vllm_layout import VllmLayoutReceiver, fused_layout
+
+# Layout name suffix -> spellings engines use for it (first match wins).
+_ALIASES = {
+    ".experts.w13_weight": (".experts.w13_weight", ".experts.routed_experts.w13_weight"),
+    ".experts.w2_weight": (".experts.w2_weight", ".experts.routed_experts.w2_weight"),
+}
+
+
+def resolve_names(layout_names, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The engine parameter for each layout name; ``ValueError`` naming what is missing."""
+    out, missing = {}, []
+    for name in layout_names:
+        candidates = [name]
+        for suffix, spellings in _ALIASES.items():
+            if name.endswith(suffix):
+                candidates = [name.removesuffix(suffix) + s for s in spellings]
+        found = next((c for c in candidates if c in params), None)
+        if found is None:
+            missing.append(name)
+        else:
+            out[name] = params[found].data
+    if missing:
+        raise ValueError(
+            f"the engine model has no parameter for {missing[:5]} ({len(missing)} in all); "
+            f"it has e.g. {sorted(params)[:5]}"
+        )
+    return out
+
+
+class EngineReceiver(VllmLayoutReceiver):
+    """Receiver backend over an engine model's parameters on one generation TP rank."""
+
+    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], model_shape: ModelShape, tp: int,
+                 post_load: Callable[[], None] | None = None):
+        shapes, placements = fused_layout(pieces, model_shape, tp)
+        storage = resolve_names(shapes, dict(model.named_parameters()))
+        for name, (shape, dtype) in shapes.items():
+            have = storage[name]
+            if str(have.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"engine parameter {name} is {have.dtype}, the trainer sends {dtype}")
+        super().__init__(storage, pieces, placements)
+        self.model = model
+        self._post_load = post_load
+
+    @classmethod
+    def for_model(cls, model, hf_params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout,
+                  model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None):
+        pieces = gen_target_specs(hf_params, layout, model_shape, style="vllm")[gen_index]
+        return cls(model, pieces, model_shape, layout.tp, post_load)
+
+    def finalize(self) -> None:
+        if self._post_load is not None:
+            self._post_load()
+
+
+def vllm_post_load(model, model_config, device) -> Callable[[], None]:
+    """vLLM's post-load step (``process_weights_after_loading``) for ``model``."""
+
+    def run() -> None:
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        process_weights_after_loading(model, model_config, device)
+
+    return run
+
+
+def sglang_post_load(model) -> Callable[[], None]:
+    """SGLang's post-load hook: models that define ``post_load_weights`` (e.g. DeepSeek's
+    MLA absorb) recompute derived tensors there; others need nothing."""
+
+    def run() -> None:
+        hook = getattr(model, "post_load_weights", None)
+        if hook is not None:
+            hook()
+
+    return run
