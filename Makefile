@@ -1,15 +1,29 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VLLM_VENV ?= .venv-vllm
+# SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
+SKIP_VLLM ?= 0
 
-.PHONY: setup test demo clean
+.PHONY: setup setup-vllm test test-main test-vllm demo clean
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
-test: setup
-	$(PY) -m pytest -q -rs --durations=15 tests
+setup-vllm: setup
+	@VLLM_VENV=$(VLLM_VENV) scripts/setup_vllm_venv.sh
+
+test: test-main
+ifneq ($(SKIP_VLLM),1)
+test: test-vllm
+endif
+
+test-main: setup
+	$(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm tests
+
+test-vllm: setup-vllm
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm
 
 demo: setup
 	$(PY) -m megatron_refit.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -104,6 +104,8 @@ class VllmLayoutReceiver:
                     f"{tuple(view.shape)}, the piece needs {piece.shape}"
                 )
             self._views[piece.name] = view
+            if piece.name in _VOCAB:  # as vLLM's loader does: padding rows beyond the vocab are zero
+                storage[place.vllm_name][piece.shape[0]:].zero_()
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,

@@ -50,15 +50,16 @@ def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str):
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format="dummy"),
     )
-    ctx = set_current_vllm_config(vcfg)
-    ctx.__enter__()
-    init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(tp, 1, backend="gloo")
+    with set_current_vllm_config(vcfg):
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tp, 1, backend="gloo")
     model_cls, _ = ModelRegistry.resolve_model_cls(cfg.architectures, vcfg.model_config)
 
     def build():
-        with torch.device("cpu"):
+        # attention layers register by name; a second instance (the reference) needs a clean slate
+        vcfg.compilation_config.static_forward_context.clear()
+        with set_current_vllm_config(vcfg), torch.device("cpu"):
             return model_cls(vllm_config=vcfg).eval()
 
     return vcfg, build
@@ -107,7 +108,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     params = {n: (tuple(t.shape), "float32") for n, t in full.items()}
     is_moe = "moe" in model_name
     # process_weights_after_loading needs a CUDA-only op for MoE on CPU: checked on a GPU only
-    post = None if is_moe else vllm_post_load(model, vcfg.model_config, torch.device("cpu"))
+    post = None if is_moe else _under(vcfg, vllm_post_load(model, vcfg.model_config, torch.device("cpu")))
     backend = EngineReceiver.for_model(model, params, GenLayout(tp=gen_tp), shape, gen_index=gen_index,
                                        post_load=post)
     receiver = Receiver(group, backend, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
@@ -117,14 +118,25 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
         report = receiver.receive(version)
         full, _ = _full_tensors(model_name, seed)
         ref = build()
-        ref.load_weights(iter(full.items()))
+        _under(vcfg, lambda: ref.load_weights(iter(full.items())))()
         if post is not None:
-            vllm_post_load(ref, vcfg.model_config, torch.device("cpu"))()
+            _under(vcfg, vllm_post_load(ref, vcfg.model_config, torch.device("cpu")))()
         mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
         assert set(mine) == set(theirs)
         diff = [n for n in mine if not torch.equal(mine[n].data, theirs[n].data)]
         results.append(dict(report=report.as_dict(), diff=diff, num_params=len(mine)))
     return results
+
+
+def _under(vcfg, fn):
+    """``fn`` run inside vLLM's current-config context (its layers look it up)."""
+    from vllm.config import set_current_vllm_config
+
+    def run():
+        with set_current_vllm_config(vcfg):
+            return fn()
+
+    return run
 
 
 class _Piece:
