@@ -115,3 +115,55 @@ def _is_view_of_param(shard, model) -> bool:
     """Whether the shard's tensor shares storage with a model parameter (no copy)."""
     ptrs = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
     return shard.tensor().untyped_storage().data_ptr() in ptrs
+
+
+SCALE_BLOCK = 16  # tiny models: 16x16 tiles stand in for FP8's 128x128 (mapping-level check)
+
+
+def _tile_amax(w: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[: w.shape[0], : w.shape[1]] = w.detach().float().abs()
+    return padded.view(rows, block, cols, block).amax(dim=(1, 3))
+
+
+def scale_inv_cases(rank, world_size, port, cases):
+    """Mapping-level FP8 check: build Bridge ``_HFNameSuffixMapping`` ``*_scale_inv``
+    sibling tasks (as ``build_export_fp8_tasks`` does) whose tensors are per-tile scales of
+    the local weights, then compare our local scale pieces with Bridge's own gathered
+    ``megatron_to_hf`` of those tasks."""
+    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.local_shards import task_shards  # imports megatron.bridge through the TE shim
+    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask, _HFNameSuffixMapping
+
+    init_gloo(rank, world_size, port)
+    results = []
+    for model_name, layout_kw in cases:
+        layout = layout_from(layout_kw)
+        init_model_parallel(layout)
+        cfg = hf_config(model_name)
+        built = build_model(cfg, layout)
+        model_bridge = built.bridge._model_bridge
+        registry = model_bridge.mapping_registry()
+        tasks = model_bridge.build_conversion_tasks(cfg, built.model)
+        scale_tasks = []
+        for t in tasks:
+            w = t.param_weight
+            if w is None or w.ndim != 2 or "embed" in t.global_param_name or "output_layer" in t.global_param_name \
+                    or "router" in t.global_param_name:
+                continue
+            scale_tasks.append(WeightConversionTask(
+                pp_rank=t.pp_rank, vp_stage=t.vp_stage, param_name=t.param_name + "_scale_inv",
+                global_param_name=t.global_param_name + "_scale_inv", megatron_module=t.megatron_module,
+                param_weight=_tile_amax(w, SCALE_BLOCK),
+                mapping=_HFNameSuffixMapping(registry.resolve_mapping(t.mapping, ()), "_scale_inv"),
+            ))
+        with forbid_collectives():
+            ours = [(s.spec, s.tensor().clone()) for t in scale_tasks for s in task_shards(t, vocab_size=cfg.vocab_size)]
+        bridge = {n: v.clone() for n, v in model_bridge.stream_weights_megatron_to_hf(
+            built.model, cfg, cpu=True, show_progress=False, conversion_tasks=scale_tasks)}
+        results.append(dict(ours=ours, bridge=bridge if rank == 0 else None))
+        destroy_model_parallel()
+    dist.destroy_process_group()
+    return results
