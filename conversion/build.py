@@ -127,6 +127,10 @@ def build_model(
         bf16=dtype == torch.bfloat16,
         fp16=False,
     )
+    if dtype != torch.float32:
+        # What Megatron's Float16Module does (not used here: it assumes CUDA): every
+        # parameter, norms included, in the training dtype.
+        model = [chunk.to(dtype) for chunk in model]
     return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
 
 
