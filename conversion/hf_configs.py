@@ -5,35 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+_TINY = dict(
+    vocab_size=250,  # not a multiple of 128: exercises vocab padding
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+)
+_MOE = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(
-        architectures=["Qwen3ForCausalLM"],
-        vocab_size=250,  # not a multiple of 128: exercises vocab padding
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-moe": dict(
-        architectures=["Qwen3MoeForCausalLM"],
-        vocab_size=250,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    ),
+    "qwen3": dict(_TINY, architectures=["Qwen3ForCausalLM"]),
+    "qwen3-moe": dict(_TINY, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2, **_MOE),
     # Published shapes (config.json of Qwen/Qwen3-30B-A3B), for meta enumeration only.
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -47,10 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128,
         num_experts=128,
         num_experts_per_tok=8,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
         tie_word_embeddings=False,
+        **_MOE,
         max_position_embeddings=40960,
     ),
 }
