@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from .buckets import pack_bucket, unpack_bucket
+from .checksum import TRAILER_BYTES, trailer_ok, write_trailer
 from .plan import RefitPlan
 from .spec import ShardSpec
 from .transport import RefitGroup
@@ -35,6 +36,17 @@ class HasPiece(Protocol):
     def tensor(self) -> torch.Tensor: ...
 
 
+class RefitCorruptionError(ValueError):
+    """``verify`` found buckets whose bytes changed in flight (names the parameters)."""
+
+
+class StaleWeightsError(RuntimeError):
+    """The engine's weights are not those of a complete refit."""
+
+
+STATES = ("stale", "updating", "ready")
+
+
 class ReceiverBackend(Protocol):
     """What a generation engine provides to :class:`Receiver`."""
 
@@ -46,6 +58,10 @@ class ReceiverBackend(Protocol):
 
     def finalize(self) -> None:
         """Post-load step, once all pieces of a refit are in."""
+
+    # Optional: ``set_state(state: str, version: int | None)`` is called on every state
+    # change (``stale`` → ``updating`` → ``ready``, or back to ``stale`` on failure), so the
+    # engine can refuse to serve half-updated weights.
 
 
 @dataclass
@@ -73,7 +89,7 @@ class RefitReport:
 class _Endpoint:
     role: str
 
-    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int):
+    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -85,6 +101,7 @@ class _Endpoint:
         self.num_train = num_train
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
+        self.verify = verify
         self.plan: RefitPlan | None = None
         self.version: int | None = None
 
@@ -92,14 +109,18 @@ class _Endpoint:
         raise NotImplementedError
 
     def prepare(self) -> RefitPlan:
-        mine = (self.role, self._local_specs())
+        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes)
         gathered = self.group.all_gather_object(mine)
-        roles = [role for role, _ in gathered]
+        roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
             raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        train_specs = {i: specs for i, (_, specs) in enumerate(gathered[: self.num_train])}
-        gen_specs = {i: specs for i, (_, specs) in enumerate(gathered[self.num_train:])}
+        for what, index in (("verify", 2), ("bucket_bytes", 3)):
+            values = [g[index] for g in gathered]
+            if len(set(values)) != 1:
+                raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
+        train_specs = {i: g[1] for i, g in enumerate(gathered[: self.num_train])}
+        gen_specs = {i: g[1] for i, g in enumerate(gathered[self.num_train:])}
         plan = RefitPlan.build(
             train_specs,
             gen_specs,
@@ -107,6 +128,12 @@ class _Endpoint:
             train_rank_ids=list(range(self.num_train)),
             gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
         )
+        if plan.unused_train_params:
+            names = sorted(plan.unused_train_params)
+            raise ValueError(
+                f"the trainer produces {len(names)} HF parameters that no generation rank holds "
+                f"(the receiver does not know them), e.g. {names[:5]}"
+            )
         fingerprint = bytes.fromhex(plan.fingerprint())
         prints = self.group.all_gather_object(fingerprint)
         if any(p != fingerprint for p in prints):
@@ -128,13 +155,14 @@ class _Endpoint:
 
     def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
         """Post buckets in order with at most two in flight; ``retire`` after each wait."""
-        width = max((b.nbytes for b in buckets), default=0)
+        width = max((b.nbytes for b in buckets), default=0) + (TRAILER_BYTES if self.verify else 0)
         slots = [torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))]
         in_flight: deque = deque()
         for i, bucket in enumerate(buckets):
             if len(in_flight) == len(slots):
                 self._retire(in_flight.popleft(), retire, report)
-            in_flight.append((bucket, post(bucket, slots[i % len(slots)][: bucket.nbytes])))
+            wire = bucket.nbytes + (TRAILER_BYTES if self.verify else 0)
+            in_flight.append((bucket, post(bucket, slots[i % len(slots)][:wire])))
         while in_flight:
             self._retire(in_flight.popleft(), retire, report)
 
@@ -152,8 +180,8 @@ class Refitter(_Endpoint):
     role = "train"
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20):
-        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes)
+                 bucket_bytes: int = 64 << 20, verify: bool = False):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify)
         if group.rank >= num_train:
             raise ValueError(f"refit rank {group.rank} is a generation rank (num_train={num_train})")
         self.pieces = {p.spec.name: p for p in pieces}
@@ -177,10 +205,12 @@ class Refitter(_Endpoint):
 
         def post(bucket, buf):
             t0 = time.perf_counter()
-            pack_bucket(bucket, get_src, out=buf)
+            pack_bucket(bucket, get_src, out=buf[: bucket.nbytes])
+            if self.verify:
+                write_trailer(buf, bucket.nbytes)
             report.seconds["pack"] += time.perf_counter() - t0
             report.bytes_sent += bucket.payload_bytes
-            report.bytes_wire += bucket.nbytes
+            report.bytes_wire += buf.numel()
             return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
 
         with torch.no_grad():
@@ -196,34 +226,70 @@ class Receiver(_Endpoint):
     role = "gen"
 
     def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20):
-        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes)
+                 bucket_bytes: int = 64 << 20, verify: bool = False):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify)
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.backend = backend
         self.gen_index = group.rank - num_train
+        self.state = "stale"
+        self.weights_version: int | None = None
+        """Version of the last complete refit (None before the first)."""
+        self._set_state("stale")
+
+    def _set_state(self, state: str) -> None:
+        assert state in STATES
+        self.state = state
+        hook = getattr(self.backend, "set_state", None)
+        if hook is not None:
+            hook(state, self.weights_version)
 
     def _local_specs(self) -> list[ShardSpec]:
         return list(self.backend.target_specs())
 
     def receive(self, version: int) -> RefitReport:
+        """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
+        engine must not serve them) and the error propagates; the next complete refit
+        restores ``ready``."""
         self._agree_on_version(version)
+        self._set_state("updating")
+        try:
+            report = self._receive(version)
+        except BaseException:
+            self._set_state("stale")
+            raise
+        self.weights_version = version
+        self._set_state("ready")
+        return report
+
+    def _receive(self, version: int) -> RefitReport:
         start = time.perf_counter()
         report = RefitReport(version=version, role="gen", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal)
+        corrupted: list = []
 
         def post(bucket, buf):
             return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
 
         def retire(bucket, buf):
+            report.bytes_received += bucket.payload_bytes
+            report.bytes_wire += buf.numel()
+            if self.verify and not trailer_ok(buf, bucket.nbytes):
+                corrupted.append(bucket)  # keep draining: the senders must not be left waiting
+                return
             t0 = time.perf_counter()
             unpack_bucket(bucket, buf, self.backend.buffer)
             report.seconds["load"] += time.perf_counter() - t0
-            report.bytes_received += bucket.payload_bytes
-            report.bytes_wire += bucket.nbytes
 
         with torch.no_grad():
             self._run(self.plan.buckets_to(self.gen_index), post, retire, report)
+            if corrupted:
+                names = sorted({item.transfer.name for b in corrupted for item in b.items})
+                sources = sorted({self.plan.global_src(b) for b in corrupted})
+                raise RefitCorruptionError(
+                    f"refit {version}: checksum mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
+                    f"{sources}; parameters {names[:8]}{' ...' if len(names) > 8 else ''}"
+                )
             t0 = time.perf_counter()
             self.backend.finalize()
             report.seconds["load"] += time.perf_counter() - t0

@@ -67,10 +67,13 @@ def run_spawned(
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    may_die: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
 
     ``fn`` must be importable (module-level). Returns the ranks' results in rank order.
+    Ranks in ``may_die`` (failure tests kill them on purpose) may exit without a result;
+    theirs is None.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -90,13 +93,17 @@ def run_spawned(
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
+            for r in may_die:
+                if r not in out and procs[r].exitcode not in (None, 0):
+                    out[r] = None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SpawnError(f"ranks {sorted(set(range(world_size)) - set(out))} ran past {timeout_s:.0f} s")
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs)
+                        if r not in out and r not in may_die and p.exitcode not in (None, 0)]
                 if dead:
                     # Give a crashing rank's report a moment to arrive before blaming it.
                     try:
@@ -115,4 +122,4 @@ def run_spawned(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
-    return [out[r] for r in range(world_size)]
+    return [out.get(r) for r in range(world_size)]

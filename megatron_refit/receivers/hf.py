@@ -22,6 +22,8 @@ class HFReceiver:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.state = "stale"
+        self.weights_version: int | None = None
         self._views: dict[str, torch.Tensor] = {}
         params = dict(model.named_parameters())
         tied = getattr(model.config, "tie_word_embeddings", False)
@@ -66,7 +68,18 @@ class HFReceiver:
         """Current weights under checkpoint (per-expert) names."""
         return {name: t.detach().clone() for name, t in self._views.items()}
 
+    def set_state(self, state: str, version: int | None) -> None:
+        self.state, self.weights_version = state, version
+
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits of the received model (for checks against the trainer)."""
+        """Full-vocab logits of the received model. Refuses unless the last refit completed:
+        the engine never serves half-updated weights."""
+        if self.state != "ready":
+            from ..driver import StaleWeightsError
+
+            raise StaleWeightsError(
+                f"HF receiver weights are {self.state} (last complete refit: {self.weights_version}); "
+                "refusing to generate until a refit completes"
+            )
         return self.model(tokens).logits.float()

@@ -1,0 +1,196 @@
+"""Failure modes: errors before any weight moves, no hangs when a peer dies mid-refit,
+corruption detected by ``verify``, and generation refused while weights are stale."""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import pytest
+import torch
+
+from megatron_refit.launch import SpawnError, run_spawned
+from megatron_refit.spec import ShardSpec, box_along, full_box
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+NUM_TRAIN, NUM_GEN = 2, 2
+NAMES = {f"layer{i}.w": (64, 32) for i in range(8)} | {"norm": (32,)}
+TIMEOUT_S = 6.0
+
+
+def _full(name):
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(NAMES[name], generator=g)
+
+
+class _Piece:
+    def __init__(self, spec, tensor, on_read=None):
+        self.spec, self._t, self._on_read = spec, tensor, on_read
+
+    def tensor(self):
+        if self._on_read:
+            self._on_read()
+        return self._t
+
+
+class _Backend:
+    def __init__(self, names, on_write=None):
+        self.t = {n: torch.zeros(NAMES[n]) for n in names}
+        self.state, self.on_write = None, on_write
+
+    def target_specs(self):
+        return [ShardSpec(name=n, global_shape=NAMES[n], dtype="float32", box=full_box(NAMES[n])) for n in self.t]
+
+    def buffer(self, name):
+        if self.on_write:
+            self.on_write()
+        return self.t[name]
+
+    def finalize(self):
+        pass
+
+    def set_state(self, state, version):
+        self.state = state
+
+
+def _die_after(n):
+    count = [0]
+
+    def hook():
+        count[0] += 1
+        if count[0] > n:
+            os._exit(17)  # a crash, not an exception: no cleanup, sockets just close
+
+    return hook
+
+
+def _train_pieces(rank, on_read=None, names=NAMES):
+    pieces = []
+    for name in names:
+        shape = NAMES[name]
+        if len(shape) == 1:
+            pieces.append(_Piece(ShardSpec(name=name, global_shape=shape, dtype="float32", box=full_box(shape)),
+                                 _full(name), on_read))
+        else:
+            half = shape[0] // 2
+            spec = ShardSpec(name=name, global_shape=shape, dtype="float32",
+                             box=box_along(shape, 0, rank * half, (rank + 1) * half))
+            pieces.append(_Piece(spec, _full(name)[rank * half:(rank + 1) * half], on_read))
+    return pieces
+
+
+def _rank(rank, world, port, scenario):
+    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.transport import RefitGroup
+
+    group_cls = RefitGroup
+    if scenario == "flip-byte":
+        class Flipping(RefitGroup):  # corrupts one byte of bucket 1 of version 2, after the checksum
+            version = 0
+
+            def isend(self, buffer, peer, tag):
+                if self.version == 2 and tag == 1:
+                    buffer[3] ^= 0x40
+                return super().isend(buffer, peer, tag)
+        group_cls = Flipping
+    group = group_cls.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
+    verify = scenario in ("flip-byte", "verify-mismatch") and not (scenario == "verify-mismatch" and rank == 0)
+    kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify=verify)
+    if rank < NUM_TRAIN:
+        on_read = _die_after(3) if scenario == "kill-train" and rank == 1 else None
+        names = NAMES if scenario != "unused-name" else NAMES | {}
+        pieces = _train_pieces(rank, on_read, names)
+        if scenario == "unused-name":
+            pieces.append(_Piece(ShardSpec(name="extra.bias", global_shape=(4,), dtype="float32", box=((0, 4),)),
+                                 torch.zeros(4)))
+        endpoint, step = Refitter(group, pieces, **kw), "refit"
+    else:
+        on_write = _die_after(3) if scenario == "kill-gen" and rank == NUM_TRAIN else None
+        backend = _Backend(NAMES, on_write)
+        endpoint, step = Receiver(group, backend, **kw), "receive"
+    endpoint.prepare()
+    outcome = []
+    for version in (1, 2, 3):
+        if scenario == "flip-byte":
+            group.version = version
+        start = time.monotonic()
+        try:
+            getattr(endpoint, step)(version)
+            outcome.append(("ok", "", time.monotonic() - start, getattr(endpoint, "state", None)))
+        except Exception as exc:  # noqa: BLE001 -- the test inspects what each survivor raised
+            outcome.append((type(exc).__name__, str(exc), time.monotonic() - start, getattr(endpoint, "state", None)))
+            if scenario.startswith("kill"):
+                break
+    if rank >= NUM_TRAIN:
+        exact = all(torch.equal(backend.t[n], _full(n)) for n in NAMES)
+        return dict(outcome=outcome, exact=exact, backend_state=backend.state)
+    return dict(outcome=outcome)
+
+
+@pytest.mark.parametrize("victim", ["kill-gen", "kill-train"])
+def test_peer_death_mid_refit_raises_within_timeout(victim):
+    dead = NUM_TRAIN if victim == "kill-gen" else 1
+    start = time.monotonic()
+    out = run_spawned(_rank, NUM_TRAIN + NUM_GEN, victim, timeout_s=120, may_die=frozenset({dead}))
+    assert out[dead] is None
+    for rank, res in enumerate(out):
+        if rank == dead:
+            continue
+        first = res["outcome"][0]
+        kind, msg, seconds, state = first
+        # every survivor either finished before the death mattered to it, or raised a
+        # transport error (peer closed / timed out) within the bound
+        assert kind in ("ok", "RefitTimeoutError", "RefitTransportError"), (rank, first)
+        assert seconds <= TIMEOUT_S + 5, (rank, first)
+        if kind != "ok":
+            assert "refit rank" in msg
+        if rank >= NUM_TRAIN and kind != "ok":
+            assert state == "stale" and res["backend_state"] == "stale"
+    assert any(res and res["outcome"][0][0] != "ok" for r, res in enumerate(out) if r != dead)
+    assert time.monotonic() - start < 100
+
+
+def test_flipped_byte_is_detected_by_name_and_next_refit_restores():
+    out = run_spawned(_rank, NUM_TRAIN + NUM_GEN, "flip-byte", timeout_s=120)
+    hit = [res for res in out[NUM_TRAIN:] if res["outcome"][1][0] != "ok"]
+    assert len(hit) >= 1
+    for res in out[NUM_TRAIN:]:
+        v1, v2, v3 = res["outcome"]
+        assert v1[0] == "ok" and v1[3] == "ready"
+        if v2[0] != "ok":
+            assert v2[0] == "RefitCorruptionError"
+            assert "checksum mismatch" in v2[1] and "layer" in v2[1] and "refit rank" in v2[1]
+            assert v2[3] == "stale"
+        assert v3[0] == "ok" and v3[3] == "ready"
+        assert res["exact"] and res["backend_state"] == "ready"
+
+
+def test_trainer_name_unknown_to_receiver_is_refused_before_transfer():
+    with pytest.raises(SpawnError, match=r"no generation rank holds .*extra\.bias"):
+        run_spawned(_rank, NUM_TRAIN + NUM_GEN, "unused-name", timeout_s=120)
+
+
+def test_verify_flag_must_agree():
+    with pytest.raises(SpawnError, match=r"disagree on verify"):
+        run_spawned(_rank, NUM_TRAIN + NUM_GEN, "verify-mismatch", timeout_s=120)
+
+
+def test_hf_receiver_refuses_to_generate_while_stale():
+    from transformers import Qwen3Config
+
+    from megatron_refit.driver import StaleWeightsError
+    from megatron_refit.receivers.hf import HFReceiver
+
+    cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    recv = HFReceiver.from_config(cfg)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(StaleWeightsError, match="stale"):
+        recv.logits(tokens)
+    recv.set_state("updating", None)
+    with pytest.raises(StaleWeightsError, match="updating"):
+        recv.logits(tokens)
+    recv.set_state("ready", 3)
+    assert recv.logits(tokens).shape == (1, 4, 32)
