@@ -66,6 +66,17 @@ def _die_after(n):
     return hook
 
 
+def _stall_after(n, seconds):
+    count = [0]
+
+    def hook():
+        count[0] += 1
+        if count[0] == n + 1:
+            time.sleep(seconds)  # alive but silent: no error reaches the peers, only the clock
+
+    return hook
+
+
 def _train_pieces(rank, on_read=None, names=NAMES):
     pieces = []
     for name in names:
@@ -108,6 +119,8 @@ def _rank(rank, world, port, scenario):
         endpoint, step = Refitter(group, pieces, **kw), "refit"
     else:
         on_write = _die_after(3) if scenario == "kill-gen" and rank == NUM_TRAIN else None
+        if scenario == "stall-gen" and rank == NUM_TRAIN:
+            on_write = _stall_after(3, seconds=3 * TIMEOUT_S)
         backend = _Backend(NAMES, on_write)
         endpoint, step = Receiver(group, backend, **kw), "receive"
     endpoint.prepare()
@@ -121,7 +134,7 @@ def _rank(rank, world, port, scenario):
             outcome.append(("ok", "", time.monotonic() - start, getattr(endpoint, "state", None)))
         except Exception as exc:  # noqa: BLE001 -- the test inspects what each survivor raised
             outcome.append((type(exc).__name__, str(exc), time.monotonic() - start, getattr(endpoint, "state", None)))
-            if scenario.startswith("kill"):
+            if scenario.startswith(("kill", "stall")):
                 break
     if rank >= NUM_TRAIN:
         exact = all(torch.equal(backend.t[n], _full(n)) for n in NAMES)
@@ -150,6 +163,18 @@ def test_peer_death_mid_refit_raises_within_timeout(victim):
             assert state == "stale" and res["backend_state"] == "stale"
     assert any(res and res["outcome"][0][0] != "ok" for r, res in enumerate(out) if r != dead)
     assert time.monotonic() - start < 100
+
+
+def test_silent_peer_times_out():
+    out = run_spawned(_rank, NUM_TRAIN + NUM_GEN, "stall-gen", timeout_s=120)
+    kinds = {}
+    for rank, res in enumerate(out):
+        if rank == NUM_TRAIN:
+            continue
+        kind, msg, seconds, _ = res["outcome"][0]
+        kinds[rank] = kind
+        assert seconds <= TIMEOUT_S + 5, (rank, res["outcome"][0])
+    assert "RefitTimeoutError" in kinds.values(), kinds
 
 
 def test_flipped_byte_is_detected_by_name_and_next_refit_restores():
