@@ -151,11 +151,12 @@ def run(spec: RunSpec) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order)."""
     from dataclasses import replace
 
-    from .launch import free_port, run_spawned
+    from .launch import free_ports, run_spawned
 
-    spec = replace(spec, megatron_port=free_port())
+    megatron_port, refit_port = free_ports(2)
+    spec = replace(spec, megatron_port=megatron_port)
     timeout = 180.0 + 60.0 * spec.refits
-    return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout)
+    return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout, port=refit_port)
 
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:

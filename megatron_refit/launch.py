@@ -20,10 +20,23 @@ class SpawnError(RuntimeError):
     """A spawned rank failed, died, or the group ran past its timeout."""
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (all sockets are held open until all are chosen: ports
+    picked one at a time can repeat)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -68,18 +81,19 @@ def run_spawned(
     env: dict[str, str] | None = None,
     quiet: bool = True,
     may_die: frozenset[int] = frozenset(),
+    port: int | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
 
     ``fn`` must be importable (module-level). Returns the ranks' results in rank order.
     Ranks in ``may_die`` (failure tests kill them on purpose) may exit without a result;
-    theirs is None.
+    theirs is None. ``port`` (default: a free one) is passed to every rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = port or free_port()
     base_env = {"OMP_NUM_THREADS": "1", "REFIT_QUIET_LOGS": "1" if quiet else "0", **(env or {})}
     if quiet:
         base_env.setdefault("PYTHONWARNINGS", "ignore")

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_refit.launch import free_port, run_spawned
+from megatron_refit.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
@@ -150,8 +150,9 @@ class _Piece:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name,gen_tp", CASES, ids=[f"{m}-genTP{t}" for m, t in CASES])
 def test_vllm_receiver_matches_vllm_load_weights(model_name, gen_tp, tmp_path):
-    out = run_spawned(_rank, 2 + gen_tp, model_name, gen_tp, free_port(), str(tmp_path), timeout_s=400,
-                      env={"VLLM_TARGET_DEVICE": "cpu"})
+    vllm_port, refit_port = free_ports(2)
+    out = run_spawned(_rank, 2 + gen_tp, model_name, gen_tp, vllm_port, str(tmp_path), timeout_s=400,
+                      env={"VLLM_TARGET_DEVICE": "cpu"}, port=refit_port)
     for gen in out[2:]:
         for item in gen:
             assert item["diff"] == [], item["diff"][:5]
