@@ -117,6 +117,9 @@ def build_model(
 ) -> BuiltModel:
     """Build this rank's Megatron model chunks. torch.distributed and model-parallel state
     must be initialised for ``layout`` (see :func:`init_model_parallel`)."""
+    from .validate import check_train_layout
+
+    check_train_layout(hf_config, layout)
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
     torch.manual_seed(seed)
     model = provider.provide_distributed_model(

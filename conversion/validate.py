@@ -1,0 +1,31 @@
+"""Check a trainer layout against a model config before anything is built or started."""
+
+from __future__ import annotations
+
+from megatron_refit.layout import TrainLayout
+
+
+def check_train_layout(hf_config, layout: TrainLayout) -> None:
+    """``ValueError`` naming the first size that the layout does not divide."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    checks = [
+        ("num_attention_heads", heads, "tp", layout.tp),
+        ("num_key_value_heads", kv, "tp", layout.tp),
+        ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
+        ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
+        ("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp),
+    ]
+    experts = getattr(hf_config, "num_experts", None) or 0
+    if experts:
+        checks += [
+            ("num_experts", experts, "ep", layout.ep),
+            ("moe_intermediate_size", hf_config.moe_intermediate_size, "etp", layout.etp),
+        ]
+    elif layout.ep > 1 or layout.etp > 1:
+        raise ValueError(f"layout {layout.describe()} has expert parallelism but the model has no experts")
+    for field, size, axis, parallel in checks:
+        if size % parallel:
+            raise ValueError(
+                f"model {field}={size} is not divisible by train {axis}={parallel} (layout {layout.describe()})"
+            )
