@@ -1,0 +1,218 @@
+"""Side-by-side refit benchmark, one run, same processes, same model and layout:
+
+(a) ours: shard-to-shard refit (exactly the bytes each generation rank needs);
+(b) the peers' default: Bridge ``export_hf_weights`` (full gathers on the trainer), then a
+    packed send of every full HF tensor from train rank 0 to every generation rank;
+(c) the transport floor: for every (sender, receiver) pair of plan (a), one flat
+    pre-allocated buffer of exactly that pair's bytes, same group, same pattern.
+
+Warm-up, then ``--reps`` repetitions; medians of the slowest rank per repetition.
+``--json``: the last line is one JSON object (see the issue for the fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from megatron_refit.gen_layout import GenLayout
+from megatron_refit.harness import RunSpec
+from megatron_refit.layout import TrainLayout
+
+# Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
+BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
+
+
+class _Whole:
+    """A piece that is a whole tensor (the peers' gathered export on train rank 0)."""
+
+    def __init__(self, spec, tensor):
+        self.spec, self._t = spec, tensor
+
+    def tensor(self):
+        return self._t
+
+
+class _FullBuffers:
+    """Receiver backend of the peers' path: every full HF tensor on every gen rank."""
+
+    def __init__(self, specs):
+        self._specs = specs
+        self._t = {s.name: torch.empty(s.global_shape, dtype=getattr(torch, s.dtype)) for s in specs}
+
+    def target_specs(self):
+        return self._specs
+
+    def buffer(self, name):
+        return self._t[name]
+
+    def finalize(self):
+        pass
+
+
+def _timed(fn, group) -> float:
+    """Wall seconds of ``fn`` on this rank, started together on all ranks."""
+    group.all_gather_tensor(torch.zeros(1))
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_rank(rank, world, port, spec: RunSpec, reps: int):
+    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.harness import _hf_config, make_gen_backend
+    from megatron_refit.spec import ShardSpec, full_box
+    from megatron_refit.transport import RefitGroup
+
+    cfg = _hf_config(spec)
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
+    T, G = spec.num_train, spec.num_gen
+    kw = dict(num_train=T, num_gen=G, bucket_bytes=spec.bucket_bytes)
+    is_train = rank < T
+    if is_train:
+        from conversion.build import build_model, init_gloo, init_model_parallel
+        from conversion.local_shards import enumerate_local_shards
+
+        init_gloo(rank, T, spec.megatron_port, timeout_s=600)
+        init_model_parallel(spec.train)
+        built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
+        ours = Refitter(group, enumerate_local_shards(built.bridge, built.model, cfg), **kw)
+    else:
+        ours = Receiver(group, make_gen_backend(spec, cfg, rank - T), **kw)
+    plan = ours.prepare()
+
+    # (b) peers: the full export's names and shapes, on every rank
+    full_specs = [ShardSpec(name=s.name, global_shape=s.global_shape, dtype=s.dtype, box=full_box(s.global_shape))
+                  for s in plan.gen_pieces(0)] if G else []
+    seen = {s.name for s in full_specs}
+    for g in range(1, G):
+        for s in plan.gen_pieces(g):
+            if s.name not in seen:
+                seen.add(s.name)
+                full_specs.append(ShardSpec(name=s.name, global_shape=s.global_shape, dtype=s.dtype,
+                                            box=full_box(s.global_shape)))
+    if is_train:
+        holders = {s.name: _Whole(s, torch.empty(s.global_shape, dtype=getattr(torch, s.dtype)))
+                   for s in full_specs} if rank == 0 else {}
+        peers = Refitter(group, list(holders.values()), **kw)
+    else:
+        peers = Receiver(group, _FullBuffers(full_specs), **kw)
+    peers.prepare()
+
+    # (c) floor: one flat buffer per (src, dst) pair of plan (a)
+    pair_bytes: dict[tuple[int, int], int] = {}
+    for b in plan.buckets:
+        pair_bytes[b.src_rank, b.dst_rank] = pair_bytes.get((b.src_rank, b.dst_rank), 0) + b.payload_bytes
+    mine = {pair: torch.zeros(n, dtype=torch.uint8) for pair, n in pair_bytes.items()
+            if (is_train and pair[0] == rank) or (not is_train and pair[1] == rank - T)}
+
+    def floor():
+        pending = [group.isend(buf, plan.gen_global[d], 0) if is_train else group.irecv(buf, plan.train_global[s], 0)
+                   for (s, d), buf in sorted(mine.items())]
+        for p in pending:
+            group.wait(p)
+
+    def run_ours(v):
+        ours.refit(v) if is_train else ours.receive(v)
+
+    def run_peers(v):
+        if is_train:
+            export = built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False)
+            for name, tensor in export:
+                if rank == 0 and name in holders:
+                    holders[name]._t = tensor
+            peers.refit(v)
+        else:
+            peers.receive(v)
+
+    times = {"ours": [], "gather_broadcast": [], "floor": []}
+    for v in range(1, reps + 2):  # the first round is the warm-up
+        t_ours = _timed(lambda: run_ours(v), group)
+        t_peer = _timed(lambda: run_peers(v), group)
+        t_floor = _timed(floor, group)
+        if v > 1:
+            times["ours"].append(t_ours)
+            times["gather_broadcast"].append(t_peer)
+            times["floor"].append(t_floor)
+    num_params = sum(math.prod(s.global_shape) for s in full_specs)
+    return dict(times=times, num_params=num_params, bytes_sent=plan.bytes_sent, bytes_minimal=plan.bytes_minimal,
+                peer_bytes=peers.plan.bytes_sent)
+
+
+def run_bench(spec: RunSpec, reps: int) -> dict:
+    from dataclasses import replace
+
+    from megatron_refit.launch import free_ports, run_spawned
+
+    megatron_port, refit_port = free_ports(2)
+    spec = replace(spec, megatron_port=megatron_port, collect=False)
+    out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, reps, timeout_s=1800, port=refit_port)
+    seconds = {}
+    for key in ("ours", "gather_broadcast", "floor"):
+        per_rep = [max(r["times"][key][i] for r in out) for i in range(reps)]
+        seconds[key] = statistics.median(per_rep)
+    return dict(
+        seconds=seconds,
+        model_params=out[0]["num_params"],
+        bytes_sent=out[0]["bytes_sent"],
+        bytes_minimal=out[0]["bytes_minimal"],
+        peer_bytes=out[0]["peer_bytes"],
+        layout=f"train {spec.train.describe()} -> gen TP{spec.gen.tp}xDP{spec.gen.dp}",
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--gen-tp", type=int, default=2)
+    p.add_argument("--gen-dp", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--also-tp1-dp2", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure train TP2 -> gen TP1xDP2 for the table")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    layouts = [(args.gen_tp, args.gen_dp)]
+    if args.also_tp1_dp2 and (args.gen_tp, args.gen_dp) != (1, 2):
+        layouts.append((1, 2))
+    rows = []
+    for gen_tp, gen_dp in layouts:
+        spec = RunSpec(model="qwen3", overrides=dict(BENCH_SHAPE), train=TrainLayout(tp=args.train_tp),
+                       gen=GenLayout(tp=gen_tp, dp=gen_dp), bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                       dtype=args.dtype)
+        rows.append(run_bench(spec, args.reps))
+    print(f"{'layout':36s} {'ours s':>8} {'gather+bcast s':>14} {'floor s':>8} {'p1 bytes':>9} "
+          f"{'p2 vs floor':>11} {'p3 speedup':>10} {'bytes ours':>13} {'bytes peers':>13}")
+    for r in rows:
+        s = r["seconds"]
+        print(f"{r['layout']:36s} {s['ours']:8.3f} {s['gather_broadcast']:14.3f} {s['floor']:8.3f} "
+              f"{r['bytes_sent'] / r['bytes_minimal']:9.3f} {s['ours'] / s['floor']:11.3f} "
+              f"{s['gather_broadcast'] / s['ours']:10.2f} {r['bytes_sent']:13,} {r['peer_bytes']:13,}")
+    head = rows[0]
+    s = head["seconds"]
+    result = dict(
+        ok=True,
+        p1_bytes_ratio=head["bytes_sent"] / head["bytes_minimal"],
+        p2_vs_floor=s["ours"] / s["floor"],
+        p3_speedup_vs_gather=s["gather_broadcast"] / s["ours"],
+        seconds=s,
+        model_params=head["model_params"],
+        layout=head["layout"],
+    )
+    result["ok"] = result["p1_bytes_ratio"] == 1.0 and result["p2_vs_floor"] <= 1.15 and \
+        result["p3_speedup_vs_gather"] >= 2.0
+    print(f"model: {head['model_params'] / 1e6:.0f}M params, {args.dtype}, median of {args.reps} after warm-up; "
+          f"targets p1 = 1.00, p2 <= 1.15, p3 >= 2.0: {'met' if result['ok'] else 'NOT met'}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
