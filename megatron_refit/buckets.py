@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.plan import Bucket, BucketItem, RefitPlan
+from megatron_refit.packing import Bucket, BucketItem
+from megatron_refit.plan import RefitPlan
 from megatron_refit.spec import Box, box_shape
 
 
@@ -41,6 +42,15 @@ def pack_bucket(
         src = get_src(item.transfer.name)
         _item_view(out, item).copy_(src[_slices(item.transfer.src_box)])
     return out
+
+
+def contiguous_bytes(tensor: torch.Tensor, box: Box) -> torch.Tensor | None:
+    """``tensor[box]`` as a flat uint8 view if that slice is contiguous (it can then be sent
+    or received in place), else None."""
+    part = tensor[_slices(box)]
+    if not part.is_contiguous() or part.numel() == 0:
+        return None
+    return part.reshape(-1).view(torch.uint8)
 
 
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor, get_dst: Callable[[str], torch.Tensor]) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .buckets import pack_bucket, unpack_bucket
+from .buckets import contiguous_bytes, pack_bucket, unpack_bucket
 from .checksum import TRAILER_BYTES, trailer_ok, write_trailer
 from .plan import RefitPlan
 from .spec import ShardSpec
@@ -89,7 +89,8 @@ class RefitReport:
 class _Endpoint:
     role: str
 
-    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool):
+    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool,
+                 direct_bytes: int | None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -102,6 +103,7 @@ class _Endpoint:
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        self.direct_bytes = direct_bytes
         self.plan: RefitPlan | None = None
         self.version: int | None = None
 
@@ -109,13 +111,13 @@ class _Endpoint:
         raise NotImplementedError
 
     def prepare(self) -> RefitPlan:
-        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes)
+        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes)
         gathered = self.group.all_gather_object(mine)
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
             raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        for what, index in (("verify", 2), ("bucket_bytes", 3)):
+        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4)):
             values = [g[index] for g in gathered]
             if len(set(values)) != 1:
                 raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
@@ -125,6 +127,7 @@ class _Endpoint:
             train_specs,
             gen_specs,
             bucket_bytes=self.bucket_bytes,
+            direct_bytes=self.direct_bytes,
             train_rank_ids=list(range(self.num_train)),
             gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
         )
@@ -171,7 +174,14 @@ class _Endpoint:
         start = time.perf_counter()
         self.group.wait(pending)
         report.seconds["transfer"] += time.perf_counter() - start
-        retire(bucket, pending.buffer)
+        retire(bucket, pending)
+
+    def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
+        """The one item's tensor slice as flat bytes, when the bucket can skip packing."""
+        if self.verify or len(bucket.items) != 1:
+            return None
+        transfer = bucket.items[0].transfer
+        return contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
 
 
 class Refitter(_Endpoint):
@@ -180,8 +190,9 @@ class Refitter(_Endpoint):
     role = "train"
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False):
-        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify)
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
+                         direct_bytes=direct_bytes)
         if group.rank >= num_train:
             raise ValueError(f"refit rank {group.rank} is a generation rank (num_train={num_train})")
         self.pieces = {p.spec.name: p for p in pieces}
@@ -204,17 +215,23 @@ class Refitter(_Endpoint):
             return cache[name]
 
         def post(bucket, buf):
+            report.bytes_sent += bucket.payload_bytes
+            direct = self._direct_view(bucket, get_src, "src")
+            if direct is not None:  # straight from the local tensor
+                report.bytes_wire += bucket.nbytes
+                pending = self.group.isend(direct, self.plan.global_dst(bucket), bucket.index)
+                pending.direct = True
+                return pending
             t0 = time.perf_counter()
             pack_bucket(bucket, get_src, out=buf[: bucket.nbytes])
             if self.verify:
                 write_trailer(buf, bucket.nbytes)
             report.seconds["pack"] += time.perf_counter() - t0
-            report.bytes_sent += bucket.payload_bytes
             report.bytes_wire += buf.numel()
             return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
 
         with torch.no_grad():
-            self._run(self.plan.buckets_from(self.group.rank), post, lambda b, buf: None, report)
+            self._run(self.plan.buckets_from(self.group.rank), post, lambda bucket, pending: None, report)
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         return report
@@ -226,8 +243,9 @@ class Receiver(_Endpoint):
     role = "gen"
 
     def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False):
-        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify)
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
+                         direct_bytes=direct_bytes)
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.backend = backend
@@ -269,11 +287,19 @@ class Receiver(_Endpoint):
         corrupted: list = []
 
         def post(bucket, buf):
+            direct = self._direct_view(bucket, self.backend.buffer, "dst")
+            if direct is not None:  # straight into engine storage
+                pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
+                pending.direct = True
+                return pending
             return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
 
-        def retire(bucket, buf):
+        def retire(bucket, pending):
+            buf = pending.buffer
             report.bytes_received += bucket.payload_bytes
             report.bytes_wire += buf.numel()
+            if pending.direct:
+                return
             if self.verify and not trailer_ok(buf, bucket.nbytes):
                 corrupted.append(bucket)  # keep draining: the senders must not be left waiting
                 return

@@ -12,7 +12,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megatron_refit.spec import Box, ShardSpec, box_shape, intersect, relative
+from megatron_refit.packing import Bucket, Transfer, _bucketize, _numel
+from megatron_refit.spec import Box, ShardSpec, intersect, relative
 
 ITEMSIZE = {
     "float64": 8,
@@ -27,7 +28,6 @@ ITEMSIZE = {
     "int64": 8,
     "bool": 1,
 }
-ALIGN = 16
 """Byte alignment of items in a bucket, so any slice can be viewed as any dtype above."""
 
 
@@ -35,57 +35,9 @@ class PlanError(ValueError):
     """The train and gen ShardSpecs cannot be matched; the message names the parameter."""
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One box of one parameter, from a train rank's piece to a gen rank's piece."""
-
-    name: str
-    src_rank: int
-    """Trainer-local rank index."""
-    dst_rank: int
-    """Gen-local rank index."""
-    src_box: Box
-    """The box in the coordinates of the sender's local piece."""
-    dst_box: Box
-    """The box in the coordinates of the receiver's local piece."""
-    global_box: Box
-    dtype: str
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class BucketItem:
-    transfer: Transfer
-    offset: int
-    """Byte offset in the bucket, a multiple of :data:`ALIGN`."""
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """Transfers from one train rank to one gen rank, packed into one flat byte buffer.
-
-    ``nbytes`` is at most the plan's ``bucket_bytes``, except for a bucket holding a single
-    row of a transfer that alone is larger (see :func:`_pack`).
-    """
-
-    src_rank: int
-    dst_rank: int
-    index: int
-    """Position among the buckets of this (src_rank, dst_rank) pair."""
-    items: tuple[BucketItem, ...]
-    nbytes: int
-    """Wire size: payload plus alignment padding between items."""
-    payload_bytes: int
-    """Sum of the items' bytes (what :attr:`RefitPlan.bytes_sent` counts)."""
-
-
 def _check_dtype(name: str, dtype: str) -> None:
     if dtype not in ITEMSIZE:
         raise PlanError(f"{name}: unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE)}")
-
-
-def _numel(box: Box) -> int:
-    return math.prod(stop - start for start, stop in box)
 
 
 def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
@@ -106,80 +58,6 @@ def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
             if intersect(box, other) is not None:
                 raise PlanError(f"{name}: train pieces {other} and {box} overlap")
         active.append(box)
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-def _split(transfer: Transfer, dim: int, start: int, stop: int, itemsize: int) -> Transfer:
-    """Rows ``[start, stop)`` along ``dim`` of ``transfer`` (relative to its global box)."""
-
-    def narrow(box: Box) -> Box:
-        lo = box[dim][0]
-        return box[:dim] + ((lo + start, lo + stop),) + box[dim + 1 :]
-
-    global_box = narrow(transfer.global_box)
-    return Transfer(
-        name=transfer.name,
-        src_rank=transfer.src_rank,
-        dst_rank=transfer.dst_rank,
-        src_box=narrow(transfer.src_box),
-        dst_box=narrow(transfer.dst_box),
-        global_box=global_box,
-        dtype=transfer.dtype,
-        nbytes=_numel(global_box) * itemsize,
-    )
-
-
-def _pack(transfers: list[Transfer], bucket_bytes: int) -> list[list[BucketItem]]:
-    """Pack one (src, dst) pair's transfers into buckets of at most ``bucket_bytes``.
-
-    A transfer larger than a bucket is split along its first dim of extent > 1, filling the
-    current bucket first. If one row along that dim alone exceeds ``bucket_bytes`` the
-    transfer is not split further: each such row gets a bucket of its own.
-    """
-    buckets: list[list[BucketItem]] = []
-    items: list[BucketItem] = []
-    end = 0
-
-    def add(transfer: Transfer) -> None:
-        nonlocal end
-        offset = _align(end)
-        items.append(BucketItem(transfer, offset))
-        end = offset + transfer.nbytes
-
-    def close() -> None:
-        nonlocal items, end
-        if items:
-            buckets.append(items)
-        items, end = [], 0
-
-    for transfer in transfers:
-        offset = _align(end)
-        if offset + transfer.nbytes <= bucket_bytes:
-            items.append(BucketItem(transfer, offset))
-            end = offset + transfer.nbytes
-            continue
-        shape = box_shape(transfer.global_box)
-        dim = next((d for d, size in enumerate(shape) if size > 1), None)
-        if transfer.nbytes <= bucket_bytes or dim is None:
-            close()
-            add(transfer)
-            continue
-        itemsize = transfer.nbytes // _numel(transfer.global_box)
-        row_bytes = transfer.nbytes // shape[dim]
-        start = 0
-        while start < shape[dim]:
-            rows = (bucket_bytes - _align(end)) // row_bytes
-            if rows <= 0 and items:
-                close()
-                continue
-            stop = min(start + max(rows, 1), shape[dim])
-            add(_split(transfer, dim, start, stop, itemsize))
-            start = stop
-    close()
-    return buckets
 
 
 def _index_specs(
@@ -248,21 +126,6 @@ def _assign(
     return transfers
 
 
-def _bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[Bucket]:
-    """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box)."""
-    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-    for transfer in transfers:
-        by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
-    buckets = []
-    for src, dst in sorted(by_pair):
-        pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
-        for index, items in enumerate(_pack(pair, bucket_bytes)):
-            nbytes = items[-1].offset + items[-1].transfer.nbytes
-            payload = sum(item.transfer.nbytes for item in items)
-            buckets.append(Bucket(src, dst, index, tuple(items), nbytes, payload))
-    return buckets
-
-
 @dataclass(frozen=True, kw_only=True)
 class RefitPlan:
     """Transfers and their buckets, with trainer-local and gen-local rank indices."""
@@ -287,11 +150,16 @@ class RefitPlan:
         gen_specs: dict[int, list[ShardSpec]],
         *,
         bucket_bytes: int = 64 << 20,
+        direct_bytes: int | None = None,
         train_rank_ids: list[int] | None = None,
         gen_rank_ids: list[int] | None = None,
     ) -> RefitPlan:
+        """``direct_bytes``: transfers at least this large get buckets of their own (sent
+        without packing where the memory layout allows); None packs everything."""
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if direct_bytes is not None and (not isinstance(direct_bytes, int) or direct_bytes < 1):
+            raise PlanError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
         num_train, num_gen = len(train_specs), len(gen_specs)
         train_global = tuple(range(num_train) if train_rank_ids is None else train_rank_ids)
         gen_global = tuple(range(num_train, num_train + num_gen) if gen_rank_ids is None else gen_rank_ids)
@@ -315,7 +183,7 @@ class RefitPlan:
             _check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
 
         transfers = _assign(train_index, gen_specs, num_train)
-        buckets = _bucketize(transfers, bucket_bytes)
+        buckets = _bucketize(transfers, bucket_bytes, direct_bytes)
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:

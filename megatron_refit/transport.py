@@ -36,6 +36,8 @@ class Pending:
     peer: int
     what: str
     buffer: torch.Tensor = field(repr=False)
+    direct: bool = False
+    """The buffer is the tensor itself (no packing / unpacking)."""
 
 
 class RefitGroup:

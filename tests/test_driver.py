@@ -55,7 +55,7 @@ class _Store:
         self.finalized += 1
 
 
-def _rank(rank, world, port, mode, bucket_bytes):
+def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
     from megatron_refit.driver import Receiver, Refitter
     from megatron_refit.transport import RefitGroup
 
@@ -72,7 +72,8 @@ def _rank(rank, world, port, mode, bucket_bytes):
                 box = box_along(shape, 0, rank * half, (rank + 1) * half)
                 pieces.append(_Piece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
                                      full[rank * half:(rank + 1) * half]))
-        ep = Refitter(group, pieces, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes)
+        ep = Refitter(group, pieces, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
+                      direct_bytes=direct_bytes)
         ep.prepare()
         reports = [ep.refit(v) for v in (1, 2)]
         if mode == "backwards":
@@ -82,7 +83,8 @@ def _rank(rank, world, port, mode, bucket_bytes):
     if mode == "unknown-name":
         extra = [ShardSpec(name="not.in.trainer", global_shape=(2,), dtype="float32", box=((0, 2),))]
     store = _Store(GLOBAL, extra)
-    ep = Receiver(group, store, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes)
+    ep = Receiver(group, store, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
+                  direct_bytes=direct_bytes)
     ep.prepare()
     reports = [ep.receive(v) for v in (1, 2)]
     if mode == "backwards":
@@ -91,9 +93,15 @@ def _rank(rank, world, port, mode, bucket_bytes):
     return dict(exact=exact, finalized=store.finalized, reports=[r.as_dict() for r in reports])
 
 
-@pytest.mark.parametrize("bucket_bytes", [16, 100, 1 << 20], ids=["tiny-buckets", "small", "one-bucket"])
-def test_refit_moves_every_dtype_exactly(bucket_bytes):
-    out = run_spawned(_rank, 4, "ok", bucket_bytes, timeout_s=120)
+@pytest.mark.parametrize(
+    "bucket_bytes,direct_bytes",
+    [(16, None), (100, None), (1 << 20, None), (1 << 20, 32), (64, 32)],
+    ids=["tiny-buckets", "small", "one-bucket", "direct", "direct-chunked"],
+)
+def test_refit_moves_every_dtype_exactly(bucket_bytes, direct_bytes):
+    """``direct``: transfers of >= 32 bytes go straight from the local tensor into the
+    receiver's storage (no packing); ``direct-chunked`` also splits them into 64-byte chunks."""
+    out = run_spawned(_rank, 4, "ok", bucket_bytes, direct_bytes, timeout_s=120)
     for gen in out[2:]:
         assert gen["exact"] and gen["finalized"] == 2
         for report in gen["reports"]:

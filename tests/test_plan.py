@@ -5,7 +5,8 @@ import torch
 
 from megatron_refit.buckets import pack_bucket, replay, unpack_bucket
 from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.plan import ALIGN, PlanError, RefitPlan
+from megatron_refit.packing import ALIGN
+from megatron_refit.plan import PlanError, RefitPlan
 from megatron_refit.spec import ShardSpec, box_along, full_box
 
 HIDDEN, HEAD_DIM, FFN, VOCAB = 8, 2, 12, 100

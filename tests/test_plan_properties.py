@@ -104,10 +104,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=600, **SETTINGS)
-@given(problems())
-def test_plan_reproduces_targets(problem):
+@given(problems(), st.one_of(st.none(), st.integers(1, 512)))
+def test_plan_reproduces_targets(problem, direct_bytes):
     train, gen, bucket_bytes, seed = problem
-    plan = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes)
+    plan = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
     rng = torch.Generator().manual_seed(seed)
     meta = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
     full = {name: _random_full(shape, dtype, rng) for name, (shape, dtype) in meta.items()}
@@ -117,6 +117,8 @@ def test_plan_reproduces_targets(problem):
     coverage = {r: {s.name: torch.zeros(s.shape, dtype=torch.int32) for s in specs} for r, specs in gen.items()}
     for bucket in plan.buckets:
         assert bucket.nbytes <= bucket_bytes or len(bucket.items) == 1
+        if direct_bytes is not None and any(item.transfer.nbytes >= direct_bytes for item in bucket.items):
+            assert len(bucket.items) == 1  # direct transfers travel alone
         for item in bucket.items:
             coverage[bucket.dst_rank][item.transfer.name][_slices(item.transfer.dst_box)] += 1
     for rank, specs in gen.items():
