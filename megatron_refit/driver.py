@@ -45,6 +45,7 @@ class StaleWeightsError(RuntimeError):
 
 
 STATES = ("stale", "updating", "ready")
+MAX_DIRECT_IN_FLIGHT = 16
 
 
 class ReceiverBackend(Protocol):
@@ -157,17 +158,37 @@ class _Endpoint:
             raise ValueError(f"refit ranks disagree on the version: {[int(v) for v in versions]}")
 
     def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
-        """Post buckets in order with at most two in flight; ``retire`` after each wait."""
+        """Post buckets in order and retire them in the same order (FIFO). At most two
+        packed buckets are in flight (they occupy the two staging buffers); direct buckets
+        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
         width = max((b.nbytes for b in buckets), default=0) + (TRAILER_BYTES if self.verify else 0)
         slots = [torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))]
+        free = list(range(len(slots)))
         in_flight: deque = deque()
-        for i, bucket in enumerate(buckets):
-            if len(in_flight) == len(slots):
-                self._retire(in_flight.popleft(), retire, report)
+        direct_in_flight = 0
+
+        def retire_oldest():
+            nonlocal direct_in_flight
+            bucket, pending, slot = in_flight.popleft()
+            self._retire((bucket, pending), retire, report)
+            if slot is None:
+                direct_in_flight -= 1
+            else:
+                free.append(slot)
+
+        for bucket in buckets:
+            while not free or direct_in_flight >= MAX_DIRECT_IN_FLIGHT:
+                retire_oldest()
+            slot = free.pop(0)
             wire = bucket.nbytes + (TRAILER_BYTES if self.verify else 0)
-            in_flight.append((bucket, post(bucket, slots[i % len(slots)][:wire])))
+            pending = post(bucket, slots[slot][:wire])
+            if pending.direct:
+                free.insert(0, slot)
+                slot = None
+                direct_in_flight += 1
+            in_flight.append((bucket, pending, slot))
         while in_flight:
-            self._retire(in_flight.popleft(), retire, report)
+            retire_oldest()
 
     def _retire(self, item, retire, report) -> None:
         bucket, pending = item
