@@ -46,6 +46,8 @@ class LocalShard:
     get: Callable[[], torch.Tensor]
     """Returns the piece, shaped like ``spec.shape``, from the *current* parameter values
     (a view where the layout allows, else one copy of this rank's part)."""
+    release: Callable[[], None] | None = None
+    """Drops any copy ``get`` made (QKV split); the driver calls it after each refit."""
 
     def tensor(self) -> torch.Tensor:
         return self.get()
@@ -120,17 +122,17 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
     common = dict(pp_stage=mapping.pp_rank, is_expert=mapping.is_expert)
     dtype = str(weight.dtype).removeprefix("torch.")
 
-    def shard(name, global_shape, box, get):
+    def shard(name, global_shape, box, get, release=None):
         spec = ShardSpec(name=name + suffix, global_shape=tuple(global_shape), dtype=dtype, box=box, **common)
-        return LocalShard(spec=spec, megatron_name=meg_name, get=get)
+        return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release)
 
     if isinstance(mapping, pm.QKVMapping):
         kind = mapping._tp_mapping._detect_parallelism_type(module)
         if kind != "column":
             raise LocalSplitError(f"{meg_name}: QKV is {kind}-parallel; expected column")
         config = mapping._get_config(module)
-        pieces = qkv_local_pieces(config, tp_size, tp_rank, weight)
-        return [shard(mapping.hf_param[key], g, b, get) for key, (g, b, get) in pieces.items()]
+        pieces, release = qkv_local_pieces(config, tp_size, tp_rank, weight)
+        return [shard(mapping.hf_param[key], g, b, get, release) for key, (g, b, get) in pieces.items()]
 
     if isinstance(mapping, pm.GatedMLPMapping):
         # Column-parallel [gate_local; up_local] (Bridge splits gate and up separately).
@@ -169,7 +171,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
 def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
     """Split a local column-parallel fused QKV (weight, bias or FP8 scale tile) into local
     q, k, v pieces with Bridge's ``split_qkv_weights`` / ``split_qkv_biases`` applied to
-    this rank's head counts. Returns ``{key: (global_shape, box, getter)}``.
+    this rank's head counts. Returns ``({key: (global_shape, box, getter)}, release)``;
+    the split is computed once for q, k and v and kept until ``release()``.
     """
     num_heads, num_groups = config.num_attention_heads, config.num_query_groups
     if getattr(config, "attention_output_gate", False):
@@ -199,7 +202,7 @@ def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
         global_shape = (rows * tp_size, *tail)
         box = box_along(global_shape, 0, tp_rank * rows, (tp_rank + 1) * rows)
         out[key] = (global_shape, box, lambda i=index: memo.get(qkv)[i])
-    return out
+    return out, memo.clear
 
 
 class _VersionMemo:
@@ -215,6 +218,9 @@ class _VersionMemo:
         if self._key != key or tensor.device.type == "meta":
             self._value, self._key = self._compute(), key
         return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
 
 
 def group_experts(shards: list[LocalShard], num_experts: int) -> list[LocalShard]:

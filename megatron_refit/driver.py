@@ -29,7 +29,8 @@ from .transport import RefitGroup
 
 
 class HasPiece(Protocol):
-    """A trainer's local piece: ``conversion.local_shards.LocalShard`` satisfies it."""
+    """A trainer's local piece: ``conversion.local_shards.LocalShard`` satisfies it. An
+    optional ``release()`` is called after every refit to drop copies ``tensor()`` made."""
 
     spec: ShardSpec
 
@@ -251,8 +252,15 @@ class Refitter(_Endpoint):
             report.bytes_wire += buf.numel()
             return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
 
-        with torch.no_grad():
-            self._run(self.plan.buckets_from(self.group.rank), post, lambda bucket, pending: None, report)
+        try:
+            with torch.no_grad():
+                self._run(self.plan.buckets_from(self.group.rank), post, lambda bucket, pending: None, report)
+        finally:
+            cache.clear()
+            for piece in self.pieces.values():  # drop copies made for this refit (e.g. QKV split)
+                release = getattr(piece, "release", None)
+                if release is not None:
+                    release()
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         return report

@@ -31,11 +31,12 @@ def test_local_split_equals_slices_of_global_split(heads, groups, tp):
     local_rows = fused.shape[0] // tp
     for rank in range(tp):
         local = fused[rank * local_rows:(rank + 1) * local_rows]  # Megatron's column-parallel shard
-        pieces = qkv_local_pieces(cfg, tp, rank, local)
+        pieces, release = qkv_local_pieces(cfg, tp, rank, local)
         for key, ref in zip("qkv", (q, k, v)):
             global_shape, box, get = pieces[key]
             assert global_shape == tuple(ref.shape)
             assert torch.equal(get(), ref[box[0][0]:box[0][1]])
+        release()
 
 
 def test_tp_beyond_kv_heads_is_refused_not_mis_split():
