@@ -11,9 +11,13 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$hash" ]; then
 fi
 
 find_python312() {
-  local cand
-  for cand in python3.12 "$(command -v pyenv >/dev/null 2>&1 && pyenv root)"/versions/3.12*/bin/python3 \
-              /usr/bin/python3.12 /usr/local/bin/python3.12; do
+  local cand root cands=(python3.12)
+  # pyenv's 3.12 also when the pyenv command is not on PATH (as in a bare CI shell)
+  for root in "${PYENV_ROOT:-$HOME/.pyenv}" $(command -v pyenv >/dev/null 2>&1 && pyenv root); do
+    cands+=("$root"/versions/3.12*/bin/python3)
+  done
+  cands+=(/usr/bin/python3.12 /usr/local/bin/python3.12)
+  for cand in "${cands[@]}"; do
     [ -n "$cand" ] || continue
     if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
       echo "$cand"; return 0
