@@ -37,6 +37,18 @@ class HasPiece(Protocol):
     def tensor(self) -> torch.Tensor: ...
 
 
+@dataclass
+class TensorPiece:
+    """A piece held as a plain tensor shaped like ``spec.box`` (trainers without
+    Megatron-Bridge, tests, benchmarks). ``data`` may be swapped between refits."""
+
+    spec: ShardSpec
+    data: torch.Tensor
+
+    def tensor(self) -> torch.Tensor:
+        return self.data
+
+
 class RefitCorruptionError(ValueError):
     """``verify`` found buckets whose bytes changed in flight (names the parameters)."""
 

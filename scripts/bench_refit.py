@@ -28,16 +28,6 @@ from megatron_refit.layout import TrainLayout
 BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
 
 
-class _Whole:
-    """A piece that is a whole tensor (the peers' gathered export on train rank 0)."""
-
-    def __init__(self, spec, tensor):
-        self.spec, self._t = spec, tensor
-
-    def tensor(self):
-        return self._t
-
-
 class _FullBuffers:
     """Receiver backend of the peers' path: every full HF tensor on every gen rank."""
 
@@ -64,7 +54,7 @@ def _timed(fn, group) -> float:
 
 
 def bench_rank(rank, world, port, spec: RunSpec, reps: int):
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.driver import Receiver, Refitter, TensorPiece
     from megatron_refit.harness import _hf_config, make_gen_backend
     from megatron_refit.spec import ShardSpec, full_box
     from megatron_refit.transport import RefitGroup
@@ -97,7 +87,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
                 full_specs.append(ShardSpec(name=s.name, global_shape=s.global_shape, dtype=s.dtype,
                                             box=full_box(s.global_shape)))
     if is_train:
-        holders = {s.name: _Whole(s, torch.empty(s.global_shape, dtype=getattr(torch, s.dtype)))
+        holders = {s.name: TensorPiece(s, torch.empty(s.global_shape, dtype=getattr(torch, s.dtype)))
                    for s in full_specs} if rank == 0 else {}
         peers = Refitter(group, list(holders.values()), **kw)
     else:
@@ -125,7 +115,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
             export = built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False)
             for name, tensor in export:
                 if rank == 0 and name in holders:
-                    holders[name]._t = tensor
+                    holders[name].data = tensor
             peers.refit(v)
         else:
             peers.receive(v)

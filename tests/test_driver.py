@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+from megatron_refit.driver import TensorPiece
 from megatron_refit.launch import SpawnError, run_spawned
 from megatron_refit.spec import ShardSpec, box_along, full_box
 
@@ -26,14 +27,6 @@ def _full(name):
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     x = torch.randn(shape, generator=g)
     return x.to(getattr(torch, dtype))
-
-
-class _Piece:
-    def __init__(self, spec, tensor):
-        self.spec, self._t = spec, tensor
-
-    def tensor(self):
-        return self._t
 
 
 class _Store:
@@ -66,11 +59,11 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
         for name, (shape, dtype) in GLOBAL.items():
             full = _full(name)
             if len(shape) == 1:
-                pieces.append(_Piece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=full_box(shape)), full))
+                pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=full_box(shape)), full))
             else:
                 half = shape[0] // 2
                 box = box_along(shape, 0, rank * half, (rank + 1) * half)
-                pieces.append(_Piece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
+                pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
                                      full[rank * half:(rank + 1) * half]))
         ep = Refitter(group, pieces, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
                       direct_bytes=direct_bytes)

@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from megatron_refit.driver import TensorPiece
 from megatron_refit.launch import SpawnError, run_spawned
 from megatron_refit.spec import ShardSpec, box_along, full_box
 
@@ -25,14 +26,17 @@ def _full(name):
     return torch.randn(NAMES[name], generator=g)
 
 
-class _Piece:
+class _Piece(TensorPiece):
+    """A piece that runs ``on_read`` (a crash or a stall) when the sender reads it."""
+
     def __init__(self, spec, tensor, on_read=None):
-        self.spec, self._t, self._on_read = spec, tensor, on_read
+        super().__init__(spec, tensor)
+        self._on_read = on_read
 
     def tensor(self):
         if self._on_read:
             self._on_read()
-        return self._t
+        return self.data
 
 
 class _Backend:

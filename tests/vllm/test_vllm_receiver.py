@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from megatron_refit.driver import TensorPiece
 from megatron_refit.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
@@ -86,9 +87,9 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
                     n = shape[0] // num_train
                     spec = ShardSpec(name=name, global_shape=shape, dtype="float32",
                                      box=box_along(shape, 0, rank * n, (rank + 1) * n))
-                    pieces.append(_Piece(spec, t[rank * n:(rank + 1) * n]))
+                    pieces.append(TensorPiece(spec, t[rank * n:(rank + 1) * n]))
                 else:
-                    pieces.append(_Piece(ShardSpec(name=name, global_shape=shape, dtype="float32",
+                    pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype="float32",
                                                    box=full_box(shape)), t))
             if version == 1:
                 refitter = Refitter(group, pieces, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
@@ -137,14 +138,6 @@ def _under(vcfg, fn):
             return fn()
 
     return run
-
-
-class _Piece:
-    def __init__(self, spec, tensor):
-        self.spec, self._t = spec, tensor
-
-    def tensor(self):
-        return self._t
 
 
 @pytest.mark.slow
