@@ -66,14 +66,6 @@ def relative(inner: Box, outer: Box) -> Box:
     return tuple((i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
-def shard_dim(size: int, num_shards: int, index: int) -> tuple[int, int]:
-    """Even split of ``size`` into ``num_shards``; ``ValueError`` if it does not divide."""
-    if size % num_shards:
-        raise ValueError(f"size {size} is not divisible by {num_shards} shards")
-    step = size // num_shards
-    return index * step, (index + 1) * step
-
-
 def box_along(shape: tuple[int, ...], dim: int, start: int, stop: int) -> Box:
     """Full box of ``shape`` except ``[start, stop)`` along ``dim``."""
     return tuple((start, stop) if d == dim else (0, size) for d, size in enumerate(shape))

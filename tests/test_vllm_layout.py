@@ -110,3 +110,18 @@ def test_engine_receiver_refuses_dtype_mismatch():
 
     with pytest.raises(ValueError, match="is torch.bfloat16, the trainer sends float32"):
         EngineReceiver(Fake(), specs, SHAPE, 1)
+
+
+def test_sglang_post_load_calls_the_models_hook_when_it_has_one():
+    from megatron_refit.receivers.engine import sglang_post_load
+
+    class WithHook(torch.nn.Module):
+        calls = 0
+
+        def post_load_weights(self):
+            self.calls += 1
+
+    model = WithHook()
+    sglang_post_load(model)()
+    assert model.calls == 1
+    sglang_post_load(torch.nn.Linear(2, 2))()  # no hook: nothing to do
