@@ -131,8 +131,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
         if kind != "column":
             raise LocalSplitError(f"{meg_name}: QKV is {kind}-parallel; expected column")
         config = mapping._get_config(module)
-        pieces, release = qkv_local_pieces(config, tp_size, tp_rank, weight)
-        return [shard(mapping.hf_param[key], g, b, get, release) for key, (g, b, get) in pieces.items()]
+        pieces = qkv_local_pieces(config, tp_size, tp_rank, weight)
+        return [shard(mapping.hf_param[key], g, b, get, drop) for key, (g, b, get, drop) in pieces.items()]
 
     if isinstance(mapping, pm.GatedMLPMapping):
         # Column-parallel [gate_local; up_local] (Bridge splits gate and up separately).
@@ -171,8 +171,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
 def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
     """Split a local column-parallel fused QKV (weight, bias or FP8 scale tile) into local
     q, k, v pieces with Bridge's ``split_qkv_weights`` / ``split_qkv_biases`` applied to
-    this rank's head counts. Returns ``({key: (global_shape, box, getter)}, release)``;
-    the split is computed once for q, k and v and kept until ``release()``.
+    this rank's head counts. Returns ``{key: (global_shape, box, getter, release)}``; the
+    split is computed once for q, k and v and kept until all three were released.
     """
     num_heads, num_groups = config.num_attention_heads, config.num_query_groups
     if getattr(config, "attention_output_gate", False):
@@ -201,8 +201,8 @@ def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
         rows = local_heads * rows_per_head
         global_shape = (rows * tp_size, *tail)
         box = box_along(global_shape, 0, tp_rank * rows, (tp_rank + 1) * rows)
-        out[key] = (global_shape, box, lambda i=index: memo.get(qkv)[i])
-    return out, memo.clear
+        out[key] = (global_shape, box, lambda i=index: memo.get(qkv, i), lambda i=index: memo.drop(i))
+    return out
 
 
 class _VersionMemo:
@@ -213,14 +213,18 @@ class _VersionMemo:
         self._key = None
         self._value = None
 
-    def get(self, tensor: torch.Tensor):
+    def get(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         key = (tensor.data_ptr(), tensor._version)
-        if self._key != key or tensor.device.type == "meta":
-            self._value, self._key = self._compute(), key
-        return self._value
+        if self._value is None or self._key != key or tensor.device.type == "meta" or self._value[index] is None:
+            self._value, self._key = list(self._compute()), key
+        return self._value[index]
 
-    def clear(self) -> None:
-        self._key = self._value = None
+    def drop(self, index: int) -> None:
+        """Forget part ``index``; the whole value once every part was dropped."""
+        if self._value is not None:
+            self._value[index] = None
+            if all(part is None for part in self._value):
+                self._key = self._value = None
 
 
 def group_experts(shards: list[LocalShard], num_experts: int) -> list[LocalShard]:

@@ -218,6 +218,12 @@ class _Endpoint:
         return contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
 
 
+def _release(piece) -> None:
+    release = getattr(piece, "release", None)
+    if release is not None:
+        release()
+
+
 class Refitter(_Endpoint):
     """Train side. ``pieces``: this rank's local shards (objects with ``spec``, ``tensor()``)."""
 
@@ -242,6 +248,8 @@ class Refitter(_Endpoint):
         report = RefitReport(version=version, role="train", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal)
         cache: dict[str, torch.Tensor] = {}
+        buckets = self.plan.buckets_from(self.group.rank)
+        last_use = {item.transfer.name: bucket.index for bucket in buckets for item in bucket.items}
 
         def get_src(name: str) -> torch.Tensor:
             if name not in cache:
@@ -264,15 +272,21 @@ class Refitter(_Endpoint):
             report.bytes_wire += buf.numel()
             return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
 
+        def retire(bucket, pending) -> None:
+            # a piece's last bucket has left: drop copies made for it (QKV split, FP8 quantisation)
+            for item in bucket.items:
+                name = item.transfer.name
+                if last_use.get(name) == bucket.index:
+                    cache.pop(name, None)
+                    _release(self.pieces[name])
+
         try:
             with torch.no_grad():
-                self._run(self.plan.buckets_from(self.group.rank), post, lambda bucket, pending: None, report)
+                self._run(buckets, post, retire, report)
         finally:
             cache.clear()
-            for piece in self.pieces.values():  # drop copies made for this refit (e.g. QKV split)
-                release = getattr(piece, "release", None)
-                if release is not None:
-                    release()
+            for piece in self.pieces.values():  # also pieces of a failed refit or never sent
+                _release(piece)
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         return report

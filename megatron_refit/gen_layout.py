@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from megatron_refit.fp8 import BLOCK, scale_box, scale_shape, weight_name
 from megatron_refit.spec import Box, ShardSpec, box_along, full_box
 
 VOCAB_PADDING = 64
@@ -172,6 +173,23 @@ def _vllm_box(name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int
     return box_along(shape, 0, *rows)
 
 
+def _add_scale_boxes(params: dict, boxes: dict[str, Box | None]) -> None:
+    """FP8 ``*_scale_inv`` tiles: the weight's box ÷ 128, its edges on block edges."""
+    for name, (shape, _) in params.items():
+        weight = weight_name(name)
+        if weight is None:
+            continue
+        if weight not in params:
+            raise ValueError(f"{name}: FP8 scale without its weight {weight!r} in the parameter table")
+        if tuple(shape) != scale_shape(tuple(params[weight][0])):
+            raise ValueError(
+                f"{name}: shape {tuple(shape)} is not that of {BLOCK}x{BLOCK} blocks of {weight} "
+                f"{tuple(params[weight][0])} (expected {scale_shape(tuple(params[weight][0]))})"
+            )
+        box = boxes[weight]
+        boxes[name] = None if box is None else scale_box(weight, box, tuple(params[weight][0]))
+
+
 def gen_target_specs(
     params: dict[str, tuple[tuple[int, ...], str]],
     layout: GenLayout,
@@ -181,7 +199,9 @@ def gen_target_specs(
 ) -> dict[int, list[ShardSpec]]:
     """The ShardSpecs each generation rank must hold, keyed by gen rank.
 
-    ``params`` maps every HF parameter name to ``(global_shape, dtype)``.
+    ``params`` maps every HF parameter name to ``(global_shape, dtype)``; an FP8 table
+    (:func:`megatron_refit.fp8.fp8_param_table`) adds ``*_scale_inv`` tiles, whose boxes
+    follow their weight's (``ValueError`` where a shard edge is off the 128 grid).
     """
     if style == "full":
         if layout.tp != 1:
@@ -189,11 +209,14 @@ def gen_target_specs(
         boxes = [{name: full_box(tuple(shape)) for name, (shape, _) in params.items()}]
     elif style == "vllm":
         boxes = [
-            {name: _vllm_box(name, tuple(shape), layout, tp_rank, model) for name, (shape, _) in params.items()}
+            {name: _vllm_box(name, tuple(shape), layout, tp_rank, model)
+             for name, (shape, _) in params.items() if weight_name(name) is None}
             for tp_rank in range(layout.tp)
         ]
     else:
         raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
+    for rank_boxes in boxes:
+        _add_scale_boxes(params, rank_boxes)
     per_tp_rank = [
         [
             ShardSpec(

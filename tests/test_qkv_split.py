@@ -31,12 +31,16 @@ def test_local_split_equals_slices_of_global_split(heads, groups, tp):
     local_rows = fused.shape[0] // tp
     for rank in range(tp):
         local = fused[rank * local_rows:(rank + 1) * local_rows]  # Megatron's column-parallel shard
-        pieces, release = qkv_local_pieces(cfg, tp, rank, local)
+        pieces = qkv_local_pieces(cfg, tp, rank, local)
+        first = pieces["q"][2]()
         for key, ref in zip("qkv", (q, k, v)):
-            global_shape, box, get = pieces[key]
+            global_shape, box, get, release = pieces[key]
             assert global_shape == tuple(ref.shape)
             assert torch.equal(get(), ref[box[0][0]:box[0][1]])
-        release()
+            release()  # each piece drops its own part; the others stay cached
+            assert torch.equal(get(), ref[box[0][0]:box[0][1]])  # a released part is split again
+            release()
+        assert pieces["q"][2]() is not first
 
 
 def test_tp_beyond_kv_heads_is_refused_not_mis_split():
