@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 from .gen_layout import GenLayout
 from .harness import RunSpec, evaluate, run
@@ -37,12 +38,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gen-dp", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--refits", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=["float32", "fp32", "bfloat16", "bf16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "fp32", "bfloat16", "bf16"],
+                   help="training dtype (default float32; bfloat16 with --fp8)")
+    p.add_argument("--fp8", default=None, choices=["trainer", "te"],
+                   help="trainer: quantise linear weights to 128x128-block FP8 on the train ranks (also runs "
+                        "the same refit in bf16 and reports the byte ratio); te: Transformer Engine pass-through "
+                        "(needs a GPU)")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     return p.parse_args(argv)
 
 
+FP8_SHAPE = dict(hidden=512, heads=4, kv_heads=2, head_dim=128, ffn=1536, vocab=256, layers=6)
+"""Demo shape with ``--fp8`` (unless shape flags are given): every shard edge on the 128
+grid, and linear weights dominating the bytes as in real models (embeddings stay bf16)."""
+
+
 def spec_from_args(args) -> RunSpec:
+    if args.fp8 == "te":
+        raise ValueError("--fp8 te sends Transformer Engine Float8Blockwise params as they are; TE needs CUDA "
+                         "(not available on this CPU demo): run it on a GPU node, or use --fp8 trainer")
     if args.refits < 1:
         raise ValueError(f"--refits must be >= 1, got {args.refits}")
     if args.bucket_mb <= 0:
@@ -52,9 +66,13 @@ def spec_from_args(args) -> RunSpec:
                  ("hidden", "layers", "heads", "kv_heads", "experts", "vocab", "ffn")}
     if args.model == "qwen3" and overrides["experts"]:
         raise ValueError("--experts needs --model qwen3-moe")
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
+    if args.fp8 and all(v is None for v in overrides.values()):
+        overrides.update(FP8_SHAPE)
+    dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
     return RunSpec(
         model=args.model,
+        fp8=args.fp8 or "",
         overrides={k: v for k, v in overrides.items() if v is not None},
         train=TrainLayout(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, dp=dp),
         gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),
@@ -67,7 +85,7 @@ def spec_from_args(args) -> RunSpec:
 def format_table(result: dict) -> str:
     t, g = result["train"], result["gen"]
     lines = [
-        f"model {result['model']} ({result['dtype']}), train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
+        f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
         f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
         f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'bytes sent':>11} {'minimal':>11} "
         f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}",
@@ -80,6 +98,9 @@ def format_table(result: dict) -> str:
             f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {r['bytes_sent']:>11,} {r['bytes_minimal']:>11,} "
             f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {gbps:>6.2f}"
         )
+    if "bytes_ratio_vs_bf16" in result:
+        lines.append(f"FP8 bytes / bf16 bytes (same model and layout, measured): {result['refits'][-1]['bytes_sent']:,}"
+                     f" / {result['bf16_bytes_sent']:,} = {result['bytes_ratio_vs_bf16']:.4f}")
     lines.append(f"ok: {result['ok']}")
     return "\n".join(lines)
 
@@ -92,6 +113,11 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = evaluate(spec, run(spec))
+    if spec.fp8:
+        # the same model and layout refit in bf16, for the byte ratio
+        bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
+        result["bf16_bytes_sent"] = evaluate(bf16, run(bf16))["refits"][0]["bytes_sent"]
+        result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)
     result["ok"] = bool(result["bit_exact"]) and (diff is None or tolerance is None or diff <= tolerance) and all(

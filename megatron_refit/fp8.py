@@ -54,6 +54,8 @@ def _scales(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``x`` zero-padded to whole blocks, viewed as ``[Mb, bm, Kb, bk]``."""
     rows, cols = scale_shape(tuple(x.shape), block)
+    if (rows * block[0], cols * block[1]) == tuple(x.shape) and x.is_contiguous():
+        return x.view(rows, block[0], cols, block[1])  # whole blocks: no copy
     padded = torch.zeros(rows * block[0], cols * block[1], dtype=x.dtype, device=x.device)
     padded[: x.shape[0], : x.shape[1]] = x
     return padded.view(rows, block[0], cols, block[1])
@@ -68,7 +70,7 @@ def quantize_blockwise(
     if not x.is_floating_point() or x.dtype == FP8_DTYPE:
         raise ValueError(f"quantize_blockwise needs a high-precision float tensor, got {x.dtype}")
     blocks = _blocks(x.float(), block)
-    amax = blocks.abs().amax(dim=(1, 3))
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())  # max|x| without a temporary
     scale = _scales(amax, pow2_scales)
     scaled = blocks * scale[:, None, :, None]
     q = scaled.clamp_(-FP8_MAX, FP8_MAX).view(blocks.shape[0] * block[0], -1)[: x.shape[0], : x.shape[1]]
@@ -87,8 +89,8 @@ def dequantize_blockwise(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match data {tuple(q.shape)} "
             f"in {block[0]}x{block[1]} blocks (expected {scale_shape(tuple(q.shape), block)})"
         )
-    blocks = _blocks(q.float(), block)
-    out = (blocks * scale_inv.float()[:, None, :, None]).view(blocks.shape[0] * block[0], -1)
+    blocks = _blocks(q.float(), block)  # a fresh float32 tensor: scaled in place
+    out = blocks.mul_(scale_inv.float()[:, None, :, None]).view(blocks.shape[0] * block[0], -1)
     return out[: q.shape[0], : q.shape[1]].to(dtype)
 
 

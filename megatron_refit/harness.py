@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .fp8 import fp8_param_table, is_quantised, quantize_blockwise, scale_name
 from .gen_layout import GenLayout, ModelShape
 from .layout import TrainLayout
 
@@ -34,6 +35,12 @@ class RunSpec:
     collect: bool = True
     """Return weights and logits for checking (off in benchmarks)."""
     timeout_s: float = 120.0
+    fp8: str = ""
+    """``"trainer"``: trainer-side blockwise FP8 quantisation of the linear weights."""
+
+    def __post_init__(self) -> None:
+        if self.fp8 not in ("", "trainer"):
+            raise ValueError(f"fp8 must be '' or 'trainer', got {self.fp8!r}")
 
     @property
     def num_train(self) -> int:
@@ -87,6 +94,10 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
     init_model_parallel(spec.train)
     built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
     shards = enumerate_local_shards(built.bridge, built.model, cfg)
+    if spec.fp8:
+        from .fp8_pieces import quantise_pieces
+
+        shards = quantise_pieces(shards)
     refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
                         bucket_bytes=spec.bucket_bytes)
     plan = refitter.prepare()
@@ -99,10 +110,22 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         if spec.collect:
             export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
                 built.model, cpu=True, show_progress=False)}
-            logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
+            with _reference_weights(spec, built):
+                logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
             item.update(export=export if rank == 0 else None, logits=logits)
         out.append(item)
     return dict(role="train", summary=plan.summary(), refits=out)
+
+
+def _reference_weights(spec: RunSpec, built):
+    """The weights the engine computes with: FP8-rounded under trainer-side quantisation."""
+    import contextlib
+
+    if not spec.fp8:
+        return contextlib.nullcontext()
+    from conversion.fp8_reference import fp8_weights
+
+    return fp8_weights(built.model, built.config)
 
 
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, group):
@@ -128,12 +151,13 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     if spec.gen.tp == 1:
         from .receivers.hf import HFReceiver
 
-        return HFReceiver.from_config(cfg, dtype=dtype)
+        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8))
     from .receivers.vllm_layout import VllmLayoutReceiver
 
-    return VllmLayoutReceiver.allocate(
-        _param_table(cfg, dtype), spec.gen, model_shape(cfg), gen_index=gen_index
-    )
+    params = _param_table(cfg, dtype)
+    if spec.fp8:
+        params = fp8_param_table(params)
+    return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index)
 
 
 def _param_table(cfg, dtype) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -159,6 +183,17 @@ def run(spec: RunSpec) -> list[dict]:
     return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout, port=refit_port)
 
 
+def fp8_export(export: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Bridge's full export as an FP8 checkpoint: what trainer-side FP8 must deliver."""
+    out = {}
+    for name, tensor in export.items():
+        if is_quantised(name, tuple(tensor.shape)):
+            out[name], out[scale_name(name)] = quantize_blockwise(tensor)
+        else:
+            out[name] = tensor
+    return out
+
+
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
     from .receivers.vllm_layout import expected_storage
@@ -174,6 +209,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         bit_exact, logit_diff = None, None
         if spec.collect:
             export = t_items[0]["export"]
+            if spec.fp8:
+                export = fp8_export(export)
             bit_exact = True
             for g, item in zip(gens, g_items):
                 if spec.gen.tp == 1:
@@ -207,6 +244,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         max_logit_diff=max(diffs) if diffs else None,
         model=spec.model,
         dtype=spec.dtype,
+        fp8=spec.fp8 or None,
         train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),
         gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),
         summary=train[0]["summary"],

@@ -6,21 +6,24 @@ model's own parameter names; routed experts, which transformers 5 keeps fused pe
 (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), receive the
 per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views into those
 tensors. A tied ``lm_head`` is not a target (it is the embedding).
+
+With ``fp8=True`` the quantised weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
+quantisation) into staging buffers, and ``finalize()`` dequantises them into the model: the
+CPU reference for what an FP8 engine computes with.
 """
 
 from __future__ import annotations
 
-
 import torch
 
+from ..fp8 import FP8_DTYPE, dequantize_blockwise, fp8_specs, is_quantised, scale_name, scale_shape
 from ..spec import ShardSpec, full_box
-
 
 
 class HFReceiver:
     """Receiver backend over a transformers causal LM (all pieces whole: gen TP 1)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
         self.model = model
         self.state = "stale"
         self.weights_version: int | None = None
@@ -42,31 +45,44 @@ class HFReceiver:
                     self._views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
             else:
                 self._views[name] = param.data
+        self._staged: dict[str, torch.Tensor] = {}
+        """FP8 mode: received FP8 data and scales, by checkpoint name."""
+        if fp8:
+            for name, view in self._views.items():
+                if is_quantised(name, tuple(view.shape)):
+                    self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE)
+                    self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32)
 
     @classmethod
-    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32) -> "HFReceiver":
+    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False) -> "HFReceiver":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         model.eval()
-        return cls(model)
+        return cls(model, fp8=fp8)
 
     def target_specs(self) -> list[ShardSpec]:
-        return [
-            ShardSpec(name=name, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                      box=full_box(tuple(t.shape)))
-            for name, t in self._views.items()
-        ]
+        out = []
+        for name, t in self._views.items():
+            spec = ShardSpec(name=name, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                             box=full_box(tuple(t.shape)))
+            out += fp8_specs(spec) if name in self._staged else [spec]
+        return out
 
     def buffer(self, name: str) -> torch.Tensor:
-        return self._views[name]
+        return self._staged[name] if name in self._staged else self._views[name]
 
     def finalize(self) -> None:
-        pass
+        for name, view in self._views.items():
+            if name in self._staged:
+                view.copy_(dequantize_blockwise(self._staged[name], self._staged[scale_name(name)], dtype=view.dtype))
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """Current weights under checkpoint (per-expert) names."""
-        return {name: t.detach().clone() for name, t in self._views.items()}
+        """Received weights under checkpoint (per-expert) names; FP8 mode: quantised weights
+        as received (FP8 data and ``weight_scale_inv``)."""
+        out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}
+        out.update({name: t.clone() for name, t in self._staged.items()})
+        return out
 
     def set_state(self, state: str, version: int | None) -> None:
         self.state, self.weights_version = state, version

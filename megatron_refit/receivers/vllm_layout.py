@@ -23,13 +23,16 @@ from ..gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
 from ..spec import ShardSpec
 
 # (pattern on the HF name, fused vLLM name template, member key group, member order)
+# FP8 ``weight_scale_inv`` tiles fuse exactly like their weights (rows in 128-row tiles).
 _FUSED = (
-    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>[qkv])_proj\.(?P<t>weight|bias)"), "{p}.qkv_proj.{t}", ("q", "k", "v")),
-    (re.compile(r"(?P<p>.*\.mlp)\.(?P<m>gate|up)_proj\.(?P<t>weight)"), "{p}.gate_up_proj.{t}", ("gate", "up")),
-    (re.compile(r"(?P<p>.*\.shared_experts?)\.(?P<m>gate|up)_proj\.(?P<t>weight)"), "{p}.gate_up_proj.{t}",
+    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>[qkv])_proj\.(?P<t>weight|bias|weight_scale_inv)"), "{p}.qkv_proj.{t}",
+     ("q", "k", "v")),
+    (re.compile(r"(?P<p>.*\.mlp)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"), "{p}.gate_up_proj.{t}",
      ("gate", "up")),
+    (re.compile(r"(?P<p>.*\.shared_experts?)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"),
+     "{p}.gate_up_proj.{t}", ("gate", "up")),
 )
-_EXPERT = re.compile(r"(?P<p>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<m>gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"(?P<p>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<m>gate|up|down)_proj\.(?P<t>weight|weight_scale_inv)")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -49,7 +52,7 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
     experts: dict[str, dict[int, dict[str, ShardSpec]]] = {}
     for piece in pieces:
         if m := _EXPERT.fullmatch(piece.name):
-            experts.setdefault(m["p"], {}).setdefault(int(m["e"]), {})[m["m"]] = piece
+            experts.setdefault((m["p"], m["t"]), {}).setdefault(int(m["e"]), {})[m["m"]] = piece
             continue
         for pattern, template, order in _FUSED:
             if m := pattern.fullmatch(piece.name):
@@ -70,20 +73,21 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
             start += piece.shape[0]
         first = members[order[0]]
         shapes[vllm_name] = ((start, *first.shape[1:]), first.dtype)
-    for prefix, by_expert in experts.items():
+    for (prefix, kind), by_expert in experts.items():
         ids = sorted(by_expert)
+        w13, w2 = f"{prefix}.w13_{kind}", f"{prefix}.w2_{kind}"
         for local, e in enumerate(ids):
             gate, up, down = (by_expert[e].get(k) for k in ("gate", "up", "down"))
             if gate is not None:  # gated: w13 = [gate; up]
                 n = gate.shape[0]
-                placements[gate.name] = Placement(f"{prefix}.w13_weight", (local, slice(0, n)))
-                placements[up.name] = Placement(f"{prefix}.w13_weight", (local, slice(n, 2 * n)))
-                shapes[f"{prefix}.w13_weight"] = ((len(ids), 2 * n, gate.shape[1]), gate.dtype)
+                placements[gate.name] = Placement(w13, (local, slice(0, n)))
+                placements[up.name] = Placement(w13, (local, slice(n, 2 * n)))
+                shapes[w13] = ((len(ids), 2 * n, gate.shape[1]), gate.dtype)
             elif up is not None:  # non-gated (e.g. ReLU²): w13 is the up projection alone
-                placements[up.name] = Placement(f"{prefix}.w13_weight", (local,))
-                shapes[f"{prefix}.w13_weight"] = ((len(ids), *up.shape), up.dtype)
-            placements[down.name] = Placement(f"{prefix}.w2_weight", (local,))
-            shapes[f"{prefix}.w2_weight"] = ((len(ids), *down.shape), down.dtype)
+                placements[up.name] = Placement(w13, (local,))
+                shapes[w13] = ((len(ids), *up.shape), up.dtype)
+            placements[down.name] = Placement(w2, (local,))
+            shapes[w2] = ((len(ids), *down.shape), down.dtype)
     return shapes, placements
 
 
