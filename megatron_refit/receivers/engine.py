@@ -19,10 +19,10 @@ from ..gen_layout import GenLayout, ModelShape, gen_target_specs
 from ..spec import ShardSpec
 from .vllm_layout import VllmLayoutReceiver, fused_layout
 
-# Layout name suffix -> spellings engines use for it (first match wins).
+# Layout name suffix -> spellings engines use for it (first match wins); FP8 scale tiles too.
 _ALIASES = {
-    ".experts.w13_weight": (".experts.w13_weight", ".experts.routed_experts.w13_weight"),
-    ".experts.w2_weight": (".experts.w2_weight", ".experts.routed_experts.w2_weight"),
+    f".experts.{w}{t}": (f".experts.{w}{t}", f".experts.routed_experts.{w}{t}")
+    for w in ("w13_", "w2_") for t in ("weight", "weight_scale_inv")
 }
 
 

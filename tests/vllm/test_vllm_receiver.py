@@ -23,19 +23,20 @@ pytest.importorskip("vllm")
 CASES = [("qwen3", 2), ("qwen3-moe", 2), ("qwen3", 4)]
 
 
-def _full_tensors(model_name: str, seed: int) -> tuple[dict, object]:
+def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
     from conversion.hf_configs import hf_config
     from megatron_refit.receivers.hf import HFReceiver
 
-    cfg = hf_config(model_name)
+    cfg = hf_config(model_name, **overrides)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     return HFReceiver(hf).state_dict_hf(), cfg
 
 
-def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str):
+def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str, quant: dict | None = None,
+                dtype: str = "float32"):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model_loader  # noqa: F401  (registers loaders)
@@ -43,10 +44,10 @@ def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str):
 
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f)
+        json.dump(dict(cfg.to_dict(), **({"quantization_config": quant} if quant else {})), f)
     vcfg = VllmConfig(
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                                 dtype="float32"),
+                                 dtype=dtype),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format="dummy"),
@@ -60,7 +61,9 @@ def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str):
     def build():
         # attention layers register by name; a second instance (the reference) needs a clean slate
         vcfg.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vcfg), torch.device("cpu"):
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_current_vllm_config(vcfg), set_default_torch_dtype(vcfg.model_config.dtype), torch.device("cpu"):
             return model_cls(vllm_config=vcfg).eval()
 
     return vcfg, build

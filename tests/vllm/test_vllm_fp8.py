@@ -1,0 +1,137 @@
+"""Trainer-side FP8 into vLLM's real block-quantised parameters (CPU, gloo).
+
+Two train ranks hold dim-0 halves of a tiny 128-aligned model, quantise them to 128×128
+FP8 blocks (``quantise_pieces``) and refit vLLM ranks built from an FP8 checkpoint config
+(``quant_method: fp8``, ``weight_block_size: [128, 128]``): ``weight`` float8_e4m3fn and
+``weight_scale_inv`` go straight into vLLM's fused ``qkv_proj`` / ``gate_up_proj`` /
+``w13`` / ``w2`` parameters and their scale tiles, with no re-quantisation. Reference:
+vLLM's own ``load_weights`` fed the FP8 checkpoint made by quantising the full tensors.
+
+On CPU vLLM's block-FP8 linear kernel demands AMX (its ``is_supported`` is bypassed: only
+loading is exercised, never the matmul) and ``process_weights_after_loading`` needs vLLM's
+C++ ops: post-load runs on a GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_refit.launch import free_ports, run_spawned
+
+from .test_vllm_receiver import _full_tensors, _under, _vllm_model
+
+pytest.importorskip("vllm")
+
+ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
+CASES = [("qwen3-moe", 2), ("qwen3", 2)]
+
+
+def _bf16_tensors(model_name: str, seed: int):
+    full, cfg = _full_tensors(model_name, seed, **ALIGNED)
+    return {n: t.bfloat16() for n, t in full.items()}, cfg
+
+
+def _fp8_checkpoint(full: dict) -> dict:
+    from megatron_refit.fp8 import is_quantised, quantize_blockwise, scale_name
+
+    out = {}
+    for name, t in full.items():
+        if is_quantised(name, tuple(t.shape)):
+            out[name], out[scale_name(name)] = quantize_blockwise(t)
+        else:
+            out[name] = t
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.data.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _quant_config(cfg) -> dict:
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(cfg.num_hidden_layers)]
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": routers if getattr(cfg, "num_experts", 0) else []}
+
+
+def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
+    from megatron_refit.driver import Receiver, Refitter, TensorPiece
+    from megatron_refit.fp8 import fp8_param_table
+    from megatron_refit.fp8_pieces import quantise_pieces
+    from megatron_refit.gen_layout import GenLayout
+    from megatron_refit.harness import model_shape
+    from megatron_refit.receivers.engine import EngineReceiver
+    from megatron_refit.spec import ShardSpec, box_along, full_box
+    from megatron_refit.transport import RefitGroup
+
+    num_train = 2
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
+    versions = {1: 11, 2: 22}
+    if rank < num_train:
+        out = []
+        for version, seed in versions.items():
+            full, _ = _bf16_tensors(model_name, seed)
+            pieces = []
+            for name, t in full.items():
+                shape = tuple(t.shape)
+                box = full_box(shape)
+                if t.ndim >= 2 and shape[0] % (128 * num_train) == 0:
+                    n = shape[0] // num_train
+                    box = box_along(shape, 0, rank * n, (rank + 1) * n)
+                spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
+                pieces.append(TensorPiece(spec, t[tuple(slice(a, b) for a, b in box)]))
+            pieces = quantise_pieces(pieces)
+            if version == 1:
+                refitter = Refitter(group, pieces, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
+                refitter.prepare()
+            else:
+                refitter.pieces = {p.spec.name: p for p in pieces}
+            out.append(refitter.refit(version).as_dict())
+        return out
+
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+
+    # loading only: the CPU block-FP8 matmul needs AMX, which these CPUs lack
+    CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
+    gen_index = rank - num_train
+    full, cfg = _bf16_tensors(model_name, versions[1])
+    vcfg, build = _vllm_model(cfg, gen_tp, gen_index, vllm_port, workdir, quant=_quant_config(cfg),
+                               dtype="bfloat16")
+    model = build()
+    params = fp8_param_table({n: (tuple(t.shape), "bfloat16") for n, t in full.items()})
+    backend = EngineReceiver.for_model(model, params, GenLayout(tp=gen_tp), model_shape(cfg), gen_index=gen_index)
+    receiver = Receiver(group, backend, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
+    receiver.prepare()
+    results = []
+    for version, seed in versions.items():
+        report = receiver.receive(version)
+        full, _ = _bf16_tensors(model_name, seed)
+        ref = build()
+        _under(vcfg, lambda: ref.load_weights(iter(_fp8_checkpoint(full).items())))()
+        mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
+        assert set(mine) == set(theirs)
+        diff = [n for n in mine if not torch.equal(_bytes(mine[n]), _bytes(theirs[n]))]
+        fp8 = sorted(n for n, p in mine.items() if p.dtype == torch.float8_e4m3fn)
+        scales = sorted(n for n in mine if n.endswith("scale_inv"))
+        results.append(dict(report=report.as_dict(), diff=diff, fp8=fp8, scales=scales,
+                            shapes={n: tuple(p.shape) for n, p in mine.items()}))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name,gen_tp", CASES, ids=[f"{m}-genTP{t}" for m, t in CASES])
+def test_fp8_refit_matches_vllm_fp8_checkpoint_load(model_name, gen_tp, tmp_path):
+    vllm_port, refit_port = free_ports(2)
+    out = run_spawned(_rank, 2 + gen_tp, model_name, gen_tp, vllm_port, str(tmp_path), timeout_s=400,
+                      env={"VLLM_TARGET_DEVICE": "cpu"}, port=refit_port)
+    for gen in out[2:]:
+        for item in gen:
+            assert item["diff"] == [], item["diff"][:5]
+            assert any(n.endswith("qkv_proj.weight") for n in item["fp8"])  # block-quantised params...
+            assert any(n.endswith("qkv_proj.weight_scale_inv") for n in item["scales"])  # ...with their tiles
+            if "moe" in model_name:
+                assert any(n.endswith("w13_weight") for n in item["fp8"])
+                assert any(n.endswith("w2_weight_scale_inv") for n in item["scales"])
+                assert not any(n.endswith("mlp.gate.weight") for n in item["fp8"])  # the router stays bf16
+    for train_reports in zip(*out[:2]):
+        assert sum(r["bytes_sent"] for r in train_reports) == train_reports[0]["bytes_minimal"]
