@@ -167,3 +167,59 @@ def scale_inv_cases(rank, world_size, port, cases):
         destroy_model_parallel()
     dist.destroy_process_group()
     return results
+
+
+FP8_ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
+TE_LINEAR = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+
+
+def te_stand_in(weight: torch.Tensor):
+    """A CPU stand-in with TE's ``get_metadata()`` of a Float8Blockwise weight (TE needs CUDA
+    to create real ones): the local weight quantised in 128x128 blocks with power-of-two
+    scales, scale columns zero-padded to a multiple of 4 as TE stores them."""
+    from megatron_refit.fp8 import quantize_blockwise
+
+    q, scale_inv = quantize_blockwise(weight.detach().float(), pow2_scales=True)
+    padded = torch.zeros(scale_inv.shape[0], -(-scale_inv.shape[1] // 4) * 4)
+    padded[:, : scale_inv.shape[1]] = scale_inv
+    quantizer = type("Float8BlockQuantizer", (), {"block_len": 128})()
+    meta = dict(rowwise_data=q.view(torch.uint8), rowwise_scale_inv=padded, quantizer=quantizer, is_2D_scaled=True)
+    return type("Float8BlockwiseQTensor", (), {"shape": weight.shape, "ndim": weight.ndim,
+                                               "get_metadata": lambda self: meta})()
+
+
+def te_fp8_cases(rank, world_size, port, cases):
+    """TE pass-through at mapping level: Megatron linear weights replaced by Float8Blockwise
+    stand-ins; our local data + scale pieces vs Bridge's gathered export of the same tasks
+    (data as uint8 for gloo), plus Bridge's ordinary full export for the parent's check."""
+    import dataclasses
+
+    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.local_shards import enumerate_local_shards, local_conversion_tasks
+    from conversion.te_fp8 import check_fp8_specs, pass_through_tasks
+
+    init_gloo(rank, world_size, port)
+    results = []
+    for model_name, layout_kw in cases:
+        init_model_parallel(layout_from(layout_kw))
+        cfg = hf_config(model_name, **FP8_ALIGNED)
+        built = build_model(cfg, layout_from(layout_kw))
+        model_bridge = built.bridge._model_bridge
+        tasks = [dataclasses.replace(t, param_weight=te_stand_in(t.param_weight))
+                 if t.global_param_name.endswith(TE_LINEAR) and ".router." not in t.global_param_name else t
+                 for t in local_conversion_tasks(built.bridge, built.model, cfg)]
+        passed = pass_through_tasks(model_bridge, tasks)
+        with forbid_collectives():
+            shards = enumerate_local_shards(built.bridge, built.model, cfg, tasks=passed)
+            check_fp8_specs([s.spec for s in shards])
+            ours = [(s.spec, s.tensor().contiguous().clone()) for s in shards]
+        as_bytes = [dataclasses.replace(t, param_weight=t.param_weight.view(torch.uint8))
+                    if t.param_weight.dtype == torch.float8_e4m3fn else t for t in passed]
+        bridge = {n: v.clone() for n, v in model_bridge.stream_weights_megatron_to_hf(
+            built.model, cfg, cpu=True, show_progress=False, conversion_tasks=as_bytes)}
+        export = {n: v.clone() for n, v in built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False)}
+        results.append(dict(ours=ours, bridge=bridge if rank == 0 else None, export=export if rank == 0 else None))
+        destroy_model_parallel()
+    dist.destroy_process_group()
+    return results
