@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
-from megatron.bridge.models.conversion.model_bridge import _HFNameSuffixMapping
-
 from megatron_refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, scale_box, weight_name
 from megatron_refit.spec import ShardSpec
+
+from .te_shim import import_bridge
+
+import_bridge()
+from megatron.bridge.models.conversion.model_bridge import _HFNameSuffixMapping  # noqa: E402
 
 
 def blockwise_fp8_metadata(tensor) -> dict | None:
