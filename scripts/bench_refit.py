@@ -59,6 +59,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     from megatron_refit.spec import ShardSpec, full_box
     from megatron_refit.transport import RefitGroup
 
+    torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
     cfg = _hf_config(spec)
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
     T, G = spec.num_train, spec.num_gen
