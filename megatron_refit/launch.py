@@ -66,6 +66,10 @@ def _entry(fn, rank, world_size, port, args, results, env):
         logging.disable(logging.WARNING)  # Megatron/Bridge import chatter, once per rank
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+    import torch
+
+    # the ranks share this machine's cores: more intra-op threads than cores per rank only spin
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         out = fn(rank, world_size, port, *args)
         results.put((rank, True, _to_bytes(out)))
