@@ -172,7 +172,12 @@ class RefitPlan:
         for name in sorted(gen_meta):
             gen, train = gen_meta[name], train_meta.get(name)
             if train is None:
-                raise PlanError(f"HF name {name} is not produced by the trainer")
+                hint = ""
+                if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in train_meta:
+                    hint = (" (the engine loads block-FP8 weights and the trainer sends "
+                            f"{train_meta[name.removesuffix('_scale_inv')].dtype}: turn on trainer-side FP8 "
+                            "quantisation, or serve the engine in the training dtype)")
+                raise PlanError(f"HF name {name} is not produced by the trainer{hint}")
             if gen.global_shape != train.global_shape:
                 raise PlanError(
                     f"{name}: global shape {gen.global_shape} on gen ranks, {train.global_shape} on train ranks"

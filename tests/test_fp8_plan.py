@@ -112,3 +112,15 @@ def test_fp8_pieces_are_released_and_requantised():
     assert released == [True]  # both parts gone: the source piece is released too
     data.copy_(torch.randn(256, 128))  # the next refit quantises the new values
     assert not torch.equal(_bits(weight.tensor()), _bits(q1))
+
+
+def test_bf16_trainer_into_fp8_engine_is_refused_with_a_hint():
+    from megatron_refit.plan import PlanError
+
+    table = {NAMES[0]: ((256, 256), "bfloat16")}
+    model = ModelShape(num_attention_heads=2, num_kv_heads=2, vocab_size=128)
+    gen = gen_target_specs(fp8_param_table(table), GenLayout(tp=1), model)
+    train = {0: [ShardSpec(name=NAMES[0], global_shape=(256, 256), dtype="bfloat16", box=full_box((256, 256)))]}
+    with pytest.raises(PlanError, match=r"weight_scale_inv is not produced by the trainer \(the engine loads "
+                                        r"block-FP8 weights and the trainer sends bfloat16: turn on trainer-side FP8"):
+        RefitPlan.build(train, gen)
