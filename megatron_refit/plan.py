@@ -172,18 +172,17 @@ class RefitPlan:
         for name in sorted(gen_meta):
             gen, train = gen_meta[name], train_meta.get(name)
             if train is None:
-                hint = ""
-                if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in train_meta:
-                    hint = (" (the engine loads block-FP8 weights and the trainer sends "
-                            f"{train_meta[name.removesuffix('_scale_inv')].dtype}: turn on trainer-side FP8 "
-                            "quantisation, or serve the engine in the training dtype)")
-                raise PlanError(f"HF name {name} is not produced by the trainer{hint}")
+                raise PlanError(f"HF name {name} is not produced by the trainer")
             if gen.global_shape != train.global_shape:
                 raise PlanError(
                     f"{name}: global shape {gen.global_shape} on gen ranks, {train.global_shape} on train ranks"
                 )
             if gen.dtype != train.dtype:
-                raise PlanError(f"{name}: dtype {gen.dtype} on gen ranks, {train.dtype} on train ranks")
+                hint = ""
+                if gen.dtype.startswith("float8") and not train.dtype.startswith("float8"):
+                    hint = (": the engine loads block-FP8 weights; turn on trainer-side FP8 quantisation "
+                            "(trainer_quantize_fp8) or serve the engine in the training dtype")
+                raise PlanError(f"{name}: dtype {gen.dtype} on gen ranks, {train.dtype} on train ranks{hint}")
         for name in sorted(train_meta):
             _check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
 

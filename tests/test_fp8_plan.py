@@ -121,6 +121,6 @@ def test_bf16_trainer_into_fp8_engine_is_refused_with_a_hint():
     model = ModelShape(num_attention_heads=2, num_kv_heads=2, vocab_size=128)
     gen = gen_target_specs(fp8_param_table(table), GenLayout(tp=1), model)
     train = {0: [ShardSpec(name=NAMES[0], global_shape=(256, 256), dtype="bfloat16", box=full_box((256, 256)))]}
-    with pytest.raises(PlanError, match=r"weight_scale_inv is not produced by the trainer \(the engine loads "
-                                        r"block-FP8 weights and the trainer sends bfloat16: turn on trainer-side FP8"):
+    with pytest.raises(PlanError, match=r"gate_proj.weight: dtype float8_e4m3fn on gen ranks, bfloat16 on train "
+                                        r"ranks: the engine loads block-FP8 weights; turn on trainer-side FP8"):
         RefitPlan.build(train, gen)
