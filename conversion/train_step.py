@@ -9,6 +9,8 @@ with TP refuses train mode without sequence parallelism.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .build import BuiltModel, cpu_forward
@@ -44,19 +46,22 @@ def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
     return output, stage_input
 
 
-def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> float | None:
-    """Forward + backward (next-token loss on ``tokens``) + one optimizer step.
-    Returns the loss on the last pipeline stage, None elsewhere."""
+def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+    """Forward + backward + one optimizer step. The loss is Megatron's next-token loss on
+    ``tokens``, or ``loss_fn(full-vocab logits [batch, seq, vocab])`` (e.g. a policy-gradient
+    loss; the logits are gathered over TP with autograd). Returns the loss on the last
+    pipeline stage, None elsewhere."""
     from megatron.core import parallel_state as ps
 
     if len(built.model) != 1:
         raise ValueError("train_step supports one model chunk (no virtual pipeline)")
     optimizer.zero_grad(set_to_none=True)
-    output, stage_input = _pipeline_forward(built, tokens, labels=True)
+    output, stage_input = _pipeline_forward(built, tokens, labels=loss_fn is None)
     loss = None
     with cpu_forward():
         if ps.is_pipeline_last_stage():
-            loss = output.float().mean()
+            loss = output.float().mean() if loss_fn is None else loss_fn(_full_logits(built, output))
             loss.backward()
         else:
             grad = torch.empty_like(output)
@@ -101,13 +106,17 @@ def _finalize_grads(built: BuiltModel) -> None:
 def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab logits ``[batch, seq, vocab]`` on the last pipeline stage (None elsewhere);
     HF vocab (Megatron's padding rows dropped)."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     from megatron.core import parallel_state as ps
 
     output, _ = _pipeline_forward(built, tokens, labels=False)
     if not ps.is_pipeline_last_stage():
         return None
     with cpu_forward():
-        full = gather_from_tensor_model_parallel_region(output)
-    return full[..., : built.hf_config.vocab_size].float().clone()
+        return _full_logits(built, output).float().clone()
+
+
+def _full_logits(built: BuiltModel, output: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits gathered over TP (autograd-aware), Megatron's padding rows dropped."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(output)[..., : built.hf_config.vocab_size]
