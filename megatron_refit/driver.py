@@ -89,7 +89,10 @@ class RefitReport:
     """Bytes on the wire: payload plus alignment padding inside buckets (≤ 15 per item)."""
     bytes_minimal: int = 0
     """Sum over generation ranks of the bytes they must hold (the whole refit's floor)."""
-    seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0))
+    seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0, onload=0.0,
+                                                       offload=0.0))
+    """``load``: gen-side unpacking; ``onload`` / ``offload``: moving offloaded trainer
+    parameters back before the refit and out again after it (0.0 when that did not run)."""
 
     @property
     def gbps(self) -> float:
@@ -230,9 +233,13 @@ class Refitter(_Endpoint):
     role = "train"
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20):
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20,
+                 offloader=None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes)
+        self.offloader = offloader
+        """Optional :class:`~megatron_refit.offload.ParamOffloader`: offloaded parameters are
+        loaded for the refit and offloaded again after it."""
         if group.rank >= num_train:
             raise ValueError(f"refit rank {group.rank} is a generation rank (num_train={num_train})")
         self.pieces = {p.spec.name: p for p in pieces}
@@ -247,6 +254,11 @@ class Refitter(_Endpoint):
         start = time.perf_counter()
         report = RefitReport(version=version, role="train", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal)
+        was_offloaded = self.offloader is not None and self.offloader.offloaded
+        if was_offloaded:
+            t0 = time.perf_counter()
+            self.offloader.onload()
+            report.seconds["onload"] = time.perf_counter() - t0
         cache: dict[str, torch.Tensor] = {}
         buckets = self.plan.buckets_from(self.group.rank)
         last_use = {item.transfer.name: bucket.index for bucket in buckets for item in bucket.items}
@@ -287,6 +299,10 @@ class Refitter(_Endpoint):
             cache.clear()
             for piece in self.pieces.values():  # also pieces of a failed refit or never sent
                 _release(piece)
+            if was_offloaded:  # leave the parameters where the training loop had them
+                t0 = time.perf_counter()
+                self.offloader.offload()
+                report.seconds["offload"] = time.perf_counter() - t0
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         return report

@@ -37,6 +37,8 @@ class RunSpec:
     timeout_s: float = 120.0
     fp8: str = ""
     """``"trainer"``: trainer-side blockwise FP8 quantisation of the linear weights."""
+    offload: bool = False
+    """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -98,14 +100,28 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         from .fp8_pieces import quantise_pieces
 
         shards = quantise_pieces(shards)
+    params = [p for chunk in built.model for p in chunk.parameters()]
+    offloader = None
+    if spec.offload:
+        from .offload import ParamOffloader
+
+        offloader = ParamOffloader(params)
     refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
-                        bucket_bytes=spec.bucket_bytes)
+                        bucket_bytes=spec.bucket_bytes, offloader=offloader)
     plan = refitter.prepare()
-    optimizer = torch.optim.Adam([p for chunk in built.model for p in chunk.parameters()], lr=1e-2)
+    optimizer = torch.optim.Adam(params, lr=1e-2)
     out = []
     for version in range(1, spec.refits + 1):
+        if offloader is not None and offloader.offloaded:
+            offloader.onload()
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
+        if offloader is not None:
+            offloader.offload()  # between steps the parameters wait in host memory
+            assert all(p.numel() == 0 for p in params)
         report = refitter.refit(version)
+        if offloader is not None:
+            assert offloader.offloaded  # the refit put them back where it found them
+            offloader.onload()  # for the checks below
         item = dict(report=report.as_dict(), loss=loss)
         if spec.collect:
             export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
@@ -235,7 +251,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             bytes_sent=sum(item["report"]["bytes_sent"] for item in t_items),
             bytes_minimal=reports[0]["bytes_minimal"],
             seconds=dict(total=max(r["seconds"]["total"] for r in reports), pack=secs("pack", t_items),
-                         transfer=max(r["seconds"]["transfer"] for r in reports), load=secs("load", g_items)),
+                         transfer=max(r["seconds"]["transfer"] for r in reports), load=secs("load", g_items),
+                         onload=secs("onload", t_items), offload=secs("offload", t_items)),
             loss=t_items[-1].get("loss"),
         ))
     diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]

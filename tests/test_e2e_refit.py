@@ -21,7 +21,7 @@ CASES = [
     ("qwen3", TrainLayout(tp=2), GenLayout(tp=4, dp=1)),  # 2 KV heads over gen TP4: KV replication
     ("qwen3", TrainLayout(pp=2), GenLayout(tp=2, dp=1)),
     ("qwen3-moe", TrainLayout(ep=2, dp=2), GenLayout(tp=1, dp=2)),
-    ("qwen3", TrainLayout(tp=2, pp=2), GenLayout(tp=1, dp=2)),
+    ("qwen3", TrainLayout(tp=2, pp=2), GenLayout(tp=1, dp=2)),  # trainer parameters offloaded between steps
     ("qwen3-moe", TrainLayout(tp=2, ep=2, dp=2), GenLayout(tp=2, dp=1)),
 ]
 
@@ -34,12 +34,16 @@ def _id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_refit_bit_exact(case):
     model, train, gen = case
-    spec = RunSpec(model=model, train=train, gen=gen, refits=2, bucket_bytes=64 << 10)
+    offload = train.tp == 2 and train.pp == 2
+    spec = RunSpec(model=model, train=train, gen=gen, refits=2, bucket_bytes=64 << 10, offload=offload)
     result = evaluate(spec, run(spec))
     assert result["bit_exact"] is True
     for r in result["refits"]:
         assert r["bit_exact"], r["version"]
         assert r["bytes_sent"] == r["bytes_minimal"] > 0
+        # parameter load/offload is timed only when it runs
+        assert (r["seconds"]["onload"] > 0 and r["seconds"]["offload"] > 0) if offload else \
+            (r["seconds"]["onload"] == 0.0 and r["seconds"]["offload"] == 0.0)
     if gen.tp == 1:
         assert result["max_logit_diff"] is not None and result["max_logit_diff"] <= 1e-5
     # the weights really changed between refits (a real optimizer step ran)
