@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trainer: quantise linear weights to 128x128-block FP8 on the train ranks (also runs "
                         "the same refit in bf16 and reports the byte ratio); te: Transformer Engine pass-through "
                         "(needs a GPU)")
+    p.add_argument("--colocated", action="store_true",
+                   help="bucket bytes through shared staging buffers (CUDA IPC on GPU, shared memory on CPU)")
+    p.add_argument("--offload", action="store_true", help="trainer parameters in host memory between steps")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     return p.parse_args(argv)
 
@@ -73,6 +76,8 @@ def spec_from_args(args) -> RunSpec:
     return RunSpec(
         model=args.model,
         fp8=args.fp8 or "",
+        colocated=args.colocated,
+        offload=args.offload,
         overrides={k: v for k, v in overrides.items() if v is not None},
         train=TrainLayout(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, dp=dp),
         gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),

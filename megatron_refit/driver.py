@@ -178,7 +178,10 @@ class _Endpoint:
         packed buckets are in flight (they occupy the two staging buffers); direct buckets
         use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
         width = max((b.nbytes for b in buckets), default=0) + (TRAILER_BYTES if self.verify else 0)
-        slots = [torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))]
+        count = min(2, len(buckets))
+        staging = getattr(self.group, "staging", None)  # colocated: buffers the peers map
+        slots = staging(count, width) if staging is not None else [
+            torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
         free = list(range(len(slots)))
         in_flight: deque = deque()
         direct_in_flight = 0
@@ -212,10 +215,13 @@ class _Endpoint:
         self.group.wait(pending)
         report.seconds["transfer"] += time.perf_counter() - start
         retire(bucket, pending)
+        release = getattr(self.group, "release", None)  # colocated: hand the shared buffer back
+        if release is not None:
+            release(pending)
 
     def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
         """The one item's tensor slice as flat bytes, when the bucket can skip packing."""
-        if self.verify or len(bucket.items) != 1:
+        if self.verify or len(bucket.items) != 1 or not getattr(self.group, "direct_ok", True):
             return None
         transfer = bucket.items[0].transfer
         return contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)

@@ -39,6 +39,8 @@ class RunSpec:
     """``"trainer"``: trainer-side blockwise FP8 quantisation of the linear weights."""
     offload: bool = False
     """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
+    colocated: bool = False
+    """Bucket bytes through shared staging buffers (:mod:`megatron_refit.colocated`)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -73,9 +75,19 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
     cfg = _hf_config(spec)
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world_size,
                                timeout_s=spec.timeout_s)
+    if spec.colocated:
+        from .colocated import IpcGroup
+
+        group = IpcGroup(group, num_train=spec.num_train)
     if rank < spec.num_train:
-        return _train_rank(rank, spec, cfg, group)
-    return _gen_rank(rank - spec.num_train, spec, cfg, group)
+        out = _train_rank(rank, spec, cfg, group)
+    else:
+        out = _gen_rank(rank - spec.num_train, spec, cfg, group)
+    if spec.colocated:
+        out["bytes_shared"] = group.bytes_shared
+        group.all_gather_tensor(torch.zeros(1))  # nobody still reads a peer's buffer
+        group.close()
+    return out
 
 
 def _hf_config(spec: RunSpec):
@@ -266,4 +278,5 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),
         summary=train[0]["summary"],
         refits=refits,
+        bytes_shared=sum(r.get("bytes_shared", 0) for r in train) if spec.colocated else None,
     )

@@ -54,6 +54,11 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     num_train = 2
+    verify = mode == "colocated"
+    if mode == "colocated":
+        from megatron_refit.colocated import IpcGroup
+
+        group = IpcGroup(group, num_train=num_train)
     if rank < num_train:  # train TP2: dim-0 halves of every 2-D tensor, norms replicated
         pieces = []
         for name, (shape, dtype) in GLOBAL.items():
@@ -66,24 +71,32 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
                 pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
                                      full[rank * half:(rank + 1) * half]))
         ep = Refitter(group, pieces, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
-                      direct_bytes=direct_bytes)
+                      direct_bytes=direct_bytes, verify=verify)
         ep.prepare()
         reports = [ep.refit(v) for v in (1, 2)]
         if mode == "backwards":
             ep.refit(1)
-        return [r.as_dict() for r in reports]
+        shared = getattr(group, "bytes_shared", 0)
+        if mode == "colocated":
+            group.all_gather_tensor(torch.zeros(1))  # every rank is done reading before buffers go away
+            group.close()
+        return [dict(r.as_dict(), shared=shared) for r in reports]
     extra = []
     if mode == "unknown-name":
         extra = [ShardSpec(name="not.in.trainer", global_shape=(2,), dtype="float32", box=((0, 2),))]
     store = _Store(GLOBAL, extra)
     ep = Receiver(group, store, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
-                  direct_bytes=direct_bytes)
+                  direct_bytes=direct_bytes, verify=verify)
     ep.prepare()
     reports = [ep.receive(v) for v in (1, 2)]
     if mode == "backwards":
         ep.receive(1)
     exact = all(torch.equal(store.t[n].view(torch.uint8), _full(n).view(torch.uint8)) for n in GLOBAL)
-    return dict(exact=exact, finalized=store.finalized, reports=[r.as_dict() for r in reports])
+    shared = getattr(group, "bytes_shared", 0)
+    if mode == "colocated":
+        group.all_gather_tensor(torch.zeros(1))  # every rank is done reading before buffers go away
+        group.close()
+    return dict(exact=exact, finalized=store.finalized, reports=[r.as_dict() for r in reports], shared=shared)
 
 
 @pytest.mark.parametrize(
@@ -113,3 +126,15 @@ def test_unknown_receiver_name_fails_on_every_rank_before_transfer():
 def test_version_going_backwards_is_refused():
     with pytest.raises(SpawnError, match="version 1 does not advance past 2"):
         run_spawned(_rank, 4, "backwards", 1 << 20, timeout_s=120)
+
+
+def test_colocated_refit_through_shared_buffers():
+    """Colocated mode: bucket bytes only through shared-memory staging buffers (checksummed),
+    control messages over gloo; bit-exact, every payload byte accounted for."""
+    out = run_spawned(_rank, 4, "colocated", 100, 32, timeout_s=120)
+    for gen in out[2:]:
+        assert gen["exact"] and gen["finalized"] == 2
+        assert gen["shared"] >= sum(r["bytes_received"] for r in gen["reports"]) > 0
+    sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
+    assert sent == out[0][0]["bytes_minimal"]
+    assert all(train[-1]["shared"] > 0 for train in out[:2])

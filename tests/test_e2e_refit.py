@@ -17,7 +17,7 @@ from megatron_refit.layout import TrainLayout
 pytestmark = pytest.mark.slow
 
 CASES = [
-    ("qwen3", TrainLayout(), GenLayout(tp=1, dp=2)),
+    ("qwen3", TrainLayout(), GenLayout(tp=1, dp=2)),  # colocated: shared staging buffers, no socket bytes
     ("qwen3", TrainLayout(tp=2), GenLayout(tp=4, dp=1)),  # 2 KV heads over gen TP4: KV replication
     ("qwen3", TrainLayout(pp=2), GenLayout(tp=2, dp=1)),
     ("qwen3-moe", TrainLayout(ep=2, dp=2), GenLayout(tp=1, dp=2)),
@@ -35,8 +35,12 @@ def _id(case):
 def test_refit_bit_exact(case):
     model, train, gen = case
     offload = train.tp == 2 and train.pp == 2
-    spec = RunSpec(model=model, train=train, gen=gen, refits=2, bucket_bytes=64 << 10, offload=offload)
+    colocated = train.world_size == 1
+    spec = RunSpec(model=model, train=train, gen=gen, refits=2, bucket_bytes=64 << 10, offload=offload,
+                   colocated=colocated)
     result = evaluate(spec, run(spec))
+    if colocated:  # every payload byte of both refits went through the shared buffers
+        assert result["bytes_shared"] >= sum(r["bytes_sent"] for r in result["refits"]) > 0
     assert result["bit_exact"] is True
     for r in result["refits"]:
         assert r["bit_exact"], r["version"]

@@ -1,0 +1,150 @@
+"""Colocated refit: trainer and engine share devices; bucket bytes go through shared buffers.
+
+``IpcGroup`` wraps a :class:`~megatron_refit.transport.RefitGroup` for the driver. Each train
+rank's two staging buffers (the driver's double buffer) live in memory the other processes
+map: CUDA IPC handles (``torch.multiprocessing``'s ``reduce_tensor``) on a GPU, POSIX shared
+memory on CPU. A sender packs a bucket into its buffer and sends a 24-byte control message
+(bucket, buffer, length) over the refit group; the receiver unpacks straight from the mapped
+buffer into engine storage and acknowledges, which frees the buffer for the sender's next
+bucket. No weight byte crosses a socket or NCCL; control messages carry timeouts like every
+other wait. Every item is packed (no direct sends: only the staging buffers are shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from .transport import Pending, RefitGroup
+
+
+@dataclass
+class _SharedBuffer:
+    tensor: torch.Tensor
+    handle: tuple
+    shm: shared_memory.SharedMemory | None = None
+
+
+def _create(nbytes: int, device: torch.device) -> _SharedBuffer:
+    if device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return _SharedBuffer(t, ("cuda", reduce_tensor(t)))
+    shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    t = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return _SharedBuffer(t, ("cpu", shm.name, nbytes), shm)
+
+
+def _open(handle: tuple) -> _SharedBuffer:
+    if handle[0] == "cuda":
+        rebuild, args = handle[1]
+        return _SharedBuffer(rebuild(*args), handle)
+    _, name, nbytes = handle
+    shm = shared_memory.SharedMemory(name=name)
+    # Python 3.12 registers segments opened by name too, and would unlink the owner's
+    # segment when this process exits: the owner alone manages its lifetime.
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    t = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return _SharedBuffer(t, handle, shm)
+
+
+class _Both:
+    """Waits on the control send and the acknowledgement receive of one bucket."""
+
+    def __init__(self, *works):
+        self.works = works
+
+    def wait(self, timeout):
+        for work in self.works:
+            work.wait(timeout)
+
+
+class IpcGroup:
+    """A refit group whose bucket bytes travel through shared staging buffers."""
+
+    direct_ok = False
+    """The driver packs every item (only the staging buffers are shared)."""
+
+    def __init__(self, group: RefitGroup, *, num_train: int):
+        self.group = group
+        self.num_train = num_train
+        self._own: list[_SharedBuffer] = []
+        self._peers: dict[int, list[_SharedBuffer]] = {}
+        self.bytes_shared = 0
+        """Payload bytes handed over through shared buffers so far (this rank's side)."""
+
+    def __getattr__(self, name):  # rank, world_size, device, timeout_s, all_gather_*, ...
+        return getattr(self.group, name)
+
+    def staging(self, count: int, width: int) -> list[torch.Tensor]:
+        """The driver's staging buffers; train ranks' are shared. Collective: every rank
+        calls it once per refit (handles are exchanged when a train rank re-allocates)."""
+        grown = self.rank < self.num_train and (len(self._own) < count or
+                                                 any(b.tensor.numel() < width for b in self._own[:count]))
+        if grown:
+            self._close_own()
+            self._own = [_create(width, self.group.device) for _ in range(2)]
+        handles = self.group.all_gather_object([b.handle for b in self._own] if grown else None)
+        for peer, peer_handles in enumerate(handles):
+            if peer_handles is not None and peer != self.rank:
+                for buf in self._peers.pop(peer, []):
+                    if buf.shm is not None:
+                        buf.shm.close()
+                self._peers[peer] = [_open(h) for h in peer_handles]
+        if self.rank < self.num_train:
+            return [b.tensor[:width] for b in self._own[:count]]
+        return [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+
+    def isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
+        slot = next(i for i, b in enumerate(self._own) if b.tensor.data_ptr() == buffer.data_ptr())
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the packed bytes are visible to the peer
+        control = torch.tensor([tag, slot, buffer.numel()], dtype=torch.int64)
+        ack = torch.zeros(1, dtype=torch.int64)
+        work = _Both(self.group.isend(control, peer, tag).work, self.group.irecv(ack, peer, tag).work)
+        self.bytes_shared += buffer.numel()
+        return Pending(work, peer, f"shared-buffer send to rank {peer} (acknowledgement)", buffer)
+
+    def irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
+        control = torch.zeros(3, dtype=torch.int64)
+        pending = self.group.irecv(control, peer, tag)
+        pending.what = f"shared-buffer control from rank {peer}"
+        pending.control = control
+        return pending
+
+    def wait(self, pending: Pending) -> None:
+        self.group.wait(pending)
+        control = getattr(pending, "control", None)
+        if control is not None:  # receiver: the bytes are in the sender's buffer
+            tag, slot, nbytes = (int(x) for x in control)
+            pending.buffer = self._peers[pending.peer][slot].tensor[:nbytes]
+            pending.tag = tag
+            self.bytes_shared += nbytes
+
+    def release(self, pending: Pending) -> None:
+        """Receiver: the bucket is unpacked; the sender may reuse its buffer."""
+        if getattr(pending, "control", None) is not None:
+            if pending.buffer.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self.group.wait(self.group.isend(torch.ones(1, dtype=torch.int64), pending.peer, pending.tag))
+
+    def _close_own(self) -> None:
+        for buf in self._own:
+            if buf.shm is not None:
+                buf.tensor = None
+                buf.shm.close()
+                buf.shm.unlink()
+        self._own = []
+
+    def close(self) -> None:
+        """Unmap peers' buffers and free this rank's (call on every rank when done)."""
+        for bufs in self._peers.values():
+            for buf in bufs:
+                if buf.shm is not None:
+                    buf.tensor = None
+                    buf.shm.close()
+        self._peers = {}
+        self._close_own()
