@@ -110,6 +110,11 @@ def _rank(rank, world, port, scenario):
                     buffer[3] ^= 0x40
                 return super().isend(buffer, peer, tag)
         group_cls = Flipping
+    if scenario == "fingerprint-mismatch" and rank == NUM_TRAIN + 1:
+        from megatron_refit.plan import RefitPlan
+
+        # a rank whose plan differs (e.g. another package version): only its fingerprint shows it
+        RefitPlan.fingerprint = lambda self: "0" * 16
     group = group_cls.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
     verify = scenario in ("flip-byte", "verify-mismatch") and not (scenario == "verify-mismatch" and rank == 0)
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify=verify)
@@ -223,3 +228,8 @@ def test_hf_receiver_refuses_to_generate_while_stale():
         recv.logits(tokens)
     recv.set_state("ready", 3)
     assert recv.logits(tokens).shape == (1, 4, 32)
+
+
+def test_plan_fingerprint_mismatch_is_refused_before_transfer():
+    with pytest.raises(SpawnError, match=r"refit plan fingerprint mismatch on refit ranks \[3\]"):
+        run_spawned(_rank, NUM_TRAIN + NUM_GEN, "fingerprint-mismatch", timeout_s=120)
