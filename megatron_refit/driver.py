@@ -14,9 +14,11 @@ this cannot deadlock (the globally first unfinished bucket is always posted at b
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -24,6 +26,7 @@ import torch
 from .buckets import contiguous_bytes, pack_bucket, unpack_bucket
 from .checksum import TRAILER_BYTES, trailer_ok, write_trailer
 from .plan import RefitPlan
+from .report import RefitReport  # noqa: F401  (re-exported: part of the driver API)
 from .spec import ShardSpec
 from .transport import RefitGroup
 
@@ -57,6 +60,8 @@ class StaleWeightsError(RuntimeError):
     """The engine's weights are not those of a complete refit."""
 
 
+logger = logging.getLogger("megatron_refit")
+
 STATES = ("stale", "updating", "ready")
 MAX_DIRECT_IN_FLIGHT = 16
 
@@ -78,36 +83,11 @@ class ReceiverBackend(Protocol):
     # engine can refuse to serve half-updated weights.
 
 
-@dataclass
-class RefitReport:
-    version: int
-    role: str
-    rank: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_wire: int = 0
-    """Bytes on the wire: payload plus alignment padding inside buckets (≤ 15 per item)."""
-    bytes_minimal: int = 0
-    """Sum over generation ranks of the bytes they must hold (the whole refit's floor)."""
-    seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0, onload=0.0,
-                                                       offload=0.0))
-    """``load``: gen-side unpacking; ``onload`` / ``offload``: moving offloaded trainer
-    parameters back before the refit and out again after it (0.0 when that did not run)."""
-
-    @property
-    def gbps(self) -> float:
-        moved = self.bytes_sent + self.bytes_received
-        return moved / self.seconds["total"] / 1e9 if self.seconds["total"] > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "gbps": self.gbps}
-
-
 class _Endpoint:
     role: str
 
     def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool,
-                 direct_bytes: int | None):
+                 direct_bytes: int | None, on_report: Callable[[dict], None] | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -116,6 +96,8 @@ class _Endpoint:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
+        self.on_report = on_report
+        """Called with each refit's metrics dict (e.g. to forward them to wandb or TensorBoard)."""
         self.num_train = num_train
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
@@ -172,6 +154,17 @@ class _Endpoint:
         versions = self.group.all_gather_tensor(torch.tensor([version], dtype=torch.int64))
         if any(int(v) != version for v in versions):
             raise ValueError(f"refit ranks disagree on the version: {[int(v) for v in versions]}")
+
+    def _emit(self, report: RefitReport) -> None:
+        """One structured log line per refit and rank, and the optional callback."""
+        metrics = report.as_dict()
+        logger.info("refit %s", json.dumps(metrics, sort_keys=True))
+        if self.on_report is not None:
+            self.on_report(metrics)
+
+    def _route(self, report: RefitReport, direct: bool) -> None:
+        route = "direct" if direct else ("shared" if hasattr(self.group, "staging") else "packed")
+        report.routes[route] += 1
 
     def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
         """Post buckets in order and retire them in the same order (FIFO). At most two
@@ -240,9 +233,9 @@ class Refitter(_Endpoint):
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20,
-                 offloader=None):
+                 offloader=None, on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes)
+                         direct_bytes=direct_bytes, on_report=on_report)
         self.offloader = offloader
         """Optional :class:`~megatron_refit.offload.ParamOffloader`: offloaded parameters are
         loaded for the refit and offloaded again after it."""
@@ -277,6 +270,7 @@ class Refitter(_Endpoint):
         def post(bucket, buf):
             report.bytes_sent += bucket.payload_bytes
             direct = self._direct_view(bucket, get_src, "src")
+            self._route(report, direct is not None)
             if direct is not None:  # straight from the local tensor
                 report.bytes_wire += bucket.nbytes
                 pending = self.group.isend(direct, self.plan.global_dst(bucket), bucket.index)
@@ -311,6 +305,7 @@ class Refitter(_Endpoint):
                 report.seconds["offload"] = time.perf_counter() - t0
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
+        self._emit(report)
         return report
 
 
@@ -320,9 +315,10 @@ class Receiver(_Endpoint):
     role = "gen"
 
     def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20):
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20,
+                 on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes)
+                         direct_bytes=direct_bytes, on_report=on_report)
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.backend = backend
@@ -355,6 +351,7 @@ class Receiver(_Endpoint):
             raise
         self.weights_version = version
         self._set_state("ready")
+        self._emit(report)
         return report
 
     def _receive(self, version: int) -> RefitReport:
@@ -365,6 +362,7 @@ class Receiver(_Endpoint):
 
         def post(bucket, buf):
             direct = self._direct_view(bucket, self.backend.buffer, "dst")
+            self._route(report, direct is not None)
             if direct is not None:  # straight into engine storage
                 pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
                 pending.direct = True

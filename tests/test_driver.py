@@ -70,8 +70,9 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
                 box = box_along(shape, 0, rank * half, (rank + 1) * half)
                 pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
                                      full[rank * half:(rank + 1) * half]))
+        seen = []
         ep = Refitter(group, pieces, num_train=num_train, num_gen=world - num_train, bucket_bytes=bucket_bytes,
-                      direct_bytes=direct_bytes, verify=verify)
+                      direct_bytes=direct_bytes, verify=verify, on_report=seen.append)
         ep.prepare()
         reports = [ep.refit(v) for v in (1, 2)]
         if mode == "backwards":
@@ -80,6 +81,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
         if mode == "colocated":
             group.all_gather_tensor(torch.zeros(1))  # every rank is done reading before buffers go away
             group.close()
+        assert seen == [r.as_dict() for r in reports]  # the callback got every refit's metrics
         return [dict(r.as_dict(), shared=shared) for r in reports]
     extra = []
     if mode == "unknown-name":
@@ -112,6 +114,9 @@ def test_refit_moves_every_dtype_exactly(bucket_bytes, direct_bytes):
         assert gen["exact"] and gen["finalized"] == 2
         for report in gen["reports"]:
             assert report["bytes_received"] == report["bytes_minimal"] // 2
+            routes = report["routes"]
+            assert routes["direct"] + routes["packed"] > 0 and routes["shared"] == 0
+            assert routes["direct"] > 0 or direct_bytes is None
     sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
     assert sent == out[0][0]["bytes_minimal"]
     # replicated norm: the two train ranks share the load
@@ -135,6 +140,8 @@ def test_colocated_refit_through_shared_buffers():
     for gen in out[2:]:
         assert gen["exact"] and gen["finalized"] == 2
         assert gen["shared"] >= sum(r["bytes_received"] for r in gen["reports"]) > 0
+        assert all(r["routes"]["shared"] > 0 and r["routes"]["direct"] == r["routes"]["packed"] == 0
+                   for r in gen["reports"])
     sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
     assert sent == out[0][0]["bytes_minimal"]
     assert all(train[-1]["shared"] > 0 for train in out[:2])
