@@ -26,7 +26,7 @@ import torch
 from .buckets import contiguous_bytes, pack_bucket, unpack_bucket
 from .checksum import TRAILER_BYTES, trailer_ok, write_trailer
 from .plan import RefitPlan
-from .report import RefitReport  # noqa: F401  (re-exported: part of the driver API)
+from .report import RefitReport
 from .spec import ShardSpec
 from .transport import RefitGroup
 
