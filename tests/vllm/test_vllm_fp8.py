@@ -24,11 +24,14 @@ from .test_vllm_receiver import _full_tensors, _under, _vllm_model
 pytest.importorskip("vllm")
 
 ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
-CASES = [("qwen3-moe", 2), ("qwen3", 2)]
+# One spawn covers every fused scale layout: layer 0 is a dense MLP (gate_up_proj), layer 1
+# MoE (w13 / w2); both have qkv_proj. (Each vLLM rank costs ~30 s of imports.)
+CASES = [("qwen3-moe", 2)]
+MIXED = dict(mlp_only_layers=[0], intermediate_size=256)
 
 
 def _bf16_tensors(model_name: str, seed: int):
-    full, cfg = _full_tensors(model_name, seed, **ALIGNED)
+    full, cfg = _full_tensors(model_name, seed, **ALIGNED, **MIXED)
     return {n: t.bfloat16() for n, t in full.items()}, cfg
 
 
@@ -129,6 +132,7 @@ def test_fp8_refit_matches_vllm_fp8_checkpoint_load(model_name, gen_tp, tmp_path
             assert item["diff"] == [], item["diff"][:5]
             assert any(n.endswith("qkv_proj.weight") for n in item["fp8"])  # block-quantised params...
             assert any(n.endswith("qkv_proj.weight_scale_inv") for n in item["scales"])  # ...with their tiles
+            assert any(n.endswith("gate_up_proj.weight_scale_inv") for n in item["scales"])
             if "moe" in model_name:
                 assert any(n.endswith("w13_weight") for n in item["fp8"])
                 assert any(n.endswith("w2_weight_scale_inv") for n in item["scales"])
