@@ -40,6 +40,9 @@ def pack_bucket(
     out = out[: bucket.nbytes]
     for item in bucket.items:
         src = get_src(item.transfer.name)
+        if str(src.dtype).removeprefix("torch.") != item.transfer.dtype:  # copy_ would cast silently
+            raise ValueError(f"{item.transfer.name}: the local piece is {src.dtype}, its spec (and the plan) "
+                             f"says {item.transfer.dtype}")
         _item_view(out, item).copy_(src[_slices(item.transfer.src_box)])
     return out
 

@@ -264,7 +264,12 @@ class Refitter(_Endpoint):
 
         def get_src(name: str) -> torch.Tensor:
             if name not in cache:
-                cache[name] = self.pieces[name].tensor().detach()
+                tensor = self.pieces[name].tensor().detach()
+                spec = self.pieces[name].spec
+                if tuple(tensor.shape) != spec.shape or str(tensor.dtype).removeprefix("torch.") != spec.dtype:
+                    raise ValueError(f"{name}: the local piece is {tuple(tensor.shape)} {tensor.dtype}, its spec says "
+                                     f"{spec.shape} {spec.dtype}")
+                cache[name] = tensor
             return cache[name]
 
         def post(bucket, buf):

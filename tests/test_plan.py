@@ -273,3 +273,11 @@ def test_plan_argument_errors():
         RefitPlan.build(train, gen, gen_rank_ids=[3, 4])
     with pytest.raises(PlanError, match=r"train_rank_ids \[0, 0\] must be 2 distinct ranks"):
         RefitPlan.build({0: train[0], 1: train[0]}, gen, train_rank_ids=[0, 0])
+
+
+def test_pack_refuses_a_piece_whose_dtype_is_not_its_specs():
+    train = {0: [spec(W, (4,), ((0, 4),))]}
+    plan = RefitPlan.build(train, {0: [spec(W, (4,), ((0, 4),))]})
+    with pytest.raises(ValueError, match=r"w.weight: the local piece is torch.bfloat16, its spec \(and the plan\) "
+                                         r"says float32"):
+        pack_bucket(plan.buckets[0], {W: torch.zeros(4, dtype=torch.bfloat16)}.__getitem__)
