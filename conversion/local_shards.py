@@ -146,7 +146,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
 
     if isinstance(mapping, (pm.MambaInProjMapping, pm.MambaConv1dMapping)):
         if tp_size == 1:
-            return [shard(str(mapping.hf_param), tuple(weight.shape), full_box(tuple(weight.shape)), lambda w=weight: w)]
+            shape = tuple(weight.shape)
+            return [shard(str(mapping.hf_param), shape, full_box(shape), lambda w=weight: w)]
         # Megatron's local in_proj is [z, x, B, C, dt] of this rank's heads/groups (conv1d:
         # [x, B, C]): several disjoint row ranges of the HF tensor, not one box.
         raise LocalSplitError(

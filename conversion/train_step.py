@@ -118,7 +118,7 @@ def _update_expert_bias(built: BuiltModel) -> None:
     tokens = torch.stack([r.local_tokens_per_expert for r in routers])
     bias = torch.stack([r.expert_bias for r in routers])
     updated = get_updated_expert_bias(tokens, bias, built.config.moe_router_bias_update_rate)
-    for router, new_bias in zip(routers, updated):
+    for router, new_bias in zip(routers, updated, strict=True):
         router.expert_bias.copy_(new_bias)
         router.local_tokens_per_expert.zero_()
 
