@@ -48,7 +48,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                        num_nextn_predict_layers=0, head_dim=8),  # HF: head_dim = qk_rope_head_dim
+                        num_nextn_predict_layers=0, head_dim=8,  # HF: head_dim = qk_rope_head_dim
+                        topk_method="noaux_tc", scoring_func="sigmoid"),  # read by vLLM
     # Published shapes (config.json of deepseek-ai/DeepSeek-V3) without its MTP layer
     # (num_nextn_predict_layers=1 there), for meta enumeration and dry runs only.
     "deepseek-v3-671b": dict(
@@ -74,6 +75,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         num_nextn_predict_layers=0,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         tie_word_embeddings=False,
         max_position_embeddings=163840,
     ),
