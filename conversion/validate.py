@@ -17,7 +17,10 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
         ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
         ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
     ]
-    layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
+    if layout.first_stage_layers is None and layout.last_stage_layers is None:
+        checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
+    else:
+        layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
     if getattr(hf_config, "kv_lora_rank", None):  # MLA: down projections are column-parallel here
         checks += [
             ("q_lora_rank", hf_config.q_lora_rank or hf_config.num_attention_heads, "tp", layout.tp),
