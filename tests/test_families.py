@@ -104,7 +104,9 @@ def test_local_shards_reassemble_to_bridge_export(enumerated, index):
         assert layers == [{0}, {1, 2}]
 
 
-def _full_size_deepseek(rank, world_size, port):
+def _fake_world_specs(rank, world_size, port):
+    """Full-size DeepSeek-V3 ranks of PP16xEP16, and every rank of the tiny CASES, each
+    built on the meta device in a fake process group (one process)."""
     import time
 
     from conversion.hf_configs import hf_config
@@ -113,13 +115,30 @@ def _full_size_deepseek(rank, world_size, port):
     layout = TrainLayout(pp=16, ep=16, dp=16, first_stage_layers=3, last_stage_layers=2)
     cfg = hf_config("deepseek-v3-671b")
     start = time.perf_counter()
-    specs = {r: rank_shard_specs(cfg, layout, r) for r in (0, 21, 255)}
-    return specs, time.perf_counter() - start, peak_rss_mb()
+    full = {r: rank_shard_specs(cfg, layout, r) for r in (0, 21, 255)}
+    seconds = time.perf_counter() - start
+    tiny = [[rank_shard_specs(hf_config(m), TrainLayout(**_layout_kw(kw)), r) for r in range(2)]
+            for m, kw, pad in CASES if not pad]
+    return full, seconds, peak_rss_mb(), tiny
+
+
+@pytest.fixture(scope="module")
+def fake_world_specs():
+    return run_spawned(_fake_world_specs, 1, timeout_s=300)[0]
 
 
 @pytest.mark.slow
-def test_deepseek_v3_full_size_meta_ranks_of_pp16_ep16():
-    specs, seconds, rss_mb = run_spawned(_full_size_deepseek, 1, timeout_s=300)[0]
+def test_fake_world_specs_equal_real_ranks(enumerated, fake_world_specs):
+    tiny = fake_world_specs[3]
+    indices = [i for i, (_, _, pad) in enumerate(CASES) if not pad]
+    for index, per_rank in zip(indices, tiny, strict=True):
+        for rank in range(2):
+            assert per_rank[rank] == [spec for spec, _ in enumerated[rank][index]["real"]], (CASES[index], rank)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_full_size_meta_ranks_of_pp16_ep16(fake_world_specs):
+    specs, seconds, rss_mb, _ = fake_world_specs
     print(f"\nDeepSeek-V3 PP16xEP16 ranks 0/21/255: {seconds:.1f} s, peak RSS {rss_mb:.0f} MB")
     assert rss_mb < 2048
 
@@ -140,10 +159,10 @@ def test_deepseek_v3_full_size_meta_ranks_of_pp16_ep16():
     assert {s.pp_stage for s in specs[255]} == {15} and "lm_head.weight" in {s.name for s in specs[255]}
 
 
-# Each case spawns 4 processes (~50 s on 2 cores). Llama's untied head and gen TP2 use the
-# mappings and vLLM rules of Qwen3 (covered by test_e2e_refit); its tied head is the new part.
+# Each case spawns 4 processes (~35-70 s on 2 busy cores).
 E2E = [
     ("llama3-tied", TrainLayout(tp=2), GenLayout(tp=1, dp=2)),
+    ("llama3", TrainLayout(tp=2), GenLayout(tp=2)),
     ("deepseek-v3", TrainLayout(tp=2, ep=2), GenLayout(tp=1, dp=2)),
     ("deepseek-v3", TrainLayout(tp=2, ep=2), GenLayout(tp=2)),
 ]
