@@ -74,6 +74,9 @@ def spec_from_args(args) -> RunSpec:
     if args.model not in MOE_MODELS and overrides["experts"]:
         raise ValueError(f"--experts needs an MoE model ({', '.join(MOE_MODELS)}), got --model {args.model}")
     _check_runs_on_cpu(args.model)
+    if args.fp8 and args.model not in ("qwen3", "qwen3-moe"):
+        # The FP8 demo shape and the quantised-role rules are Qwen3's; MLA / Llama FP8 untried.
+        raise ValueError(f"--fp8 is tried with --model qwen3 / qwen3-moe only, got --model {args.model}")
     if args.fp8 and all(v is None for v in overrides.values()):
         overrides.update(FP8_SHAPE)
     dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
