@@ -140,6 +140,12 @@ def build_model(
         # What Megatron's Float16Module does (not used here: it assumes CUDA): every
         # parameter, norms included, in the training dtype.
         model = [chunk.to(dtype) for chunk in model]
+        # ... except the router's expert bias (DeepSeek's e_score_correction_bias), which
+        # Megatron's router keeps in float32 (it restores it on every forward).
+        for chunk in model:
+            for module in chunk.modules():
+                if getattr(module, "expert_bias", None) is not None:
+                    module._maintain_float32_expert_bias()
     return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
 
 

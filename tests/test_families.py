@@ -119,7 +119,40 @@ def _fake_world_specs(rank, world_size, port):
     seconds = time.perf_counter() - start
     tiny = [[rank_shard_specs(hf_config(m), TrainLayout(**_layout_kw(kw)), r) for r in range(2)]
             for m, kw, pad in CASES if not pad]
-    return full, seconds, peak_rss_mb(), tiny
+    return full, seconds, peak_rss_mb(), tiny, _bf16_dtypes()
+
+
+def _bf16_dtypes():
+    """dtype per HF name of a bf16 DeepSeek-V3 (meta, TP2xEP2 rank 0)."""
+    from conversion.build import build_model, destroy_model_parallel, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.local_shards import enumerate_local_shards
+    from conversion.meta import fake_world
+
+    layout = TrainLayout(tp=2, ep=2)
+    cfg = hf_config("deepseek-v3")
+    with fake_world(0, 2):
+        init_model_parallel(layout, create_gloo_process_groups=False)
+        try:
+            built = build_model(cfg, layout, meta=True, dtype=torch.bfloat16)
+            return {s.spec.name: s.spec.dtype for s in enumerate_local_shards(built.bridge, built.model, cfg)}
+        finally:
+            destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_bf16_router_bias_stays_float32_on_both_ends(fake_world_specs):
+    """Megatron's router keeps expert_bias in float32 (and restores it on every forward);
+    transformers and vLLM hold e_score_correction_bias in float32 too."""
+    from conversion.hf_configs import hf_config
+    from megatron_refit.receivers.hf import HFReceiver
+
+    train = fake_world_specs[4]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert train[bias] == "float32" and train["model.layers.1.self_attn.q_b_proj.weight"] == "bfloat16"
+    receiver = HFReceiver.from_config(hf_config("deepseek-v3"), dtype=torch.bfloat16)
+    gen = {s.name: s.dtype for s in receiver.target_specs()}
+    assert gen[bias] == "float32" and gen["model.layers.1.self_attn.q_b_proj.weight"] == "bfloat16"
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +171,7 @@ def test_fake_world_specs_equal_real_ranks(enumerated, fake_world_specs):
 
 @pytest.mark.slow
 def test_deepseek_v3_full_size_meta_ranks_of_pp16_ep16(fake_world_specs):
-    specs, seconds, rss_mb, _ = fake_world_specs
+    specs, seconds, rss_mb = fake_world_specs[:3]
     print(f"\nDeepSeek-V3 PP16xEP16 ranks 0/21/255: {seconds:.1f} s, peak RSS {rss_mb:.0f} MB")
     assert rss_mb < 2048
 

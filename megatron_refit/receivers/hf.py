@@ -31,6 +31,12 @@ class HFReceiver:
         self.weights_version: int | None = None
         self._views: dict[str, torch.Tensor] = {}
         # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
+        # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
+        # does; from_config does not) stay float32, as the trainer sends them.
+        keep_fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        for name, buf in model.named_buffers():
+            if any(key in name.split(".") for key in keep_fp32):
+                buf.data = buf.data.float()
         params = model.state_dict(keep_vars=True)
         tied = getattr(model.config, "tie_word_embeddings", False)
         for name, param in params.items():
