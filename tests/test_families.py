@@ -124,7 +124,11 @@ def _fake_world_specs(rank, world_size, port):
 
 def _bf16_dtypes():
     """dtype per HF name of a bf16 DeepSeek-V3 (meta, TP2xEP2 rank 0)."""
-    from conversion.build import build_model, destroy_model_parallel, init_model_parallel
+    from conversion.build import (
+        build_model,
+        destroy_model_parallel,
+        init_model_parallel,
+    )
     from conversion.hf_configs import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.meta import fake_world
