@@ -16,6 +16,7 @@ import torch
 
 from megatron_refit.layout import TrainLayout
 
+from .families import configure_provider, cpu_device_for_buffers, family
 from .te_shim import import_bridge
 
 
@@ -65,6 +66,7 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
 
     ``pad_vocab`` pads Megatron's vocab to a multiple of (divisor x TP), as Megatron
     training does; the HF names keep the unpadded vocab."""
+    family(hf_config)  # ValueError for an architecture that cannot be built here
     import_bridge()
     from megatron.bridge import AutoBridge
     from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -75,6 +77,8 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
     provider.pipeline_model_parallel_size = layout.pp
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
+    provider.num_layers_in_first_pipeline_stage = layout.first_stage_layers
+    provider.num_layers_in_last_pipeline_stage = layout.last_stage_layers
     provider.sequence_parallel = False
     provider.should_pad_vocab = pad_vocab
     provider.transformer_layer_spec = local_layer_spec
@@ -96,6 +100,7 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
         provider.moe_permute_fusion = False
         provider.moe_grouped_gemm = False
         provider.moe_router_fusion = False
+    configure_provider(provider, hf_config)
     provider.finalize()
     return bridge, provider
 
@@ -122,18 +127,25 @@ def build_model(
     check_train_layout(hf_config, layout)
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
     torch.manual_seed(seed)
-    model = provider.provide_distributed_model(
-        wrap_with_ddp=False,
-        use_cpu_initialization=True,
-        init_model_with_meta_device=meta,
-        mixed_precision_wrapper=None,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
-    )
+    with cpu_device_for_buffers(meta):
+        model = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=True,
+            init_model_with_meta_device=meta,
+            mixed_precision_wrapper=None,
+            bf16=dtype == torch.bfloat16,
+            fp16=False,
+        )
     if dtype != torch.float32:
         # What Megatron's Float16Module does (not used here: it assumes CUDA): every
         # parameter, norms included, in the training dtype.
         model = [chunk.to(dtype) for chunk in model]
+        # ... except the router's expert bias (DeepSeek's e_score_correction_bias), which
+        # Megatron's router keeps in float32 (it restores it on every forward).
+        for chunk in model:
+            for module in chunk.modules():
+                if getattr(module, "expert_bias", None) is not None:
+                    module._maintain_float32_expert_bias()
     return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
 
 

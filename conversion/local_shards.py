@@ -144,6 +144,17 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
             shard(mapping.hf_param["up"], global_shape, box, lambda w=weight, h=half: w.narrow(0, h, h)),
         ]
 
+    if isinstance(mapping, (pm.MambaInProjMapping, pm.MambaConv1dMapping)):
+        if tp_size == 1:
+            shape = tuple(weight.shape)
+            return [shard(str(mapping.hf_param), shape, full_box(shape), lambda w=weight: w)]
+        # Megatron's local in_proj is [z, x, B, C, dt] of this rank's heads/groups (conv1d:
+        # [x, B, C]): several disjoint row ranges of the HF tensor, not one box.
+        raise LocalSplitError(
+            f"{meg_name}: {type(mapping).__name__} at tensor-parallel size {tp_size} holds several disjoint "
+            "row ranges of the HF tensor; a local shard is one box (use TP 1 for Mamba layers)"
+        )
+
     kind = _mapping_kind(mapping, module)
     hf_name = str(mapping.hf_param)
     local_shape = tuple(weight.shape)

@@ -71,6 +71,7 @@ def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torc
         torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
     _finalize_grads(built)
     optimizer.step()
+    _update_expert_bias(built)
     return float(loss.detach()) if loss is not None else None
 
 
@@ -100,6 +101,26 @@ def _finalize_grads(built: BuiltModel) -> None:
                 torch.distributed.all_reduce(param.grad, group=tp)
                 if not ("q_layernorm" in name or "k_layernorm" in name):
                     param.grad /= tp.size()
+
+
+@torch.no_grad()
+def _update_expert_bias(built: BuiltModel) -> None:
+    """The aux-loss-free router bias update of Megatron's ``finalize_model_grads``
+    (DeepSeek-V3's ``e_score_correction_bias``): ``bias += rate * sign(mean - tokens)`` from
+    the tokens routed in this step. Megatron's ``_update_router_expert_bias`` skips modules
+    in eval mode, which this step runs in (see the module docstring), so its loop is done
+    here with Megatron's ``get_updated_expert_bias``."""
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = [m for chunk in built.model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    tokens = torch.stack([r.local_tokens_per_expert for r in routers])
+    bias = torch.stack([r.expert_bias for r in routers])
+    updated = get_updated_expert_bias(tokens, bias, built.config.moe_router_bias_update_rate)
+    for router, new_bias in zip(routers, updated, strict=True):
+        router.expert_bias.copy_(new_bias)
+        router.local_tokens_per_expert.zero_()
 
 
 @torch.no_grad()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from megatron_refit.layout import TrainLayout
 
+from .hf_configs import num_routed_experts
+
 
 def check_train_layout(hf_config, layout: TrainLayout) -> None:
     """``ValueError`` naming the first size that the layout does not divide."""
@@ -14,9 +16,17 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
         ("num_key_value_heads", kv, "tp", layout.tp),
         ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
         ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
-        ("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp),
     ]
-    experts = getattr(hf_config, "num_experts", None) or 0
+    if layout.first_stage_layers is None and layout.last_stage_layers is None:
+        checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
+    else:
+        layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA: down projections are column-parallel here
+        checks += [
+            ("q_lora_rank", hf_config.q_lora_rank or hf_config.num_attention_heads, "tp", layout.tp),
+            ("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, "tp", layout.tp),
+        ]
+    experts = num_routed_experts(hf_config)
     if experts:
         checks += [
             ("num_experts", experts, "ep", layout.ep),

@@ -19,6 +19,9 @@ from .gen_layout import GenLayout
 from .harness import RunSpec, evaluate, run
 from .layout import TrainLayout
 
+MODELS = ["qwen3", "qwen3-moe", "llama3", "llama3-tied", "deepseek-v3", "nemotron-h"]
+MOE_MODELS = ("qwen3-moe", "deepseek-v3", "nemotron-h")
+
 LOGIT_TOLERANCE = {"float32": 1e-5}
 """Logits must match the Megatron forward this closely; in bf16 two implementations of the
 same weights differ by bf16 rounding, so the difference is reported, not judged."""
@@ -27,7 +30,8 @@ same weights differ by bf16 rounding, so the difference is reported, not judged.
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3", choices=["qwen3", "qwen3-moe"])
+    p.add_argument("--model", default="qwen3", choices=MODELS,
+                   help="tiny preset; nemotron-h cannot run on CPU (exits with the reason)")
     for flag in ("hidden", "layers", "heads", "kv-heads", "experts", "vocab", "ffn"):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
     p.add_argument("--train-tp", type=int, default=2)
@@ -67,8 +71,12 @@ def spec_from_args(args) -> RunSpec:
     dp = args.train_dp or args.train_ep // math.gcd(args.train_tp, args.train_ep)
     overrides = {k: getattr(args, k.replace("-", "_")) for k in
                  ("hidden", "layers", "heads", "kv_heads", "experts", "vocab", "ffn")}
-    if args.model == "qwen3" and overrides["experts"]:
-        raise ValueError("--experts needs --model qwen3-moe")
+    if args.model not in MOE_MODELS and overrides["experts"]:
+        raise ValueError(f"--experts needs an MoE model ({', '.join(MOE_MODELS)}), got --model {args.model}")
+    _check_runs_on_cpu(args.model)
+    if args.fp8 and args.model not in ("qwen3", "qwen3-moe"):
+        # The FP8 demo shape and the quantised-role rules are Qwen3's; MLA / Llama FP8 untried.
+        raise ValueError(f"--fp8 is tried with --model qwen3 / qwen3-moe only, got --model {args.model}")
     if args.fp8 and all(v is None for v in overrides.values()):
         overrides.update(FP8_SHAPE)
     dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
@@ -85,6 +93,16 @@ def spec_from_args(args) -> RunSpec:
         refits=args.refits,
         dtype=dtype,
     )
+
+
+def _check_runs_on_cpu(model: str) -> None:
+    """``ValueError`` with the reason when the model's family cannot be built on CPU."""
+    from conversion.families import NOT_ON_CPU
+    from conversion.hf_configs import PRESETS
+
+    arch = PRESETS[model]["architectures"][0]
+    if arch in NOT_ON_CPU:
+        raise ValueError(f"--model {model} cannot run here: {NOT_ON_CPU[arch]}")
 
 
 def format_table(result: dict) -> str:

@@ -67,6 +67,10 @@ _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     for role, pattern in (
         ("q", r"(?:^|\.)self_attn\.q_proj\.(?:weight|bias)$"),
         ("kv", r"(?:^|\.)self_attn\.[kv]_proj\.(?:weight|bias)$"),
+        # MLA (DeepSeek): per-head up projections are column-parallel by heads; the low-rank
+        # down projections (vLLM fuses them into ``fused_qkv_a_proj``) are replicated.
+        ("q", r"(?:^|\.)self_attn\.(?:q_b|kv_b)_proj\.weight$"),
+        ("replicated", r"(?:^|\.)self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight$"),
         ("column", r"(?:^|\.)mlp\.(?:gate|up)_proj\.(?:weight|bias)$"),
         ("column", _SHARED + r"(?:gate|up)_proj\.(?:weight|bias)$"),
         ("expert_column", _EXPERT + r"(?:gate|up)_proj\.(?:weight|bias)$"),

@@ -56,11 +56,13 @@ class RunSpec:
 
 
 def model_shape(cfg) -> ModelShape:
+    from conversion.hf_configs import num_routed_experts  # not Megatron: importable on gen ranks
+
     return ModelShape(
         num_attention_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads,
         vocab_size=cfg.vocab_size,
-        num_experts=getattr(cfg, "num_experts", 0) or 0,
+        num_experts=num_routed_experts(cfg),
     )
 
 

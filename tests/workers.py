@@ -54,7 +54,7 @@ def enumerate_cases(rank, world_size, port, cases):
     in the same processes, so one spawn covers several layouts."""
     from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.local_shards import enumerate_local_shards, group_experts
-    from conversion.hf_configs import hf_config
+    from conversion.hf_configs import hf_config, num_routed_experts
 
     init_gloo(rank, world_size, port)
     results = []
@@ -66,7 +66,7 @@ def enumerate_cases(rank, world_size, port, cases):
         randomize_replicated_(built.model)
         with forbid_collectives():
             shards = enumerate_local_shards(built.bridge, built.model, cfg)
-            grouped = group_experts(shards, getattr(cfg, "num_experts", 0) or 0)
+            grouped = group_experts(shards, num_routed_experts(cfg))
         real = [(s.spec, s.tensor().detach().clone()) for s in shards]
         grouped = [(s.spec, s.tensor().detach().clone()) for s in grouped]
         views = [_is_view_of_param(s, built.model) for s in shards]
@@ -95,7 +95,8 @@ def enumerate_cases(rank, world_size, port, cases):
 
 def randomize_replicated_(model) -> None:
     """Give TP-replicated params (norms, router: initialised to constants or identical
-    draws) distinct values, seeded by their global name so every replica agrees."""
+    draws) and router expert-bias buffers distinct values, seeded by their global name so
+    every replica agrees."""
     import zlib
 
     from megatron.bridge.models.conversion.model_bridge import _megatron_local_name_to_global
@@ -109,6 +110,10 @@ def randomize_replicated_(model) -> None:
             g = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for name, b in chunk.named_buffers():
+            if name.endswith("router.expert_bias"):  # DeepSeek's e_score_correction_bias (zeros at init)
+                gname = _megatron_local_name_to_global(model, config, name.removeprefix("module."), vp)
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(zlib.crc32(gname.encode()))))
 
 
 def _is_view_of_param(shard, model) -> bool:

@@ -5,7 +5,9 @@ place into its parameters. Checkpoint names map onto the model's storage: most a
 model's own parameter names; routed experts, which transformers 5 keeps fused per layer
 (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), receive the
 per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views into those
-tensors. A tied ``lm_head`` is not a target (it is the embedding).
+tensors. Persistent buffers that checkpoints carry (DeepSeek's router
+``e_score_correction_bias``) are targets too. A tied ``lm_head`` is not a target (it is
+the embedding).
 
 With ``fp8=True`` the quantised weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
 quantisation) into staging buffers, and ``finalize()`` dequantises them into the model: the
@@ -28,7 +30,14 @@ class HFReceiver:
         self.state = "stale"
         self.weights_version: int | None = None
         self._views: dict[str, torch.Tensor] = {}
-        params = dict(model.named_parameters())
+        # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
+        # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
+        # does; from_config does not) stay float32, as the trainer sends them.
+        keep_fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        for name, buf in model.named_buffers():
+            if any(key in name.split(".") for key in keep_fp32):
+                buf.data = buf.data.float()
+        params = model.state_dict(keep_vars=True)
         tied = getattr(model.config, "tie_word_embeddings", False)
         for name, param in params.items():
             if tied and name == "lm_head.weight":

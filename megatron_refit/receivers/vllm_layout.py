@@ -1,6 +1,7 @@
 """vLLM's parameter layout on one generation TP rank, and HF pieces as views into it.
 
 vLLM fuses projections per layer (``qkv_proj = [q; k; v]``, ``gate_up_proj = [gate; up]``,
+MLA's replicated ``fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]``,
 FusedMoE ``w13_weight [E_local, 2·I_tp, H]`` with gate then up, ``w2_weight [E_local, H,
 I_tp]``) and pads vocab-parallel rows per rank. Given the HF pieces a rank needs
 (:func:`megatron_refit.gen_layout.gen_target_specs`), :func:`fused_layout` says where each
@@ -27,6 +28,9 @@ from ..spec import ShardSpec
 _FUSED = (
     (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>[qkv])_proj\.(?P<t>weight|bias|weight_scale_inv)"), "{p}.qkv_proj.{t}",
      ("q", "k", "v")),
+    # MLA (DeepSeek with q_lora_rank): replicated [q_a_proj; kv_a_proj_with_mqa]
+    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>q_a_proj|kv_a_proj_with_mqa)\.(?P<t>weight)"),
+     "{p}.fused_qkv_a_proj.{t}", ("q_a_proj", "kv_a_proj_with_mqa")),
     (re.compile(r"(?P<p>.*\.mlp)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"), "{p}.gate_up_proj.{t}",
      ("gate", "up")),
     (re.compile(r"(?P<p>.*\.shared_experts?)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"),

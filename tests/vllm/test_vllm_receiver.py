@@ -20,7 +20,7 @@ from megatron_refit.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
-CASES = [("qwen3", 2), ("qwen3-moe", 2), ("qwen3", 4)]
+CASES = [("qwen3", 2), ("qwen3-moe", 2), ("qwen3", 4), ("deepseek-v3", 2)]
 
 
 def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object]:
@@ -110,7 +110,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     model = build()
     shape = model_shape(cfg)
     params = {n: (tuple(t.shape), "float32") for n, t in full.items()}
-    is_moe = "moe" in model_name
+    is_moe = "moe" in model_name or model_name.startswith("deepseek")
     # process_weights_after_loading needs a CUDA-only op for MoE on CPU: checked on a GPU only
     post = None if is_moe else _under(vcfg, vllm_post_load(model, vcfg.model_config, torch.device("cpu")))
     backend = EngineReceiver.for_model(model, params, GenLayout(tp=gen_tp), shape, gen_index=gen_index,
