@@ -14,8 +14,11 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
         ("num_key_value_heads", kv, "tp", layout.tp),
         ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
         ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
-        ("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp),
     ]
+    if layout.first_stage_layers is None and layout.last_stage_layers is None:
+        checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
+    else:
+        layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the split does not fit
     experts = getattr(hf_config, "num_experts", None) or 0
     if experts:
         checks += [
