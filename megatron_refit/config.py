@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,10 @@ class RefitConfig:
             _check_type(key, value, hints[key])
         config = cls(**d)
         config.validate()
+        ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
+        if not config.enabled and ignored:
+            warnings.warn(f"refit.enabled is false: {ignored} are ignored by training (dry runs still use them)",
+                          stacklevel=2)
         return config
 
     def validate(self) -> None:

@@ -92,8 +92,9 @@ def save_specs(path: str, key: str, specs: dict[int, list[ShardSpec]]) -> None:
                     for s in rank_specs]
         for rank, rank_specs in specs.items()
     }
-    with gzip.open(path, "wt") as f:
-        json.dump({"format": CACHE_FORMAT, "key": key, "ranks": rows}, f, separators=(",", ":"))
+    text = json.dumps({"format": CACHE_FORMAT, "key": key, "ranks": rows}, separators=(",", ":"))
+    with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as z:  # same specs, same bytes
+        z.write(text.encode())
 
 
 def load_specs(path: str, key: str | None = None) -> dict[int, list[ShardSpec]]:

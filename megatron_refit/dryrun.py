@@ -75,9 +75,25 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _enumeration_sources() -> str:
+    """sha256 of the ``conversion`` package's sources (read, not imported): any change to
+    how ranks are enumerated makes old caches stale."""
+    import conversion
+
+    digest = hashlib.sha256()
+    folder = os.path.dirname(conversion.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
 def cache_key(model: str, preset: dict, layout: TrainLayout, dtype: str) -> str:
+    """Key of an enumeration cache: preset, layout, dtype, package versions, conversion sources."""
     text = json.dumps({"format": CACHE_FORMAT, "model": model, "preset": preset, "layout": asdict(layout),
-                       "dtype": dtype, "versions": _versions()}, sort_keys=True, default=str)
+                       "dtype": dtype, "versions": _versions(), "sources": _enumeration_sources()},
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

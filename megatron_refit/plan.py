@@ -271,6 +271,7 @@ def _assign_whole(name, entry, shape, dtype, itemsize, by_name, copies, load, ou
     holder = holders[0]
     senders = (holder,)
     tid = id(train_box)
+    shared: dict[int, tuple[Piece]] = {}  # classes with equal slices share one pieces tuple
     for c, pieces_of in enumerate(by_name):
         spec = pieces_of.get(name)
         if spec is None:
@@ -285,7 +286,10 @@ def _assign_whole(name, entry, shape, dtype, itemsize, by_name, copies, load, ou
             numel = overlap[key] = _numel(spec.box)
         nbytes = numel * itemsize
         load[holder] += nbytes * copies[c]
-        out[c].append((spec, ((train_box, senders, nbytes),)))
+        pieces = shared.get(nbytes)
+        if pieces is None:
+            pieces = shared[nbytes] = ((train_box, senders, nbytes),)
+        out[c].append((spec, pieces))
 
 
 @dataclass(frozen=True, kw_only=True)

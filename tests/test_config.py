@@ -9,7 +9,12 @@ import sys
 import pytest
 import yaml
 
-from megatron_refit.config import RefitConfig, load_training_yaml, split_refit_section, train_layout
+from megatron_refit.config import (
+    RefitConfig,
+    load_training_yaml,
+    split_refit_section,
+    train_layout,
+)
 from megatron_refit.layout import TrainLayout
 
 
@@ -45,6 +50,11 @@ def test_enabled_only_gives_defaults():
 def test_bad_values_are_named(section, match):
     with pytest.raises(ValueError, match=match):
         RefitConfig.from_dict(section)
+
+
+def test_settings_of_a_disabled_refit_warn():
+    with pytest.warns(UserWarning, match=r"refit.enabled is false: \['gen_tp'\] are ignored"):
+        RefitConfig.from_dict({"gen_tp": 2})
 
 
 def test_every_field_has_a_docstring():

@@ -85,7 +85,7 @@ def test_pair_bytes_match_the_expanded_plan():
 
 def test_command_line_on_a_shipped_config():
     out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/qwen3-30b-a3b.yaml",
-                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"ok", "model", "predicted_seconds", "bottleneck", "bytes_per_gen_rank_max"}

@@ -13,8 +13,18 @@ import sys
 
 import pytest
 
-from megatron_refit.derive import derive_all_ranks, load_specs, representative_ranks, save_specs
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_target_specs
+from megatron_refit.derive import (
+    derive_all_ranks,
+    load_specs,
+    representative_ranks,
+    save_specs,
+)
+from megatron_refit.gen_layout import (
+    GenLayout,
+    ModelShape,
+    gen_target_classes,
+    gen_target_specs,
+)
 from megatron_refit.launch import run_spawned
 from megatron_refit.layout import TrainLayout
 from megatron_refit.plan import RefitPlan, SenderPlan, gen_classes
@@ -123,7 +133,7 @@ def test_sender_plan_is_what_refit_plan_expands(train_tp, train_dp, gen_tp, gen_
 
 def _dry_run(config: str, *extra: str) -> tuple[int, dict, str]:
     out = subprocess.run([sys.executable, "-m", "megatron_refit.dryrun", "--config", config, "--json", *extra],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
     return out.returncode, json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
 
 
@@ -131,7 +141,7 @@ EXPECTED_PARAMS = {  # published totals
     "qwen3-4b": (4.0e9, 4.1e9),
     "qwen3-30b-a3b": (30.4e9, 30.6e9),
     "qwen3-235b-a22b": (235.0e9, 235.2e9),
-    "deepseek-v3": (671.0e9, 672.0e9),
+    "deepseek-v3": (671.0e9, 686.0e9),  # 671B, plus 14B if the multi-token-prediction layer is exported
 }
 
 
@@ -143,7 +153,7 @@ def test_dry_run_of_shipped_config(config):
     name = os.path.basename(config)[:-5]
     if name == "deepseek-v3" and "deepseek-v3" not in PRESETS:
         pytest.skip("DeepSeek-V3 (MLA) model-family support is not on this branch yet: no 'deepseek-v3' preset")
-    refit, preset, layout = load_config(config)
+    refit, _, _ = load_config(config)
     code, result, text = _dry_run(config)
     assert code == 0, text
     assert result["ok"] is True and result["model"] == name
@@ -165,7 +175,7 @@ def test_dry_run_of_shipped_config(config):
 def test_dry_run_names_bad_config(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  tensor_model_parallel_size: 2\nrefit:\n  enabled: true\n  gen_tpp: 2\n")
-    code, result, text = _dry_run(str(config))
+    code, result, _ = _dry_run(str(config))
     assert code == 2 and result["ok"] is False
     assert "unknown key(s) ['gen_tpp']" in result["error"]
     config.write_text("refit:\n  enabled: true\n  model: qwen3-5b\n")
