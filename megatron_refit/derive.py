@@ -42,8 +42,8 @@ def _renumbered(spec: ShardSpec, offset: int, num_experts: int) -> ShardSpec:
     if match is not None:
         expert = int(match.group(1))
         name = f"{spec.name[: match.start(1)]}{expert + offset}{spec.name[match.end(1):]}"
-        return ShardSpec(name=name, global_shape=spec.global_shape, dtype=spec.dtype, box=spec.box,
-                         pp_stage=spec.pp_stage, is_expert=True)
+        return ShardSpec.trusted(name, spec.global_shape, spec.dtype, spec.box, pp_stage=spec.pp_stage,
+                                 is_expert=True)  # the box of a valid spec, unchanged
     if spec.global_shape and spec.global_shape[0] == num_experts:
         (start, stop), *rest = spec.box
         return ShardSpec(name=spec.name, global_shape=spec.global_shape, dtype=spec.dtype,
