@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"ok": False, "model": model, "error": str(e)}))
+            print(json.dumps({"ok": False, "model": model, "predicted_seconds": 0.0, "bottleneck": "",
+                              "bytes_per_gen_rank_max": 0, "error": str(e)}))
         return 2
     layout = f"{run.train.describe()} -> TP{run.gen.tp}xDP{run.gen.dp}"
     print(f"{model}: {layout}, {mode}, {cluster.gpus_per_node} GPUs/node, NVLink {cluster.nvlink_gbps:g} GB/s, "

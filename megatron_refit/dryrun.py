@@ -169,6 +169,15 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
 
 
 def peak_rss_mb() -> float:
+    """Peak RSS of this process's own address space (Linux ``VmHWM``). ``ru_maxrss`` would
+    also count the image of a parent that forked this process before its exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass  # not Linux: fall back to getrusage
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -212,7 +221,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"ok": False, "model": model or "", "error": str(e)}))
+            print(json.dumps({"ok": False, "model": model or "", "plan_seconds": 0.0, "peak_rss_mb": peak_rss_mb(),
+                              "num_params": 0, "bytes_per_gen_rank_max": 0, "bytes_total": 0, "error": str(e)}))
         return 2
     print("\n".join(summary_lines(run)))
     if args.json:

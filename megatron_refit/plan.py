@@ -63,15 +63,14 @@ def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
 
 
 def _index_specs(
-    side: str, specs: dict[int, list[ShardSpec]], ranks: list[int] | None = None, *, index_boxes: bool = True
+    side: str, specs: dict[int, list[ShardSpec]]
 ) -> tuple[dict[str, dict[Box, list[int]]], dict[str, ShardSpec]]:
-    """``name -> box -> ranks holding it`` and one spec per name, over ``ranks`` (default:
-    all); rejects duplicates and inconsistent metadata."""
+    """``name -> box -> ranks holding it`` and one spec per name; rejects duplicates and inconsistent metadata."""
     if sorted(specs) != list(range(len(specs))):
         raise PlanError(f"{side} ranks must be 0..{len(specs) - 1}, got {sorted(specs)}")
     index: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
     meta: dict[str, ShardSpec] = {}
-    for rank in range(len(specs)) if ranks is None else ranks:
+    for rank in range(len(specs)):
         seen: set[str] = set()
         for spec in specs[rank]:
             if spec.name in seen:
@@ -85,8 +84,7 @@ def _index_specs(
                     f"{spec.name}: {side} pieces disagree: global shape {first.global_shape} {first.dtype} "
                     f"vs {spec.global_shape} {spec.dtype} on {side} rank {rank}"
                 )
-            if index_boxes:
-                index[spec.name][spec.box].append(rank)
+            index[spec.name][spec.box].append(rank)
     return index, meta
 
 
@@ -156,10 +154,8 @@ class SenderPlan:
         for name in sorted(train_meta):
             _check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
         load = [0] * len(train_specs)
-        ordered = sorted(classes, key=lambda c: c[0][0])
-        assigned = _assign(train_index, train_meta, ordered, load)
-        needed = {spec.name for _, items in assigned[:1] for spec, _ in items}
-        needed.update(spec.name for _, items in assigned[1:] for spec, _ in items)
+        assigned = _assign(train_index, train_meta, sorted(classes, key=lambda c: c[0][0]), load)
+        needed = {spec.name for _, items in assigned for spec, _ in items}
         return cls(classes=assigned, train_bytes=tuple(load),
                    unused_train_params=tuple(sorted(set(train_meta) - needed)))
 
