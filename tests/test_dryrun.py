@@ -184,3 +184,16 @@ def test_dry_run_names_bad_config(tmp_path):
     config.write_text("model:\n  pipeline_model_parallel_size: 5\nrefit:\n  model: qwen3-4b\n")
     code, result, _ = _dry_run(str(config))
     assert code == 2 and "num_layers=36 cannot be split over pp=5" in result["error"]
+
+
+def test_full_scale_plan_spreads_the_sending_over_all_train_ranks():
+    from megatron_refit.dryrun import build
+
+    run = build(os.path.join(ROOT, "configs", "qwen3-235b-a22b.yaml"))
+    sent = run.senders.train_bytes
+    assert len(sent) == 128 and sum(sent) == run.bytes_total() == sum(run.senders.gen_bytes().values())
+    mean = sum(sent) / len(sent)
+    # Experts have one holder each (EP16, expert DP 1) and the first and last PP stages
+    # hold 11 layers instead of 12: within 10 % of the mean, every rank busy.
+    assert 0.9 * mean <= min(sent) and max(sent) <= 1.1 * mean
+    assert len(run.senders.classes) == 8 and all(len(ranks) == 16 for ranks, _ in run.senders.classes)
