@@ -128,9 +128,13 @@ def ensure_cache(path: str, model: str, layout: TrainLayout, key: str, dtype: st
     start = time.perf_counter()
     tmp = f"{path}.{os.getpid()}.tmp"
     layout_json = json.dumps({k: v for k, v in asdict(layout).items() if v is not None})
-    subprocess.run([sys.executable, "-m", "conversion.enumerate", "--model", model, "--layout", layout_json,
-                    "--dtype", dtype, "--key", key, "--out", tmp], check=True)
-    os.replace(tmp, path)
+    try:
+        subprocess.run([sys.executable, "-m", "conversion.enumerate", "--model", model, "--layout", layout_json,
+                        "--dtype", dtype, "--key", key, "--out", tmp], check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the enumeration failed: leave no partial file behind
+            os.remove(tmp)
     return time.perf_counter() - start
 
 
