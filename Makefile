@@ -4,7 +4,7 @@ VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
 
-.PHONY: setup setup-vllm test test-main test-vllm demo clean
+.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo clean
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
@@ -27,3 +27,7 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+
+# Debian's slurm-wlm for tests/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
+setup-slurm:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm

@@ -90,6 +90,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_shared_experts=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
         num_experts_per_tok=2, tie_word_embeddings=False,
     ),
+    # Published shapes (config.json of Qwen/Qwen3-4B): dense, tied embeddings.
+    "qwen3-4b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    # Published shapes (config.json of Qwen/Qwen3-235B-A22B).
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+        **_MOE,
+        max_position_embeddings=40960,
+    ),
 }
 
 _CONFIG_CLASS = {

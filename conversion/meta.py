@@ -36,8 +36,11 @@ def fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def rank_shard_specs(hf_config, layout: TrainLayout, rank: int) -> list[ShardSpec]:
-    """The ShardSpecs that train rank ``rank`` of ``layout`` would enumerate."""
+def rank_shard_specs(hf_config, layout: TrainLayout, rank: int, *, dtype=None) -> list[ShardSpec]:
+    """The ShardSpecs that train rank ``rank`` of ``layout`` would enumerate (parameters in
+    ``dtype``, a torch dtype; default float32)."""
+    import torch
+
     from .local_shards import enumerate_local_shards
 
     if not 0 <= rank < layout.world_size:
@@ -46,22 +49,15 @@ def rank_shard_specs(hf_config, layout: TrainLayout, rank: int) -> list[ShardSpe
         # gloo subgroups on a fake store crash; the enumeration needs none.
         init_model_parallel(layout, create_gloo_process_groups=False)
         try:
-            built = build_model(hf_config, layout, meta=True)
+            built = build_model(hf_config, layout, meta=True, dtype=dtype or torch.float32)
             return [s.spec for s in enumerate_local_shards(built.bridge, built.model, hf_config)]
         finally:
             destroy_model_parallel()
 
 
 def rank_coordinates(layout: TrainLayout, rank: int) -> dict[str, int]:
-    """Megatron's default rank order: dense ``tp-cp-dp-pp``, experts ``etp-ep-edp-pp``."""
-    tp = rank % layout.tp
-    dp = (rank // layout.tp) % layout.dp
-    pp = rank // (layout.tp * layout.dp)
-    inner = rank % (layout.tp * layout.dp)
-    etp = inner % layout.etp
-    ep = (inner // layout.etp) % layout.ep
-    edp = inner // (layout.etp * layout.ep)
-    return dict(tp=tp, dp=dp, pp=pp, etp=etp, ep=ep, edp=edp)
+    """Megatron's default rank order; see :meth:`TrainLayout.coordinates`."""
+    return layout.coordinates(rank)
 
 
 def all_rank_shard_specs(hf_config, layout: TrainLayout) -> dict[int, list[ShardSpec]]:

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from megatron_refit.fp8 import BLOCK, scale_box, scale_shape, weight_name
+from megatron_refit.fp8_layout import BLOCK, scale_box, scale_shape, weight_name
 from megatron_refit.spec import Box, ShardSpec, box_along, full_box
 
 VOCAB_PADDING = 64
@@ -61,6 +61,7 @@ class ModelShape:
 
 
 _EXPERT = r"(?:^|\.)mlp\.experts\.(?P<expert>\d+)\."
+_EXPERT_RE = re.compile(_EXPERT)
 _SHARED = r"(?:^|\.)mlp\.shared_experts?\."
 _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (role, re.compile(pattern))
@@ -151,9 +152,11 @@ def _expert_owner(name: str, tp: int, model: ModelShape) -> int:
     return expert // (model.num_experts // tp)
 
 
-def _vllm_box(name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int, model: ModelShape) -> Box | None:
+def _vllm_box(
+    name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int, model: ModelShape, role: str | None = None
+) -> Box | None:
     """The box of ``name`` held by ``tp_rank``, or None if that rank holds none of it."""
-    role = param_role(name, len(shape))
+    role = role or param_role(name, len(shape))
     tp = layout.tp
     if role.startswith("expert_") and layout.expert_parallel:
         return full_box(shape) if _expert_owner(name, tp, model) == tp_rank else None
@@ -177,21 +180,77 @@ def _vllm_box(name: str, shape: tuple[int, ...], layout: GenLayout, tp_rank: int
     return box_along(shape, 0, *rows)
 
 
-def _add_scale_boxes(params: dict, boxes: dict[str, Box | None]) -> None:
-    """FP8 ``*_scale_inv`` tiles: the weight's box ÷ 128, its edges on block edges."""
-    for name, (shape, _) in params.items():
-        weight = weight_name(name)
-        if weight is None:
+def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, boxes: dict) -> list[Box | None]:
+    """An FP8 ``*_scale_inv``'s tiles per TP rank: the weight's box ÷ 128, every edge of the
+    weight's box on the 128 grid (``ValueError`` naming parameter, dim and boundary)."""
+    weight = weight_name(name)
+    if weight not in params:
+        raise ValueError(f"{name}: FP8 scale without its weight {weight!r} in the parameter table")
+    weight_shape = tuple(params[weight][0])
+    if shape != scale_shape(weight_shape):
+        raise ValueError(f"{name}: shape {shape} is not that of {BLOCK}x{BLOCK} blocks of {weight} {weight_shape} "
+                         f"(expected {scale_shape(weight_shape)})")
+    return [None if box is None else scale_box(weight, box, weight_shape) for box in boxes[weight]]
+
+
+def gen_target_classes(
+    params: dict[str, tuple[tuple[int, ...], str]],
+    layout: GenLayout,
+    model: ModelShape,
+    *,
+    style: str = "vllm",
+) -> list[tuple[tuple[int, ...], list[ShardSpec]]]:
+    """The ShardSpecs per engine TP rank and the gen ranks (its DP replicas) that hold them.
+
+    ``params`` maps every HF parameter name to ``(global_shape, dtype)``.
+    """
+    if style == "full":
+        if layout.tp != 1:
+            raise ValueError(f"style='full' holds every parameter whole and needs tp=1, got tp={layout.tp}")
+    elif style != "vllm":
+        raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
+    per_tp_rank: list[list[ShardSpec]] = [[] for _ in range(layout.tp)]
+    # Boxes depend on (role, shape) only, except whole experts under expert parallelism:
+    # computed once per (role, shape), and the box objects shared (thousands of experts).
+    memo: dict[tuple[str, tuple[int, ...]], list[Box | None]] = {}
+    trusted = ShardSpec.trusted
+    roles: dict[str, str] = {}  # by name with the expert index blanked: experts of a layer share a role
+    boxes: dict[str, list[Box | None]] = {}  # FP8 tables: the weights' boxes, for their scale tiles
+    scales = []
+    has_scales = any(weight_name(n) is not None for n in params)
+    for name, (shape, dtype) in sorted(params.items()):
+        shape = tuple(shape)
+        if weight_name(name) is not None:
+            scales.append((name, shape, dtype))
             continue
-        if weight not in params:
-            raise ValueError(f"{name}: FP8 scale without its weight {weight!r} in the parameter table")
-        if tuple(shape) != scale_shape(tuple(params[weight][0])):
-            raise ValueError(
-                f"{name}: shape {tuple(shape)} is not that of {BLOCK}x{BLOCK} blocks of {weight} "
-                f"{tuple(params[weight][0])} (expected {scale_shape(tuple(params[weight][0]))})"
-            )
-        box = boxes[weight]
-        boxes[name] = None if box is None else scale_box(weight, box, tuple(params[weight][0]))
+        expert = _EXPERT_RE.search(name)
+        if style == "full":
+            per_rank = [full_box(shape)]
+        else:
+            template = name if expert is None else f"{name[: expert.start('expert')]}#{name[expert.end('expert'):]}"
+            role = roles.get(template)
+            if role is None:
+                role = roles[template] = param_role(name, len(shape))
+            key = None if role.startswith("expert_") and layout.expert_parallel else (role, shape)
+            per_rank = memo.get(key) if key is not None else None
+            if per_rank is None:
+                per_rank = [_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp)]
+                if key is not None:
+                    memo[key] = per_rank
+        if has_scales:
+            boxes[name] = per_rank
+        is_expert = expert is not None
+        for specs, box in zip(per_tp_rank, per_rank):
+            if box is not None:
+                specs.append(trusted(name, shape, dtype, box, is_expert=is_expert))
+    for name, shape, dtype in scales:  # FP8 *_scale_inv tiles follow their weight's boxes
+        for specs, box in zip(per_tp_rank, _scale_boxes(name, shape, params, boxes)):
+            if box is not None:
+                specs.append(trusted(name, shape, dtype, box, is_expert=_EXPERT_RE.search(name) is not None))
+    return [
+        (tuple(dp_index * layout.tp + tp_rank for dp_index in range(layout.dp)), specs)
+        for tp_rank, specs in enumerate(per_tp_rank)
+    ]
 
 
 def gen_target_specs(
@@ -201,42 +260,11 @@ def gen_target_specs(
     *,
     style: str = "vllm",
 ) -> dict[int, list[ShardSpec]]:
-    """The ShardSpecs each generation rank must hold, keyed by gen rank.
-
-    ``params`` maps every HF parameter name to ``(global_shape, dtype)``; an FP8 table
-    (:func:`megatron_refit.fp8.fp8_param_table`) adds ``*_scale_inv`` tiles, whose boxes
-    follow their weight's (``ValueError`` where a shard edge is off the 128 grid).
-    """
-    if style == "full":
-        if layout.tp != 1:
-            raise ValueError(f"style='full' holds every parameter whole and needs tp=1, got tp={layout.tp}")
-        boxes = [{name: full_box(tuple(shape)) for name, (shape, _) in params.items()}]
-    elif style == "vllm":
-        boxes = [
-            {name: _vllm_box(name, tuple(shape), layout, tp_rank, model)
-             for name, (shape, _) in params.items() if weight_name(name) is None}
-            for tp_rank in range(layout.tp)
-        ]
-    else:
-        raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
-    for rank_boxes in boxes:
-        _add_scale_boxes(params, rank_boxes)
-    per_tp_rank = [
-        [
-            ShardSpec(
-                name=name,
-                global_shape=tuple(params[name][0]),
-                dtype=params[name][1],
-                box=box,
-                is_expert=re.search(_EXPERT, name) is not None,
-            )
-            for name, box in rank_boxes.items()
-            if box is not None
-        ]
-        for rank_boxes in boxes
-    ]
-    return {
-        dp_index * layout.tp + tp_rank: list(per_tp_rank[tp_rank])
-        for dp_index in range(layout.dp)
-        for tp_rank in range(layout.tp)
+    """The ShardSpecs each generation rank must hold, keyed by gen rank (see
+    :func:`gen_target_classes`)."""
+    by_rank = {
+        rank: list(specs)
+        for ranks, specs in gen_target_classes(params, layout, model, style=style)
+        for rank in ranks
     }
+    return dict(sorted(by_rank.items()))

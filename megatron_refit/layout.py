@@ -52,13 +52,24 @@ class TrainLayout:
     def expert_dp(self) -> int:
         return self.tp * self.dp // (self.etp * self.ep)
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Megatron's default rank order: dense ``tp-cp-dp-pp``, experts ``etp-ep-edp-pp``."""
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        inner = rank % (self.tp * self.dp)
+        etp = inner % self.etp
+        ep = (inner // self.etp) % self.ep
+        edp = inner // (self.etp * self.ep)
+        return dict(tp=tp, dp=dp, pp=pp, etp=etp, ep=ep, edp=edp)
+
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.ep > 1 or self.etp > 1:
             parts += [f"EP{self.ep}", f"ETP{self.etp}"]
         parts.append(f"DP{self.dp}")
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            parts.append(f"L{self.first_stage_layers or '-'}/{self.last_stage_layers or '-'}")
+            parts.append(f"L{self.first_stage_layers or '-'}+{self.last_stage_layers or '-'}")  # file-name safe
         return "x".join(parts)
 
     def stage_layers(self, num_layers: int) -> list[int]:

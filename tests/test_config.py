@@ -1,0 +1,125 @@
+"""RefitConfig validation and the refit: section beside Megatron-Bridge's YAML sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_refit.config import (
+    RefitConfig,
+    load_training_yaml,
+    split_refit_section,
+    train_layout,
+)
+from megatron_refit.layout import TrainLayout
+
+
+def test_enabled_only_gives_defaults():
+    config = RefitConfig.from_dict({"enabled": True})
+    assert config == RefitConfig(enabled=True)
+    assert (config.mode, config.backend, config.gen_tp, config.gen_dp, config.lora_sync) == (
+        "disaggregated", "vllm", 1, 1, "auto")
+    assert config.bucket_bytes == 64 << 20
+    assert RefitConfig.from_dict(None).enabled is False
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"enabled": True, "bucket_size": 4}, r"unknown key\(s\) \['bucket_size'\]"),
+        ({"mode": "shared"}, r"refit.mode: 'shared' is not one of \['disaggregated', 'colocated'\]"),
+        ({"backend": "trtllm"}, r"refit.backend: 'trtllm'"),
+        ({"lora_sync": "delta"}, r"refit.lora_sync: 'delta'"),
+        ({"enabled": "yes"}, r"refit.enabled: expected bool, got 'yes'"),
+        ({"gen_tp": 2.0}, r"refit.gen_tp: expected int, got 2.0"),
+        ({"gen_dp": True}, r"refit.gen_dp: expected int, got True"),
+        ({"bucket_mb": "64"}, r"refit.bucket_mb: expected float, got '64'"),
+        ({"bucket_mb": 0}, r"refit.bucket_mb must be positive, got 0"),
+        ({"gen_tp": -1}, r"refit.gen_tp must be positive, got -1"),
+        ({"timeout_s": 0.0}, r"refit.timeout_s must be positive"),
+        ({"port": 70000}, r"refit.port must be at most 65535"),
+        ({"backend": "hf", "gen_tp": 2}, r"backend 'hf' .* needs gen_tp 1"),
+        ({"model": 3}, r"refit.model: expected str or null, got 3"),
+        ([1, 2], r"refit: expected a mapping, got list"),
+    ],
+)
+def test_bad_values_are_named(section, match):
+    with pytest.raises(ValueError, match=match):
+        RefitConfig.from_dict(section)
+
+
+def test_settings_of_a_disabled_refit_warn():
+    with pytest.warns(UserWarning, match=r"refit.enabled is false: \['gen_tp'\] are ignored"):
+        RefitConfig.from_dict({"gen_tp": 2})
+
+
+def test_every_field_has_a_docstring():
+    with open(sys.modules[RefitConfig.__module__].__file__) as f:
+        source = f.read()
+    for field in dataclasses.fields(RefitConfig):
+        head = source.split(f"\n    {field.name}: ", 1)[1].split("\n", 2)
+        assert head[1].strip().startswith('"""'), field.name
+
+
+BRIDGE_YAML = """
+model:
+  tensor_model_parallel_size: 4
+  pipeline_model_parallel_size: 8
+  expert_model_parallel_size: 16
+  num_layers_in_first_pipeline_stage: 11
+  num_layers_in_last_pipeline_stage: 11
+train:
+  global_batch_size: 512
+optimizer:
+  lr: 1.0e-6
+refit:
+  enabled: true
+  gen_tp: 8
+  gen_dp: 16
+"""
+
+
+def test_refit_section_beside_bridge_sections(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(BRIDGE_YAML)
+    rest, refit = load_training_yaml(str(path))
+    assert rest == {key: value for key, value in yaml.safe_load(BRIDGE_YAML).items() if key != "refit"}
+    assert refit == RefitConfig(enabled=True, gen_tp=8, gen_dp=16)
+    layout = train_layout(rest, refit)
+    assert layout == TrainLayout(tp=4, pp=8, ep=16, dp=4, first_stage_layers=11, last_stage_layers=11)
+    assert layout.stage_layers(94) == [11, 12, 12, 12, 12, 12, 12, 11]
+
+
+def test_omegaconf_reads_the_file_the_way_bridge_does(tmp_path):
+    """Bridge's process_config_with_overrides merges ``OmegaConf.load(path)``; the dict we
+    hand it is the same YAML without ``refit:`` (Bridge would warn on the unknown key)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    path = tmp_path / "train.yaml"
+    path.write_text(BRIDGE_YAML)
+    loaded = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=True)
+    rest, refit = split_refit_section(loaded)
+    assert "refit" not in rest and set(rest) == {"model", "train", "optimizer"}
+    assert refit.enabled and refit.gen_dp == 16
+
+
+def test_train_layout_errors():
+    with pytest.raises(ValueError, match=r"model.tensor_model_parallel_size: expected int, got '2'"):
+        train_layout({"model": {"tensor_model_parallel_size": "2"}}, RefitConfig())
+    with pytest.raises(ValueError, match=r"num_layers=61 does not split over pp=16"):
+        TrainLayout(pp=16, first_stage_layers=4, last_stage_layers=2).stage_layers(61)
+    assert TrainLayout(pp=16, first_stage_layers=3, last_stage_layers=2).stage_layers(61) == [3] + [4] * 14 + [2]
+    # default DP: the smallest that fits EP inside TP x DP
+    assert train_layout({"model": {"expert_model_parallel_size": 8}}, RefitConfig()).dp == 8
+    assert train_layout({"model": {"tensor_model_parallel_size": 4, "expert_model_parallel_size": 16}},
+                        RefitConfig()).dp == 4
+
+
+def test_config_imports_neither_megatron_nor_torch():
+    code = ("import sys, megatron_refit.config, megatron_refit.dryrun, megatron_refit.costmodel; "
+            "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
