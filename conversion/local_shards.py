@@ -179,7 +179,7 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
     return [shard(hf_name, global_shape, box, get)]
 
 
-def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
+def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor, feature_dim: int | None = None):
     """Split a local column-parallel fused QKV (weight, bias or FP8 scale tile) into local
     q, k, v pieces with Bridge's ``split_qkv_weights`` / ``split_qkv_biases`` applied to
     this rank's head counts. Returns ``{key: (global_shape, box, getter, release)}``; the
@@ -204,7 +204,10 @@ def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor):
     split = pm.split_qkv_biases if qkv.ndim == 1 else pm.split_qkv_weights
     rows_per_head = qkv.shape[0] // (local_cfg.num_attention_heads + 2 * local_cfg.num_query_groups)
     tail = tuple(qkv.shape[1:])
-    memo = _VersionMemo(lambda: split(local_cfg, qkv))
+    if feature_dim is not None:  # e.g. a LoRA B matrix [qkv rows, rank]
+        memo = _VersionMemo(lambda: pm.split_qkv_weights(local_cfg, qkv, feature_dim=feature_dim))
+    else:
+        memo = _VersionMemo(lambda: split(local_cfg, qkv))
     out = {}
     for index, (key, local_heads) in enumerate(
         (("q", local_cfg.num_attention_heads), ("k", local_cfg.num_query_groups), ("v", local_cfg.num_query_groups))

@@ -228,3 +228,36 @@ def te_fp8_cases(rank, world_size, port, cases):
         destroy_model_parallel()
     dist.destroy_process_group()
     return results
+
+
+def lora_cases(rank, world_size, port, cases):
+    """LoRA adapters: our local adapter pieces vs Bridge's gathered adapter export, and the
+    base pieces of the wrapped model vs Bridge's export of the model before wrapping."""
+    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.local_shards import enumerate_local_shards
+    from conversion.lora import adapter_shards, apply_lora
+
+    init_gloo(rank, world_size, port)
+    results = []
+    for model_name, layout_kw in cases:
+        init_model_parallel(layout_from(layout_kw))
+        cfg = hf_config(model_name)
+        built = build_model(cfg, layout_from(layout_kw))
+        # LoRA freezes the base: its weights are those exported before wrapping
+        export = {n: v.clone() for n, v in built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False)}
+        model = apply_lora(built.model, dim=4, alpha=8)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in model[0].named_parameters():
+                if "linear_out" in name or "linear_in" in name:
+                    p.copy_(torch.randn(p.shape, generator=g))
+        with forbid_collectives():
+            ours = [(s.spec, s.tensor().contiguous().clone()) for s in adapter_shards(built.bridge, model, cfg)]
+            base = [(s.spec, s.tensor().contiguous().clone()) for s in enumerate_local_shards(built.bridge, model, cfg)]
+        adapters = {n: v.clone() for n, v in built.bridge.export_adapter_weights(model, cpu=True, show_progress=False)}
+        results.append(dict(ours=ours, base=base, adapters=adapters if rank == 0 else None,
+                            export=export if rank == 0 else None))
+        destroy_model_parallel()
+    dist.destroy_process_group()
+    return results
