@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--colocated", action="store_true",
                    help="bucket bytes through shared staging buffers (CUDA IPC on GPU, shared memory on CPU)")
     p.add_argument("--offload", action="store_true", help="trainer parameters in host memory between steps")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train LoRA adapters of this rank (Bridge PEFT): refit 1 moves base + adapters, later "
+                        "refits only the adapters, merged on the generation side (gen TP 1)")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     return p.parse_args(argv)
 
@@ -86,6 +89,7 @@ def spec_from_args(args) -> RunSpec:
         fp8=args.fp8 or "",
         colocated=args.colocated,
         offload=args.offload,
+        lora_rank=args.lora,
         overrides={k: v for k, v in overrides.items() if v is not None},
         train=TrainLayout(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, dp=dp),
         gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),

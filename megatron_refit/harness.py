@@ -41,10 +41,17 @@ class RunSpec:
     """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
     colocated: bool = False
     """Bucket bytes through shared staging buffers (:mod:`megatron_refit.colocated`)."""
+    lora_rank: int = 0
+    """> 0: the trainer trains LoRA adapters of this rank (Bridge PEFT); refit 1 moves base +
+    adapters, later refits only the adapters (gen TP 1, the HF receiver merges)."""
+    lora_alpha: int = 8
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
             raise ValueError(f"fp8 must be '' or 'trainer', got {self.fp8!r}")
+        if self.lora_rank and (self.gen.tp != 1 or self.fp8):
+            raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
+                             f"{self.gen.tp}, fp8 {self.fp8!r}")
 
     @property
     def num_train(self) -> int:
@@ -109,7 +116,15 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
     built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
-    shards = enumerate_local_shards(built.bridge, built.model, cfg)
+    adapters = []
+    if spec.lora_rank:
+        from dataclasses import replace
+
+        from conversion.lora import adapter_shards, apply_lora
+
+        built = replace(built, model=apply_lora(built.model, dim=spec.lora_rank, alpha=spec.lora_alpha))
+        adapters = adapter_shards(built.bridge, built.model, cfg)
+    shards = enumerate_local_shards(built.bridge, built.model, cfg) + adapters
     if spec.fp8:
         from .fp8_pieces import quantise_pieces
 
@@ -123,7 +138,12 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
     refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
                         bucket_bytes=spec.bucket_bytes, offloader=offloader)
     plan = refitter.prepare()
-    optimizer = torch.optim.Adam(params, lr=1e-2)
+    adapter_refitter = None
+    if adapters:  # after the first refit only the adapters change
+        adapter_refitter = Refitter(group, adapters, num_train=spec.num_train, num_gen=spec.num_gen,
+                                    bucket_bytes=spec.bucket_bytes)
+        adapter_refitter.prepare()
+    optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
     out = []
     for version in range(1, spec.refits + 1):
         if offloader is not None and offloader.offloaded:
@@ -132,7 +152,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         if offloader is not None:
             offloader.offload()  # between steps the parameters wait in host memory
             assert all(p.numel() == 0 for p in params)
-        report = refitter.refit(version)
+        report = (refitter if version == 1 or adapter_refitter is None else adapter_refitter).refit(version)
         if offloader is not None:
             assert offloader.offloaded  # the refit put them back where it found them
             offloader.onload()  # for the checks below
@@ -162,12 +182,22 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, group):
     from .driver import Receiver
 
     backend = make_gen_backend(spec, cfg, gen_index)
-    receiver = Receiver(group, backend, num_train=spec.num_train, num_gen=spec.num_gen,
-                        bucket_bytes=spec.bucket_bytes)
-    receiver.prepare()
+    kw = dict(num_train=spec.num_train, num_gen=spec.num_gen, bucket_bytes=spec.bucket_bytes)
+    adapter_receiver = None
+    if spec.lora_rank:
+        from .receivers.lora import LoraReceiver
+
+        lora = LoraReceiver(backend, rank=spec.lora_rank, alpha=spec.lora_alpha)
+        receiver = Receiver(group, lora.full(), **kw)
+        receiver.prepare()
+        adapter_receiver = Receiver(group, lora.adapters(), **kw)
+        adapter_receiver.prepare()
+    else:
+        receiver = Receiver(group, backend, **kw)
+        receiver.prepare()
     out = []
     for version in range(1, spec.refits + 1):
-        report = receiver.receive(version)
+        report = (receiver if version == 1 or adapter_receiver is None else adapter_receiver).receive(version)
         item = dict(report=report.as_dict())
         if spec.collect:
             item["weights"] = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
