@@ -96,3 +96,15 @@ def dequantize_blockwise(
     blocks = _blocks(q.float(), block)  # a fresh float32 tensor: scaled in place
     _scale_blocks_(blocks, scale_inv.float())
     return blocks.view(blocks.shape[0] * block[0], -1)[: q.shape[0], : q.shape[1]].to(dtype)
+
+
+def fp8_checkpoint(tensors: dict[str, torch.Tensor], *, pow2_scales: bool = False) -> dict[str, torch.Tensor]:
+    """Full HF tensors as an FP8 checkpoint: quantised weights as FP8 data + ``weight_scale_inv``,
+    the rest unchanged (what trainer-side FP8 must deliver, and what an FP8 engine loads)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if is_quantised(name, tuple(tensor.shape)):
+            out[name], out[scale_name(name)] = quantize_blockwise(tensor, pow2_scales=pow2_scales)
+        else:
+            out[name] = tensor
+    return out

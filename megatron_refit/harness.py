@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fp8 import fp8_param_table, is_quantised, quantize_blockwise, scale_name
+from .fp8 import fp8_checkpoint, fp8_param_table
 from .gen_layout import GenLayout, ModelShape
 from .layout import TrainLayout
 
@@ -243,17 +243,6 @@ def run(spec: RunSpec) -> list[dict]:
     return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout, port=refit_port)
 
 
-def fp8_export(export: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Bridge's full export as an FP8 checkpoint: what trainer-side FP8 must deliver."""
-    out = {}
-    for name, tensor in export.items():
-        if is_quantised(name, tuple(tensor.shape)):
-            out[name], out[scale_name(name)] = quantize_blockwise(tensor)
-        else:
-            out[name] = tensor
-    return out
-
-
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
     from .receivers.vllm_layout import expected_storage
@@ -270,7 +259,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         if spec.collect:
             export = t_items[0]["export"]
             if spec.fp8:
-                export = fp8_export(export)
+                export = fp8_checkpoint(export)
             bit_exact = True
             for g, item in zip(gens, g_items):
                 if spec.gen.tp == 1:

@@ -185,12 +185,16 @@ class SenderPlan:
         return out
 
 
-def _dtype_message(name: str, gen: str, train: str) -> str:
-    hint = ""
-    if gen.startswith("float8") and not train.startswith("float8"):
-        hint = (": the engine loads block-FP8 weights; turn on trainer-side FP8 quantisation "
-                "(trainer_quantize_fp8) or serve the engine in the training dtype")
-    return f"{name}: dtype {gen} on gen ranks, {train} on train ranks{hint}"
+def _check_target(spec: ShardSpec, shape: tuple[int, ...], dtype: str) -> None:
+    """A gen piece must agree with the trainer's tensor in global shape and dtype."""
+    if spec.global_shape != shape:
+        raise PlanError(f"{spec.name}: global shape {spec.global_shape} on gen ranks, {shape} on train ranks")
+    if spec.dtype != dtype:
+        hint = ""
+        if spec.dtype.startswith("float8") and not dtype.startswith("float8"):
+            hint = (": the engine loads block-FP8 weights; turn on trainer-side FP8 quantisation "
+                    "(trainer_quantize_fp8) or serve the engine in the training dtype")
+        raise PlanError(f"{spec.name}: dtype {spec.dtype} on gen ranks, {dtype} on train ranks{hint}")
 
 
 def _assign(
@@ -229,10 +233,7 @@ def _assign(
             spec = pieces_of.get(name)
             if spec is None:
                 continue
-            if spec.global_shape != shape:
-                raise PlanError(f"{name}: global shape {spec.global_shape} on gen ranks, {shape} on train ranks")
-            if spec.dtype != dtype:
-                raise PlanError(_dtype_message(name, spec.dtype, dtype))
+            _check_target(spec, shape, dtype)
             gen_box = spec.box
             gid = id(gen_box)
             pieces = []
@@ -280,10 +281,7 @@ def _assign_whole(name, entry, shape, dtype, itemsize, by_name, copies, load, ou
         spec = pieces_of.get(name)
         if spec is None:
             continue
-        if spec.global_shape != shape:
-            raise PlanError(f"{name}: global shape {spec.global_shape} on gen ranks, {shape} on train ranks")
-        if spec.dtype != dtype:
-            raise PlanError(_dtype_message(name, spec.dtype, dtype))
+        _check_target(spec, shape, dtype)
         key = (tid, id(spec.box))
         numel = overlap.get(key)
         if numel is None:

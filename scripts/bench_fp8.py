@@ -10,7 +10,6 @@ repetitions, medians of the slowest rank. Reports seconds, bytes and seconds per
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit import _timed  # noqa: E402
+from bench_refit import _timed, layout_parser  # noqa: E402
 
 from megatron_refit.gen_layout import GenLayout  # noqa: E402
 from megatron_refit.harness import RunSpec  # noqa: E402
@@ -70,12 +69,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train-tp", type=int, default=2)
-    p.add_argument("--gen-tp", type=int, default=2)
-    p.add_argument("--gen-dp", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--bucket-mb", type=float, default=64)
+    p = layout_parser(__doc__)
     p.add_argument("--layers", type=int, default=FP8_BENCH_SHAPE["layers"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -157,13 +157,19 @@ def run_bench(spec: RunSpec, reps: int) -> dict:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def layout_parser(doc: str) -> argparse.ArgumentParser:
+    """The benchmarks' common flags: layout, repetitions, bucket size."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train-tp", type=int, default=2)
     p.add_argument("--gen-tp", type=int, default=2)
     p.add_argument("--gen-dp", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bucket-mb", type=float, default=64)
+    return p
+
+
+def main(argv=None) -> int:
+    p = layout_parser(__doc__)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--also-tp1-dp2", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure train TP2 -> gen TP1xDP2 for the table")

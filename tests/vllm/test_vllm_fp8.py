@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_refit.fp8 import fp8_checkpoint
 from megatron_refit.launch import free_ports, run_spawned
 
 from .test_vllm_receiver import _full_tensors, _under, _vllm_model
@@ -33,18 +34,6 @@ MIXED = dict(mlp_only_layers=[0], intermediate_size=256)
 def _bf16_tensors(model_name: str, seed: int):
     full, cfg = _full_tensors(model_name, seed, **ALIGNED, **MIXED)
     return {n: t.bfloat16() for n, t in full.items()}, cfg
-
-
-def _fp8_checkpoint(full: dict) -> dict:
-    from megatron_refit.fp8 import is_quantised, quantize_blockwise, scale_name
-
-    out = {}
-    for name, t in full.items():
-        if is_quantised(name, tuple(t.shape)):
-            out[name], out[scale_name(name)] = quantize_blockwise(t)
-        else:
-            out[name] = t
-    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +99,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
         report = receiver.receive(version)
         full, _ = _bf16_tensors(model_name, seed)
         ref = build()
-        _under(vcfg, lambda: ref.load_weights(iter(_fp8_checkpoint(full).items())))()
+        _under(vcfg, lambda: ref.load_weights(iter(fp8_checkpoint(full).items())))()
         mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
         assert set(mine) == set(theirs)
         diff = [n for n in mine if not torch.equal(_bytes(mine[n]), _bytes(theirs[n]))]
