@@ -47,6 +47,7 @@ def test_enabled_only_gives_defaults():
         ([1, 2], r"refit: expected a mapping, got list"),
     ],
 )
+@pytest.mark.reliability
 def test_bad_values_are_named(section, match):
     with pytest.raises(ValueError, match=match):
         RefitConfig.from_dict(section)

@@ -260,6 +260,7 @@ W = "w.weight"
         ({1: [spec(W, (4,), ((0, 4),))]}, {0: []}, r"train ranks must be 0..0, got \[1\]"),
     ],
 )
+@pytest.mark.reliability
 def test_plan_errors(train, gen, match):
     with pytest.raises(PlanError, match=match):
         RefitPlan.build(train, gen)
