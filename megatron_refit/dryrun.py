@@ -76,16 +76,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
+ENUMERATION_SOURCES = ("__init__.py", "build.py", "enumerate.py", "families.py", "hf_configs.py",
+                       "local_shards.py", "meta.py", "te_shim.py", "validate.py")
+"""The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
+helpers do not)."""
+
+
 def _enumeration_sources() -> str:
-    """sha256 of the ``conversion`` package's sources (read, not imported): any change to
-    how ranks are enumerated makes old caches stale."""
+    """sha256 of those sources (read, not imported): any change to how ranks are
+    enumerated makes old caches stale."""
     import conversion
 
     digest = hashlib.sha256()
     folder = os.path.dirname(conversion.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
+    for name in ENUMERATION_SOURCES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())
     return digest.hexdigest()
 
