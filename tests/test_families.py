@@ -198,7 +198,7 @@ def test_deepseek_v3_full_size_meta_ranks_of_pp16_ep16(fake_world_specs):
 # Each case spawns 4 processes (~35-70 s on 2 busy cores).
 E2E = [
     ("llama3-tied", TrainLayout(tp=2), GenLayout(tp=1, dp=2)),
-    ("llama3", TrainLayout(tp=2), GenLayout(tp=2)),
+    # Llama untied into vLLM TP2 uses Qwen3's rules (covered there); its local shards are checked above.
     ("deepseek-v3", TrainLayout(tp=2, ep=2), GenLayout(tp=1, dp=2)),
     ("deepseek-v3", TrainLayout(tp=2, ep=2), GenLayout(tp=2)),
 ]

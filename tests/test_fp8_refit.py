@@ -1,7 +1,8 @@
 """Trainer-side FP8 refit end to end (gloo): what the gen side receives equals quantising
 Bridge's full export, bit for bit, at train TP1 / TP2 / TP2×EP2 into gen TP1×DP2 (HF
 receiver, dequantised; logits against the Megatron forward with the same FP8 weights) and
-gen TP2 (vLLM layout with fused FP8 weight and scale tiles)."""
+gen TP2 (vLLM layout with fused FP8 weight and scale tiles). MoE experts into vLLM's fused
+w13/w2 FP8 tiles: tests/vllm/test_vllm_fp8.py (real vLLM)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
 CASES = [
     ("qwen3", TrainLayout(), GenLayout(tp=2)),
     ("qwen3", TrainLayout(tp=2), GenLayout(tp=1, dp=2)),
-    ("qwen3-moe", TrainLayout(tp=2, ep=2), GenLayout(tp=2)),
     ("qwen3-moe", TrainLayout(tp=2, ep=2), GenLayout(tp=1, dp=2)),
 ]
 
