@@ -18,8 +18,8 @@ from .build import BuiltModel, cpu_forward
 
 def _inputs(tokens: torch.Tensor):
     batch, seq = tokens.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril().logical_not()
+    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril().logical_not()
     mask = causal.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
     return position_ids, mask
 
@@ -31,11 +31,12 @@ def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
 
     model = built.model[0]
     model.eval()
+    tokens = tokens.to(next(model.parameters()).device)  # a model moved to a GPU computes there
     position_ids, mask = _inputs(tokens)
     stage_input = None
     if not ps.is_pipeline_first_stage():
         stage_input = torch.empty(tokens.shape[1], tokens.shape[0], built.config.hidden_size,
-                                  dtype=built.config.params_dtype)
+                                  dtype=built.config.params_dtype, device=tokens.device)
         torch.distributed.recv(stage_input, ps.get_pipeline_model_parallel_prev_rank())
         stage_input.requires_grad_(torch.is_grad_enabled())
     model.set_input_tensor(stage_input)
@@ -133,7 +134,7 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     if not ps.is_pipeline_last_stage():
         return None
     with cpu_forward():
-        return _full_logits(built, output).float().clone()
+        return _full_logits(built, output).float().cpu().clone()
 
 
 def _full_logits(built: BuiltModel, output: torch.Tensor) -> torch.Tensor:

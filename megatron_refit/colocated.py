@@ -43,10 +43,16 @@ def _open(handle: tuple) -> _SharedBuffer:
         rebuild, args = handle[1]
         return _SharedBuffer(rebuild(*args), handle)
     _, name, nbytes = handle
-    shm = shared_memory.SharedMemory(name=name)
-    # Python 3.12 registers segments opened by name too, and would unlink the owner's
-    # segment when this process exits: the owner alone manages its lifetime.
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    # Python 3.12 registers segments opened by name with the resource tracker too (3.13 has
+    # track=False), which would unlink the owner's segment when this process exits, and
+    # unregistering afterwards removes the owner's entry from the tracker the spawned ranks
+    # share. The owner alone manages the lifetime: attach without registering.
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
     t = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
     return _SharedBuffer(t, handle, shm)
 
@@ -68,15 +74,18 @@ class IpcGroup:
     direct_ok = False
     """The driver packs every item (only the staging buffers are shared)."""
 
-    def __init__(self, group: RefitGroup, *, num_train: int):
+    def __init__(self, group: RefitGroup, *, num_train: int, device: torch.device | str | None = None):
         self.group = group
         self.num_train = num_train
+        self.device = torch.device(device) if device is not None else group.device
+        """Where the staging buffers live: the trainer's GPU (CUDA IPC; the control messages
+        still travel over the group, gloo will do) or host memory (POSIX shared memory)."""
         self._own: list[_SharedBuffer] = []
         self._peers: dict[int, list[_SharedBuffer]] = {}
         self.bytes_shared = 0
         """Payload bytes handed over through shared buffers so far (this rank's side)."""
 
-    def __getattr__(self, name):  # rank, world_size, device, timeout_s, all_gather_*, ...
+    def __getattr__(self, name):  # rank, world_size, timeout_s, all_gather_*, ...
         return getattr(self.group, name)
 
     def staging(self, count: int, width: int) -> list[torch.Tensor]:
@@ -86,7 +95,7 @@ class IpcGroup:
                                                  any(b.tensor.numel() < width for b in self._own[:count]))
         if grown:
             self._close_own()
-            self._own = [_create(width, self.group.device) for _ in range(2)]
+            self._own = [_create(width, self.device) for _ in range(2)]
         handles = self.group.all_gather_object([b.handle for b in self._own] if grown else None)
         for peer, peer_handles in enumerate(handles):
             if peer_handles is not None and peer != self.rank:
@@ -140,11 +149,16 @@ class IpcGroup:
         self._own = []
 
     def close(self) -> None:
-        """Unmap peers' buffers and free this rank's (call on every rank when done)."""
+        """Collective (every rank, after its last refit): unmap the peers' buffers, wait until
+        every rank has, then free this rank's own (a CUDA IPC producer must outlive the
+        consumers' mappings)."""
         for bufs in self._peers.values():
             for buf in bufs:
+                buf.tensor = None
                 if buf.shm is not None:
-                    buf.tensor = None
                     buf.shm.close()
         self._peers = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.group.all_gather_tensor(torch.zeros(1))
         self._close_own()

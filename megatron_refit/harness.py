@@ -11,7 +11,7 @@ Train-rank code imports ``conversion`` (Megatron); generation-rank code does not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,10 +45,19 @@ class RunSpec:
     """> 0: the trainer trains LoRA adapters of this rank (Bridge PEFT); refit 1 moves base +
     adapters, later refits only the adapters (gen TP 1, the HF receiver merges)."""
     lora_alpha: int = 8
+    device: str = "cpu"
+    """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
+    by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
             raise ValueError(f"fp8 must be '' or 'trainer', got {self.fp8!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and (not self.colocated or self.train.pp != 1):
+            raise ValueError(f"device 'cuda' runs colocated at train PP 1 (every rank shares the one GPU; "
+                             f"pipeline activations travel over gloo), got colocated={self.colocated}, "
+                             f"pp={self.train.pp}")
         if self.lora_rank and (self.gen.tp != 1 or self.fp8):
             raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
                              f"{self.gen.tp}, fp8 {self.fp8!r}")
@@ -84,17 +93,18 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
     cfg = _hf_config(spec)
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world_size,
                                timeout_s=spec.timeout_s)
+    if spec.device == "cuda":
+        torch.cuda.set_device(0)
     if spec.colocated:
         from .colocated import IpcGroup
 
-        group = IpcGroup(group, num_train=spec.num_train)
+        group = IpcGroup(group, num_train=spec.num_train, device=spec.device)
     if rank < spec.num_train:
         out = _train_rank(rank, spec, cfg, group)
     else:
         out = _gen_rank(rank - spec.num_train, spec, cfg, group)
     if spec.colocated:
         out["bytes_shared"] = group.bytes_shared
-        group.all_gather_tensor(torch.zeros(1))  # nobody still reads a peer's buffer
         group.close()
     return out
 
@@ -116,10 +126,14 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
     built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
+    if spec.device == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+        for chunk in built.model:
+            chunk.cuda()
     adapters = []
     if spec.lora_rank:
-        from dataclasses import replace
-
         from conversion.lora import adapter_shards, apply_lora
 
         built = replace(built, model=apply_lora(built.model, dim=spec.lora_rank, alpha=spec.lora_alpha))
@@ -200,7 +214,8 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, group):
         report = (receiver if version == 1 or adapter_receiver is None else adapter_receiver).receive(version)
         item = dict(report=report.as_dict())
         if spec.collect:
-            item["weights"] = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
+            weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
+            item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
         out.append(item)
     return dict(role="gen", gen_index=gen_index, refits=out)
@@ -211,13 +226,13 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     if spec.gen.tp == 1:
         from .receivers.hf import HFReceiver
 
-        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8))
+        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from .receivers.vllm_layout import VllmLayoutReceiver
 
     params = _param_table(cfg, dtype)
     if spec.fp8:
         params = fp8_param_table(params)
-    return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index)
+    return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
 
 
 def _param_table(cfg, dtype) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -233,8 +248,6 @@ def _param_table(cfg, dtype) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def run(spec: RunSpec) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order)."""
-    from dataclasses import replace
-
     from .launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
@@ -268,7 +281,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
                     missing = set(want) - set(got) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
                     bit_exact &= not missing
                 else:
-                    backend = make_gen_backend(spec, cfg, g["gen_index"])
+                    backend = make_gen_backend(replace(spec, device="cpu"), cfg, g["gen_index"])
                     want = expected_storage(export, backend.target_specs(), shape, spec.gen.tp)
                     got = item["weights"]
                 bit_exact &= set(got) <= set(want) and all(torch.equal(got[n], want[n]) for n in got)

@@ -79,8 +79,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
             ep.refit(1)
         shared = getattr(group, "bytes_shared", 0)
         if mode == "colocated":
-            group.all_gather_tensor(torch.zeros(1))  # every rank is done reading before buffers go away
-            group.close()
+            group.close()  # collective: every rank is done reading before buffers go away
         assert seen == [r.as_dict() for r in reports]  # the callback got every refit's metrics
         return [dict(r.as_dict(), shared=shared) for r in reports]
     extra = []
@@ -96,8 +95,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
     exact = all(torch.equal(store.t[n].view(torch.uint8), _full(n).view(torch.uint8)) for n in GLOBAL)
     shared = getattr(group, "bytes_shared", 0)
     if mode == "colocated":
-        group.all_gather_tensor(torch.zeros(1))  # every rank is done reading before buffers go away
-        group.close()
+        group.close()  # collective: every rank is done reading before buffers go away
     return dict(exact=exact, finalized=store.finalized, reports=[r.as_dict() for r in reports], shared=shared)
 
 

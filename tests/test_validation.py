@@ -57,3 +57,12 @@ def test_endpoint_world_must_match_train_plus_gen():
 def test_unknown_model_preset():
     with pytest.raises(ValueError, match="unknown model preset 'llama9'"):
         hf_config("llama9")
+
+
+def test_cuda_harness_runs_colocated_only():
+    from megatron_refit.harness import RunSpec
+
+    with pytest.raises(ValueError, match="device 'cuda' runs colocated at train PP 1"):
+        RunSpec(device="cuda")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        RunSpec(device="tpu")

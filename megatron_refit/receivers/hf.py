@@ -59,14 +59,16 @@ class HFReceiver:
         if fp8:
             for name, view in self._views.items():
                 if is_quantised(name, tuple(view.shape)):
-                    self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE)
-                    self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32)
+                    self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE, device=view.device)
+                    self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32,
+                                                                 device=view.device)
 
     @classmethod
-    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False) -> "HFReceiver":
+    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
+                    device: str | torch.device = "cpu") -> "HFReceiver":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
         model.eval()
         return cls(model, fp8=fp8)
 
@@ -107,4 +109,5 @@ class HFReceiver:
                 f"HF receiver weights are {self.state} (last complete refit: {self.weights_version}); "
                 "refusing to generate until a refit completes"
             )
-        return self.model(tokens).logits.float()
+        device = next(self.model.parameters()).device
+        return self.model(tokens.to(device)).logits.float().cpu()

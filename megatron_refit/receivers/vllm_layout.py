@@ -117,10 +117,11 @@ class VllmLayoutReceiver:
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
-                 *, gen_index: int) -> "VllmLayoutReceiver":
+                 *, gen_index: int, device: str | torch.device = "cpu") -> "VllmLayoutReceiver":
         pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
         shapes, placements = fused_layout(pieces, model, layout.tp)
-        storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
+        storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+                   for name, (shape, dtype) in shapes.items()}
         return cls(storage, pieces, placements)
 
     def target_specs(self) -> list[ShardSpec]:
