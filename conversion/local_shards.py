@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -180,11 +179,12 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
 
 
 def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor, feature_dim: int | None = None):
-    """Split a local column-parallel fused QKV (weight, bias or FP8 scale tile) into local
-    q, k, v pieces with Bridge's ``split_qkv_weights`` / ``split_qkv_biases`` applied to
-    this rank's head counts. Returns ``{key: (global_shape, box, getter, release)}``; the
-    split is computed once for q, k and v and kept until all three were released.
-    """
+    """Split a local column-parallel fused QKV (weight, bias, FP8 scale tile or LoRA B matrix)
+    into local q, k, v pieces, the row split of Bridge's ``split_qkv_weights`` /
+    ``split_qkv_biases`` applied to this rank's head counts. Returns ``{key: (global_shape,
+    box, getter, release)}``; the split is computed once for q, k and v and kept until all
+    three were released. ``feature_dim`` is accepted for Bridge's signature: the split is by
+    rows, whatever the trailing dims."""
     num_heads, num_groups = config.num_attention_heads, config.num_query_groups
     if getattr(config, "attention_output_gate", False):
         raise LocalSplitError("QKV with attention_output_gate has no local split here")
@@ -194,29 +194,29 @@ def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor, feat
             f"num_query_groups={num_groups} / num_attention_heads={num_heads}, "
             "so no rank holds whole KV heads"
         )
-    local_cfg = SimpleNamespace(
-        num_attention_heads=num_heads // tp_size,
-        num_query_groups=num_groups // tp_size,
-        kv_channels=config.kv_channels or config.hidden_size // num_heads,
-        hidden_size=config.hidden_size,
-        attention_output_gate=False,
-    )
-    split = pm.split_qkv_biases if qkv.ndim == 1 else pm.split_qkv_weights
-    rows_per_head = qkv.shape[0] // (local_cfg.num_attention_heads + 2 * local_cfg.num_query_groups)
+    heads, groups = num_heads // tp_size, num_groups // tp_size
+    rows_per_head = qkv.shape[0] // (heads + 2 * groups)
     tail = tuple(qkv.shape[1:])
-    if feature_dim is not None:  # e.g. a LoRA B matrix [qkv rows, rank]
-        memo = _VersionMemo(lambda: pm.split_qkv_weights(local_cfg, qkv, feature_dim=feature_dim))
-    else:
-        memo = _VersionMemo(lambda: split(local_cfg, qkv))
+    memo = _VersionMemo(lambda: split_qkv_rows(qkv, heads, groups))
     out = {}
-    for index, (key, local_heads) in enumerate(
-        (("q", local_cfg.num_attention_heads), ("k", local_cfg.num_query_groups), ("v", local_cfg.num_query_groups))
-    ):
+    for index, (key, local_heads) in enumerate((("q", heads), ("k", groups), ("v", groups))):
         rows = local_heads * rows_per_head
         global_shape = (rows * tp_size, *tail)
         box = box_along(global_shape, 0, tp_rank * rows, (tp_rank + 1) * rows)
         out[key] = (global_shape, box, lambda i=index: memo.get(qkv, i), lambda i=index: memo.drop(i))
     return out
+
+
+def split_qkv_rows(qkv: torch.Tensor, num_heads: int, num_groups: int):
+    """``(q, k, v)`` of Megatron's interleaved fused QKV: rows are grouped per query group as
+    ``[q heads of the group, k, v]``, each head ``rows_per_head`` rows; trailing dims any.
+    Strided slices and one copy each (a view where one group makes them contiguous)."""
+    per_group = num_heads // num_groups
+    rows_per_head = qkv.shape[0] // (num_heads + 2 * num_groups)
+    tail = tuple(qkv.shape[1:])
+    grouped = qkv.view(num_groups, per_group + 2, rows_per_head, *tail)
+    return (grouped[:, :per_group].reshape(-1, *tail), grouped[:, per_group].reshape(-1, *tail),
+            grouped[:, per_group + 1].reshape(-1, *tail))
 
 
 class _VersionMemo:
