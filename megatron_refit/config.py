@@ -107,8 +107,6 @@ class RefitConfig:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         if self.backend == "hf" and self.gen_tp != 1:
             raise ValueError(f"refit.backend 'hf' holds whole tensors and needs gen_tp 1, got {self.gen_tp}")
-        if self.mode == "colocated" and self.backend == "hf" and self.gen_dp > 1:
-            raise ValueError("refit.mode 'colocated' with backend 'hf' supports gen_dp 1 only")
 
     @property
     def bucket_bytes(self) -> int:

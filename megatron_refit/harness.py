@@ -88,25 +88,30 @@ def tokens_for(version: int, vocab: int) -> torch.Tensor:
 
 
 def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
-    from .transport import RefitGroup
-
     cfg = _hf_config(spec)
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world_size,
-                               timeout_s=spec.timeout_s)
     if spec.device == "cuda":
         torch.cuda.set_device(0)
-    if spec.colocated:
-        from .colocated import IpcGroup
-
-        group = IpcGroup(group, num_train=spec.num_train, device=spec.device)
+    refit_cfg = refit_config(spec, port)
     if rank < spec.num_train:
-        out = _train_rank(rank, spec, cfg, group)
+        out, sync = _train_rank(rank, spec, cfg, refit_cfg)
     else:
-        out = _gen_rank(rank - spec.num_train, spec, cfg, group)
+        out, sync = _gen_rank(rank - spec.num_train, spec, cfg, refit_cfg)
     if spec.colocated:
-        out["bytes_shared"] = group.bytes_shared
-        group.close()
+        out["bytes_shared"] = sync.group.bytes_shared
+    sync.close()
     return out
+
+
+def refit_config(spec: RunSpec, port: int):
+    """The ``refit:`` config section this run corresponds to (the harness goes through the
+    same integration calls as a training loop)."""
+    from .config import RefitConfig
+
+    return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
+                       backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
+                       gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
+                       bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
+                       timeout_s=spec.timeout_s)
 
 
 def _hf_config(spec: RunSpec):
@@ -116,12 +121,11 @@ def _hf_config(spec: RunSpec):
     return hf_config(spec.model, **spec.overrides)
 
 
-def _train_rank(rank: int, spec: RunSpec, cfg, group):
+def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.local_shards import enumerate_local_shards
     from conversion.train_step import forward_logits, train_step
 
-    from .driver import Refitter
+    from .integration import trainer_refit
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
@@ -132,31 +136,18 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         model_parallel_cuda_manual_seed(1234)
         for chunk in built.model:
             chunk.cuda()
-    adapters = []
     if spec.lora_rank:
-        from conversion.lora import adapter_shards, apply_lora
+        from conversion.lora import apply_lora
 
         built = replace(built, model=apply_lora(built.model, dim=spec.lora_rank, alpha=spec.lora_alpha))
-        adapters = adapter_shards(built.bridge, built.model, cfg)
-    shards = enumerate_local_shards(built.bridge, built.model, cfg) + adapters
-    if spec.fp8:
-        from .fp8_pieces import quantise_pieces
-
-        shards = quantise_pieces(shards)
     params = [p for chunk in built.model for p in chunk.parameters()]
     offloader = None
     if spec.offload:
         from .offload import ParamOffloader
 
         offloader = ParamOffloader(params)
-    refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
-                        bucket_bytes=spec.bucket_bytes, offloader=offloader)
-    plan = refitter.prepare()
-    adapter_refitter = None
-    if adapters:  # after the first refit only the adapters change
-        adapter_refitter = Refitter(group, adapters, num_train=spec.num_train, num_gen=spec.num_gen,
-                                    bucket_bytes=spec.bucket_bytes)
-        adapter_refitter.prepare()
+    sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
+                         offloader=offloader)
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
     out = []
     for version in range(1, spec.refits + 1):
@@ -166,7 +157,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         if offloader is not None:
             offloader.offload()  # between steps the parameters wait in host memory
             assert all(p.numel() == 0 for p in params)
-        report = (refitter if version == 1 or adapter_refitter is None else adapter_refitter).refit(version)
+        report = sync.refit(version)
         if offloader is not None:
             assert offloader.offloaded  # the refit put them back where it found them
             offloader.onload()  # for the checks below
@@ -178,7 +169,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
                 logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
             item.update(export=export if rank == 0 else None, logits=logits)
         out.append(item)
-    return dict(role="train", summary=plan.summary(), refits=out)
+    return dict(role="train", summary=sync.plan.summary(), refits=out), sync
 
 
 def _reference_weights(spec: RunSpec, built):
@@ -192,33 +183,23 @@ def _reference_weights(spec: RunSpec, built):
     return fp8_weights(built.model, built.config)
 
 
-def _gen_rank(gen_index: int, spec: RunSpec, cfg, group):
-    from .driver import Receiver
+def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
+    from .integration import engine_refit
 
     backend = make_gen_backend(spec, cfg, gen_index)
-    kw = dict(num_train=spec.num_train, num_gen=spec.num_gen, bucket_bytes=spec.bucket_bytes)
-    adapter_receiver = None
-    if spec.lora_rank:
-        from .receivers.lora import LoraReceiver
-
-        lora = LoraReceiver(backend, rank=spec.lora_rank, alpha=spec.lora_alpha)
-        receiver = Receiver(group, lora.full(), **kw)
-        receiver.prepare()
-        adapter_receiver = Receiver(group, lora.adapters(), **kw)
-        adapter_receiver.prepare()
-    else:
-        receiver = Receiver(group, backend, **kw)
-        receiver.prepare()
+    lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
+    sync = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
+                        lora=lora)
     out = []
     for version in range(1, spec.refits + 1):
-        report = (receiver if version == 1 or adapter_receiver is None else adapter_receiver).receive(version)
+        report = sync.receive(version)
         item = dict(report=report.as_dict())
         if spec.collect:
             weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
         out.append(item)
-    return dict(role="gen", gen_index=gen_index, refits=out)
+    return dict(role="gen", gen_index=gen_index, refits=out), sync
 
 
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):

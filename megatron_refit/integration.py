@@ -1,0 +1,176 @@
+"""The calls a training loop makes, driven by the ``refit:`` section of its config.
+
+Train ranks::
+
+    bridge_cfg, refit_cfg = load_training_yaml("train.yaml")      # refit: {enabled: true, ...}
+    sync = trainer_refit(refit_cfg, bridge, model, hf_config, rank=rank, num_train=world)
+    for step in ...:
+        train_step(...)
+        sync.refit(step)                                           # after every optimizer step
+
+Generation ranks hold a receiver backend (vLLM, SGLang, HF) and call
+``engine_refit(refit_cfg, backend, gen_index=i, num_train=...)`` then ``receive(step)``.
+Both sides build the same plan once (in the constructor) and move only the bytes each
+generation rank needs. With LoRA adapters on the trainer, the first refit (and any refit
+called with ``full=True``, e.g. after the engine dropped its weights) moves base weights
+and adapters; the others move the adapters only. Train ranks compute the refit rank
+layout: ``0..num_train-1`` train, then ``gen_tp * gen_dp`` generation ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .config import RefitConfig
+from .driver import Receiver, Refitter
+from .report import RefitReport
+from .transport import RefitGroup
+
+
+def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device):
+    """The refit group of this rank: NCCL between GPUs, gloo on CPU; colocated: bucket bytes
+    through shared buffers (CUDA IPC / shared memory), control messages over gloo."""
+    world = num_train + cfg.gen_tp * cfg.gen_dp
+    if not 0 <= refit_rank < world:
+        raise ValueError(f"refit rank {refit_rank} outside the refit world of {world} "
+                         f"(num_train={num_train} + gen_tp*gen_dp={cfg.gen_tp * cfg.gen_dp})")
+    colocated = cfg.mode == "colocated"
+    backend = "nccl" if device.type == "cuda" and not colocated else "gloo"
+    group = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world, backend=backend,
+                               timeout_s=cfg.timeout_s)
+    if colocated:
+        from .colocated import IpcGroup
+
+        group = IpcGroup(group, num_train=num_train, device=device)
+    return group
+
+
+def _check_enabled(cfg: RefitConfig, num_train: int) -> None:
+    if not cfg.enabled:
+        raise ValueError("refit.enabled is false: set `refit: {enabled: true}` in the training config")
+    if not isinstance(num_train, int) or num_train < 1:
+        raise ValueError(f"num_train must be a positive int, got {num_train!r}")
+
+
+class TrainerRefit:
+    """Train side of the refit (one per train rank); see the module docstring."""
+
+    def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
+                 offloader=None, on_report: Callable[[dict], None] | None = None):
+        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+                  verify=cfg.verify, on_report=on_report)
+        self.group = group
+        self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
+        self.plan = self.full.prepare()
+        self.adapters = None
+        if adapters and cfg.lora_sync != "full":
+            self.adapters = Refitter(group, adapters, offloader=offloader, **kw)
+            self.adapters.prepare()
+        self._version = None
+
+    def refit(self, version: int, *, full: bool = False) -> RefitReport:
+        """Send this rank's pieces of refit ``version``. Collective over the refit group:
+        every train and generation rank calls it with the same ``version`` and ``full``."""
+        first = self._version is None
+        endpoint = self.full if full or first or self.adapters is None else self.adapters
+        report = endpoint.refit(version)
+        self._version = version
+        for other in (self.full, self.adapters):
+            if other is not None:
+                other.version = version
+        return report
+
+    def close(self) -> None:
+        """Collective: release shared buffers (colocated) and the group."""
+        if hasattr(self.group, "staging"):
+            self.group.close()
+
+
+class EngineRefit:
+    """Generation side of the refit (one per generation rank)."""
+
+    def __init__(self, group, backend, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
+                 on_report: Callable[[dict], None] | None = None):
+        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+                  verify=cfg.verify, on_report=on_report)
+        self.group = group
+        self.adapters = None
+        if lora is not None:
+            from .receivers.lora import LoraReceiver
+
+            merge = LoraReceiver(backend, rank=lora[0], alpha=lora[1])
+            self.full = Receiver(group, merge.full(), **kw)
+            self.plan = self.full.prepare()
+            if cfg.lora_sync != "full":
+                self.adapters = Receiver(group, merge.adapters(), **kw)
+                self.adapters.prepare()
+        else:
+            self.full = Receiver(group, backend, **kw)
+            self.plan = self.full.prepare()
+        self._version = None
+        self._last = self.full
+
+    def receive(self, version: int, *, full: bool = False) -> RefitReport:
+        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`)."""
+        first = self._version is None
+        endpoint = self.full if full or first or self.adapters is None else self.adapters
+        self._last = endpoint
+        report = endpoint.receive(version)
+        self._version = version
+        for other in (self.full, self.adapters):
+            if other is not None:
+                other.version = version
+        return report
+
+    @property
+    def state(self) -> str:
+        """``ready`` after a complete refit; ``stale`` (or ``updating``) otherwise."""
+        return self._last.state
+
+    def close(self) -> None:
+        if hasattr(self.group, "staging"):
+            self.group.close()
+
+
+def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
+                  on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
+    """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
+    join the refit group and build the plan. ``model``: the Megatron model chunks; LoRA
+    adapters (Bridge PEFT) on it are found and synced per ``cfg.lora_sync``."""
+    _check_enabled(cfg, num_train)
+    if not 0 <= rank < num_train:
+        raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
+    from conversion.local_shards import enumerate_local_shards
+
+    pieces = enumerate_local_shards(bridge, model, hf_config)
+    adapters = []
+    if any(hasattr(m, "adapter") and hasattr(m, "to_wrap") for chunk in model for m in chunk.modules()):
+        from conversion.lora import adapter_shards  # Bridge PEFT LoRALinear wrappers
+
+        adapters = adapter_shards(bridge, model, hf_config)
+    if cfg.trainer_quantize_fp8:
+        if adapters:
+            raise ValueError("refit.trainer_quantize_fp8 with LoRA adapters: adapters are sent in the training "
+                             "dtype and merged on the engine; quantise after merging there instead")
+        from .fp8_pieces import quantise_pieces
+
+        pieces = quantise_pieces(pieces)
+    device = next(p for chunk in model for p in chunk.parameters()).device
+    group = connect(cfg, refit_rank=rank, num_train=num_train, device=device)
+    return TrainerRefit(group, pieces, adapters, cfg, num_train=num_train, offloader=offloader, on_report=on_report)
+
+
+def engine_refit(cfg: RefitConfig, backend, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",
+                 lora: tuple[int, float] | None = None,
+                 on_report: Callable[[dict], None] | None = None) -> EngineRefit:
+    """Join the refit group as generation rank ``gen_index`` (``0..gen_tp*gen_dp-1``) with a
+    receiver ``backend`` (``target_specs`` / ``buffer`` / ``finalize``) and build the plan.
+    ``lora=(rank, alpha)``: the trainer sends LoRA adapters, merged here into the weights."""
+    _check_enabled(cfg, num_train)
+    num_gen = cfg.gen_tp * cfg.gen_dp
+    if not 0 <= gen_index < num_gen:
+        raise ValueError(f"gen_index {gen_index} outside 0..{num_gen - 1} (gen_tp={cfg.gen_tp}, gen_dp={cfg.gen_dp})")
+    group = connect(cfg, refit_rank=num_train + gen_index, num_train=num_train, device=torch.device(device))
+    return EngineRefit(group, backend, cfg, num_train=num_train, lora=lora, on_report=on_report)
