@@ -13,6 +13,7 @@ import sys
 
 from megatron_refit.cost import Cluster, placement, predict
 from megatron_refit.dryrun import build
+from megatron_refit.family_plan import FamilyPlan
 from megatron_refit.plan import SenderPlan
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -30,7 +31,7 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
 """Published refit seconds: (system, layout, low, high)."""
 
 
-def pair_bytes(senders: SenderPlan) -> dict[tuple[int, int], int]:
+def pair_bytes(senders: SenderPlan | FamilyPlan) -> dict[tuple[int, int], int]:
     """Bytes per (train rank, gen rank) pair of a plan."""
     return senders.pair_bytes()
 
