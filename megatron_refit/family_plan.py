@@ -14,7 +14,7 @@ then class), so both give the same senders, bytes and transfers.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import itemgetter
 
 from megatron_refit.gen_layout import GenTargets
@@ -82,18 +82,20 @@ class FamilyPlan:
         load = [0] * len(train_specs)
         builder = _Builder(ranks, load)
         needed = []
-        for name in sorted(targets.params):  # SenderPlan's order: water-filling reads the load so far
-            shape, dtype, gen_boxes = targets.params[name]
-            if all(box is None for box in gen_boxes):
+        params = targets.params
+        for name in sorted(params):  # SenderPlan's order: water-filling reads the load so far
+            shape, dtype, gen_boxes = params[name]
+            if gen_boxes.count(None) == len(gen_boxes):
                 continue
             train = train_meta.get(name)
             if train is None:
                 raise PlanError(f"HF name {name} is not produced by the trainer")
-            check_target(name, shape, dtype, train.global_shape, train.dtype)
+            if train.global_shape != shape or train.dtype != dtype:
+                check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)
             boxes = train_index[name]
             if all(len(holders) == 1 for holders in boxes.values()):
-                builder.add_to_family(name, dtype, gen_boxes, boxes)
+                builder.family(dtype, gen_boxes, boxes).add(name, boxes, load)
             else:
                 builder.add_replicated(name, dtype, gen_boxes, boxes)
         return cls(class_ranks=ranks, families=builder.families(), replicated=builder.replicated_items(),
@@ -174,8 +176,8 @@ class _Builder:
         # shape) are shared objects, and every box here stays alive meanwhile.
         self.ids: dict[int, int] = {}
         self.values: dict[tuple, int] = {}
-        self.shapes: dict[tuple, tuple] = {}  # family key -> (dtype, train boxes, gen boxes, order, nbytes, sent)
-        self.members: dict[tuple, tuple[list[str], list[tuple[int, ...]]]] = {}
+        self.members: dict[tuple, _Members] = {}  # by (dtype, gen boxes, train boxes) as numbers
+        self.by_id: dict[tuple, _Members] = {}  # the same by the boxes' identities
         self.replicated: list[list[Item]] = [[] for _ in ranks]
         self.overlap: dict[tuple[int, int], int] = {}  # by identity: boxes stay alive meanwhile
 
@@ -193,23 +195,18 @@ class _Builder:
             numel = self.overlap[key] = 0 if box is None else _numel(box)
         return numel
 
-    def add_to_family(self, name: str, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> None:
-        """A parameter whose every train box has one holder."""
-        key = (dtype, self._number(gen_boxes), *map(self._number, boxes))
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self.shapes[key] = self._family_shape(dtype, gen_boxes, list(boxes))
-            self.members[key] = ([], [])
-        order, sent = shape[3], shape[5]
-        holders = [h[0] for h in boxes.values()]
-        names, holder_rows = self.members[key]
-        names.append(name)
-        holder_rows.append(tuple(holders[i] for i in order))
-        load = self.load
-        for holder, nbytes in zip(holders, sent):
-            load[holder] += nbytes
+    def family(self, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> _Members:
+        """The family of a parameter whose every train box has one holder."""
+        members = self.by_id.get(key := (dtype, id(gen_boxes), *map(id, boxes)))
+        if members is None:  # equal boxes may be distinct objects (e.g. FP8 scale tiles): by value
+            value_key = (dtype, self._number(gen_boxes), *map(self._number, boxes))
+            members = self.members.get(value_key)
+            if members is None:
+                members = self.members[value_key] = self._family_shape(dtype, gen_boxes, list(boxes))
+            self.by_id[key] = members
+        return members
 
-    def _family_shape(self, dtype: str, gen_boxes: tuple, train_boxes: list[Box]) -> tuple:
+    def _family_shape(self, dtype: str, gen_boxes: tuple, train_boxes: list[Box]) -> _Members:
         order = sorted(range(len(train_boxes)), key=train_boxes.__getitem__)
         itemsize = ITEMSIZE[dtype]
         nbytes = []
@@ -220,12 +217,9 @@ class _Builder:
             row = tuple(self._numel(train_boxes[i], gen_box) * itemsize for i in order)
             assert sum(row) == _numel(gen_box) * itemsize, (gen_box, train_boxes)  # the tiling was checked
             nbytes.append(row)
-        # bytes each train box's holder sends to all classes, in the boxes' first-seen order
-        sent = [0] * len(train_boxes)
-        for copies, row in zip(self.copies, nbytes):
-            for k, i in enumerate(order):
-                sent[i] += row[k] * copies
-        return dtype, tuple(train_boxes[i] for i in order), tuple(gen_boxes), order, tuple(nbytes), sent
+        family = Family(dtype=dtype, train_boxes=tuple(train_boxes[i] for i in order), gen_boxes=gen_boxes,
+                        nbytes=tuple(nbytes), names=(), holders=())
+        return _Members(family, order, self.copies)
 
     def add_replicated(self, name: str, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> None:
         """A parameter with a train box held by several ranks: SenderPlan's water-filling, class by class."""
@@ -245,7 +239,8 @@ class _Builder:
                     load[holders[0]] += nbytes * copies
                     senders = tuple(holders)
                 else:
-                    order = sorted(holders, key=lambda rank: (load[rank], rank))[:copies]
+                    # by (load, rank): holders are in rank order (index_specs) and the sort is stable
+                    order = sorted(holders, key=load.__getitem__)[:copies]
                     base, extra = divmod(copies, len(order))
                     for i, rank in enumerate(order):
                         load[rank] += nbytes * (base + (i < extra))
@@ -257,9 +252,32 @@ class _Builder:
             self.replicated[c].append((name, dtype, gen_box, tuple(pieces)))
 
     def families(self) -> tuple[Family, ...]:
-        return tuple(Family(dtype=dtype, train_boxes=train_boxes, gen_boxes=gen_boxes, nbytes=nbytes,
-                            names=tuple(self.members[key][0]), holders=tuple(self.members[key][1]))
-                     for key, (dtype, train_boxes, gen_boxes, _, nbytes, _) in self.shapes.items())
+        return tuple(replace(m.family, names=tuple(m.names), holders=tuple(m.holders)) for m in self.members.values())
 
     def replicated_items(self) -> tuple[tuple[Item, ...], ...]:
         return tuple(map(tuple, self.replicated))
+
+
+class _Members:
+    """The parameters of one family while the plan is built."""
+
+    __slots__ = ("family", "order", "sent", "names", "holders")
+
+    def __init__(self, family: Family, order: list[int], copies: list[int]) -> None:
+        self.family = family
+        self.order = order
+        """``family.train_boxes[i]`` is a parameter's ``order[i]``-th train box (in first-seen order)."""
+        self.sent = [0] * len(order)
+        """Bytes the holder of each train box (first-seen order) sends to all classes."""
+        for num, row in zip(copies, family.nbytes):
+            for i, k in enumerate(order):
+                self.sent[k] += row[i] * num
+        self.names: list[str] = []
+        self.holders: list[tuple[int, ...]] = []
+
+    def add(self, name: str, boxes: dict[Box, list[int]], load: list[int]) -> None:
+        holders = [ranks[0] for ranks in boxes.values()]
+        self.names.append(name)
+        self.holders.append(tuple(holders[k] for k in self.order))
+        for holder, nbytes in zip(holders, self.sent):
+            load[holder] += nbytes
