@@ -94,6 +94,15 @@ class FamilyPlan:
                 check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)
             boxes = train_index[name]
+            if len(boxes) == 1:  # the common case (whole experts under EP): inlined
+                (box, holders), = boxes.items()
+                if len(holders) == 1:
+                    members = builder.by_id.get((dtype, id(gen_boxes), id(box))) or builder.family(
+                        dtype, gen_boxes, boxes)
+                    members.names.append(name)
+                    members.holders.append((holders[0],))
+                    load[holders[0]] += members.sent[0]
+                    continue
             if all(len(holders) == 1 for holders in boxes.values()):
                 builder.family(dtype, gen_boxes, boxes).add(name, boxes, load)
             else:
@@ -224,29 +233,37 @@ class _Builder:
     def add_replicated(self, name: str, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> None:
         """A parameter with a train box held by several ranks: SenderPlan's water-filling, class by class."""
         itemsize = ITEMSIZE[dtype]
-        load = self.load
+        load, overlap = self.load, self.overlap
+        by_load = load.__getitem__  # (load, rank) order: holders are in rank order (index_specs), sorts are stable
+        entries = list(boxes.items())
         for c, gen_box in enumerate(gen_boxes):
             if gen_box is None:
                 continue
             copies = self.copies[c]
             pieces = []
-            for train_box, holders in boxes.items():
-                numel = self._numel(train_box, gen_box)
+            total = 0
+            for train_box, holders in entries:
+                numel = overlap.get((id(train_box), id(gen_box)))
+                if numel is None:
+                    numel = self._numel(train_box, gen_box)
                 if not numel:
                     continue
+                total += numel
                 nbytes = numel * itemsize
                 if len(holders) == 1:
                     load[holders[0]] += nbytes * copies
                     senders = tuple(holders)
+                elif copies <= len(holders):  # each of the least loaded sends once
+                    senders = tuple(sorted(holders, key=by_load)[:copies])
+                    for rank in senders:
+                        load[rank] += nbytes
                 else:
-                    # by (load, rank): holders are in rank order (index_specs) and the sort is stable
-                    order = sorted(holders, key=load.__getitem__)[:copies]
-                    base, extra = divmod(copies, len(order))
-                    for i, rank in enumerate(order):
+                    senders = tuple(sorted(holders, key=by_load))
+                    base, extra = divmod(copies, len(senders))
+                    for i, rank in enumerate(senders):
                         load[rank] += nbytes * (base + (i < extra))
-                    senders = tuple(order)
                 pieces.append((train_box, senders, nbytes))
-            assert sum(p[2] for p in pieces) == _numel(gen_box) * itemsize, (name, gen_box)
+            assert total == self._numel(gen_box, gen_box), (name, gen_box)  # the tiling was checked
             if len(pieces) > 1:
                 pieces.sort(key=itemgetter(0))
             self.replicated[c].append((name, dtype, gen_box, tuple(pieces)))

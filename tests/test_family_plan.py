@@ -73,7 +73,7 @@ REDUCED = [  # (config, layers kept, gen layout, trainer FP8)
     ("deepseek-v3.yaml", {0, 3}, GenLayout(tp=4, dp=2), True),  # weights + scale tiles
     # train TP4 (several train boxes per dense parameter, each held by 4 DP replicas)
     ("qwen3-235b-a22b.yaml", {0, 11, 93}, GenLayout(tp=8, dp=2), False),
-    ("qwen3-235b-a22b.yaml", {12}, GenLayout(tp=2, dp=3), True),
+    ("qwen3-235b-a22b.yaml", {12}, GenLayout(tp=2, dp=6), True),  # 6 replicas, 4 holders
     ("qwen3-30b-a3b.yaml", {0, 47}, GenLayout(tp=8, dp=2), False),
     ("qwen3-30b-a3b.yaml", {5}, GenLayout(tp=1, dp=3), False),
 ]
