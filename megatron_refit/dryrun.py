@@ -221,7 +221,8 @@ def summary_lines(run: DryRun) -> list[str]:
         f"train         {run.train.describe()} = {run.train.world_size} ranks",
         f"gen           {run.refit.backend} TP{run.gen.tp}xDP{run.gen.dp}"
         f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
-        f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: {len(run.senders.class_ranks)}, parameter families: {len(run.senders.families)})",
+        f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
+        f"{len(run.senders.class_ranks)}; parameter families: {len(run.senders.families)})",
         f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",
