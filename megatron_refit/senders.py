@@ -35,7 +35,8 @@ class SenderPlan:
     """Validated sender assignment per class of identical gen ranks (pure).
 
     The compact form of a plan: what :meth:`RefitPlan.build` expands into transfers and
-    buckets, and what a dry run at hundreds of gen ranks evaluates without expanding.
+    buckets. The dry run gets the same senders from
+    :class:`megatron_refit.family_plan.FamilyPlan`, without a piece per class and parameter.
     Senders are balanced by water-filling: the D gen ranks of a class that need a train
     box held by h train ranks get it from the holders in order of (bytes assigned so far,
     rank), round robin, so each holder sends it D // h or D // h + 1 times (with D = 1
