@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 
 from megatron_refit.cost import Cluster, placement, predict
 from megatron_refit.dryrun import build
+from megatron_refit.family_plan import FamilyPlan
 from megatron_refit.plan import SenderPlan
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -31,18 +31,9 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
 """Published refit seconds: (system, layout, low, high)."""
 
 
-def pair_bytes(senders: SenderPlan) -> dict[tuple[int, int], int]:
+def pair_bytes(senders: SenderPlan | FamilyPlan) -> dict[tuple[int, int], int]:
     """Bytes per (train rank, gen rank) pair of a plan."""
-    out: dict[tuple[int, int], int] = defaultdict(int)
-    for ranks, items in senders.classes:
-        by_senders: dict[tuple[int, ...], int] = defaultdict(int)
-        for _, pieces in items:
-            for _, holders, nbytes in pieces:
-                by_senders[holders] += nbytes
-        for j, gen_rank in enumerate(ranks):
-            for holders, nbytes in by_senders.items():
-                out[holders[j % len(holders)], gen_rank] += nbytes
-    return dict(out)
+    return senders.pair_bytes()
 
 
 def main(argv=None) -> int:

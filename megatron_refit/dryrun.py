@@ -8,9 +8,11 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
    built on the meta device in a child process (``python -m conversion.enumerate``; it
    imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``.
 2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
-   compute every gen rank's targets, validate and assign senders
-   (:class:`megatron_refit.plan.SenderPlan`, what ``RefitPlan.build`` runs before it
-   expands transfers into buckets). This process imports neither Megatron nor torch.
+   compute every engine TP rank's targets (:func:`megatron_refit.gen_layout.gen_targets`),
+   validate and assign senders (:class:`megatron_refit.family_plan.FamilyPlan`: the senders,
+   bytes and transfers of the :class:`megatron_refit.plan.SenderPlan` that
+   ``RefitPlan.build`` expands into buckets, planned once per family of parameters that
+   match box for box). This process imports neither Megatron nor torch.
 
 ``plan_seconds`` and ``peak_rss_mb`` cover step 2 and the whole life of this process
 (reading the YAML included); the enumeration's time is reported apart.
@@ -33,9 +35,10 @@ from importlib import metadata
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
 from megatron_refit.derive import CACHE_FORMAT, derive_all_ranks, load_specs
 from megatron_refit.fp8_layout import fp8_param_table, fp8_specs, is_quantised
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_classes
+from megatron_refit.family_plan import FamilyPlan
+from megatron_refit.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.layout import TrainLayout
-from megatron_refit.plan import ITEMSIZE, SenderPlan, gc_paused
+from megatron_refit.plan_checks import ITEMSIZE, gc_paused
 
 VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
 """Packages whose versions key the enumeration cache."""
@@ -50,7 +53,7 @@ class DryRun:
     preset: dict
     train: TrainLayout
     gen: GenLayout
-    senders: SenderPlan
+    senders: FamilyPlan
     num_params: int
     plan_seconds: float
     """Wall seconds of the plan phase (cache load to sender assignment)."""
@@ -157,8 +160,8 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
     start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
-        train_specs, classes, params = _targets(path, key, refit, preset, layout, gen)
-    senders = SenderPlan.build(train_specs, classes)
+        train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
+        senders = FamilyPlan.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
@@ -166,7 +169,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
 
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
-    """Every train rank's pieces (derived from the cache), the gen classes' targets, and
+    """Every train rank's pieces (derived from the cache), the engine TP ranks' targets, and
     ``{HF name: (global shape, dtype)}``."""
     train_specs = derive_all_ranks(layout, load_specs(path, key), num_experts(preset))
     params = {}
@@ -181,7 +184,7 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
         train_specs = _quantised(train_specs)
         targets = fp8_param_table(params)
-    return train_specs, gen_target_classes(targets, gen, model, style=style), params
+    return train_specs, gen_targets(targets, gen, model, style=style), params
 
 
 def _quantised(train_specs: dict) -> dict:
@@ -218,7 +221,8 @@ def summary_lines(run: DryRun) -> list[str]:
         f"train         {run.train.describe()} = {run.train.world_size} ranks",
         f"gen           {run.refit.backend} TP{run.gen.tp}xDP{run.gen.dp}"
         f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
-        f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: {len(run.senders.classes)})",
+        f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
+        f"{len(run.senders.class_ranks)}; parameter families: {len(run.senders.families)})",
         f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",

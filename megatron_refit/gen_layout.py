@@ -180,7 +180,7 @@ def _vllm_box(
     return box_along(shape, 0, *rows)
 
 
-def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, boxes: dict) -> list[Box | None]:
+def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, targets: dict) -> tuple[Box | None, ...]:
     """An FP8 ``*_scale_inv``'s tiles per TP rank: the weight's box ÷ 128, every edge of the
     weight's box on the 128 grid (``ValueError`` naming parameter, dim and boundary)."""
     weight = weight_name(name)
@@ -190,7 +190,67 @@ def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, boxes: dict) -
     if shape != scale_shape(weight_shape):
         raise ValueError(f"{name}: shape {shape} is not that of {BLOCK}x{BLOCK} blocks of {weight} {weight_shape} "
                          f"(expected {scale_shape(weight_shape)})")
-    return [None if box is None else scale_box(weight, box, weight_shape) for box in boxes[weight]]
+    return tuple(None if box is None else scale_box(weight, box, weight_shape) for box in targets[weight][2])
+
+
+@dataclass(frozen=True, slots=True)
+class GenTargets:
+    """Every engine TP rank's box of every HF parameter, without a ShardSpec per piece: the
+    compact form of :func:`gen_target_classes`, which a full-scale dry run plans from."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    """Gen ranks of each class: class ``i`` is engine TP rank ``i`` and its DP replicas."""
+    params: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]]]
+    """``{HF name: (global shape, dtype, box per class, None where a class holds none of it)}``,
+    in the order :func:`gen_target_classes` lists them; parameters of one role and shape share
+    one tuple of boxes."""
+
+
+def gen_targets(
+    params: dict[str, tuple[tuple[int, ...], str]],
+    layout: GenLayout,
+    model: ModelShape,
+    *,
+    style: str = "vllm",
+) -> GenTargets:
+    """The box of every parameter on every engine TP rank; ``params`` maps every HF
+    parameter name to ``(global_shape, dtype)``."""
+    if style == "full":
+        if layout.tp != 1:
+            raise ValueError(f"style='full' holds every parameter whole and needs tp=1, got tp={layout.tp}")
+    elif style != "vllm":
+        raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
+    out: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]]] = {}
+    # Boxes depend on (role, shape) only, except whole experts under expert parallelism:
+    # computed once per (role, shape), and the box objects shared (thousands of experts).
+    memo: dict[tuple[str, tuple[int, ...]], tuple[Box | None, ...]] = {}
+    roles: dict[str, str] = {}  # by name with the expert index blanked: experts of a layer share a role
+    scales = []
+    for name, (shape, dtype) in sorted(params.items()):
+        shape = tuple(shape)
+        if weight_name(name) is not None:
+            scales.append((name, shape, dtype))
+            continue
+        if style == "full":
+            out[name] = (shape, dtype, (full_box(shape),))
+            continue
+        expert = _EXPERT_RE.search(name)
+        template = name if expert is None else f"{name[: expert.start('expert')]}#{name[expert.end('expert'):]}"
+        role = roles.get(template)
+        if role is None:
+            role = roles[template] = param_role(name, len(shape))
+        key = None if role.startswith("expert_") and layout.expert_parallel else (role, shape)
+        per_rank = memo.get(key) if key is not None else None
+        if per_rank is None:
+            per_rank = tuple(_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp))
+            if key is not None:
+                memo[key] = per_rank
+        out[name] = (shape, dtype, per_rank)
+    for name, shape, dtype in scales:  # FP8 *_scale_inv tiles follow their weight's boxes
+        out[name] = (shape, dtype, _scale_boxes(name, shape, params, out))
+    ranks = tuple(tuple(dp_index * layout.tp + tp_rank for dp_index in range(layout.dp))
+                  for tp_rank in range(layout.tp))
+    return GenTargets(ranks=ranks, params=out)
 
 
 def gen_target_classes(
@@ -204,53 +264,15 @@ def gen_target_classes(
 
     ``params`` maps every HF parameter name to ``(global_shape, dtype)``.
     """
-    if style == "full":
-        if layout.tp != 1:
-            raise ValueError(f"style='full' holds every parameter whole and needs tp=1, got tp={layout.tp}")
-    elif style != "vllm":
-        raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
-    per_tp_rank: list[list[ShardSpec]] = [[] for _ in range(layout.tp)]
-    # Boxes depend on (role, shape) only, except whole experts under expert parallelism:
-    # computed once per (role, shape), and the box objects shared (thousands of experts).
-    memo: dict[tuple[str, tuple[int, ...]], list[Box | None]] = {}
+    targets = gen_targets(params, layout, model, style=style)
+    per_tp_rank: list[list[ShardSpec]] = [[] for _ in targets.ranks]
     trusted = ShardSpec.trusted
-    roles: dict[str, str] = {}  # by name with the expert index blanked: experts of a layer share a role
-    boxes: dict[str, list[Box | None]] = {}  # FP8 tables: the weights' boxes, for their scale tiles
-    scales = []
-    has_scales = any(weight_name(n) is not None for n in params)
-    for name, (shape, dtype) in sorted(params.items()):
-        shape = tuple(shape)
-        if weight_name(name) is not None:
-            scales.append((name, shape, dtype))
-            continue
-        expert = _EXPERT_RE.search(name)
-        if style == "full":
-            per_rank = [full_box(shape)]
-        else:
-            template = name if expert is None else f"{name[: expert.start('expert')]}#{name[expert.end('expert'):]}"
-            role = roles.get(template)
-            if role is None:
-                role = roles[template] = param_role(name, len(shape))
-            key = None if role.startswith("expert_") and layout.expert_parallel else (role, shape)
-            per_rank = memo.get(key) if key is not None else None
-            if per_rank is None:
-                per_rank = [_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp)]
-                if key is not None:
-                    memo[key] = per_rank
-        if has_scales:
-            boxes[name] = per_rank
-        is_expert = expert is not None
-        for specs, box in zip(per_tp_rank, per_rank):
+    for name, (shape, dtype, boxes) in targets.params.items():
+        is_expert = _EXPERT_RE.search(name) is not None
+        for specs, box in zip(per_tp_rank, boxes):
             if box is not None:
                 specs.append(trusted(name, shape, dtype, box, is_expert=is_expert))
-    for name, shape, dtype in scales:  # FP8 *_scale_inv tiles follow their weight's boxes
-        for specs, box in zip(per_tp_rank, _scale_boxes(name, shape, params, boxes)):
-            if box is not None:
-                specs.append(trusted(name, shape, dtype, box, is_expert=_EXPERT_RE.search(name) is not None))
-    return [
-        (tuple(dp_index * layout.tp + tp_rank for dp_index in range(layout.dp)), specs)
-        for tp_rank, specs in enumerate(per_tp_rank)
-    ]
+    return list(zip(targets.ranks, per_tp_rank))
 
 
 def gen_target_specs(

@@ -165,9 +165,9 @@ def test_dry_run_of_shipped_config(config):
     assert minimal <= result["bytes_total"] <= 1.05 * minimal
     gen_world = refit.gen_tp * refit.gen_dp
     assert result["bytes_total"] / gen_world <= result["bytes_per_gen_rank_max"] <= result["bytes_total"]
-    # Issue target (< 300 MB, < 2 s on a quiet core) met for the Qwen3 configs; DeepSeek-V3
-    # (256 train x 256 gen ranks, TP32 experts) takes ~370 MB / ~5.4 s: not met, see BENCHMARKS.md.
-    assert result["peak_rss_mb"] < (450 if name == "deepseek-v3" else 300)
+    # Issue target: < 300 MB and < 2 s (BENCHMARKS.md: DeepSeek-V3 ~80 MB, ~1 s); time is
+    # checked loosely here, the machine running the tests may be busy.
+    assert result["peak_rss_mb"] < 300
     assert result["plan_seconds"] < 30
     assert "torch imported: False" in text
     assert "enumeration   0.0 s (cached" in text, "shipped enumeration cache is stale: rerun the dry run"
@@ -198,7 +198,7 @@ def test_full_scale_plan_spreads_the_sending_over_all_train_ranks():
     # Experts have one holder each (EP16, expert DP 1) and the first and last PP stages
     # hold 11 layers instead of 12: within 10 % of the mean, every rank busy.
     assert 0.9 * mean <= min(sent) and max(sent) <= 1.1 * mean
-    assert len(run.senders.classes) == 8 and all(len(ranks) == 16 for ranks, _ in run.senders.classes)
+    assert len(run.senders.class_ranks) == 8 and all(len(ranks) == 16 for ranks in run.senders.class_ranks)
 
 
 def _fp8_copy(tmp_path, name):

@@ -1,0 +1,136 @@
+"""FamilyPlan (the dry run's sender assignment) against SenderPlan and RefitPlan.build, field
+for field: on reduced shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine TP and
+expert parallel) and on random tilings with replicas."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+from hypothesis import given, settings
+
+from megatron_refit.derive import derive_all_ranks, load_specs
+from megatron_refit.dryrun import _quantised, load_config, num_experts
+from megatron_refit.family_plan import FamilyPlan
+from megatron_refit.fp8_layout import fp8_param_table
+from megatron_refit.gen_layout import GenLayout, GenTargets, ModelShape, gen_target_classes, gen_targets
+from megatron_refit.plan import PlanError, RefitPlan, SenderPlan, gen_classes
+from megatron_refit.spec import ShardSpec
+from tests.test_plan_properties import SETTINGS, problems
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _targets_of(classes) -> GenTargets:
+    """The GenTargets of SenderPlan's gen classes (names held by no class left out)."""
+    classes = sorted(classes, key=lambda c: c[0][0])
+    params: dict[str, tuple] = {}
+    for c, (_, specs) in enumerate(classes):
+        for s in specs:
+            shape, dtype, boxes = params.setdefault(s.name, (s.global_shape, s.dtype, [None] * len(classes)))
+            assert (shape, dtype) == (s.global_shape, s.dtype)
+            boxes[c] = s.box
+    return GenTargets(ranks=tuple(ranks for ranks, _ in classes),
+                      params={name: (shape, dtype, tuple(boxes)) for name, (shape, dtype, boxes) in params.items()})
+
+
+def _assert_same(family: FamilyPlan, senders: SenderPlan) -> None:
+    assert family.class_ranks == tuple(ranks for ranks, _ in senders.classes)
+    for c, (_, items) in enumerate(senders.classes):
+        assert family.items(c) == [(spec.name, spec.dtype, spec.box, pieces) for spec, pieces in items]
+    assert family.train_bytes == senders.train_bytes
+    assert family.unused_train_params == senders.unused_train_params
+    assert family.gen_bytes() == senders.gen_bytes()
+    assert family.num_transfers == senders.num_transfers
+    assert family.pair_bytes() == senders.pair_bytes()
+
+
+def _reduced(config: str, layers: set[int]):
+    """Every train rank's specs of a shipped config (from its shipped cache), only the
+    decoder layers ``layers`` and the non-layer parameters kept; and its ModelShape."""
+    refit, preset, layout = load_config(os.path.join(ROOT, "configs", config))
+    (path,) = glob.glob(os.path.join(ROOT, "configs", "cache", f"{refit.model}-{layout.describe()}-bfloat16.json.gz"))
+    train = derive_all_ranks(layout, load_specs(path), num_experts(preset))
+    kept = {}
+    for rank, specs in train.items():
+        if id(specs) not in kept:
+            kept[id(specs)] = [s for s in specs if (m := _LAYER.match(s.name)) is None or int(m.group(1)) in layers]
+        train[rank] = kept[id(specs)]
+    model = ModelShape(num_attention_heads=preset["num_attention_heads"],
+                       num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
+                       vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
+    return train, model
+
+
+REDUCED = [  # (config, layers kept, gen layout, trainer FP8)
+    # stage 0: dense layers 0-2; stage 1: MoE layers 3-6; last stage: 59-60. 256 experts.
+    ("deepseek-v3.yaml", {0, 3, 60}, GenLayout(tp=4, dp=2), False),
+    ("deepseek-v3.yaml", {3}, GenLayout(tp=32, dp=1), False),
+    ("deepseek-v3.yaml", {0, 4}, GenLayout(tp=4, dp=3, expert_parallel=True), False),
+    ("deepseek-v3.yaml", {0, 3}, GenLayout(tp=4, dp=2), True),  # weights + scale tiles
+    # train TP4 (several train boxes per dense parameter, each held by 4 DP replicas)
+    ("qwen3-235b-a22b.yaml", {0, 11, 93}, GenLayout(tp=8, dp=2), False),
+    ("qwen3-235b-a22b.yaml", {12}, GenLayout(tp=2, dp=6), True),  # 6 replicas, 4 holders
+    ("qwen3-30b-a3b.yaml", {0, 47}, GenLayout(tp=8, dp=2), False),
+    ("qwen3-30b-a3b.yaml", {5}, GenLayout(tp=1, dp=3), False),
+]
+
+
+@pytest.mark.parametrize("config, layers, gen, fp8", REDUCED,
+                         ids=[f"{c[:-5]}-L{min(l)}-TP{g.tp}xDP{g.dp}{'-EP' * g.expert_parallel}{'-fp8' * q}"
+                              for c, l, g, q in REDUCED])
+def test_family_plan_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp8):
+    train, model = _reduced(config, layers)
+    params = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
+    if fp8:
+        train, params = _quantised(train), fp8_param_table(params)
+    targets = gen_targets(params, gen, model)
+    family = FamilyPlan.build(train, targets)
+    assert len(family.families) < len(params) // 10  # the experts form a few families
+    classes = gen_target_classes(params, gen, model)
+    assert targets.ranks == tuple(ranks for ranks, _ in classes)
+    _assert_same(family, SenderPlan.build(train, classes))
+
+    gen_specs = {rank: specs for ranks, specs in classes for rank in ranks}
+    plan = RefitPlan.build(train, gen_specs, bucket_bytes=1 << 30)
+    transfers = family.transfers()
+    assert transfers == list(plan.transfers)  # what SenderPlan.transfers() gives RefitPlan.build
+    assert family.gen_bytes() == {rank: plan.bytes_to(rank) for rank in gen_specs}
+    assert list(family.train_bytes) == [plan.bytes_from(rank) for rank in train]
+    assert sum(family.gen_bytes().values()) == plan.bytes_sent == plan.bytes_minimal
+    assert family.num_transfers == len(plan.transfers)
+    assert family.unused_train_params == plan.unused_train_params
+    assert {(t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in transfers} == {
+        (t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in plan.transfers}
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(problems())
+def test_family_plan_equals_sender_plan_on_random_tilings(problem):
+    train, gen, _, _ = problem
+    classes = gen_classes(gen)
+    family, senders = FamilyPlan.build(train, _targets_of(classes)), SenderPlan.build(train, classes)
+    _assert_same(family, senders)
+    assert family.transfers() == senders.transfers()
+
+
+def _spec(name, shape, box, dtype="float32"):
+    return ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box)
+
+
+@pytest.mark.parametrize("train, gen", [
+    ({0: [_spec("a", (4,), ((0, 4),))]}, {0: [_spec("b", (4,), ((0, 4),))]}),  # not produced by the trainer
+    ({0: [_spec("a", (4,), ((0, 4),))]}, {0: [_spec("a", (5,), ((0, 4),))]}),  # global shape
+    ({0: [_spec("a", (4,), ((0, 4),))]}, {0: [_spec("a", (4,), ((0, 4),), "bfloat16")]}),  # dtype
+    ({0: [_spec("a", (4,), ((0, 2),))], 1: [_spec("a", (4,), ((1, 4),))]}, {0: [_spec("a", (4,), ((0, 4),))]}),
+    ({0: [_spec("a", (4,), ((0, 2),))], 1: [_spec("a", (4,), ((3, 4),))]}, {0: [_spec("a", (4,), ((0, 4),))]}),
+    ({0: [_spec("a", (4,), ((0, 4),), "complex64")]}, {0: [_spec("a", (4,), ((0, 4),), "complex64")]}),
+])
+def test_family_plan_refuses_what_refit_plan_refuses(train, gen):
+    with pytest.raises(PlanError) as expected:
+        RefitPlan.build(train, gen)
+    with pytest.raises(PlanError, match=f"^{re.escape(str(expected.value))}$"):
+        FamilyPlan.build(train, _targets_of(gen_classes(gen)))
