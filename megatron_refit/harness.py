@@ -48,6 +48,8 @@ class RunSpec:
     device: str = "cpu"
     """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
+    progress: bool = False
+    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.progress`: terminals only)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -122,6 +124,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
     from conversion.train_step import forward_logits, train_step
 
     from .driver import Refitter
+    from .progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
@@ -149,17 +152,20 @@ def _train_rank(rank: int, spec: RunSpec, cfg, group):
         from .offload import ParamOffloader
 
         offloader = ParamOffloader(params)
+    versions = range(1, spec.refits + 1)
+    bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
+    on_report = bar.on_report if bar is not None else None
     refitter = Refitter(group, shards, num_train=spec.num_train, num_gen=spec.num_gen,
-                        bucket_bytes=spec.bucket_bytes, offloader=offloader)
+                        bucket_bytes=spec.bucket_bytes, offloader=offloader, on_report=on_report)
     plan = refitter.prepare()
     adapter_refitter = None
     if adapters:  # after the first refit only the adapters change
         adapter_refitter = Refitter(group, adapters, num_train=spec.num_train, num_gen=spec.num_gen,
-                                    bucket_bytes=spec.bucket_bytes)
+                                    bucket_bytes=spec.bucket_bytes, on_report=on_report)
         adapter_refitter.prepare()
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
     out = []
-    for version in range(1, spec.refits + 1):
+    for version in bar or versions:
         if offloader is not None and offloader.offloaded:
             offloader.onload()
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
