@@ -37,7 +37,7 @@ def family(hf_config) -> str:
     """The family of ``hf_config``; ``ValueError`` naming the architecture if unsupported."""
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch in NOT_ON_CPU:
-        raise ValueError(f"{arch} is not supported here: {NOT_ON_CPU[arch]}")
+        raise ValueError(f"{arch}: {NOT_ON_CPU[arch]}")
     if arch not in CPU_FAMILIES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(CPU_FAMILIES)}")
     return CPU_FAMILIES[arch]

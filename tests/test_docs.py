@@ -20,6 +20,13 @@ HOLE = "…"
 """A placeholder in a message template (an f-string field) and a wildcard in a documented pattern."""
 MIN_WORDS = 2
 """A message template (and a documented pattern) needs this many literal words to be findable."""
+NO_STABLE_WORDS = {
+    ("conversion/families.py", "…: …"):
+        "family() raises '<architecture>: <NOT_ON_CPU reason>', documented in the row of the demo's "
+        "'--model … cannot run here: …'; rewording it would change the dry-run cache key "
+        "(families.py is an enumeration source) and invalidate configs/cache/.",
+}
+"""Raise sites whose message has no literal words, by (file, template), and why they stay."""
 
 
 def _gen_config_docs():
@@ -119,6 +126,8 @@ def undocumented(sites, patterns: dict[str, list[str]]) -> list[str]:
     compiled = {e: [(p, _regex(p)) for p in ps] for e, ps in patterns.items()}
     used = set()
     for where, error, template in sites:
+        if (where.rsplit(":", 1)[0], template) in NO_STABLE_WORDS:
+            continue
         if template is None or len(_words(template)) < MIN_WORDS:
             problems.append(f"{where}: {error} message {template!r} has no stable words to document; give it some")
             continue
@@ -136,7 +145,11 @@ def undocumented(sites, patterns: dict[str, list[str]]) -> list[str]:
 
 
 def test_every_raise_site_is_documented():
-    problems = undocumented(raise_sites(), documented_patterns(TROUBLESHOOTING.read_text()))
+    sites = raise_sites()
+    problems = undocumented(sites, documented_patterns(TROUBLESHOOTING.read_text()))
+    present = {(where.rsplit(":", 1)[0], template) for where, _, template in sites}
+    problems += [f"NO_STABLE_WORDS entry {key} matches no raise site: remove it" for key in NO_STABLE_WORDS
+                 if key not in present]
     assert not problems, "\n".join(problems)
 
 
