@@ -57,7 +57,7 @@ def bench_chart(rows: list[dict], path: str, title: str = "") -> None:
 
 
 def grpo_chart(refit_seconds: list[float], rewards: list[float], path: str) -> None:
-    """Refit seconds (bars) and mean reward (line) per GRPO step."""
+    """Refit seconds (bars; the slowest rank's ``RefitReport`` total) and mean reward (line) per GRPO step."""
     if not refit_seconds or len(refit_seconds) != len(rewards):
         raise ValueError(f"grpo_chart needs one refit time and one reward per step, got {len(refit_seconds)} and "
                          f"{len(rewards)}")
@@ -65,7 +65,7 @@ def grpo_chart(refit_seconds: list[float], rewards: list[float], path: str) -> N
     steps = range(1, len(rewards) + 1)
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
     ax[0].bar(steps, refit_seconds)
-    ax[0].set(title="refit seconds per step", xlabel="step", ylabel="s")
+    ax[0].set(title="refit seconds per step (slowest rank)", xlabel="step", ylabel="s")
     ax[1].plot(steps, rewards, marker="o")
     ax[1].set(title="mean reward per step", xlabel="step", ylim=(-0.05, 1.05))
     fig.tight_layout()

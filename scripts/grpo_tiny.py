@@ -14,8 +14,12 @@ generation rank (Hugging Face transformers receiver) share a gloo refit group. E
    on the trainer.
 
 ``--json``: last line ``{"ok", "steps", "logprob_match", "max_logprob_diff",
-"refit_seconds", "rewards"}``. Per-step metrics go to stdout; ``--png PATH`` also draws refit
-seconds and reward per step (needs matplotlib: the ``plots`` extra).
+"refit_seconds", "refit_report_seconds", "rewards"}``: ``refit_seconds`` is the wall time of
+the ``refit`` / ``receive`` call (including waiting for the other side to finish its
+training step or rollouts), ``refit_report_seconds`` the refit itself (``RefitReport``'s
+total, after the ranks agreed on the version); both the slowest rank's. Per-step metrics go
+to stdout; ``--png PATH`` draws the refit itself and the reward per step (needs matplotlib:
+the ``plots`` extra).
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ def _rank(rank, world, port, args):
         # the generation rank's rollouts to every rank (one small object per step)
         sequences, gen_logprobs = group.all_gather_object(rollout)[num_train]
         if rank >= num_train:
-            metrics.append(dict(step=step, refit_s=refit_s, bytes=report.bytes_received))
+            metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"],
+                                bytes=report.bytes_received))
             continue
         train_logprobs = token_logprobs(forward_logits(built, sequences), sequences, args.prompt_len)
         diff = float((train_logprobs - gen_logprobs).abs().max())
@@ -110,8 +115,8 @@ def _rank(rank, world, port, args):
         adv = advantages(reward, args.group)
         loss = train_step(built, optimizer, sequences,
                           loss_fn=lambda logits: policy_loss(logits, sequences, args.prompt_len, gen_logprobs, adv))
-        metrics.append(dict(step=step, refit_s=refit_s, bytes=report.bytes_sent, reward=float(reward.mean()),
-                            loss=loss, max_logprob_diff=diff))
+        metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"], bytes=report.bytes_sent,
+                            reward=float(reward.mean()), loss=loss, max_logprob_diff=diff))
         if bar is not None:
             bar.show(reward=f"{metrics[-1]['reward']:.3f}", refit_s=f"{refit_s:.3f}")
     return metrics
@@ -154,16 +159,19 @@ def main(argv=None) -> int:
     args.megatron_port, refit_port = free_ports(2)
     out = run_spawned(_rank, 3, args, timeout_s=600, port=refit_port)
     train, gen = out[0], out[2]
-    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
+    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'call s':>8} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
     for t, gm in zip(train, gen):
         print(f"{t['step']:>4} {t['reward']:7.3f} {t['loss']:9.4f} {max(t['refit_s'], gm['refit_s']):8.3f} "
-              f"{t['bytes'] + out[1][t['step'] - 1]['bytes']:>10,} {t['max_logprob_diff']:10.2e}")
+              f"{max(t['report_s'], gm['report_s']):8.3f} {t['bytes'] + out[1][t['step'] - 1]['bytes']:>10,} "
+              f"{t['max_logprob_diff']:10.2e}")
+    print("call s: the refit / receive call, waiting for the other side included; refit s: the refit itself")
     diffs = [m["max_logprob_diff"] for m in train]
     result = dict(
         steps=len(train),
         logprob_match=max(diffs) <= LOGPROB_TOLERANCE,
         max_logprob_diff=max(diffs),
         refit_seconds=[max(t["refit_s"], gm["refit_s"]) for t, gm in zip(train, gen)],
+        refit_report_seconds=[max(t["report_s"], gm["report_s"]) for t, gm in zip(train, gen)],
         rewards=[t["reward"] for t in train],
     )
     result = dict(ok=result["logprob_match"] and len(train) == args.steps, **result)
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
     if args.png:
         from megatron_refit.plots import grpo_chart
 
-        grpo_chart(result["refit_seconds"], result["rewards"], args.png)
+        grpo_chart(result["refit_report_seconds"], result["rewards"], args.png)
         print(f"chart: {args.png}")
     if args.json:
         print(json.dumps(result))

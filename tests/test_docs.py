@@ -185,3 +185,23 @@ def test_readme_starts_with_the_two_commands():
     code = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
     assert lines.index("```bash") <= 3
     assert [line.split("#")[0].strip() for line in code] == ["make demo", "make test"]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (``-`` and ``_`` kept), spaces to ``-``."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_and_anchors_resolve():
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+://", path):
+                continue
+            linked = (page.parent / path) if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
