@@ -48,7 +48,7 @@ first refit: [guide-lora.md](guide-lora.md)).
 """
 
 
-def fields(source: str = None) -> list[dict]:
+def fields(source: str | None = None) -> list[dict]:
     """``[{name, type, default, doc}]`` of ``RefitConfig``, in declaration order."""
     tree = ast.parse(source if source is not None else SOURCE.read_text())
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS), None)
@@ -85,7 +85,7 @@ def _yaml(value) -> str:
     return str(value)
 
 
-def render(source: str = None) -> str:
+def render(source: str | None = None) -> str:
     """The page's text."""
     items = fields(source)
     lines = [HEADER, "| key | type | default | |", "|---|---|---|---|"]

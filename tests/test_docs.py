@@ -57,11 +57,13 @@ def test_configuration_reference_covers_every_field_at_its_default():
 
 def test_configuration_generator_refuses_an_undocumented_field():
     gen = _gen_config_docs()
-    source = gen.SOURCE.read_text().replace('    enabled: bool = False\n', '    shiny: int = 3\n    enabled: bool = False\n')
+    source = gen.SOURCE.read_text().replace("    enabled: bool = False\n",
+                                            "    shiny: int = 3\n    enabled: bool = False\n")
+    assert source != gen.SOURCE.read_text()
     with pytest.raises(ValueError, match="RefitConfig.shiny has no docstring"):
         gen.render(source)
     changed = gen.SOURCE.read_text().replace('"""Turn refit on.', '"""Switch refit on.')
-    assert gen.render(changed) != gen.render()
+    assert changed != gen.SOURCE.read_text() and gen.render(changed) != gen.render()
 
 
 # -- troubleshooting.md -------------------------------------------------------------------
