@@ -4,7 +4,7 @@ VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
 
-.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo clean
+.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo docs clean
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
@@ -24,6 +24,10 @@ test-vllm: setup-vllm
 
 demo: setup
 	$(PY) -m megatron_refit.demo
+
+# Regenerate docs/configuration.md from RefitConfig's field docstrings (tests/test_docs.py checks it).
+docs: setup
+	$(PY) scripts/gen_config_docs.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -96,6 +96,7 @@ def spec_from_args(args) -> RunSpec:
         bucket_bytes=int(args.bucket_mb * (1 << 20)),
         refits=args.refits,
         dtype=dtype,
+        progress=True,
     )
 
 

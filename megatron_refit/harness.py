@@ -48,6 +48,8 @@ class RunSpec:
     device: str = "cpu"
     """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
+    progress: bool = False
+    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.progress`: terminals only)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -126,6 +128,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.train_step import forward_logits, train_step
 
     from .integration import trainer_refit
+    from .progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
@@ -146,11 +149,13 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         from .offload import ParamOffloader
 
         offloader = ParamOffloader(params)
+    versions = range(1, spec.refits + 1)
+    bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
-                         offloader=offloader)
+                         offloader=offloader, on_report=bar.on_report if bar is not None else None)
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
     out = []
-    for version in range(1, spec.refits + 1):
+    for version in bar or versions:
         if offloader is not None and offloader.offloaded:
             offloader.onload()
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))

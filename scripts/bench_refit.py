@@ -7,7 +7,8 @@
     pre-allocated buffer of exactly that pair's bytes, same group, same pattern.
 
 Warm-up, then ``--reps`` repetitions; medians of the slowest rank per repetition.
-``--json``: the last line is one JSON object (see the issue for the fields).
+``--json``: the last line is one JSON object (see the issue for the fields); ``--png PATH``
+writes a bar chart of the three per layout (needs matplotlib: the ``plots`` extra).
 """
 
 from __future__ import annotations
@@ -121,8 +122,11 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
         else:
             peers.receive(v)
 
+    from megatron_refit.progress import Bar
+
     times = {"ours": [], "gather_broadcast": [], "floor": []}
-    for v in range(1, reps + 2):  # the first round is the warm-up
+    rounds = range(1, reps + 2)  # the first round is the warm-up
+    for v in Bar(rounds, desc=f"bench gen TP{spec.gen.tp}xDP{spec.gen.dp}") if rank == 0 else rounds:
         t_ours = _timed(lambda: run_ours(v), group)
         t_peer = _timed(lambda: run_peers(v), group)
         t_floor = _timed(floor, group)
@@ -174,7 +178,12 @@ def main(argv=None) -> int:
     p.add_argument("--also-tp1-dp2", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure train TP2 -> gen TP1xDP2 for the table")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart: ours vs gather+broadcast vs floor per layout")
     args = p.parse_args(argv)
+    if args.png:
+        from megatron_refit.plots import require_matplotlib
+
+        require_matplotlib()
     layouts = [(args.gen_tp, args.gen_dp)]
     if args.also_tp1_dp2 and (args.gen_tp, args.gen_dp) != (1, 2):
         layouts.append((1, 2))
@@ -206,6 +215,12 @@ def main(argv=None) -> int:
         result["p3_speedup_vs_gather"] >= 2.0
     print(f"model: {head['model_params'] / 1e6:.0f}M params, {args.dtype}, median of {args.reps} after warm-up; "
           f"targets p1 = 1.00, p2 <= 1.15, p3 >= 2.0: {'met' if result['ok'] else 'NOT met'}")
+    if args.png:
+        from megatron_refit.plots import bench_chart
+
+        bench_chart(rows, args.png, title=f"refit of a {head['model_params'] / 1e6:.0f}M-parameter Qwen3 shape, "
+                                          f"{args.dtype}, median of {args.reps} (gloo, CPU)")
+        print(f"chart: {args.png}")
     if args.json:
         print(json.dumps(result))
     return 0

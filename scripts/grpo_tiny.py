@@ -14,8 +14,12 @@ generation rank (Hugging Face transformers receiver) share a gloo refit group. E
    on the trainer.
 
 ``--json``: last line ``{"ok", "steps", "logprob_match", "max_logprob_diff",
-"refit_seconds", "rewards"}``. Per-step metrics go to stdout (and to ``--metrics-png`` when
-matplotlib is installed).
+"refit_seconds", "refit_report_seconds", "rewards"}``: ``refit_seconds`` is the wall time of
+the ``refit`` / ``receive`` call (including waiting for the other side to finish its
+training step or rollouts), ``refit_report_seconds`` the refit itself (``RefitReport``'s
+total, after the ranks agreed on the version); both the slowest rank's. Per-step metrics go
+to stdout; ``--png PATH`` draws the refit itself and the reward per step (needs matplotlib:
+the ``plots`` extra).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -64,6 +67,7 @@ def _rank(rank, world, port, args):
     from megatron_refit.gen_layout import GenLayout
     from megatron_refit.harness import RunSpec, _hf_config
     from megatron_refit.layout import TrainLayout
+    from megatron_refit.progress import Bar
     from megatron_refit.transport import RefitGroup
 
     spec = RunSpec(model="qwen3", overrides=MODEL, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=1))
@@ -90,7 +94,9 @@ def _rank(rank, world, port, args):
     endpoint.prepare()
     g = torch.Generator().manual_seed(1234)
     metrics = []
-    for step in range(1, args.steps + 1):
+    steps = range(1, args.steps + 1)
+    bar = Bar(steps, desc="GRPO steps") if rank == 0 else None
+    for step in bar or steps:
         start = time.perf_counter()
         report = endpoint.refit(step) if rank < num_train else endpoint.receive(step)
         refit_s = time.perf_counter() - start
@@ -100,7 +106,8 @@ def _rank(rank, world, port, args):
         # the generation rank's rollouts to every rank (one small object per step)
         sequences, gen_logprobs = group.all_gather_object(rollout)[num_train]
         if rank >= num_train:
-            metrics.append(dict(step=step, refit_s=refit_s, bytes=report.bytes_received))
+            metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"],
+                                bytes=report.bytes_received))
             continue
         train_logprobs = token_logprobs(forward_logits(built, sequences), sequences, args.prompt_len)
         diff = float((train_logprobs - gen_logprobs).abs().max())
@@ -108,8 +115,10 @@ def _rank(rank, world, port, args):
         adv = advantages(reward, args.group)
         loss = train_step(built, optimizer, sequences,
                           loss_fn=lambda logits: policy_loss(logits, sequences, args.prompt_len, gen_logprobs, adv))
-        metrics.append(dict(step=step, refit_s=refit_s, bytes=report.bytes_sent, reward=float(reward.mean()),
-                            loss=loss, max_logprob_diff=diff))
+        metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"], bytes=report.bytes_sent,
+                            reward=float(reward.mean()), loss=loss, max_logprob_diff=diff))
+        if bar is not None:
+            bar.show(reward=f"{metrics[-1]['reward']:.3f}", refit_s=f"{refit_s:.3f}")
     return metrics
 
 
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=4)
     p.add_argument("--completion-len", type=int, default=6)
     p.add_argument("--lr", type=float, default=3e-2)
-    p.add_argument("--metrics-png", default=None, help="write refit seconds and reward per step (matplotlib)")
+    p.add_argument("--png", metavar="PATH", help="write a chart of refit seconds and reward per step (matplotlib)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "group", "prompt_len", "completion_len"):
@@ -141,50 +150,41 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group < 2:
         raise SystemExit(f"error: --group must be >= 2 for group-normalised advantages, got {args.group}")
+    if args.png:
+        from megatron_refit.plots import require_matplotlib
+
+        require_matplotlib()
     from megatron_refit.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
     out = run_spawned(_rank, 3, args, timeout_s=600, port=refit_port)
     train, gen = out[0], out[2]
-    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
+    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'call s':>8} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
     for t, gm in zip(train, gen):
         print(f"{t['step']:>4} {t['reward']:7.3f} {t['loss']:9.4f} {max(t['refit_s'], gm['refit_s']):8.3f} "
-              f"{t['bytes'] + out[1][t['step'] - 1]['bytes']:>10,} {t['max_logprob_diff']:10.2e}")
+              f"{max(t['report_s'], gm['report_s']):8.3f} {t['bytes'] + out[1][t['step'] - 1]['bytes']:>10,} "
+              f"{t['max_logprob_diff']:10.2e}")
+    print("call s: the refit / receive call, waiting for the other side included; refit s: the refit itself")
     diffs = [m["max_logprob_diff"] for m in train]
     result = dict(
         steps=len(train),
         logprob_match=max(diffs) <= LOGPROB_TOLERANCE,
         max_logprob_diff=max(diffs),
         refit_seconds=[max(t["refit_s"], gm["refit_s"]) for t, gm in zip(train, gen)],
+        refit_report_seconds=[max(t["report_s"], gm["report_s"]) for t, gm in zip(train, gen)],
         rewards=[t["reward"] for t in train],
     )
     result = dict(ok=result["logprob_match"] and len(train) == args.steps, **result)
     print(f"reward {result['rewards'][0]:.3f} -> {result['rewards'][-1]:.3f} (mean of last 3: "
           f"{statistics.mean(result['rewards'][-3:]):.3f}); logprobs match: {result['logprob_match']}")
-    if args.metrics_png:
-        _plot(result, args.metrics_png)
+    if args.png:
+        from megatron_refit.plots import grpo_chart
+
+        grpo_chart(result["refit_report_seconds"], result["rewards"], args.png)
+        print(f"chart: {args.png}")
     if args.json:
         print(json.dumps(result))
     return 0 if result["ok"] else 1
-
-
-def _plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
-        return
-    steps = range(1, result["steps"] + 1)
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax[0].bar(steps, result["refit_seconds"])
-    ax[0].set(title="refit seconds per step", xlabel="step")
-    ax[1].plot(steps, result["rewards"], marker="o")
-    ax[1].set(title="mean reward", xlabel="step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
 $PIP install --upgrade pip
-# Project + its resolvable dependencies (torch, transformers in Bridge's range, test tools).
-$PIP install -e '.[megatron,test]'
+# Project + its resolvable dependencies (torch, transformers in Bridge's range, test tools,
+# matplotlib for the charts).
+$PIP install -e '.[megatron,test,plots]'
 # Megatron pins without their dependency lists (Bridge's full list is neither needed nor
 # installable on CPU machines); see README "Why two install steps".
 $PIP install --no-deps -r requirements/megatron.txt

@@ -1,0 +1,209 @@
+"""The docs stay true to the code: the generated config reference is current, every raise
+site's message is documented in docs/troubleshooting.md, and links resolve."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+SOURCES = ("megatron_refit", "conversion")
+NOT_USER_ERRORS = {"SystemExit", "NotImplementedError", "AttributeError"}
+"""Raised for control flow or by protocol (``__getattr__``), not as a message to a user."""
+HOLE = "…"
+"""A placeholder in a message template (an f-string field) and a wildcard in a documented pattern."""
+MIN_WORDS = 2
+"""A message template (and a documented pattern) needs this many literal words to be findable."""
+NO_STABLE_WORDS = {
+    ("conversion/families.py", "…: …"):
+        "family() raises '<architecture>: <NOT_ON_CPU reason>', documented in the row of the demo's "
+        "'--model … cannot run here: …'; rewording it would change the dry-run cache key "
+        "(families.py is an enumeration source) and invalidate configs/cache/.",
+}
+"""Raise sites whose message has no literal words, by (file, template), and why they stay."""
+
+
+def _gen_config_docs():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- configuration.md ---------------------------------------------------------------------
+
+
+def test_configuration_reference_is_current():
+    gen = _gen_config_docs()
+    assert gen.PAGE.read_text() == gen.render(), "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
+
+
+def test_configuration_reference_covers_every_field_at_its_default():
+    from megatron_refit.config import RefitConfig
+
+    gen = _gen_config_docs()
+    names = [f["name"] for f in gen.fields()]
+    assert names == [f for f in RefitConfig.__dataclass_fields__]
+    block = gen.PAGE.read_text().split("```yaml\n")[-1].split("```")[0]
+    with pytest.warns(UserWarning, match="ignored by training"):  # enabled: false, the rest set
+        assert RefitConfig.from_dict(yaml.safe_load(block)["refit"]) == RefitConfig()
+
+
+def test_configuration_generator_refuses_an_undocumented_field():
+    gen = _gen_config_docs()
+    source = gen.SOURCE.read_text().replace("    enabled: bool = False\n",
+                                            "    shiny: int = 3\n    enabled: bool = False\n")
+    assert source != gen.SOURCE.read_text()
+    with pytest.raises(ValueError, match="RefitConfig.shiny has no docstring"):
+        gen.render(source)
+    changed = gen.SOURCE.read_text().replace('"""Turn refit on.', '"""Switch refit on.')
+    assert changed != gen.SOURCE.read_text() and gen.render(changed) != gen.render()
+
+
+# -- troubleshooting.md -------------------------------------------------------------------
+
+
+def message_template(node: ast.expr | None) -> str | None:
+    """The literal text of a message, ``…`` for each f-string field; None when the message is
+    not a string literal (a variable or a call: nothing stable to document)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        text = node.value
+    elif isinstance(node, ast.JoinedStr):
+        text = "".join(v.value if isinstance(v, ast.Constant) else HOLE for v in node.values)
+    else:
+        return None
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def raise_sites(paths=None) -> list[tuple[str, str, str | None]]:
+    """``(file:line, exception name, message template)`` of every ``raise E(...)``."""
+    files = paths or sorted(f for d in SOURCES for f in (ROOT / d).rglob("*.py"))
+    out = []
+    for path in files:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue  # bare re-raise, or ``raise exc`` of an exception made elsewhere
+            func = node.exc.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "?")
+            if name in NOT_USER_ERRORS:
+                continue
+            where = f"{Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path}:{node.lineno}"
+            out.append((where, name, message_template(node.exc.args[0] if node.exc.args else None)))
+    return out
+
+
+def documented_patterns(text: str) -> dict[str, list[str]]:
+    """``{exception: [patterns]}``: the code spans in the first cell of every table row,
+    under a level-2 heading that names the exception."""
+    out: dict[str, list[str]] = {}
+    error = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            m = re.search(r"\b(\w+(?:Error|Exception))\b", line)
+            error = m.group(1) if m else None
+        elif error and line.startswith("| `"):
+            first_cell = re.split(r"(?<!\\)\|", line)[1]
+            out.setdefault(error, []).extend(re.findall(r"`([^`]+)`", first_cell))
+    return out
+
+
+def _regex(pattern: str) -> re.Pattern:
+    return re.compile(".*".join(re.escape(part) for part in pattern.split(HOLE)), re.DOTALL)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[A-Za-z_]{2,}", text.replace(HOLE, " "))
+
+
+def undocumented(sites, patterns: dict[str, list[str]]) -> list[str]:
+    """Problems, one line each: raise sites no pattern of their exception matches, messages
+    without literal words, patterns too vague, patterns no raise site matches any more."""
+    problems = []
+    compiled = {e: [(p, _regex(p)) for p in ps] for e, ps in patterns.items()}
+    used = set()
+    for where, error, template in sites:
+        if (where.rsplit(":", 1)[0], template) in NO_STABLE_WORDS:
+            continue
+        if template is None or len(_words(template)) < MIN_WORDS:
+            problems.append(f"{where}: {error} message {template!r} has no stable words to document; give it some")
+            continue
+        hits = [p for p, rx in compiled.get(error, []) if rx.fullmatch(template)]
+        used.update((error, p) for p in hits)
+        if not hits:
+            problems.append(f"{where}: {error}({template!r}) is not in docs/troubleshooting.md under ## {error}")
+    for error, ps in patterns.items():
+        for p in ps:
+            if len(_words(p)) < MIN_WORDS:
+                problems.append(f"troubleshooting.md ## {error}: pattern {p!r} is too vague")
+            elif (error, p) not in used:
+                problems.append(f"troubleshooting.md ## {error}: pattern {p!r} matches no raise site")
+    return problems
+
+
+def test_every_raise_site_is_documented():
+    sites = raise_sites()
+    problems = undocumented(sites, documented_patterns(TROUBLESHOOTING.read_text()))
+    present = {(where.rsplit(":", 1)[0], template) for where, _, template in sites}
+    problems += [f"NO_STABLE_WORDS entry {key} matches no raise site: remove it" for key in NO_STABLE_WORDS
+                 if key not in present]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_fails_for_a_new_message_and_a_stale_pattern(tmp_path):
+    module = tmp_path / "new.py"
+    module.write_text('def f(x):\n    raise ValueError(f"widget {x} is too shiny")\n\n'
+                      'def g(x):\n    raise PlanError(f"{x}: {x}")\n\n'
+                      'def h(x):\n    raise ValueError(x)\n')
+    sites = raise_sites([module])
+    assert [s[1:] for s in sites] == [("ValueError", "widget … is too shiny"), ("PlanError", "…: …"),
+                                      ("ValueError", None)]
+    problems = undocumented(sites, {"ValueError": ["… is not one of …"], "PlanError": ["…"]})
+    assert any("new.py:2: ValueError('widget … is too shiny') is not in" in p for p in problems)
+    assert any("new.py:5: PlanError message '…: …' has no stable words" in p for p in problems)
+    assert any("new.py:8: ValueError message None" in p for p in problems)
+    assert any("pattern '… is not one of …' matches no raise site" in p for p in problems)
+    assert any("pattern '…' is too vague" in p for p in problems)
+    assert undocumented(sites[:1], {"ValueError": ["widget … is too shiny"]}) == []
+    assert undocumented(sites[:1], {"PlanError": ["widget … is too shiny"]})  # the exception's own section
+
+
+def test_documented_patterns_parse_sections_and_cells():
+    text = ("## How to read\n| `not … an error` | x |\n## `PlanError` (a ValueError)\n| message | a | b |\n"
+            "| `a … b` <br> `c … d` | meaning with `code` | fix |\n### sub\n| `e … f` | | |\n")
+    assert documented_patterns(text) == {"PlanError": ["a … b", "c … d", "e … f"]}
+
+
+# -- README and links ---------------------------------------------------------------------
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    code = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
+    assert lines.index("```bash") <= 3
+    assert [line.split("#")[0].strip() for line in code] == ["make demo", "make test"]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (``-`` and ``_`` kept), spaces to ``-``."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_and_anchors_resolve():
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+://", path):
+                continue
+            linked = (page.parent / path) if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
