@@ -52,13 +52,12 @@ class RefitConfig:
     """Quantise bf16 weights on the trainer to 128x128-block ``float8_e4m3fn`` plus fp32
     ``weight_scale_inv`` before sending (for an FP8 engine fed from a bf16 trainer)."""
     lora_sync: str = "auto"
-    """What a refit sends when the policy trains LoRA adapters. ``full``: every base weight
-    with the adapters merged, every step. ``merged``: only the weights that have adapters,
-    merged (for engines without LoRA support); base weights again whenever the engine has
-    dropped them. ``adapters``: only the adapter matrices (engines with native LoRA, e.g.
-    vLLM ``enable_lora``); base weights on the first refit and after the engine dropped
-    them. ``auto``: ``adapters`` if the backend serves LoRA natively, else ``merged``;
-    ``full`` when the model has no adapters."""
+    """What a refit sends when the policy trains LoRA adapters (Bridge PEFT). ``adapters``:
+    base weights and adapters on the first refit (and on a refit called with ``full=True``,
+    e.g. after the engine dropped its weights), the adapter matrices only afterwards; the
+    engine's receiver merges them into its weights. ``full``: base weights and adapters
+    every refit. ``auto``: ``adapters``. ``merged`` (trainer-side merge, for engines that
+    cannot merge) is not implemented and is refused when adapters are present."""
     timeout_s: float = 600.0
     """Upper bound on any single wait (rendezvous, bucket send/receive), in seconds."""
     verify: bool = False

@@ -47,9 +47,15 @@ def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.
     return group
 
 
+def _check_lora_sync(cfg: RefitConfig) -> None:
+    if cfg.lora_sync == "merged":
+        raise ValueError("refit.lora_sync 'merged' (trainer-side merge) is not implemented: use 'adapters' or "
+                         "'auto' (adapters sent, merged by the engine's receiver) or 'full'")
+
+
 def _check_enabled(cfg: RefitConfig, num_train: int) -> None:
     if not cfg.enabled:
-        raise ValueError("refit.enabled is false: set `refit: {enabled: true}` in the training config")
+        raise ValueError("refit.enabled is false: set enabled: true in the refit section of the training config")
     if not isinstance(num_train, int) or num_train < 1:
         raise ValueError(f"num_train must be a positive int, got {num_train!r}")
 
@@ -150,6 +156,7 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
         from conversion.lora import adapter_shards  # Bridge PEFT LoRALinear wrappers
 
         adapters = adapter_shards(bridge, model, hf_config)
+        _check_lora_sync(cfg)
     if cfg.trainer_quantize_fp8:
         if adapters:
             raise ValueError("refit.trainer_quantize_fp8 with LoRA adapters: adapters are sent in the training "
@@ -172,5 +179,7 @@ def engine_refit(cfg: RefitConfig, backend, *, gen_index: int, num_train: int, d
     num_gen = cfg.gen_tp * cfg.gen_dp
     if not 0 <= gen_index < num_gen:
         raise ValueError(f"gen_index {gen_index} outside 0..{num_gen - 1} (gen_tp={cfg.gen_tp}, gen_dp={cfg.gen_dp})")
+    if lora is not None:
+        _check_lora_sync(cfg)
     group = connect(cfg, refit_rank=num_train + gen_index, num_train=num_train, device=torch.device(device))
     return EngineRefit(group, backend, cfg, num_train=num_train, lora=lora, on_report=on_report)

@@ -39,12 +39,14 @@ Unknown keys, values of the wrong type and bad values raise a `ValueError` that 
 (see [troubleshooting.md](troubleshooting.md)). With `enabled: false` the other fields are
 ignored by training (a warning says so); the dry run still reads them.
 
-Who reads what today: the dry run and the cost model read `model`, `train_dp`, `gen_*`,
-`backend`, `mode`, `bucket_mb` and `trainer_quantize_fp8`. Nothing builds a `Refitter`
-from this object yet: the training loop hands `host`, `port`, `timeout_s`, `bucket_mb` and
-`verify` to `RefitGroup.connect` / `Refitter` itself ([quickstart.md](quickstart.md)).
-`lora_sync` is not read by any code yet (the LoRA path always sends adapters after the
-first refit: [guide-lora.md](guide-lora.md)).
+Who reads what: the training loop's calls `trainer_refit` / `engine_refit`
+([quickstart.md](quickstart.md), `megatron_refit.integration`) read every field but `model`
+and `train_dp`; the dry run and the cost model read `model`, `train_dp`, `gen_*`,
+`backend`, `mode`, `bucket_mb` and `trainer_quantize_fp8`. `backend` tells the dry run
+which engine layout to plan for; at run time the engine side passes its receiver object.
+`lora_sync`: `auto` and `adapters` send the adapters after the first refit, merged by the
+engine's receiver ([guide-lora.md](guide-lora.md)); `full` resends everything every step;
+`merged` (trainer-side merge) is refused as not implemented.
 """
 
 

@@ -1,5 +1,10 @@
 """A tiny GRPO loop on CPU with a refit after every optimizer step.
 
+The layout and the refit switch come from a training YAML (``--config``, default
+``configs/examples/grpo_tiny.yaml``: Bridge's ``model:`` section plus ``refit: {enabled:
+true, ...}``); train ranks call ``trainer_refit`` and the generation rank ``engine_refit``
+(:mod:`megatron_refit.integration`), then ``refit(step)`` / ``receive(step)`` every step.
+
 Train ranks (Megatron-Core policy built through Megatron-Bridge, train TP2) and one
 generation rank (Hugging Face transformers receiver) share a gloo refit group. Each step:
 
@@ -28,6 +33,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +41,7 @@ LOGPROB_TOLERANCE = 1e-5
 MODEL = dict(vocab=16, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96)
 
 
+CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "examples" / "grpo_tiny.yaml")
 TARGET = 7
 """The token the toy reward asks for."""
 
@@ -63,42 +70,36 @@ def policy_loss(logits, sequences, prompt_len, old_logprobs, adv, clip=0.2) -> t
 
 
 def _rank(rank, world, port, args):
-    from megatron_refit.driver import Receiver, Refitter
-    from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.harness import RunSpec, _hf_config
-    from megatron_refit.layout import TrainLayout
+    from megatron_refit.harness import _hf_config
+    from megatron_refit.integration import engine_refit, trainer_refit
     from megatron_refit.progress import Bar
-    from megatron_refit.transport import RefitGroup
 
-    spec = RunSpec(model="qwen3", overrides=MODEL, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=1))
+    spec, refit = args.spec, args.refit
     cfg = _hf_config(spec)
     num_train = spec.num_train
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
-    kw = dict(num_train=num_train, num_gen=1, bucket_bytes=1 << 20)
     if rank < num_train:
         from conversion.build import build_model, init_gloo, init_model_parallel
-        from conversion.local_shards import enumerate_local_shards
         from conversion.train_step import forward_logits, train_step
 
         init_gloo(rank, num_train, args.megatron_port)
         init_model_parallel(spec.train)
         torch.manual_seed(0)
         built = build_model(cfg, spec.train)
-        endpoint = Refitter(group, enumerate_local_shards(built.bridge, built.model, cfg), **kw)
+        sync = trainer_refit(refit, built.bridge, built.model, cfg, rank=rank, num_train=num_train)
         optimizer = torch.optim.Adam([p for c in built.model for p in c.parameters()], lr=args.lr)
     else:
         from megatron_refit.receivers.hf import HFReceiver
 
         backend = HFReceiver.from_config(cfg)
-        endpoint = Receiver(group, backend, **kw)
-    endpoint.prepare()
+        sync = engine_refit(refit, backend, gen_index=rank - num_train, num_train=num_train)
+    group = sync.group
     g = torch.Generator().manual_seed(1234)
     metrics = []
     steps = range(1, args.steps + 1)
     bar = Bar(steps, desc="GRPO steps") if rank == 0 else None
     for step in bar or steps:
         start = time.perf_counter()
-        report = endpoint.refit(step) if rank < num_train else endpoint.receive(step)
+        report = sync.refit(step) if rank < num_train else sync.receive(step)
         refit_s = time.perf_counter() - start
         rollout = None
         if rank >= num_train:
@@ -134,6 +135,25 @@ def _rollouts(backend, g: torch.Generator, args, vocab: int):
     return seq, token_logprobs(backend.logits(seq), seq, args.prompt_len)
 
 
+def _from_config(path: str, port: int):
+    """The run's layout and refit config from a training YAML (see ``configs/examples``)."""
+    from dataclasses import replace
+
+    from megatron_refit.config import load_training_yaml, train_layout
+    from megatron_refit.gen_layout import GenLayout
+    from megatron_refit.harness import RunSpec
+
+    bridge_config, refit = load_training_yaml(path)
+    if not refit.enabled:
+        raise SystemExit(f"error: {path}: refit.enabled is false; this example checks every refit, turn it on")
+    if refit.backend != "hf" or refit.gen_tp * refit.gen_dp != 1:
+        raise SystemExit(f"error: {path}: this example runs one Hugging Face generation rank (backend hf, gen_tp 1, "
+                         f"gen_dp 1), got backend {refit.backend!r}, gen_tp {refit.gen_tp}, gen_dp {refit.gen_dp}")
+    layout = train_layout(bridge_config, refit)
+    spec = RunSpec(model="qwen3", overrides=MODEL, train=layout, gen=GenLayout(tp=1, dp=1))
+    return spec, replace(refit, host="127.0.0.1", port=port)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
@@ -143,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--completion-len", type=int, default=6)
     p.add_argument("--lr", type=float, default=3e-2)
     p.add_argument("--png", metavar="PATH", help="write a chart of refit seconds and reward per step (matplotlib)")
+    p.add_argument("--config", default=CONFIG,
+                   help="training YAML: Bridge's model: section (tensor_model_parallel_size) and the refit: section")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "group", "prompt_len", "completion_len"):
@@ -157,12 +179,14 @@ def main(argv=None) -> int:
     from megatron_refit.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
-    out = run_spawned(_rank, 3, args, timeout_s=600, port=refit_port)
-    train, gen = out[0], out[2]
+    args.spec, args.refit = _from_config(args.config, refit_port)
+    world = args.spec.num_train + 1
+    out = run_spawned(_rank, world, args, timeout_s=600, port=refit_port)
+    train, gen = out[0], out[-1]
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'call s':>8} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
     for t, gm in zip(train, gen):
         print(f"{t['step']:>4} {t['reward']:7.3f} {t['loss']:9.4f} {max(t['refit_s'], gm['refit_s']):8.3f} "
-              f"{max(t['report_s'], gm['report_s']):8.3f} {t['bytes'] + out[1][t['step'] - 1]['bytes']:>10,} "
+              f"{max(t['report_s'], gm['report_s']):8.3f} {sum(o[t['step'] - 1]['bytes'] for o in out[:-1]):>10,} "
               f"{t['max_logprob_diff']:10.2e}")
     print("call s: the refit / receive call, waiting for the other side included; refit s: the refit itself")
     diffs = [m["max_logprob_diff"] for m in train]
