@@ -159,6 +159,9 @@ class IpcGroup:
                     buf.shm.close()
         self._peers = {}
         if self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # mapped CUDA IPC memory is released when the last tensor on it is freed
             torch.cuda.synchronize()
         self.group.all_gather_tensor(torch.zeros(1))
         self._close_own()

@@ -102,6 +102,8 @@ class _Endpoint:
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        if not getattr(group, "direct_ok", True):
+            direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
         self.direct_bytes = direct_bytes
         self.plan: RefitPlan | None = None
         self.version: int | None = None

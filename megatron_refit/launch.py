@@ -71,7 +71,15 @@ def _entry(fn, rank, world_size, port, args, results, env):
     # the ranks share this machine's cores: more intra-op threads than cores per rank only spin
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        out = fn(rank, world_size, port, *args)
+        profile_dir = os.environ.get("REFIT_CPROFILE_DIR")  # debugging: one cProfile dump per rank
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            out = profiler.runcall(fn, rank, world_size, port, *args)
+            profiler.dump_stats(os.path.join(profile_dir, f"rank{rank}.prof"))
+        else:
+            out = fn(rank, world_size, port, *args)
         results.put((rank, True, _to_bytes(out)))
     except BaseException:  # noqa: BLE001 -- reported to the parent, which raises
         results.put((rank, False, traceback.format_exc()))
