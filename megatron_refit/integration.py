@@ -60,7 +60,29 @@ def _check_enabled(cfg: RefitConfig, num_train: int) -> None:
         raise ValueError(f"num_train must be a positive int, got {num_train!r}")
 
 
-class TrainerRefit:
+class _Sync:
+    """One or two prepared endpoints (all pieces; adapters only) that share a version."""
+
+    full = adapters = None
+    _version: int | None = None
+
+    def _endpoint(self, full: bool):
+        """All pieces on the first refit, when asked, or without adapters; else the adapters."""
+        return self.full if full or self._version is None or self.adapters is None else self.adapters
+
+    def _advance(self, version: int) -> None:
+        self._version = version
+        for endpoint in (self.full, self.adapters):
+            if endpoint is not None:
+                endpoint.version = version  # the next refit must advance past it on either plan
+
+    def close(self) -> None:
+        """Collective: release shared buffers (colocated) and the group."""
+        if hasattr(self.group, "staging"):
+            self.group.close()
+
+
+class TrainerRefit(_Sync):
     """Train side of the refit (one per train rank); see the module docstring."""
 
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
@@ -74,27 +96,16 @@ class TrainerRefit:
         if adapters and cfg.lora_sync != "full":
             self.adapters = Refitter(group, adapters, offloader=offloader, **kw)
             self.adapters.prepare()
-        self._version = None
 
     def refit(self, version: int, *, full: bool = False) -> RefitReport:
         """Send this rank's pieces of refit ``version``. Collective over the refit group:
         every train and generation rank calls it with the same ``version`` and ``full``."""
-        first = self._version is None
-        endpoint = self.full if full or first or self.adapters is None else self.adapters
-        report = endpoint.refit(version)
-        self._version = version
-        for other in (self.full, self.adapters):
-            if other is not None:
-                other.version = version
+        report = self._endpoint(full).refit(version)
+        self._advance(version)
         return report
 
-    def close(self) -> None:
-        """Collective: release shared buffers (colocated) and the group."""
-        if hasattr(self.group, "staging"):
-            self.group.close()
 
-
-class EngineRefit:
+class EngineRefit(_Sync):
     """Generation side of the refit (one per generation rank)."""
 
     def __init__(self, group, backend, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
@@ -115,29 +126,19 @@ class EngineRefit:
         else:
             self.full = Receiver(group, backend, **kw)
             self.plan = self.full.prepare()
-        self._version = None
         self._last = self.full
 
     def receive(self, version: int, *, full: bool = False) -> RefitReport:
         """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`)."""
-        first = self._version is None
-        endpoint = self.full if full or first or self.adapters is None else self.adapters
-        self._last = endpoint
-        report = endpoint.receive(version)
-        self._version = version
-        for other in (self.full, self.adapters):
-            if other is not None:
-                other.version = version
+        self._last = self._endpoint(full)
+        report = self._last.receive(version)
+        self._advance(version)
         return report
 
     @property
     def state(self) -> str:
         """``ready`` after a complete refit; ``stale`` (or ``updating``) otherwise."""
         return self._last.state
-
-    def close(self) -> None:
-        if hasattr(self.group, "staging"):
-            self.group.close()
 
 
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
