@@ -52,10 +52,13 @@ def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str, quant: dict | 
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format="dummy"),
     )
-    with set_current_vllm_config(vcfg):
-        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tp, 1, backend="gloo")
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():  # once per process: several models share the TP group
+        with set_current_vllm_config(vcfg):
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(tp, 1, backend="gloo")
     model_cls, _ = ModelRegistry.resolve_model_cls(cfg.architectures, vcfg.model_config)
 
     def build():
@@ -69,15 +72,22 @@ def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str, quant: dict | 
     return vcfg, build
 
 
-def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
+def _rank(rank, world, port, model_names, gen_tp, vllm_port, workdir):
+    """Every model of ``model_names`` in turn, in the same processes (vLLM's import and
+    distributed set-up are paid once)."""
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
+    return {name: _case(group, rank, name, gen_tp, vllm_port, os.path.join(workdir, name)) for name in model_names}
+
+
+def _case(group, rank, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.driver import Receiver, Refitter
     from megatron_refit.gen_layout import GenLayout
     from megatron_refit.harness import model_shape
     from megatron_refit.spec import ShardSpec, box_along, full_box
-    from megatron_refit.transport import RefitGroup
 
     num_train = 2
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
     versions = {1: 11, 2: 22}  # refit version -> seed of the "trained" weights
     if rank < num_train:
         out = []
@@ -143,12 +153,28 @@ def _under(vcfg, fn):
     return run
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """{gen_tp: {model: per-rank results}}: one spawned group per gen TP, run on first use."""
+    cache = {}
+
+    def get(gen_tp):
+        if gen_tp not in cache:
+            # MoE first: vLLM creates its expert-parallel group only when the first config has experts
+            names = sorted((m for m, tp in CASES if tp == gen_tp), key=lambda m: m == "qwen3")
+            vllm_port, refit_port = free_ports(2)
+            out = run_spawned(_rank, 2 + gen_tp, names, gen_tp, vllm_port, str(tmp_path_factory.mktemp("vllm")),
+                              timeout_s=600, env={"VLLM_TARGET_DEVICE": "cpu"}, port=refit_port)
+            cache[gen_tp] = {name: [rank_out[name] for rank_out in out] for name in names}
+        return cache[gen_tp]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name,gen_tp", CASES, ids=[f"{m}-genTP{t}" for m, t in CASES])
-def test_vllm_receiver_matches_vllm_load_weights(model_name, gen_tp, tmp_path):
-    vllm_port, refit_port = free_ports(2)
-    out = run_spawned(_rank, 2 + gen_tp, model_name, gen_tp, vllm_port, str(tmp_path), timeout_s=400,
-                      env={"VLLM_TARGET_DEVICE": "cpu"}, port=refit_port)
+def test_vllm_receiver_matches_vllm_load_weights(model_name, gen_tp, spawned):
+    out = spawned(gen_tp)[model_name]
     for gen in out[2:]:
         for item in gen:
             assert item["diff"] == [], item["diff"][:5]
