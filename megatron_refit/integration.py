@@ -144,8 +144,10 @@ class EngineRefit(_Sync):
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
                   on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
     """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
-    join the refit group and build the plan. ``model``: the Megatron model chunks; LoRA
-    adapters (Bridge PEFT) on it are found and synced per ``cfg.lora_sync``."""
+    join the refit group and build the plan. ``model``: the Megatron model chunks, their
+    parameters on the device (call this before offloading them; pass the ``offloader`` so
+    each refit loads them back); LoRA adapters (Bridge PEFT) on it are found and synced per
+    ``cfg.lora_sync``."""
     _check_enabled(cfg, num_train)
     if not 0 <= rank < num_train:
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
