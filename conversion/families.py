@@ -48,18 +48,8 @@ def configure_provider(provider, hf_config) -> None:
     if family(hf_config) != "deepseek_v3":
         return
     provider.transformer_layer_spec = mla_block_spec
-    # The shared-expert overlap and the permute fusion need CUDA streams / kernels.
+    # The shared-expert overlap needs CUDA streams (make_provider turned the fusions off).
     provider.moe_shared_expert_overlap = False
-    provider.moe_permute_fusion = False
-    provider.moe_grouped_gemm = False
-    provider.moe_token_dispatcher_type = "allgather"
-    provider.persist_layer_norm = False
-    provider.gradient_accumulation_fusion = False
-    provider.bias_activation_fusion = False
-    provider.bias_dropout_fusion = False
-    provider.masked_softmax_fusion = False
-    provider.cross_entropy_loss_fusion = False
-    provider.apply_rope_fusion = False
 
 
 def mla_block_spec(config, vp_stage=None):

@@ -14,18 +14,15 @@ this cannot deadlock (the globally first unfinished bucket is always posted at b
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from .buckets import contiguous_bytes, pack_bucket, unpack_bucket
-from .checksum import TRAILER_BYTES, trailer_ok, write_trailer
-from .plan import RefitPlan
+from .buckets import pack_bucket, unpack_bucket
+from .checksum import trailer_ok, write_trailer
+from .endpoint import Endpoint
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import RefitGroup
@@ -60,10 +57,7 @@ class StaleWeightsError(RuntimeError):
     """The engine's weights are not those of a complete refit."""
 
 
-logger = logging.getLogger("megatron_refit")
-
 STATES = ("stale", "updating", "ready")
-MAX_DIRECT_IN_FLIGHT = 16
 
 
 class ReceiverBackend(Protocol):
@@ -83,152 +77,13 @@ class ReceiverBackend(Protocol):
     # engine can refuse to serve half-updated weights.
 
 
-class _Endpoint:
-    role: str
-
-    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool,
-                 direct_bytes: int | None, on_report: Callable[[dict], None] | None = None):
-        if group.world_size != num_train + num_gen:
-            raise ValueError(
-                f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
-                f"= {num_train + num_gen}"
-            )
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.group = group
-        self.on_report = on_report
-        """Called with each refit's metrics dict (e.g. to forward them to wandb or TensorBoard)."""
-        self.num_train = num_train
-        self.num_gen = num_gen
-        self.bucket_bytes = bucket_bytes
-        self.verify = verify
-        if not getattr(group, "direct_ok", True):
-            direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
-        self.direct_bytes = direct_bytes
-        self.plan: RefitPlan | None = None
-        self.version: int | None = None
-
-    def _local_specs(self) -> list[ShardSpec]:
-        raise NotImplementedError
-
-    def prepare(self) -> RefitPlan:
-        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes)
-        gathered = self.group.all_gather_object(mine)
-        roles = [g[0] for g in gathered]
-        expected = ["train"] * self.num_train + ["gen"] * self.num_gen
-        if roles != expected:
-            raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4)):
-            values = [g[index] for g in gathered]
-            if len(set(values)) != 1:
-                raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
-        train_specs = {i: g[1] for i, g in enumerate(gathered[: self.num_train])}
-        gen_specs = {i: g[1] for i, g in enumerate(gathered[self.num_train:])}
-        plan = RefitPlan.build(
-            train_specs,
-            gen_specs,
-            bucket_bytes=self.bucket_bytes,
-            direct_bytes=self.direct_bytes,
-            train_rank_ids=list(range(self.num_train)),
-            gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
-        )
-        if plan.unused_train_params:
-            names = sorted(plan.unused_train_params)
-            raise ValueError(
-                f"the trainer produces {len(names)} HF parameters that no generation rank holds "
-                f"(the receiver does not know them), e.g. {names[:5]}"
-            )
-        fingerprint = bytes.fromhex(plan.fingerprint())
-        prints = self.group.all_gather_object(fingerprint)
-        if any(p != fingerprint for p in prints):
-            bad = [r for r, p in enumerate(prints) if p != fingerprint]
-            raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
-        self.plan = plan
-        return plan
-
-    def _agree_on_version(self, version: int) -> None:
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
-        if self.plan is None:
-            raise RuntimeError("call prepare() before the first refit")
-        if self.version is not None and version <= self.version:
-            raise ValueError(f"refit version {version} does not advance past {self.version}")
-        versions = self.group.all_gather_tensor(torch.tensor([version], dtype=torch.int64))
-        if any(int(v) != version for v in versions):
-            raise ValueError(f"refit ranks disagree on the version: {[int(v) for v in versions]}")
-
-    def _emit(self, report: RefitReport) -> None:
-        """One structured log line per refit and rank, and the optional callback."""
-        metrics = report.as_dict()
-        logger.info("refit %s", json.dumps(metrics, sort_keys=True))
-        if self.on_report is not None:
-            self.on_report(metrics)
-
-    def _route(self, report: RefitReport, direct: bool) -> None:
-        route = "direct" if direct else ("shared" if hasattr(self.group, "staging") else "packed")
-        report.routes[route] += 1
-
-    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
-        """Post buckets in order and retire them in the same order (FIFO). At most two
-        packed buckets are in flight (they occupy the two staging buffers); direct buckets
-        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
-        width = max((b.nbytes for b in buckets), default=0) + (TRAILER_BYTES if self.verify else 0)
-        count = min(2, len(buckets))
-        staging = getattr(self.group, "staging", None)  # colocated: buffers the peers map
-        slots = staging(count, width) if staging is not None else [
-            torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
-        free = list(range(len(slots)))
-        in_flight: deque = deque()
-        direct_in_flight = 0
-
-        def retire_oldest():
-            nonlocal direct_in_flight
-            bucket, pending, slot = in_flight.popleft()
-            self._retire((bucket, pending), retire, report)
-            if slot is None:
-                direct_in_flight -= 1
-            else:
-                free.append(slot)
-
-        for bucket in buckets:
-            while not free or direct_in_flight >= MAX_DIRECT_IN_FLIGHT:
-                retire_oldest()
-            slot = free.pop(0)
-            wire = bucket.nbytes + (TRAILER_BYTES if self.verify else 0)
-            pending = post(bucket, slots[slot][:wire])
-            if pending.direct:
-                free.insert(0, slot)
-                slot = None
-                direct_in_flight += 1
-            in_flight.append((bucket, pending, slot))
-        while in_flight:
-            retire_oldest()
-
-    def _retire(self, item, retire, report) -> None:
-        bucket, pending = item
-        start = time.perf_counter()
-        self.group.wait(pending)
-        report.seconds["transfer"] += time.perf_counter() - start
-        retire(bucket, pending)
-        release = getattr(self.group, "release", None)  # colocated: hand the shared buffer back
-        if release is not None:
-            release(pending)
-
-    def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
-        """The one item's tensor slice as flat bytes, when the bucket can skip packing."""
-        if self.verify or len(bucket.items) != 1 or not getattr(self.group, "direct_ok", True):
-            return None
-        transfer = bucket.items[0].transfer
-        return contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
-
-
 def _release(piece) -> None:
     release = getattr(piece, "release", None)
     if release is not None:
         release()
 
 
-class Refitter(_Endpoint):
+class Refitter(Endpoint):
     """Train side. ``pieces``: this rank's local shards (objects with ``spec``, ``tensor()``)."""
 
     role = "train"
@@ -316,7 +171,7 @@ class Refitter(_Endpoint):
         return report
 
 
-class Receiver(_Endpoint):
+class Receiver(Endpoint):
     """Generation side: receives this rank's pieces into ``backend`` storage."""
 
     role = "gen"

@@ -50,7 +50,7 @@ def test_bar_waits_for_its_delay():
 
 
 def test_refit_metrics_and_log_line(caplog):
-    from megatron_refit.driver import _Endpoint
+    from megatron_refit.endpoint import Endpoint
 
     report = RefitReport(version=7, role="gen", rank=3, bytes_received=3_000_000, bytes_wire=3_000_016,
                          bytes_minimal=6_000_000)
@@ -58,7 +58,7 @@ def test_refit_metrics_and_log_line(caplog):
     report.routes["direct"] = 2
     seen = []
     with caplog.at_level(logging.INFO, logger="megatron_refit"):
-        _Endpoint._emit(SimpleNamespace(on_report=seen.append), report)
+        Endpoint._emit(SimpleNamespace(on_report=seen.append), report)
     metrics = seen[0]
     assert metrics["version"] == 7 and metrics["routes"] == dict(direct=2, packed=0, shared=0)
     assert metrics["bytes_received"] == 3_000_000 and metrics["bytes_minimal"] == 6_000_000
