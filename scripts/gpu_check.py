@@ -24,11 +24,10 @@ import traceback
 
 import torch
 
+from bench_refit import BENCH_SHAPE  # scripts/: the benchmark's model shape
 from megatron_refit.gen_layout import GenLayout
 from megatron_refit.harness import RunSpec, evaluate, run
 from megatron_refit.layout import TrainLayout
-
-BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
 
 
 def _sync(device: str) -> None:
