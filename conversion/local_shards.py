@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,9 @@ class LocalShard:
     (a view where the layout allows, else one copy of this rank's part)."""
     release: Callable[[], None] | None = None
     """Drops any copy ``get`` made (QKV split); the driver calls it after each refit."""
+    follows: str | None = None
+    """HF name of the piece this one starts right after in memory (up after gate of one
+    fused weight; k after q, v after k of one QKV split): such runs can leave as one message."""
 
     def tensor(self) -> torch.Tensor:
         return self.get()
@@ -121,9 +125,10 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
     common = dict(pp_stage=mapping.pp_rank, is_expert=mapping.is_expert)
     dtype = str(weight.dtype).removeprefix("torch.")
 
-    def shard(name, global_shape, box, get, release=None):
+    def shard(name, global_shape, box, get, release=None, follows=None):
         spec = ShardSpec(name=name + suffix, global_shape=tuple(global_shape), dtype=dtype, box=box, **common)
-        return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release)
+        return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release,
+                          follows=None if follows is None else follows + suffix)
 
     if isinstance(mapping, pm.QKVMapping):
         kind = mapping._tp_mapping._detect_parallelism_type(module)
@@ -131,7 +136,9 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
             raise LocalSplitError(f"{meg_name}: QKV is {kind}-parallel; expected column")
         config = mapping._get_config(module)
         pieces = qkv_local_pieces(config, tp_size, tp_rank, weight)
-        return [shard(mapping.hf_param[key], g, b, get, drop) for key, (g, b, get, drop) in pieces.items()]
+        after = {"k": mapping.hf_param["q"], "v": mapping.hf_param["k"]}  # split_qkv_rows: [q; k; v]
+        return [shard(mapping.hf_param[key], g, b, get, drop, after.get(key))
+                for key, (g, b, get, drop) in pieces.items()]
 
     if isinstance(mapping, pm.GatedMLPMapping):
         # Column-parallel [gate_local; up_local] (Bridge splits gate and up separately).
@@ -140,7 +147,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
         box = box_along(global_shape, 0, tp_rank * half, (tp_rank + 1) * half)
         return [
             shard(mapping.hf_param["gate"], global_shape, box, lambda w=weight, h=half: w.narrow(0, 0, h)),
-            shard(mapping.hf_param["up"], global_shape, box, lambda w=weight, h=half: w.narrow(0, h, h)),
+            shard(mapping.hf_param["up"], global_shape, box, lambda w=weight, h=half: w.narrow(0, h, h),
+                  follows=mapping.hf_param["gate"]),
         ]
 
     if isinstance(mapping, (pm.MambaInProjMapping, pm.MambaConv1dMapping)):
@@ -210,13 +218,25 @@ def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor, feat
 def split_qkv_rows(qkv: torch.Tensor, num_heads: int, num_groups: int):
     """``(q, k, v)`` of Megatron's interleaved fused QKV: rows are grouped per query group as
     ``[q heads of the group, k, v]``, each head ``rows_per_head`` rows; trailing dims any.
-    Strided slices and one copy each (a view where one group makes them contiguous)."""
+    Views where one group makes them contiguous, else one strided copy each into one new
+    buffer ``[q; k; v]`` (back to back, as engines fuse them)."""
     per_group = num_heads // num_groups
     rows_per_head = qkv.shape[0] // (num_heads + 2 * num_groups)
     tail = tuple(qkv.shape[1:])
     grouped = qkv.view(num_groups, per_group + 2, rows_per_head, *tail)
-    return (grouped[:, :per_group].reshape(-1, *tail), grouped[:, per_group].reshape(-1, *tail),
-            grouped[:, per_group + 1].reshape(-1, *tail))
+    parts = (grouped[:, :per_group], grouped[:, per_group], grouped[:, per_group + 1])
+    if num_groups == 1:
+        return tuple(part.reshape(-1, *tail) for part in parts)
+    out, start = [], 0
+    buffer = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    with torch.no_grad():  # a copy of the weights, not a step of a computation
+        for part in parts:
+            rows = part.numel() // math.prod(tail)
+            dst = buffer.narrow(0, start, rows)
+            dst.view(part.shape).copy_(part)
+            out.append(dst)
+            start += rows
+    return tuple(out)
 
 
 class _VersionMemo:

@@ -44,6 +44,9 @@ class TensorPiece:
 
     spec: ShardSpec
     data: torch.Tensor
+    follows: str | None = None
+    """Name of the piece whose memory this one starts right after, if any (a hint: pieces
+    adjacent on both ends of a transfer can leave as one message)."""
 
     def tensor(self) -> torch.Tensor:
         return self.data
@@ -77,6 +80,18 @@ class ReceiverBackend(Protocol):
     # engine can refuse to serve half-updated weights.
 
 
+def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
+    ``a`` ends."""
+    starts, ends = {}, {}
+    for name, t in tensors.items():
+        if t.is_contiguous() and t.numel():
+            storage = t.untyped_storage().data_ptr()
+            starts[storage, t.data_ptr()] = name
+            ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
+    return [(a, starts[end]) for a, end in ends.items() if end in starts]
+
+
 def _release(piece) -> None:
     release = getattr(piece, "release", None)
     if release is not None:
@@ -104,6 +119,10 @@ class Refitter(Endpoint):
 
     def _local_specs(self) -> list[ShardSpec]:
         return [p.spec for p in self.pieces.values()]
+
+    def _local_adjacent(self) -> list[tuple[str, str]]:
+        # declared by the pieces (``follows``: gate/up of one fused weight, q/k/v of one split)
+        return [(p.follows, name) for name, p in self.pieces.items() if getattr(p, "follows", None) in self.pieces]
 
     def refit(self, version: int) -> RefitReport:
         self._agree_on_version(version)
@@ -199,6 +218,10 @@ class Receiver(Endpoint):
 
     def _local_specs(self) -> list[ShardSpec]:
         return list(self.backend.target_specs())
+
+    def _local_adjacent(self) -> list[tuple[str, str]]:
+        # from the engine storage's addresses (it stays put between refits)
+        return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
 
     def receive(self, version: int) -> RefitReport:
         """Receive refit ``version``. On any failure the weights are marked ``stale`` (the

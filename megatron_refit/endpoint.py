@@ -60,8 +60,13 @@ class Endpoint:
     def _local_specs(self) -> list[ShardSpec]:
         raise NotImplementedError
 
+    def _local_adjacent(self) -> list[tuple[str, str]]:
+        """Pairs ``(a, b)`` of this rank's pieces where ``b`` starts in memory where ``a`` ends."""
+        return []
+
     def prepare(self) -> RefitPlan:
-        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes)
+        adjacent = self._local_adjacent() if self.direct_bytes is not None else []
+        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent)
         gathered = self.group.all_gather_object(mine)
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
@@ -80,6 +85,8 @@ class Endpoint:
             direct_bytes=self.direct_bytes,
             train_rank_ids=list(range(self.num_train)),
             gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
+            train_adjacent={i: g[5] for i, g in enumerate(gathered[: self.num_train])},
+            gen_adjacent={i: g[5] for i, g in enumerate(gathered[self.num_train:])},
         )
         if plan.unused_train_params:
             names = sorted(plan.unused_train_params)
@@ -164,8 +171,27 @@ class Endpoint:
             release(pending)
 
     def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
-        """The one item's tensor slice as flat bytes, when the bucket can skip packing."""
-        if self.verify or len(bucket.items) != 1 or not getattr(self.group, "direct_ok", True):
+        """The bucket's bytes as one flat view of this side's memory, when it can skip packing:
+        one item whose slice is contiguous, or items that lie back to back in one storage
+        exactly as they sit in the bucket (a run: see :func:`megatron_refit.packing._units`).
+        Each side decides for itself; the bytes on the wire are the same either way."""
+        if self.verify or not getattr(self.group, "direct_ok", True):
             return None
-        transfer = bucket.items[0].transfer
-        return contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
+        views = []
+        for item in bucket.items:
+            transfer = item.transfer
+            view = contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
+            if view is None:
+                return None
+            views.append(view)
+        if len(views) == 1:
+            return views[0]
+        first = views[0]
+        storage = first.untyped_storage().data_ptr()
+        offset = 0
+        for item, view in zip(bucket.items, views):
+            if (item.offset != offset or view.untyped_storage().data_ptr() != storage
+                    or view.data_ptr() - first.data_ptr() != offset):
+                return None
+            offset += view.numel()
+        return first.as_strided((offset,), (1,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_refit.spec import Box, box_shape
@@ -97,16 +98,22 @@ def _chunks(transfer: Transfer, bucket_bytes: int) -> list[Transfer]:
             for start in range(0, shape[dim], rows)]
 
 
-def _pack(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None = None) -> list[list[BucketItem]]:
+def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | None = None) -> list[list[BucketItem]]:
     """Pack one (src, dst) pair's transfers into buckets of at most ``bucket_bytes``.
+
+    ``units``: the pair's transfers in order, one per unit, except that a *run* (transfers
+    that lie back to back in memory on both ranks, see :func:`_units`) is one unit.
 
     A transfer larger than a bucket is split along its first dim of extent > 1, filling the
     current bucket first. If one row along that dim alone exceeds ``bucket_bytes`` the
     transfer is not split further: each such row gets a bucket of its own.
 
-    A transfer of at least ``direct_bytes`` gets buckets of its own (split into chunks of at
-    most ``bucket_bytes``), so the driver can send it straight from the sender's tensor and
-    receive it straight into the engine's storage, without packing.
+    A transfer of at least ``direct_bytes``, and a run, gets buckets of its own (a transfer
+    split into chunks of at most ``bucket_bytes``; a run's items back to back, no padding),
+    so the driver can send it straight from the sender's memory and receive it straight
+    into the engine's storage, without packing. The smaller transfers meanwhile keep filling
+    one open bucket, so a few large ones between them do not scatter them over many
+    small messages.
     """
     buckets: list[list[BucketItem]] = []
     items: list[BucketItem] = []
@@ -124,12 +131,16 @@ def _pack(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None
             buckets.append(items)
         items, end = [], 0
 
-    for transfer in transfers:
-        if direct_bytes is not None and transfer.nbytes >= direct_bytes:
-            close()
-            for chunk in _chunks(transfer, bucket_bytes):
-                add(chunk)
-                close()
+    for unit in units:
+        transfer = unit[0]
+        if direct_bytes is not None and (len(unit) > 1 or transfer.nbytes >= direct_bytes):
+            if len(unit) > 1:  # a run: ALIGN-multiple sizes, so the items sit back to back
+                offsets = [0]
+                for t in unit[:-1]:
+                    offsets.append(offsets[-1] + t.nbytes)
+                buckets.append([BucketItem(t, o) for t, o in zip(unit, offsets)])
+            else:
+                buckets += [[BucketItem(chunk, 0)] for chunk in _chunks(transfer, bucket_bytes)]
             continue
         offset = _align(end)
         if offset + transfer.nbytes <= bucket_bytes:
@@ -157,15 +168,57 @@ def _pack(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None
     return buckets
 
 
-def _bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None) -> list[Bucket]:
-    """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box)."""
+Adjacency = dict[int, dict[str, str]]
+"""Per rank: piece name -> the name of the piece that starts where it ends in memory."""
+
+
+def _units(pair: list[Transfer], bucket_bytes: int, direct_bytes: int | None, src_next: dict[str, str],
+           dst_next: dict[str, str], whole: Callable[[Transfer], bool]) -> list[list[Transfer]]:
+    """The pair's transfers in order, with *runs* joined into one unit: consecutive whole
+    pieces that follow each other in memory on the sender (``src_next``) and on the receiver
+    (``dst_next``), each at least ``direct_bytes`` and a multiple of :data:`ALIGN`, at most
+    ``bucket_bytes`` together. A run stands where its first member stood."""
+    if direct_bytes is None or not src_next or not dst_next:
+        return [[t] for t in pair]
+    counts: dict[str, int] = defaultdict(int)
+    for t in pair:
+        counts[t.name] += 1
+    ok = {t.name: t for t in pair if counts[t.name] == 1 and direct_bytes <= t.nbytes <= bucket_bytes
+          and t.nbytes % ALIGN == 0 and whole(t)}
+    link = {a: b for a in ok if (b := src_next.get(a)) in ok and dst_next.get(a) == b}
+    run_of: dict[str, list[Transfer]] = {}
+    for start in sorted(ok.keys() - set(link.values())):
+        run, total, name = [ok[start]], ok[start].nbytes, start
+        run_of[start] = run
+        while (name := link.get(name)) is not None and name not in run_of:
+            if total + ok[name].nbytes > bucket_bytes:
+                run, total = [], 0
+            run.append(ok[name])
+            total += ok[name].nbytes
+            run_of[name] = run
+    units, seen = [], set()
+    for t in pair:
+        run = run_of.get(t.name, [t])
+        if id(run) not in seen:
+            seen.add(id(run))
+            units.append(run)
+    return units
+
+
+def _bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None,
+               src_next: Adjacency | None = None, dst_next: Adjacency | None = None,
+               whole: Callable[[Transfer], bool] | None = None) -> list[Bucket]:
+    """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box).
+    ``src_next`` / ``dst_next`` / ``whole``: see :func:`_units` (no runs without them)."""
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for transfer in transfers:
         by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
     buckets = []
     for src, dst in sorted(by_pair):
         pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
-        for index, items in enumerate(_pack(pair, bucket_bytes, direct_bytes)):
+        units = _units(pair, bucket_bytes, direct_bytes, (src_next or {}).get(src, {}),
+                       (dst_next or {}).get(dst, {}), whole or (lambda t: False))
+        for index, items in enumerate(_pack(units, bucket_bytes, direct_bytes)):
             nbytes = items[-1].offset + items[-1].transfer.nbytes
             payload = sum(item.transfer.nbytes for item in items)
             buckets.append(Bucket(src, dst, index, tuple(items), nbytes, payload))

@@ -17,6 +17,24 @@ from megatron_refit.spec import ShardSpec
 __all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "SenderPlan", "gc_paused", "gen_classes"]
 
 
+def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int, list[ShardSpec]],
+               side: str) -> dict[int, dict[str, str]]:
+    """Per rank, piece name -> the piece after it in memory; names must be the rank's pieces."""
+    out: dict[int, dict[str, str]] = {}
+    for rank, pairs in (adjacent or {}).items():
+        if not pairs:
+            continue
+        if rank not in specs:
+            raise PlanError(f"{side}_adjacent names {side} rank {rank}, which is not in the plan")
+        names = {s.name for s in specs[rank]}
+        for a, b in pairs:
+            if a not in names or b not in names:
+                raise PlanError(f"{side}_adjacent of {side} rank {rank}: ({a!r}, {b!r}) names a piece the rank "
+                                "does not hold")
+        out[rank] = dict(pairs)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class RefitPlan:
     """Transfers and their buckets, with trainer-local and gen-local rank indices."""
@@ -44,9 +62,16 @@ class RefitPlan:
         direct_bytes: int | None = None,
         train_rank_ids: list[int] | None = None,
         gen_rank_ids: list[int] | None = None,
+        train_adjacent: dict[int, list[tuple[str, str]]] | None = None,
+        gen_adjacent: dict[int, list[tuple[str, str]]] | None = None,
     ) -> RefitPlan:
         """``direct_bytes``: transfers at least this large get buckets of their own (sent
-        without packing where the memory layout allows); None packs everything."""
+        without packing where the memory layout allows); None packs everything.
+
+        ``train_adjacent`` / ``gen_adjacent``: per rank, pairs ``(a, b)`` of its pieces where
+        ``b`` starts in memory where ``a`` ends (e.g. gate and up of one fused weight). Whole
+        pieces adjacent on both ends of a pair then share one bucket that can go direct
+        (see :func:`megatron_refit.packing._units`); a hint only, checked again at each refit."""
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if direct_bytes is not None and (not isinstance(direct_bytes, int) or direct_bytes < 1):
@@ -60,7 +85,16 @@ class RefitPlan:
 
         senders = SenderPlan.build(train_specs, gen_classes(gen_specs))
         transfers = senders.transfers()
-        buckets = _bucketize(transfers, bucket_bytes, direct_bytes)
+        src_next = _next_maps(train_adjacent, train_specs, "train")
+        dst_next = _next_maps(gen_adjacent, gen_specs, "gen")
+        shapes = ({(r, s.name): s.shape for r in src_next for s in train_specs[r]},
+                  {(r, s.name): s.shape for r in dst_next for s in gen_specs[r]})
+
+        def whole(t: Transfer) -> bool:
+            shape = tuple(b - a for a, b in t.global_box)
+            return shapes[0].get((t.src_rank, t.name)) == shape == shapes[1].get((t.dst_rank, t.name))
+
+        buckets = _bucketize(transfers, bucket_bytes, direct_bytes, src_next, dst_next, whole)
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:

@@ -127,9 +127,15 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     times = {"ours": [], "gather_broadcast": [], "floor": []}
     rounds = range(1, reps + 2)  # the first round is the warm-up
     for v in Bar(rounds, desc=f"bench gen TP{spec.gen.tp}xDP{spec.gen.dp}") if rank == 0 else rounds:
-        t_ours = _timed(lambda: run_ours(v), group)
+        # ours and the floor back to back (this machine's speed drifts over seconds), in
+        # alternating order so that neither always runs first
+        if v % 2:
+            t_ours = _timed(lambda: run_ours(v), group)
+            t_floor = _timed(floor, group)
+        else:
+            t_floor = _timed(floor, group)
+            t_ours = _timed(lambda: run_ours(v), group)
         t_peer = _timed(lambda: run_peers(v), group)
-        t_floor = _timed(floor, group)
         if v > 1:
             times["ours"].append(t_ours)
             times["gather_broadcast"].append(t_peer)

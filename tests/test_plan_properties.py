@@ -99,15 +99,33 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+def _shape_of(specs: list[ShardSpec], name: str) -> tuple[int, ...]:
+    return next(s.shape for s in specs if s.name == name)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _hints(draw, specs: dict[int, list[ShardSpec]]) -> dict[int, list[tuple[str, str]]]:
+    """Random adjacency hints among each rank's pieces (cycles and chains included)."""
+    out = {}
+    for rank, pieces in specs.items():
+        names = [s.name for s in pieces]
+        pairs = st.tuples(st.sampled_from(names), st.sampled_from(names)) if names else st.nothing()
+        out[rank] = draw(st.lists(pairs, max_size=4)) if names else []
+    return out
+
+
 @settings(max_examples=600, **SETTINGS)
-@given(problems(), st.one_of(st.none(), st.integers(1, 512)))
-def test_plan_reproduces_targets(problem, direct_bytes):
+@given(problems(), st.one_of(st.none(), st.integers(1, 512)), st.data())
+def test_plan_reproduces_targets(problem, direct_bytes, data):
     train, gen, bucket_bytes, seed = problem
-    plan = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
+    src_adj, dst_adj = {}, {}
+    if data.draw(st.booleans()):
+        src_adj, dst_adj = _hints(data.draw, train), _hints(data.draw, gen)
+    plan = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                           train_adjacent=src_adj, gen_adjacent=dst_adj)
     rng = torch.Generator().manual_seed(seed)
     meta = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
     full = {name: _random_full(shape, dtype, rng) for name, (shape, dtype) in meta.items()}
@@ -117,8 +135,19 @@ def test_plan_reproduces_targets(problem, direct_bytes):
     coverage = {r: {s.name: torch.zeros(s.shape, dtype=torch.int32) for s in specs} for r, specs in gen.items()}
     for bucket in plan.buckets:
         assert bucket.nbytes <= bucket_bytes or len(bucket.items) == 1
-        if direct_bytes is not None and any(item.transfer.nbytes >= direct_bytes for item in bucket.items):
-            assert len(bucket.items) == 1  # direct transfers travel alone
+        if direct_bytes is not None and any(item.transfer.nbytes >= direct_bytes for item in bucket.items) \
+                and len(bucket.items) > 1:  # a run: whole pieces back to back on both ends
+            offset = 0
+            src_next, dst_next = dict(src_adj[bucket.src_rank]), dict(dst_adj[bucket.dst_rank])
+            for item, after in itertools.zip_longest(bucket.items, bucket.items[1:]):
+                t = item.transfer
+                assert item.offset == offset and t.nbytes >= direct_bytes
+                offset += t.nbytes
+                assert t.src_box == full_box(_shape_of(train[bucket.src_rank], t.name))
+                assert t.dst_box == full_box(_shape_of(gen[bucket.dst_rank], t.name))
+                if after is not None:
+                    assert src_next[t.name] == dst_next[t.name] == after.transfer.name
+            assert bucket.nbytes == offset <= bucket_bytes
         for item in bucket.items:
             coverage[bucket.dst_rank][item.transfer.name][_slices(item.transfer.dst_box)] += 1
     for rank, specs in gen.items():

@@ -130,9 +130,11 @@ def _rank(rank, world, port, scenario):
         on_write = _die_after(3) if scenario == "kill-gen" and rank == NUM_TRAIN else None
         if scenario == "stall-gen" and rank == NUM_TRAIN:
             on_write = _stall_after(3, seconds=3 * TIMEOUT_S)
-        backend = _Backend(NAMES, on_write)
+        backend = _Backend(NAMES)
         endpoint, step = Receiver(group, backend, **kw), "receive"
-    endpoint.prepare()
+    endpoint.prepare()  # reads the engine buffers' addresses: the crash or stall is armed after it
+    if rank >= NUM_TRAIN:
+        backend.on_write = on_write
     outcome = []
     for version in (1, 2, 3):
         if scenario == "flip-byte":
