@@ -113,11 +113,13 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
     so the driver can send it straight from the sender's memory and receive it straight
     into the engine's storage, without packing. The smaller transfers meanwhile keep filling
     one open bucket, so a few large ones between them do not scatter them over many
-    small messages.
+    small messages; it is closed once ``bucket_bytes`` of direct transfers went past it,
+    which bounds how long the copies its items come from stay alive.
     """
     buckets: list[list[BucketItem]] = []
     items: list[BucketItem] = []
     end = 0
+    passed = 0  # direct bytes emitted since the open bucket got its first item
 
     def add(transfer: Transfer) -> None:
         nonlocal end
@@ -126,10 +128,10 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
         end = offset + transfer.nbytes
 
     def close() -> None:
-        nonlocal items, end
+        nonlocal items, end, passed
         if items:
             buckets.append(items)
-        items, end = [], 0
+        items, end, passed = [], 0, 0
 
     for unit in units:
         transfer = unit[0]
@@ -141,6 +143,12 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
                 buckets.append([BucketItem(t, o) for t, o in zip(unit, offsets)])
             else:
                 buckets += [[BucketItem(chunk, 0)] for chunk in _chunks(transfer, bucket_bytes)]
+            if items:
+                passed += sum(t.nbytes for t in unit)
+                if passed >= bucket_bytes:
+                    # the open bucket's sources (e.g. k and v of a QKV split whose q already
+                    # left) stay alive until it is sent: let at most a bucket's worth pass it
+                    close()
             continue
         offset = _align(end)
         if offset + transfer.nbytes <= bucket_bytes:

@@ -64,6 +64,16 @@ def test_small_transfers_fill_one_bucket_across_large_ones():
     assert [[i.transfer.name for i in b.items] for b in plan.buckets] == [["a.big"], ["b.big"], ["a.norm", "b.norm"]]
 
 
+def test_open_bucket_closes_after_a_bucket_of_direct_bytes_went_past():
+    """Small items must not wait for the whole model: their sources (e.g. k and v of a QKV
+    split whose q already left) stay alive until their bucket is sent."""
+    names = [f"{layer}.{kind}" for layer in range(4) for kind in ("big", "norm")]
+    specs = [_spec(n, shape=(64, 4) if n.endswith("big") else (4,)) for n in names]  # big: 1024 bytes
+    plan = RefitPlan.build({0: specs}, {0: specs}, bucket_bytes=2048, direct_bytes=512)
+    assert [[i.transfer.name for i in b.items] for b in plan.buckets] == [
+        ["0.big"], ["1.big"], ["2.big"], ["0.norm", "1.norm"], ["3.big"], ["2.norm", "3.norm"]]
+
+
 def test_partial_pieces_are_not_runs():
     """Train holds the whole tensors, the gen rank a half of each: the transfers cover only
     part of the sender's pieces, whose halves are not back to back in its memory."""
