@@ -177,21 +177,18 @@ class Endpoint:
         Each side decides for itself; the bytes on the wire are the same either way."""
         if self.verify or not getattr(self.group, "direct_ok", True):
             return None
-        views = []
-        for item in bucket.items:
+        first, offset = None, 0
+        for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)
             transfer = item.transfer
             view = contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
             if view is None:
                 return None
-            views.append(view)
-        if len(views) == 1:
-            return views[0]
-        first = views[0]
-        storage = first.untyped_storage().data_ptr()
-        offset = 0
-        for item, view in zip(bucket.items, views):
-            if (item.offset != offset or view.untyped_storage().data_ptr() != storage
-                    or view.data_ptr() - first.data_ptr() != offset):
+            if item.offset != offset:
+                return None
+            if first is None:
+                first = view
+            elif (view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                  or view.data_ptr() - first.data_ptr() != offset):
                 return None
             offset += view.numel()
-        return first.as_strided((offset,), (1,))
+        return first if len(bucket.items) == 1 else first.as_strided((offset,), (1,))
