@@ -83,7 +83,10 @@ def predict(
 ) -> Prediction:
     """Refit seconds for ``pair_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
 
-    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages.
+    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the driver sends
+    on NCCL with its default ``direct_bytes`` (one bucket; see
+    :func:`megatron_refit.endpoint.resolve_direct_bytes`), where transfers smaller than a
+    bucket are packed together.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

@@ -71,6 +71,10 @@ def main(argv=None) -> int:
           f"NIC {cluster.nic_gbps:g} GB/s per GPU, efficiency {cluster.efficiency:g}, "
           f"{cluster.latency_s * 1e6:g} us/message")
     print(f"bytes per gen rank (max): {run.gen_bytes_max() / 1e9:.2f} GB; bottleneck: {prediction.bottleneck}")
+    if run.refit.direct_mb is not None and run.refit.direct_bytes < run.refit.bucket_bytes:
+        print(f"note: refit.direct_mb={run.refit.direct_mb:g} is below bucket_mb={run.refit.bucket_mb:g}: every "
+              "transfer of that size or more is a message of its own, which this prediction does not count "
+              "(it counts full buckets, the NCCL default)")
     print(f"{'system':42} {'layout':40} {'seconds':>12}")
     print(f"{'megatron-refit (predicted transport)':42} {layout:40} {prediction.seconds:12.2f}")
     for system, their_layout, low, high in PUBLISHED.get(model, []):

@@ -104,7 +104,7 @@ class Refitter(Endpoint):
     role = "train"
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20,
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | str | None = "auto",
                  offloader=None, on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report)
@@ -196,7 +196,7 @@ class Receiver(Endpoint):
     role = "gen"
 
     def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | None = 1 << 20,
+                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report)

@@ -27,6 +27,25 @@ logger = logging.getLogger("megatron_refit")
 
 MAX_DIRECT_IN_FLIGHT = 16
 
+GLOO_DIRECT_BYTES = 1 << 20
+"""``direct_bytes="auto"`` on gloo: on CPU a packing copy costs about as much as moving the
+bytes, so every transfer of at least 1 MiB skips it."""
+
+
+def resolve_direct_bytes(direct_bytes: int | str | None, backend: str, bucket_bytes: int) -> int | None:
+    """The size from which a transfer skips packing (None: none does).
+
+    ``"auto"``: :data:`GLOO_DIRECT_BYTES` on gloo; one bucket (``bucket_bytes``) on NCCL, where a
+    device copy runs ~30x faster than the network but every message costs ~20 us, so a
+    model's many mid-size pieces (one expert's slice, one layer's projection) travel packed,
+    a few full buckets per peer, as :mod:`megatron_refit.cost` counts them."""
+    if direct_bytes == "auto":
+        return GLOO_DIRECT_BYTES if backend == "gloo" else bucket_bytes
+    if direct_bytes is not None and (isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
+                                     or direct_bytes < 1):
+        raise ValueError(f"direct_bytes must be a positive int, 'auto' or None, got {direct_bytes!r}")
+    return direct_bytes
+
 
 class Endpoint:
     """What both sides share: the plan agreement, the version handshake, and the bucket
@@ -36,7 +55,7 @@ class Endpoint:
     role: str
 
     def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool,
-                 direct_bytes: int | None, on_report: Callable[[dict], None] | None = None):
+                 direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -51,9 +70,11 @@ class Endpoint:
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        direct_bytes = resolve_direct_bytes(direct_bytes, getattr(group, "backend", "gloo"), bucket_bytes)
         if not getattr(group, "direct_ok", True):
             direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
         self.direct_bytes = direct_bytes
+        """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
         self.plan: RefitPlan | None = None
         self.version: int | None = None
 
