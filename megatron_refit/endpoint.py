@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable
 
 import torch
@@ -45,6 +45,21 @@ def resolve_direct_bytes(direct_bytes: int | str | None, backend: str, bucket_by
                                      or direct_bytes < 1):
         raise ValueError(f"direct_bytes must be a positive int, 'auto' or None, got {direct_bytes!r}")
     return direct_bytes
+
+
+def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
+    """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
+    :meth:`~megatron_refit.plan.RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
+    is not the most common one, and both ends of any (train rank, gen rank) pair that they
+    hold differently (one end alone cannot tell which of them is wrong)."""
+    common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
+    bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
+    pairs = {pair for theirs in prints for pair in theirs if pair != "plan"}
+    for src, dst in pairs:
+        ends = (plan.train_global[src], plan.gen_global[dst])
+        if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
+            bad.update(ends)
+    return sorted(bad)
 
 
 class Endpoint:
@@ -88,7 +103,7 @@ class Endpoint:
     def prepare(self) -> RefitPlan:
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
         mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent)
-        gathered = self.group.all_gather_object(mine)
+        gathered = self.group.all_gather_unique(mine)  # DP replicas' pieces travel once
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
@@ -108,6 +123,7 @@ class Endpoint:
             gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
             train_adjacent={i: g[5] for i, g in enumerate(gathered[: self.num_train])},
             gen_adjacent={i: g[5] for i, g in enumerate(gathered[self.num_train:])},
+            local=self._local_rank(),
         )
         if plan.unused_train_params:
             names = sorted(plan.unused_train_params)
@@ -115,13 +131,17 @@ class Endpoint:
                 f"the trainer produces {len(names)} HF parameters that no generation rank holds "
                 f"(the receiver does not know them), e.g. {names[:5]}"
             )
-        fingerprint = bytes.fromhex(plan.fingerprint())
-        prints = self.group.all_gather_object(fingerprint)
-        if any(p != fingerprint for p in prints):
-            bad = [r for r, p in enumerate(prints) if p != fingerprint]
+        bad = _disagreeing(plan, self.group.all_gather_object(plan.fingerprints()))
+        if bad:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
         return plan
+
+    def _local_rank(self) -> tuple[str, int]:
+        """This rank in the plan: each endpoint expands only its own transfers and buckets."""
+        if self.role == "train":
+            return ("train", self.group.rank)
+        return ("gen", self.group.rank - self.num_train)
 
     def _agree_on_version(self, version: int) -> None:
         if not isinstance(version, int) or version < 0:

@@ -19,8 +19,12 @@ GenClass = tuple[tuple[int, ...], list[ShardSpec]]
 def gen_classes(gen_specs: dict[int, list[ShardSpec]]) -> list[GenClass]:
     """Group gen ranks whose pieces are identical, in order of their first rank."""
     groups: dict[tuple, list[int]] = {}
+    keys: dict[int, tuple] = {}  # by list identity: ranks given one list (gathered replicas) are keyed once
     for rank in sorted(gen_specs):
-        key = tuple(sorted((s.name, s.box, s.global_shape, s.dtype) for s in gen_specs[rank]))
+        specs = gen_specs[rank]
+        key = keys.get(id(specs))
+        if key is None:
+            key = keys[id(specs)] = tuple(sorted((s.name, s.box, s.global_shape, s.dtype) for s in specs))
         groups.setdefault(key, []).append(rank)
     return [(tuple(ranks), gen_specs[ranks[0]]) for ranks in groups.values()]
 
@@ -96,17 +100,26 @@ class SenderPlan:
                     out[senders[j % len(senders)], gen_rank] += nbytes
         return dict(out)
 
-    def transfers(self) -> list[Transfer]:
-        """Every transfer, ordered by gen rank, then name."""
-        position = {rank: (c, j) for c, (ranks, _) in enumerate(self.classes) for j, rank in enumerate(ranks)}
+    def transfers(self, *, src: int | None = None, dst: int | None = None) -> list[Transfer]:
+        """Every transfer, ordered by gen rank, then name; with ``src`` / ``dst`` only those
+        that train rank sends / that gen rank receives (a rank's own part of a large plan)."""
         out = []
-        for gen_rank in range(len(position)):
-            c, j = position[gen_rank]
-            for spec, pieces in self.classes[c][1]:
+        for ranks, items in self.classes:
+            wanted = [(j, rank) for j, rank in enumerate(ranks) if dst is None or rank == dst]
+            if not wanted:
+                continue
+            for spec, pieces in items:
                 for train_box, senders, nbytes in pieces:
+                    if src is not None and src not in senders:
+                        continue
                     box = intersect(train_box, spec.box)
-                    out.append(Transfer(spec.name, senders[j % len(senders)], gen_rank, relative(box, train_box),
-                                        relative(box, spec.box), box, spec.dtype, nbytes))
+                    src_box, dst_box = relative(box, train_box), relative(box, spec.box)
+                    for j, gen_rank in wanted:
+                        sender = senders[j % len(senders)]
+                        if src is None or sender == src:
+                            out.append(Transfer(spec.name, sender, gen_rank, src_box, dst_box, box, spec.dtype,
+                                                nbytes))
+        out.sort(key=lambda t: t.dst_rank)  # stable: names stay in order within a gen rank
         return out
 
 

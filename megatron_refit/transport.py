@@ -10,6 +10,7 @@ surfaces as :class:`RefitTimeoutError` / :class:`RefitTransportError` naming the
 from __future__ import annotations
 
 import datetime
+import hashlib
 import pickle
 from dataclasses import dataclass, field
 
@@ -122,6 +123,31 @@ class RefitGroup:
         padded[: payload.numel()] = payload
         gathered = self.all_gather_tensor(padded)
         return [pickle.loads(g[: int(n)].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+
+    def all_gather_unique(self, obj) -> list:
+        """:meth:`all_gather_object` for objects that many ranks share (DP replicas hold the
+        same pieces): ranks compare digests first, then one holder of each distinct object
+        broadcasts it; equal objects come back as one object. At full scale this moves
+        (distinct objects) x (size) instead of (world size) x (largest size)."""
+        blob = pickle.dumps(obj)
+        digests = self.all_gather_object(hashlib.sha256(blob).digest())
+        holder: dict[bytes, int] = {}
+        for rank, digest in enumerate(digests):
+            holder.setdefault(digest, rank)
+        objects: dict[bytes, object] = {}
+        for digest, src in holder.items():
+            size = torch.tensor([len(blob) if src == self.rank else 0], dtype=torch.int64, device=self.device)
+            self._broadcast(size, src)
+            payload = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if src == self.rank
+                       else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
+            self._broadcast(payload, src)
+            objects[digest] = obj if src == self.rank else pickle.loads(payload.cpu().numpy().tobytes())
+        return [objects[digest] for digest in digests]
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self._wait(self._pg.broadcast([tensor], opts), f"broadcast from rank {src}", src)
 
     def close(self) -> None:
         self._pg = None

@@ -143,3 +143,19 @@ def test_colocated_refit_through_shared_buffers():
     sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
     assert sent == out[0][0]["bytes_minimal"]
     assert all(train[-1]["shared"] > 0 for train in out[:2])
+
+
+def _unique_rank(rank, world, port):
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    objs = [{"role": "a", "n": list(range(1000))}, {"role": "a", "n": list(range(1000))}, ("b", rank), None]
+    got = group.all_gather_unique(objs[rank])
+    # equal objects come back as one object; every rank gets what each rank gave
+    return dict(equal=got == [objs[0], objs[0], ("b", 2), None], shared=got[0] is got[1], distinct=got[2] is not got[0])
+
+
+@pytest.mark.slow
+def test_all_gather_unique_moves_each_distinct_object_once():
+    out = run_spawned(_unique_rank, 4, timeout_s=60)
+    assert all(r == dict(equal=True, shared=True, distinct=True) for r in out), out

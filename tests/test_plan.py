@@ -282,3 +282,16 @@ def test_pack_refuses_a_piece_whose_dtype_is_not_its_specs():
     with pytest.raises(ValueError, match=r"w.weight: the local piece is torch.bfloat16, its spec \(and the plan\) "
                                          r"says float32"):
         pack_bucket(plan.buckets[0], {W: torch.zeros(4, dtype=torch.bfloat16)}.__getitem__)
+
+
+def test_local_plan_refuses_other_ranks_buckets():
+    full = RefitPlan.build(train_specs(), gen_specs(2))
+    local = RefitPlan.build(train_specs(), gen_specs(2), local=("gen", 1))
+    assert local.buckets_to(1) == full.buckets_to(1) and local.bytes_to(1) == full.bytes_to(1)
+    with pytest.raises(ValueError, match=r"this plan holds no buckets of gen rank 0 \(a local plan of gen rank 1\)"):
+        local.buckets_to(0)
+    with pytest.raises(ValueError, match="this plan holds no buckets of train rank 0"):
+        local.buckets_from(0)
+    for bad in (("gen", 2), ("engine", 0), ("train", "0")):
+        with pytest.raises(PlanError, match="local must be"):
+            RefitPlan.build(train_specs(), gen_specs(2), local=bad)

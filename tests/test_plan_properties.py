@@ -158,6 +158,20 @@ def test_plan_reproduces_targets(problem, direct_bytes, data):
     needed = {s.name for specs in gen.values() for s in specs}
     assert set(plan.unused_train_params) == set(meta) - needed
 
+    # what prepare() builds: each rank's local plan holds exactly the whole plan's buckets of
+    # that rank, and its fingerprints agree with the whole plan's pair by pair
+    whole = plan.fingerprints()
+    for side, ranks in (("train", train), ("gen", gen)):
+        for rank in ranks:
+            local = RefitPlan.build(train, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                                    train_adjacent=src_adj, gen_adjacent=dst_adj, local=(side, rank))
+            mine = local.buckets_from(rank) if side == "train" else local.buckets_to(rank)
+            assert mine == (plan.buckets_from(rank) if side == "train" else plan.buckets_to(rank))
+            assert local.buckets == mine
+            assert local.bytes_sent == plan.bytes_sent and local.summary()["num_transfers"] == len(plan.transfers)
+            prints = local.fingerprints()
+            assert prints == {key: whole[key] for key in prints} and prints["plan"] == whole["plan"]
+
 
 @settings(max_examples=200, **SETTINGS)
 @given(st.data())

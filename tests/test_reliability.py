@@ -110,11 +110,21 @@ def _rank(rank, world, port, scenario):
                     buffer[3] ^= 0x40
                 return super().isend(buffer, peer, tag)
         group_cls = Flipping
-    if scenario == "fingerprint-mismatch" and rank == NUM_TRAIN + 1:
+    if scenario in ("fingerprint-mismatch", "pair-mismatch") and rank == NUM_TRAIN + 1:
         from megatron_refit.plan import RefitPlan
 
-        # a rank whose plan differs (e.g. another package version): only its fingerprint shows it
-        RefitPlan.fingerprint = lambda self: "0" * 16
+        # a rank whose plan differs (e.g. another package version): only its fingerprints show it,
+        # all of them or those of one pair it is an end of
+        honest = RefitPlan.fingerprints
+
+        def fingerprints(self):
+            prints = honest(self)
+            if scenario == "fingerprint-mismatch":
+                prints["plan"] = "0" * 16
+            else:
+                prints[min(pair for pair in prints if pair != "plan")] = "0" * 16
+            return prints
+        RefitPlan.fingerprints = fingerprints
     group = group_cls.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
     verify = scenario in ("flip-byte", "verify-mismatch") and not (scenario == "verify-mismatch" and rank == 0)
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify=verify)
@@ -233,6 +243,9 @@ def test_hf_receiver_refuses_to_generate_while_stale():
 
 
 def test_plan_fingerprint_mismatch_is_refused_before_transfer():
-    # the odd rank sees the three others disagree with it, they see rank 3: whichever reports first
-    with pytest.raises(SpawnError, match=r"refit plan fingerprint mismatch on refit ranks \[(3|0, 1, 2)\]"):
+    # every rank sees every rank's fingerprints and names the odd one out
+    with pytest.raises(SpawnError, match=r"refit plan fingerprint mismatch on refit ranks \[3\]"):
         run_spawned(_rank, NUM_TRAIN + NUM_GEN, "fingerprint-mismatch", timeout_s=120)
+    # one pair held differently at its two ends: both ends are named (either may be wrong)
+    with pytest.raises(SpawnError, match=r"refit plan fingerprint mismatch on refit ranks \[0, 3\]"):
+        run_spawned(_rank, NUM_TRAIN + NUM_GEN, "pair-mismatch", timeout_s=120)
