@@ -8,8 +8,10 @@ the ranks agree on the version, then each sender packs its buckets straight from
 local pieces and each receiver unpacks straight into engine storage, at most two buckets
 in flight per rank.
 
-Buckets are processed in the plan's global order by every rank; with a bounded window
-this cannot deadlock (the globally first unfinished bucket is always posted at both ends).
+Every rank processes its buckets in one global order, (index within its pair, dst, src):
+a sender feeds all its receivers at once, a receiver takes from all its senders at once,
+and with a bounded window this cannot deadlock (the globally first unfinished bucket is
+always posted at both ends).
 """
 
 from __future__ import annotations

@@ -35,6 +35,14 @@ def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[in
     return out
 
 
+def _SEND_ORDER(bucket: Bucket) -> tuple[int, int]:
+    return bucket.index, bucket.dst_rank
+
+
+def _RECEIVE_ORDER(bucket: Bucket) -> tuple[int, int]:
+    return bucket.index, bucket.src_rank
+
+
 @dataclass(frozen=True, kw_only=True)
 class RefitPlan:
     """Transfers and their buckets, with trainer-local and gen-local rank indices.
@@ -146,8 +154,8 @@ class RefitPlan:
             train_bytes=senders.train_bytes,
             num_transfers=senders.num_transfers,
             settings=(bucket_bytes, direct_bytes),
-            _from={rank: tuple(b) for rank, b in from_.items()},
-            _to={rank: tuple(b) for rank, b in to.items()},
+            _from={rank: tuple(sorted(b, key=_SEND_ORDER)) for rank, b in from_.items()},
+            _to={rank: tuple(sorted(b, key=_RECEIVE_ORDER)) for rank, b in to.items()},
         )
 
     def global_src(self, bucket: Bucket) -> int:
@@ -163,9 +171,14 @@ class RefitPlan:
         return lists[rank]
 
     def buckets_from(self, train_idx: int) -> tuple[Bucket, ...]:
+        """The buckets this train rank sends, in the order it sends them: by (index, dst), so
+        that it feeds all its receivers at once instead of one after the other."""
         return self._held("train", train_idx, self._from)
 
     def buckets_to(self, gen_idx: int) -> tuple[Bucket, ...]:
+        """The buckets this gen rank receives, in the order it receives them: by (index, src).
+        Both orders follow one global order, (index, dst, src), which keeps a bounded window
+        deadlock-free (docs/design.md)."""
         return self._held("gen", gen_idx, self._to)
 
     def gen_pieces(self, gen_idx: int) -> list[ShardSpec]:

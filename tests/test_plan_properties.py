@@ -107,6 +107,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _key(bucket) -> tuple[int, int, int]:
+    """The global order every rank posts its buckets in."""
+    return bucket.index, bucket.dst_rank, bucket.src_rank
+
+
 def _hints(draw, specs: dict[int, list[ShardSpec]]) -> dict[int, list[tuple[str, str]]]:
     """Random adjacency hints among each rank's pieces (cycles and chains included)."""
     out = {}
@@ -158,6 +163,15 @@ def test_plan_reproduces_targets(problem, direct_bytes, data):
     needed = {s.name for specs in gen.values() for s in specs}
     assert set(plan.unused_train_params) == set(meta) - needed
 
+    # every rank posts its buckets in one global order (deadlock freedom, docs/design.md)
+    for rank in train:
+        order = [_key(b) for b in plan.buckets_from(rank)]
+        assert order == sorted(order) and {b.src_rank for b in plan.buckets_from(rank)} <= {rank}
+    for rank in gen:
+        order = [_key(b) for b in plan.buckets_to(rank)]
+        assert order == sorted(order) and {b.dst_rank for b in plan.buckets_to(rank)} <= {rank}
+    assert sum(len(plan.buckets_from(r)) for r in train) == len(plan.buckets) == sum(len(plan.buckets_to(r)) for r in gen)
+
     # what prepare() builds: each rank's local plan holds exactly the whole plan's buckets of
     # that rank, and its fingerprints agree with the whole plan's pair by pair
     whole = plan.fingerprints()
@@ -167,7 +181,7 @@ def test_plan_reproduces_targets(problem, direct_bytes, data):
                                     train_adjacent=src_adj, gen_adjacent=dst_adj, local=(side, rank))
             mine = local.buckets_from(rank) if side == "train" else local.buckets_to(rank)
             assert mine == (plan.buckets_from(rank) if side == "train" else plan.buckets_to(rank))
-            assert local.buckets == mine
+            assert sorted(local.buckets, key=_key) == sorted(mine, key=_key)
             assert local.bytes_sent == plan.bytes_sent and local.summary()["num_transfers"] == len(plan.transfers)
             prints = local.fingerprints()
             assert prints == {key: whole[key] for key in prints} and prints["plan"] == whole["plan"]
