@@ -170,7 +170,8 @@ def test_plan_reproduces_targets(problem, direct_bytes, data):
     for rank in gen:
         order = [_key(b) for b in plan.buckets_to(rank)]
         assert order == sorted(order) and {b.dst_rank for b in plan.buckets_to(rank)} <= {rank}
-    assert sum(len(plan.buckets_from(r)) for r in train) == len(plan.buckets) == sum(len(plan.buckets_to(r)) for r in gen)
+    assert sum(len(plan.buckets_from(r)) for r in train) == len(plan.buckets) \
+        == sum(len(plan.buckets_to(r)) for r in gen)
 
     # what prepare() builds: each rank's local plan holds exactly the whole plan's buckets of
     # that rank, and its fingerprints agree with the whole plan's pair by pair
