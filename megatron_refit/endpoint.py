@@ -54,7 +54,16 @@ def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
     hold differently (one end alone cannot tell which of them is wrong)."""
     common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
     bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
-    pairs = {pair for theirs in prints for pair in theirs if pair != "plan"}
+    pairs = set()
+    for rank, theirs in enumerate(prints):
+        for pair in theirs:
+            if pair == "plan":
+                continue
+            if not (isinstance(pair, tuple) and len(pair) == 2 and 0 <= pair[0] < len(plan.train_global)
+                    and 0 <= pair[1] < len(plan.gen_global)):
+                bad.add(rank)  # a pair of ranks this plan does not have
+                continue
+            pairs.add(pair)
     for src, dst in pairs:
         ends = (plan.train_global[src], plan.gen_global[dst])
         if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):

@@ -130,7 +130,8 @@ class RefitGroup:
         broadcasts it; equal objects come back as one object. At full scale this moves
         (distinct objects) x (size) instead of (world size) x (largest size)."""
         blob = pickle.dumps(obj)
-        digests = self.all_gather_object(hashlib.sha256(blob).digest())
+        mine = hashlib.sha256(blob).digest()
+        digests = self.all_gather_object(mine)
         holder: dict[bytes, int] = {}
         for rank, digest in enumerate(digests):
             holder.setdefault(digest, rank)
@@ -141,7 +142,7 @@ class RefitGroup:
             payload = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if src == self.rank
                        else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
             self._broadcast(payload, src)
-            objects[digest] = obj if src == self.rank else pickle.loads(payload.cpu().numpy().tobytes())
+            objects[digest] = obj if digest == mine else pickle.loads(payload.cpu().numpy().tobytes())
         return [objects[digest] for digest in digests]
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
