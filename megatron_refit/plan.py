@@ -223,9 +223,11 @@ class RefitPlan:
         items = sorted(self.fingerprints().items(), key=lambda kv: str(kv[0]))
         return hashlib.sha256(repr(items).encode()).hexdigest()
 
-    def summary(self) -> dict[str, int]:
-        """Totals of the whole plan; the bucket counts are those this plan holds."""
+    def summary(self) -> dict:
+        """Totals of the whole plan; the bucket figures are those this plan holds (``local``:
+        None for the whole plan, else whose)."""
         return {
+            "local": None if self.local is None else f"{self.local[0]} rank {self.local[1]}",
             "num_train_ranks": len(self.train_global),
             "num_gen_ranks": len(self.gen_global),
             "num_transfers": self.num_transfers,
