@@ -52,7 +52,7 @@ class RefitConfig:
     """Transfers of at least this many MiB skip packing: one message each, sent from the
     trainer's tensor and received into the engine's storage where both are contiguous.
     ``null``: 1 MiB on gloo (CPU, where a packing copy costs as much as the wire), one bucket
-    (``bucket_mb``) on NCCL (a device copy is ~30x faster than the network, a message costs
+    (``bucket_mb``) on NCCL (a device copy is ~30x faster than a 400 Gb/s NIC, a message costs
     ~20 us: mid-size pieces such as one expert's slice travel packed, a few full buckets
     per peer)."""
     trainer_quantize_fp8: bool = False
