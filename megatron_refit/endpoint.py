@@ -35,10 +35,11 @@ bytes, so every transfer of at least 1 MiB skips it."""
 def resolve_direct_bytes(direct_bytes: int | str | None, backend: str, bucket_bytes: int) -> int | None:
     """The size from which a transfer skips packing (None: none does).
 
-    ``"auto"``: :data:`GLOO_DIRECT_BYTES` on gloo; one bucket (``bucket_bytes``) on NCCL, where a
-    device copy runs ~30x faster than a 400 Gb/s NIC (~3x faster than NVLink) but every message costs ~20 us, so a
-    model's many mid-size pieces (one expert's slice, one layer's projection) travel packed,
-    a few full buckets per peer, as :mod:`megatron_refit.cost` counts them."""
+    ``"auto"``: :data:`GLOO_DIRECT_BYTES` on gloo; one bucket (``bucket_bytes``) on NCCL, where
+    a device copy runs ~30x faster than a 400 Gb/s NIC (~3x faster than NVLink) but every
+    message costs ~20 us, so a model's many mid-size pieces (one expert's slice, one layer's
+    projection) travel packed, a few full buckets per peer, as :mod:`megatron_refit.cost`
+    counts them."""
     if direct_bytes == "auto":
         return GLOO_DIRECT_BYTES if backend == "gloo" else bucket_bytes
     if direct_bytes is not None and (isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
