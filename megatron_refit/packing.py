@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -137,10 +138,8 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
         transfer = unit[0]
         if direct_bytes is not None and (len(unit) > 1 or transfer.nbytes >= direct_bytes):
             if len(unit) > 1:  # a run: ALIGN-multiple sizes, so the items sit back to back
-                offsets = [0]
-                for t in unit[:-1]:
-                    offsets.append(offsets[-1] + t.nbytes)
-                buckets.append([BucketItem(t, o) for t, o in zip(unit, offsets)])
+                offsets = itertools.accumulate((t.nbytes for t in unit[:-1]), initial=0)
+                buckets.append([BucketItem(t, o) for t, o in zip(unit, offsets, strict=True)])
             else:
                 buckets += [[BucketItem(chunk, 0)] for chunk in _chunks(transfer, bucket_bytes)]
             if items:

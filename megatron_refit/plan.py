@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from megatron_refit.packing import Bucket, Transfer, _bucketize
 from megatron_refit.plan_checks import ITEMSIZE, PlanError, gc_paused
 from megatron_refit.senders import SenderPlan, gen_classes
-from megatron_refit.spec import ShardSpec
+from megatron_refit.spec import ShardSpec, box_shape
 
 __all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "SenderPlan", "gc_paused", "gen_classes"]
 
@@ -35,11 +35,11 @@ def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[in
     return out
 
 
-def _SEND_ORDER(bucket: Bucket) -> tuple[int, int]:
+def _send_order(bucket: Bucket) -> tuple[int, int]:
     return bucket.index, bucket.dst_rank
 
 
-def _RECEIVE_ORDER(bucket: Bucket) -> tuple[int, int]:
+def _receive_order(bucket: Bucket) -> tuple[int, int]:
     return bucket.index, bucket.src_rank
 
 
@@ -71,6 +71,9 @@ class RefitPlan:
     """Transfers of the whole plan."""
     settings: tuple[int, int | None] = (0, None)
     """``(bucket_bytes, direct_bytes)`` the buckets were cut with."""
+    bytes_minimal: int = 0
+    """Bytes the gen ranks hold: what any refit must deliver at least (from the gen pieces,
+    not from the senders, so ``bytes_sent / bytes_minimal`` checks the assignment)."""
     _from: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False, default_factory=dict)
     _to: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False, default_factory=dict)
 
@@ -113,7 +116,8 @@ class RefitPlan:
                                   or not 0 <= local[1] < (num_train if local[0] == "train" else num_gen)):
             raise PlanError(f"local must be ('train', 0..{num_train - 1}) or ('gen', 0..{num_gen - 1}), got {local!r}")
 
-        senders = SenderPlan.build(train_specs, gen_classes(gen_specs))
+        classes = gen_classes(gen_specs)
+        senders = SenderPlan.build(train_specs, classes)
         if local is None:
             transfers = senders.transfers()
         else:
@@ -131,7 +135,7 @@ class RefitPlan:
         def whole(t: Transfer) -> bool:
             if t.src_rank not in src_next or t.dst_rank not in dst_next:
                 return False
-            shape = tuple(b - a for a, b in t.global_box)
+            shape = box_shape(t.global_box)
             return shape_of(0, t.src_rank, t.name) == shape == shape_of(1, t.dst_rank, t.name)
 
         buckets = _bucketize(transfers, bucket_bytes, direct_bytes, src_next, dst_next, whole)
@@ -154,8 +158,10 @@ class RefitPlan:
             train_bytes=senders.train_bytes,
             num_transfers=senders.num_transfers,
             settings=(bucket_bytes, direct_bytes),
-            _from={rank: tuple(sorted(b, key=_SEND_ORDER)) for rank, b in from_.items()},
-            _to={rank: tuple(sorted(b, key=_RECEIVE_ORDER)) for rank, b in to.items()},
+            bytes_minimal=sum(len(ranks) * sum(spec.numel * ITEMSIZE[spec.dtype] for spec in specs)
+                              for ranks, specs in classes),  # once per class of identical gen ranks
+            _from={rank: tuple(sorted(b, key=_send_order)) for rank, b in from_.items()},
+            _to={rank: tuple(sorted(b, key=_receive_order)) for rank, b in to.items()},
         )
 
     def global_src(self, bucket: Bucket) -> int:
@@ -188,11 +194,6 @@ class RefitPlan:
     def bytes_sent(self) -> int:
         """Bytes the whole plan sends (every train rank)."""
         return sum(self.train_bytes)
-
-    @property
-    def bytes_minimal(self) -> int:
-        """Bytes the gen ranks hold: what any refit must deliver at least."""
-        return sum(spec.numel * ITEMSIZE[spec.dtype] for specs in self.gen_specs.values() for spec in specs)
 
     def bytes_from(self, train_idx: int) -> int:
         return sum(item.transfer.nbytes for bucket in self.buckets_from(train_idx) for item in bucket.items)
