@@ -21,6 +21,7 @@ from megatron_refit.layout import TrainLayout
 MODES = ("disaggregated", "colocated")
 BACKENDS = ("vllm", "sglang", "hf")
 LORA_SYNC = ("auto", "adapters", "merged", "full")
+ENGINE_LOAD = ("in_place", "load_weights")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +66,13 @@ class RefitConfig:
     engine's receiver merges them into its weights. ``full``: base weights and adapters
     every refit. ``auto``: ``adapters``. ``merged`` (trainer-side merge, for engines that
     cannot merge) is not implemented and is refused when adapters are present."""
+    engine_load: str = "in_place"
+    """How the vLLM backend (``megatron_refit`` weight transfer) writes what it receives.
+    ``in_place``: straight into the engine's own parameters, then the engine's post-load step
+    re-runs on them (no extra memory; needs parameters that keep the checkpoint's shape and
+    dtype after post-load, which is checked). ``load_weights``: into staging buffers, then
+    through vLLM's weight loaders and layerwise reload, as vLLM's own backends do (one more
+    copy of this rank's share; for engines that re-pack weights into another shape)."""
     timeout_s: float = 600.0
     """Upper bound on any single wait (rendezvous, bucket send/receive), in seconds."""
     verify: bool = False
@@ -101,7 +109,8 @@ class RefitConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the first bad value."""
-        for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC)):
+        for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC),
+                              ("engine_load", ENGINE_LOAD)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")

@@ -24,7 +24,7 @@ import torch
 
 from .buckets import pack_bucket, unpack_bucket
 from .checksum import trailer_ok, write_trailer
-from .endpoint import Endpoint
+from .endpoint import Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import RefitGroup
@@ -80,6 +80,10 @@ class ReceiverBackend(Protocol):
     # Optional: ``set_state(state: str, version: int | None)`` is called on every state
     # change (``stale`` → ``updating`` → ``ready``, or back to ``stale`` on failure), so the
     # engine can refuse to serve half-updated weights.
+    # Optional: ``refresh_targets()`` is called at the start of every refit, before any byte
+    # moves: a backend over a live engine checks that the storage it writes into is still
+    # the engine's (re-resolving it if the engine re-allocated its parameters) and raises
+    # if it cannot be; every rank then ends the refit with an error (see ``RefitAbortedError``).
 
 
 def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
@@ -225,11 +229,21 @@ class Receiver(Endpoint):
         # from the engine storage's addresses (it stays put between refits)
         return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
 
+    def _refresh_targets(self) -> None:
+        refresh = getattr(self.backend, "refresh_targets", None)
+        if refresh is None:
+            return
+        try:
+            refresh()
+        except BaseException:
+            self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
+            raise
+
     def receive(self, version: int) -> RefitReport:
         """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
         engine must not serve them) and the error propagates; the next complete refit
         restores ``ready``."""
-        self._agree_on_version(version)
+        self._agree_on_version(version, self._refresh_targets)
         self._set_state("updating")
         try:
             report = self._receive(version)

@@ -27,6 +27,11 @@ logger = logging.getLogger("megatron_refit")
 
 MAX_DIRECT_IN_FLIGHT = 16
 
+
+class RefitAbortedError(RuntimeError):
+    """Another refit rank failed its own checks at the start of a refit; nothing moved."""
+
+
 GLOO_DIRECT_BYTES = 1 << 20
 """``direct_bytes="auto"`` on gloo: on CPU a packing copy costs about as much as moving the
 bytes, so every transfer of at least 1 MiB skips it."""
@@ -101,6 +106,9 @@ class Endpoint:
         self.direct_bytes = direct_bytes
         """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
         self.plan: RefitPlan | None = None
+        self._plan_id = 0
+        """The plan's shared fingerprint as an int: the per-refit handshake checks that every
+        rank uses the same plan."""
         self.version: int | None = None
 
     def _local_specs(self) -> list[ShardSpec]:
@@ -141,10 +149,12 @@ class Endpoint:
                 f"the trainer produces {len(names)} HF parameters that no generation rank holds "
                 f"(the receiver does not know them), e.g. {names[:5]}"
             )
-        bad = _disagreeing(plan, self.group.all_gather_object(plan.fingerprints()))
+        prints = plan.fingerprints()
+        bad = _disagreeing(plan, self.group.all_gather_object(prints))
         if bad:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
+        self._plan_id = int(prints["plan"][:15], 16)
         return plan
 
     def _local_rank(self) -> tuple[str, int]:
@@ -153,16 +163,44 @@ class Endpoint:
             return ("train", self.group.rank)
         return ("gen", self.group.rank - self.num_train)
 
-    def _agree_on_version(self, version: int) -> None:
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> None:
+        """The per-refit handshake, before any byte moves: every rank shows its version, the
+        plan it uses and whether its own checks (``preflight``, e.g. a receiver re-resolving
+        its engine's parameters) passed. A rank whose checks failed raises its own error; every
+        other rank raises :class:`RefitAbortedError` naming it, so no rank is left waiting."""
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
+        error: BaseException | None = None
+        try:
+            self._check_version(version)
+            if preflight is not None:
+                preflight()
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            error = exc
+        shown = version if error is None else -1
+        rows = self.group.all_gather_tensor(torch.tensor([shown, int(error is not None), self._plan_id],
+                                                         dtype=torch.int64))
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(rows) if int(row[1])]
+        if failed:
+            raise RefitAbortedError(f"refit {version}: refit rank(s) {failed} failed their checks before any byte "
+                                    f"moved (their own errors say why); this rank sent and received nothing")
+        versions = [int(row[0]) for row in rows]
+        if any(v != version for v in versions):
+            raise ValueError(f"refit ranks disagree on the version: {versions}")
+        plans = sorted({int(row[2]) for row in rows})
+        if len(plans) != 1:
+            by_plan = {p: [r for r, row in enumerate(rows) if int(row[2]) == p] for p in plans}
+            raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
+                             f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
+                             f"the engine expects a full refit")
+
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self.version is not None and version <= self.version:
             raise ValueError(f"refit version {version} does not advance past {self.version}")
-        versions = self.group.all_gather_tensor(torch.tensor([version], dtype=torch.int64))
-        if any(int(v) != version for v in versions):
-            raise ValueError(f"refit ranks disagree on the version: {[int(v) for v in versions]}")
 
     def _emit(self, report: RefitReport) -> None:
         """One structured log line per refit and rank, and the optional callback."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .fp8 import fp8_checkpoint, fp8_param_table
-from .gen_layout import GenLayout, ModelShape
+from .gen_layout import GenLayout
+from .hf_model import hf_param_table, model_shape
 from .layout import TrainLayout
 
 SEQ, BATCH = 8, 2
@@ -71,17 +72,6 @@ class RunSpec:
     @property
     def num_gen(self) -> int:
         return self.gen.world_size
-
-
-def model_shape(cfg) -> ModelShape:
-    from conversion.hf_configs import num_routed_experts  # not Megatron: importable on gen ranks
-
-    return ModelShape(
-        num_attention_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        vocab_size=cfg.vocab_size,
-        num_experts=num_routed_experts(cfg),
-    )
 
 
 def tokens_for(version: int, vocab: int) -> torch.Tensor:
@@ -215,21 +205,10 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
         return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from .receivers.vllm_layout import VllmLayoutReceiver
 
-    params = _param_table(cfg, dtype)
+    params = hf_param_table(cfg, dtype)
     if spec.fp8:
         params = fp8_param_table(params)
     return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
-
-
-def _param_table(cfg, dtype) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF checkpoint names and shapes, from a meta-device transformers model."""
-    from transformers import AutoModelForCausalLM
-
-    from .receivers.hf import HFReceiver
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return {s.name: (s.global_shape, s.dtype) for s in HFReceiver(model).target_specs()}
 
 
 def run(spec: RunSpec) -> list[dict]:

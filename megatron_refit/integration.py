@@ -70,6 +70,10 @@ class _Sync:
         """All pieces on the first refit, when asked, or without adapters; else the adapters."""
         return self.full if full or self._version is None or self.adapters is None else self.adapters
 
+    def is_full(self, full: bool = False) -> bool:
+        """Whether the next refit, called with ``full``, moves everything (else adapters only)."""
+        return self._endpoint(full) is self.full
+
     def _advance(self, version: int) -> None:
         self._version = version
         for endpoint in (self.full, self.adapters):
@@ -77,9 +81,8 @@ class _Sync:
                 endpoint.version = version  # the next refit must advance past it on either plan
 
     def close(self) -> None:
-        """Collective: release shared buffers (colocated) and the group."""
-        if hasattr(self.group, "staging"):
-            self.group.close()
+        """Release the group (colocated: collective, the shared buffers too)."""
+        self.group.close()
 
 
 class TrainerRefit(_Sync):
@@ -149,8 +152,15 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
     each refit loads them back); LoRA adapters (Bridge PEFT) on it are found and synced per
     ``cfg.lora_sync``."""
     _check_enabled(cfg, num_train)
-    if not 0 <= rank < num_train:
-        raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
+    pieces, adapters = local_pieces(bridge, model, hf_config)
+    device = next(p for chunk in model for p in chunk.parameters()).device
+    return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
+                                     offloader=offloader, on_report=on_report)
+
+
+def local_pieces(bridge, model, hf_config) -> tuple[list, list]:
+    """``(weights, LoRA adapters)``: this train rank's HF-named local shards of Megatron model
+    chunks built through Bridge (adapters empty without Bridge PEFT wrappers). Needs Megatron."""
     from conversion.local_shards import enumerate_local_shards
 
     pieces = enumerate_local_shards(bridge, model, hf_config)
@@ -159,6 +169,18 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
         from conversion.lora import adapter_shards  # Bridge PEFT LoRALinear wrappers
 
         adapters = adapter_shards(bridge, model, hf_config)
+    return pieces, adapters
+
+
+def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *, rank: int, num_train: int,
+                              device: str | torch.device = "cpu", offloader=None,
+                              on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
+    """:func:`trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
+    local shards, or :class:`~megatron_refit.driver.TensorPiece`)."""
+    _check_enabled(cfg, num_train)
+    if not 0 <= rank < num_train:
+        raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
+    if adapters:
         _check_lora_sync(cfg)
     if cfg.trainer_quantize_fp8:
         if adapters:
@@ -167,8 +189,7 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
         from .fp8_pieces import quantise_pieces
 
         pieces = quantise_pieces(pieces)
-    device = next(p for chunk in model for p in chunk.parameters()).device
-    group = connect(cfg, refit_rank=rank, num_train=num_train, device=device)
+    group = connect(cfg, refit_rank=rank, num_train=num_train, device=torch.device(device))
     return TrainerRefit(group, pieces, adapters, cfg, num_train=num_train, offloader=offloader, on_report=on_report)
 
 

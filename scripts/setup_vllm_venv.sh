@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 STAMP="$VENV/.setup-stamp"
-want="vllm==$VLLM_VERSION $(sha256sum scripts/setup_vllm_venv.sh | cut -d' ' -f1)"
+# pyproject.toml too: the editable install carries its entry points (the vLLM plugin)
+want="vllm==$VLLM_VERSION $(cat scripts/setup_vllm_venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
 PY=$(.venv/bin/python -c 'import sys; print(sys.executable)' 2>/dev/null || true)
 [ -n "$PY" ] || { echo "setup_vllm_venv: run 'make setup' first (needs the Python 3.12 of .venv)" >&2; exit 1; }

@@ -48,25 +48,52 @@ def resolve_names(layout_names, params: dict[str, torch.Tensor]) -> dict[str, to
 
 
 class EngineReceiver(VllmLayoutReceiver):
-    """Receiver backend over an engine model's parameters on one generation TP rank."""
+    """Receiver backend over an engine model's parameters on one generation TP rank.
+
+    The engine may re-allocate its parameters between refits (vLLM's reload or sleep/wake,
+    an offload, ``model.to(...)``): :meth:`refresh_targets`, called at the start of every
+    refit, re-resolves the views when the storage moved and refuses, naming the parameter,
+    when a parameter no longer has the checkpoint layout this receiver writes."""
 
     def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], model_shape: ModelShape, tp: int,
                  post_load: Callable[[], None] | None = None):
         shapes, placements = fused_layout(pieces, model_shape, tp)
-        storage = resolve_names(shapes, dict(model.named_parameters()))
-        for name, (shape, dtype) in shapes.items():
+        self.model = model
+        self._shapes = shapes
+        self._post_load = post_load
+        self.rebinds = 0
+        """How often :meth:`refresh_targets` found the engine's storage moved and re-resolved it."""
+        super().__init__(self._live_storage(when="at construction"), pieces, placements)
+
+    def _live_storage(self, when: str) -> dict[str, torch.Tensor]:
+        storage = resolve_names(self._shapes, dict(self.model.named_parameters()))
+        for name, (shape, dtype) in self._shapes.items():
             have = storage[name]
             if str(have.dtype).removeprefix("torch.") != dtype:
-                raise ValueError(f"engine parameter {name} is {have.dtype}, the trainer sends {dtype}")
-        super().__init__(storage, pieces, placements)
-        self.model = model
-        self._post_load = post_load
+                raise ValueError(f"engine parameter {name} is {have.dtype} {when}, the trainer sends {dtype}")
+            if tuple(have.shape) != tuple(shape):
+                raise ValueError(
+                    f"engine parameter {name} has shape {tuple(have.shape)} {when}, the checkpoint layout needs "
+                    f"{tuple(shape)}: the engine holds it in another format (e.g. repacked by a post-load step), "
+                    "which a refit cannot write in place"
+                )
+        return storage
 
     @classmethod
     def for_model(cls, model, hf_params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout,
                   model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None):
         pieces = gen_target_specs(hf_params, layout, model_shape, style="vllm")[gen_index]
         return cls(model, pieces, model_shape, layout.tp, post_load)
+
+    def refresh_targets(self) -> bool:
+        """Before a refit: True (and views re-resolved) if the engine re-allocated any
+        parameter since the last check; ``ValueError`` naming it if it changed shape or dtype."""
+        live = self._live_storage(when="now (it changed since prepare())")
+        if all(live[n].data_ptr() == t.data_ptr() and live[n].stride() == t.stride() for n, t in self._storage.items()):
+            return False
+        self._bind(live)
+        self.rebinds += 1
+        return True
 
     def finalize(self) -> None:
         if self._post_load is not None:

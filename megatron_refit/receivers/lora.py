@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..gen_layout import param_role
-from ..spec import ShardSpec, full_box
+from ..spec import ShardSpec
 
 ADAPTED_ROLES = frozenset({"q", "kv", "column", "row"})
 """Dense q/k/v/o and gate/up/down: the projections LoRA wraps (linear_qkv, linear_proj,
@@ -31,10 +31,16 @@ def lora_names(weight: str) -> tuple[str, str]:
 
 
 class LoraReceiver:
-    """Base weights and adapters of an HF receiver's adapted projections; merges on finalize."""
+    """Base weights and adapters of a receiver's adapted projections; merges on finalize.
+
+    ``hf``: any receiver backend (``target_specs`` / ``buffer`` / ``finalize``): the HF
+    receiver (whole tensors) or an engine's (a box of each weight per TP rank). For a weight
+    piece with rows ``r`` and columns ``c`` of the HF tensor this rank receives ``lora_A``'s
+    columns ``c`` and ``lora_B``'s rows ``r``, and merges ``base + scale * (B[r] @ A[:, c])``:
+    each element is the same rank-long dot product as in Bridge's whole-tensor merge."""
 
     def __init__(self, hf, *, rank: int, alpha: float):
-        if rank < 1:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
         self.hf = hf
         self.scale = alpha / rank
@@ -42,23 +48,30 @@ class LoraReceiver:
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self._specs: dict[str, ShardSpec] = {}
+        self._adapter_boxes: dict[str, ShardSpec] = {}
         self.has_base = False
         """False until a full refit completed, and again after :meth:`drop_base`."""
         for spec in hf.target_specs():
             if len(spec.global_shape) == 2 and spec.name.endswith(".weight") and \
                     param_role(spec.name, 2) in ADAPTED_ROLES:
                 out_dim, in_dim = spec.global_shape
+                (r0, r1), (c0, c1) = spec.box
                 dtype = getattr(torch, spec.dtype)
-                self.base[spec.name] = torch.empty(spec.global_shape, dtype=dtype)
+                device = hf.buffer(spec.name).device
+                self.base[spec.name] = torch.empty(spec.shape, dtype=dtype, device=device)
                 a, b = lora_names(spec.name)
-                self.a[a], self.b[b] = torch.empty(rank, in_dim, dtype=dtype), torch.empty(out_dim, rank, dtype=dtype)
+                self.a[a] = torch.empty(rank, c1 - c0, dtype=dtype, device=device)
+                self.b[b] = torch.empty(r1 - r0, rank, dtype=dtype, device=device)
+                self._adapter_boxes[a] = ShardSpec(name=a, global_shape=(rank, in_dim), dtype=spec.dtype,
+                                                   box=((0, rank), (c0, c1)))
+                self._adapter_boxes[b] = ShardSpec(name=b, global_shape=(out_dim, rank), dtype=spec.dtype,
+                                                   box=((r0, r1), (0, rank)))
             self._specs[spec.name] = spec
         if not self.base:
             raise ValueError("the model has no projection that LoRA adapts")
 
     def _adapter_specs(self) -> list[ShardSpec]:
-        return [ShardSpec(name=n, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                          box=full_box(tuple(t.shape))) for n, t in (*self.a.items(), *self.b.items())]
+        return list(self._adapter_boxes.values())
 
     def full(self) -> "_Backend":
         """Backend of a refit that moves everything: base weights and adapters."""
@@ -101,9 +114,16 @@ class _Backend:
         if not self.full and not self.lora.has_base:
             raise RuntimeError("LoRA adapters arrived but this engine holds no base weights (never received, or "
                                "dropped): the trainer must run a full refit")
+        self.lora.merge()  # before the backend's own post-load (e.g. a load_weights backend loads merged weights)
         self.lora.hf.finalize()
-        self.lora.merge()
         self.lora.has_base = True
 
     def set_state(self, state: str, version: int | None) -> None:
-        self.lora.hf.set_state(state, version)
+        hook = getattr(self.lora.hf, "set_state", None)
+        if hook is not None:
+            hook(state, version)
+
+    def refresh_targets(self) -> None:
+        refresh = getattr(self.lora.hf, "refresh_targets", None)
+        if refresh is not None:
+            refresh()

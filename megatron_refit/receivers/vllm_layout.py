@@ -100,20 +100,25 @@ class VllmLayoutReceiver:
 
     def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],
                  placements: dict[str, Placement]):
-        self._storage = storage
         self._pieces = pieces
-        self._views = {}
-        for piece in pieces:
-            place = placements[piece.name]
+        self._placements = placements
+        self._bind(storage)
+
+    def _bind(self, storage: dict[str, torch.Tensor]) -> None:
+        """Views of every piece into ``storage`` (vLLM-named tensors)."""
+        views = {}
+        for piece in self._pieces:
+            place = self._placements[piece.name]
             view = storage[place.vllm_name][place.index]
             if tuple(view.shape) != piece.shape:
                 raise ValueError(
                     f"{piece.name}: vLLM storage {place.vllm_name}{list(place.index)} has shape "
                     f"{tuple(view.shape)}, the piece needs {piece.shape}"
                 )
-            self._views[piece.name] = view
+            views[piece.name] = view
             if piece.name in _VOCAB:  # as vLLM's loader does: padding rows beyond the vocab are zero
                 storage[place.vllm_name][piece.shape[0]:].zero_()
+        self._storage, self._views = storage, views
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,

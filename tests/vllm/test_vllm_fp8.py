@@ -51,7 +51,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.fp8 import fp8_param_table
     from megatron_refit.fp8_pieces import quantise_pieces
     from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.harness import model_shape
+    from megatron_refit.hf_model import model_shape
     from megatron_refit.receivers.engine import EngineReceiver
     from megatron_refit.spec import ShardSpec, box_along, full_box
     from megatron_refit.transport import RefitGroup

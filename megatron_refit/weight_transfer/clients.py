@@ -1,0 +1,120 @@
+"""Control-plane clients (vLLM's ``VLLMWeightSyncClient`` protocol) that keep serving correct.
+
+vLLM's ``finish_weight_update`` swaps weights but leaves the scheduler's prefix cache alone:
+a request whose prompt shares a prefix with an earlier one would then reuse KV computed
+under the old weights. And a request running while ``update_weights`` writes would mix two
+versions. These clients close both holes around every update:
+
+- :class:`LLMClient` over an offline ``vllm.LLM`` (its calls are synchronous, so no request
+  runs during an update): the prefix cache is reset after ``finish_weight_update``.
+- :class:`HTTPClient` over ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1`` exposes the RL routes):
+  ``/pause`` (in-flight requests finish or are aborted; KV and prefix caches are cleared)
+  before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``.
+- :class:`ReplicaClients` over several independent engines (one ``LLM`` or server per
+  replica): every call goes to all of them at once and ``init_info`` gets each one's
+  ``replica`` index.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+PAUSE_MODES = ("wait", "abort")
+
+
+class LLMClient:
+    """``VLLMWeightSyncClient`` over an offline ``vllm.LLM`` in this process."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # no prompt may reuse KV computed under the old weights
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+class HTTPClient:
+    """``VLLMWeightSyncClient`` over ``vllm serve``'s RL routes (as vLLM's own
+    ``HTTPVLLMWeightSyncClient``, standard library only), pausing generation around each
+    update. ``pause_mode``: ``wait`` lets in-flight requests finish, ``abort`` ends them."""
+
+    def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait") -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.pause_mode = pause_mode
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(f"{self.base_url}/{path}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"vLLM server {self.base_url}: POST /{path} answered {exc.code}: {detail}") from exc
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post(f"pause?mode={self.pause_mode}&clear_cache=true")  # KV and prefix caches dropped
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+        self._post("resume")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+
+class ReplicaClients:
+    """One client over independent engines, one per replica: calls fan out concurrently (an
+    engine's ``update_weights`` returns only once every engine has received its part)."""
+
+    def __init__(self, clients: list) -> None:
+        if not clients:
+            raise ValueError("ReplicaClients needs at least one client")
+        self.clients = list(clients)
+
+    def _all(self, call) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            for future in [pool.submit(call, i, c) for i, c in enumerate(self.clients)]:
+                future.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all(lambda i, c: c.init_weight_transfer_engine({**init_info, "replica": i}))
+
+    def start_weight_update(self) -> None:
+        self._all(lambda i, c: c.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._all(lambda i, c: c.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all(lambda i, c: c.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all(lambda i, c: c.shutdown_weight_transfer_engine())

@@ -1,0 +1,121 @@
+"""The trainer side of the vLLM weight-transfer backend in a Megatron environment (no vLLM).
+
+Megatron training environments often lack vLLM (its transformers pins differ from
+Megatron-Bridge's): the trainer engine, its payloads and the control-plane clients must
+import and work without it. ``HTTPClient`` is checked against a real HTTP server on
+loopback that records the routes, in the order vLLM's RL routes expect them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+
+def test_weight_transfer_trainer_side_imports_without_vllm():
+    code = ("import sys, importlib.util\n"
+            "assert importlib.util.find_spec('vllm') is None, 'this check needs an environment without vLLM'\n"
+            "from megatron_refit.weight_transfer import trainer, clients, payload, plugin\n"
+            "assert not trainer.HAVE_VLLM and 'vllm' not in sys.modules\n"
+            "info = trainer.MegatronRefitTrainerInitInfo(refit={'gen_tp': 2}, num_train=2, rank=0)\n"
+            "assert info.is_sender and info.config.gen_tp == 2 and info.backend == 'megatron_refit'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_weight_transfer_trainer_init_info_names_the_bad_field():
+    from megatron_refit.weight_transfer.trainer import MegatronRefitTrainerInitInfo
+
+    with pytest.raises(ValueError, match=r"init_info\.rank 2 outside 0\.\.1"):
+        MegatronRefitTrainerInitInfo(refit={}, num_train=2, rank=2)
+    with pytest.raises(ValueError, match=r"init_info\.num_train must be an int >= 1"):
+        MegatronRefitTrainerInitInfo(refit={}, num_train=0, rank=0)
+    with pytest.raises(ValueError, match=r"refit\.gen_dp must be positive"):
+        MegatronRefitTrainerInitInfo(refit={"gen_dp": 0}, num_train=1, rank=0)
+    with pytest.raises(ValueError, match=r"init_info\.refit must be the refit: config section"):
+        MegatronRefitTrainerInitInfo(refit="vllm", num_train=1, rank=0)
+
+
+class _RecordingLLM:
+    """Records the calls LLMClient makes (the offline LLM's RL methods, by name)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args))
+
+
+def test_weight_transfer_llm_client_resets_the_prefix_cache_after_each_update():
+    from megatron_refit.weight_transfer.clients import LLMClient
+
+    llm = _RecordingLLM()
+    client = LLMClient(llm)
+    client.init_weight_transfer_engine({"a": 1})
+    client.start_weight_update()
+    client.update_weights({"version": 3})
+    client.finish_weight_update("3")
+    assert llm.calls == [("init_weight_transfer_engine", ({"init_info": {"a": 1}},)), ("start_weight_update", ()),
+                         ("update_weights", ({"update_info": {"version": 3}},)), ("finish_weight_update", ("3",)),
+                         ("reset_prefix_cache", ())]
+
+
+@pytest.fixture
+def server():
+    """A loopback HTTP server that records (path, JSON body) and answers 200, or 400 for /bad."""
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 -- http.server's name
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length)
+            seen.append((self.path, json.loads(body) if body else None))
+            self.send_response(400 if self.path.startswith("/bad") else 200)
+            self.end_headers()
+            self.wfile.write(b'{"error": "no such thing"}' if self.path.startswith("/bad") else b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+    httpd.shutdown()
+
+
+def test_weight_transfer_http_client_pauses_generation_around_each_update(server):
+    from megatron_refit.weight_transfer.clients import HTTPClient
+    from megatron_refit.weight_transfer.payload import update_payload
+
+    url, seen = server
+    client = HTTPClient(url + "/", timeout=10)
+    client.init_weight_transfer_engine({"num_train": 2})
+    client.start_weight_update()
+    client.update_weights(update_payload(7, full=True))
+    client.finish_weight_update("7")
+    client.shutdown_weight_transfer_engine()
+    assert seen == [("/init_weight_transfer_engine", {"init_info": {"num_train": 2}}),
+                    ("/pause?mode=wait&clear_cache=true", None), ("/start_weight_update", None),
+                    ("/update_weights", {"update_info": {"version": 7, "full": True}}),
+                    ("/finish_weight_update", {"weight_version": "7"}), ("/resume", None),
+                    ("/shutdown_weight_transfer_engine", None)]
+    with pytest.raises(RuntimeError, match=r"POST /bad answered 400: .*no such thing"):
+        client._post("bad")
+    with pytest.raises(ValueError, match="pause_mode must be one of"):
+        HTTPClient(url, pause_mode="never")
+
+
+def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
+    from megatron_refit.weight_transfer.clients import HTTPClient, ReplicaClients
+
+    url, seen = server
+    ReplicaClients([HTTPClient(url), HTTPClient(url)]).init_weight_transfer_engine({"num_train": 1})
+    assert sorted(body["init_info"]["replica"] for _, body in seen) == [0, 1]
+    with pytest.raises(ValueError, match="at least one client"):
+        ReplicaClients([])
