@@ -159,3 +159,59 @@ def _unique_rank(rank, world, port):
 def test_all_gather_unique_moves_each_distinct_object_once():
     out = run_spawned(_unique_rank, 4, timeout_s=60)
     assert all(r == dict(equal=True, shared=True, distinct=True) for r in out), out
+
+
+class _Failing(_Store):
+    """A receiver backend whose pre-refit check fails when told to (an engine whose storage
+    changed shape since prepare())."""
+
+    fail = False
+
+    def refresh_targets(self):
+        if self.fail:
+            raise ValueError("engine parameter w changed shape")
+
+
+def _agreement_rank(rank, world, port):
+    """Per-refit agreement: a refit where train and generation ranks use different plans, one
+    where a generation rank's own check fails, then a good one on the same group."""
+    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    kw = dict(num_train=2, num_gen=2, bucket_bytes=1 << 20)
+    if rank < 2:
+        pieces = {n: TensorPiece(ShardSpec(name=n, global_shape=GLOBAL[n][0], dtype=GLOBAL[n][1],
+                                           box=full_box(GLOBAL[n][0])), _full(n)) for n in GLOBAL}
+        full, sub = Refitter(group, list(pieces.values()), **kw), Refitter(group, [pieces["n"]], **kw)
+        call = lambda ep, v: ep.refit(v)  # noqa: E731
+    else:
+        store = _Failing(GLOBAL)
+        sub_store = _Failing(["n"])
+        full, sub = Receiver(group, store, **kw), Receiver(group, sub_store, **kw)
+        call = lambda ep, v: ep.receive(v)  # noqa: E731
+    full.prepare()
+    sub.prepare()
+    out = {}
+    for version, endpoint in ((1, full), (2, sub if rank >= 2 else full), (3, full), (4, full)):
+        if rank == 3:
+            store.fail = version == 3
+        try:
+            call(endpoint, version)
+            out[version] = "ok"
+        except Exception as exc:  # noqa: BLE001 -- the test reads each rank's error
+            out[version] = f"{type(exc).__name__}: {exc}"
+    if rank >= 2:
+        out["exact"] = all(torch.equal(store.t[n].view(torch.uint8), _full(n).view(torch.uint8)) for n in GLOBAL)
+        out["state"] = full.state
+    return out
+
+
+def test_refit_calls_that_disagree_end_on_every_rank_and_the_group_recovers():
+    out = run_spawned(_agreement_rank, 4, timeout_s=120)
+    assert all(r[1] == "ok" and r[4] == "ok" for r in out), out
+    assert all("refit ranks use different plans (ranks by plan:" in r[2] for r in out), [r[2] for r in out]
+    assert out[3][3] == "ValueError: engine parameter w changed shape"
+    assert all(r[3].startswith("RefitAbortedError: refit 3: refit rank(s) [3] failed their checks")
+               for r in out[:3]), [r[3] for r in out]
+    assert all(r["exact"] and r["state"] == "ready" for r in out[2:])

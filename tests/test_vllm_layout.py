@@ -108,8 +108,36 @@ def test_engine_receiver_refuses_dtype_mismatch():
         def named_parameters(self, *a, **k):
             return iter((n, torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16))) for n, (s, _) in shapes.items())
 
-    with pytest.raises(ValueError, match="is torch.bfloat16, the trainer sends float32"):
+    with pytest.raises(ValueError, match="is torch.bfloat16 at construction, the trainer sends float32"):
         EngineReceiver(Fake(), specs, SHAPE, 1)
+
+
+def test_engine_receiver_follows_reallocated_parameters_and_refuses_reshaped_ones():
+    """What a reload / sleep-wake / ``model.to`` does to an engine: new storage for its
+    parameters. Writes must land in the live storage, never the old one."""
+    specs = gen_target_specs(_params(), GenLayout(tp=1), SHAPE, style="vllm")[0]
+    shapes, placements = fused_layout(specs, SHAPE, 1)
+
+    class Engine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.live = {n: torch.nn.Parameter(torch.zeros(s)) for n, (s, _) in shapes.items()}
+
+        def named_parameters(self, *a, **k):
+            return iter(self.live.items())
+
+    engine = Engine()
+    receiver = EngineReceiver(engine, specs, SHAPE, 1)
+    assert receiver.refresh_targets() is False and receiver.rebinds == 0
+    piece = next(p for p in specs if p.name.endswith("self_attn.k_proj.weight"))
+    fused = placements[piece.name].vllm_name
+    engine.live[fused] = torch.nn.Parameter(torch.zeros(shapes[fused][0]))  # re-allocated
+    assert receiver.refresh_targets() is True and receiver.rebinds == 1
+    receiver.buffer(piece.name).fill_(3.0)
+    assert engine.live[fused].data[placements[piece.name].index].eq(3.0).all()
+    engine.live[fused] = torch.nn.Parameter(torch.empty(0))  # re-packed by a post-load step
+    with pytest.raises(ValueError, match=rf"engine parameter {fused} has shape \(0,\) now .* cannot write in place"):
+        receiver.refresh_targets()
 
 
 def test_sglang_post_load_calls_the_models_hook_when_it_has_one():
