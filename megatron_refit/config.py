@@ -10,6 +10,7 @@ takes ``refit:`` out and returns the rest unchanged for Bridge's loader
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 import warnings
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class RefitConfig:
     dtype after post-load, which is checked). ``load_weights``: into staging buffers, then
     through vLLM's weight loaders and layerwise reload, as vLLM's own backends do (one more
     copy of this rank's share; for engines that re-pack weights into another shape)."""
+    every_n_steps: int = 1
+    """Refit after every n-th optimizer step (``RefitCallback`` in Bridge's training loop:
+    iterations whose step is a multiple of n; a skipped iteration never refits)."""
     timeout_s: float = 600.0
     """Upper bound on any single wait (rendezvous, bucket send/receive), in seconds."""
     verify: bool = False
@@ -96,25 +100,37 @@ class RefitConfig:
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
-        hints = typing.get_type_hints(cls)
-        for key, value in d.items():
-            _check_type(key, value, hints[key])
-        config = cls(**d)
-        config.validate()
+        config = cls(**d)  # checked in __post_init__
         ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
         if not config.enabled and ignored:
             warnings.warn(f"refit.enabled is false: {ignored} are ignored by training (dry runs still use them)",
                           stacklevel=2)
         return config
 
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), hints[field.name])
+        self.validate()
+
     def validate(self) -> None:
-        """``ValueError`` naming the first bad value."""
+        """``ValueError`` naming the first bad value (also run on construction)."""
+        for name in ("bucket_mb", "direct_mb", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"refit.{name} must be a finite number, got {value!r}")
+        one_byte = 1 / (1 << 20)
+        for name, low, high in (("bucket_mb", one_byte, float(1 << 20)), ("direct_mb", one_byte, float(1 << 20)),
+                                ("timeout_s", 0.001, 7 * 24 * 3600.0)):
+            value = getattr(self, name)
+            if value is not None and value > 0 and not low <= value <= high:
+                raise ValueError(f"refit.{name} must be between {low:g} and {high:g}, got {value!r}")
         for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC),
                               ("engine_load", ENGINE_LOAD)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
-        for name in ("gen_tp", "gen_dp", "port", "bucket_mb", "direct_mb", "timeout_s", "train_dp"):
+        for name in ("gen_tp", "gen_dp", "port", "bucket_mb", "direct_mb", "every_n_steps", "timeout_s", "train_dp"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"refit.{name} must be positive, got {value!r}")
@@ -153,19 +169,64 @@ def _check_type(key: str, value: Any, hint: Any) -> None:
 
 
 def split_refit_section(config: dict[str, Any]) -> tuple[dict[str, Any], RefitConfig]:
-    """``(the YAML without refit:, RefitConfig)``; the first part goes to Bridge unchanged."""
+    """``(the YAML without refit:, RefitConfig)``; the first part goes to Bridge unchanged. A
+    top-level key that is a near-miss of ``refit`` (``refti:``) is an error: it would leave
+    refit silently off."""
+    import difflib
+
     if not isinstance(config, dict):
         raise ValueError(f"training config: expected a mapping, got {type(config).__name__}")
+    if "refit" not in config:
+        near = difflib.get_close_matches("refit", [k for k in config if isinstance(k, str)], n=1, cutoff=0.7)
+        if near:
+            raise ValueError(f"training config: unknown section {near[0]!r}; did you mean 'refit'? (as written, "
+                             "refit stays off)")
     rest = {key: value for key, value in config.items() if key != "refit"}
     return rest, RefitConfig.from_dict(config.get("refit"))
 
 
-def load_training_yaml(path: str) -> tuple[dict[str, Any], RefitConfig]:
-    """Read a training YAML; see :func:`split_refit_section`."""
+def load_training_yaml(path: str, overrides: list[str] | None = None) -> tuple[dict[str, Any], RefitConfig]:
+    """Read a training YAML as Megatron-Bridge reads its configs, with OmegaConf: dotted
+    ``overrides`` (``["refit.gen_tp=16", "refit.enabled=true"]``, values parsed as YAML) are
+    merged over the file, then interpolations are resolved (``${oc.env:REFIT_HOST}``, and
+    references to other keys). See :func:`split_refit_section` for what comes back."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides or [])
+    bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith("=")]
+    if bad:
+        raise ValueError(f"overrides must be 'dotted.key=value' strings, got {bad}")
+    try:
+        conf = OmegaConf.load(path)
+        if overrides:
+            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist(overrides))
+        data = OmegaConf.to_container(conf, resolve=True)
+        section = conf.get("refit") if OmegaConf.is_dict(conf) else None
+        if OmegaConf.is_dict(section) and isinstance(data.get("refit"), dict):
+            _decode_interpolated(data["refit"], [k for k in section if OmegaConf.is_interpolation(section, k)])
+    except OmegaConfBaseException as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        where = next((line for line in lines if line.startswith("full_key:")), "")
+        raise ValueError(f"{path}: cannot read the training config: {lines[0] if lines else type(exc).__name__}"
+                         f"{f' ({where})' if where else ''}") from exc
+    return split_refit_section(data or {})
+
+
+def _decode_interpolated(section: dict[str, Any], keys: list[str]) -> None:
+    """Environment variables are strings: an interpolated ``refit:`` value that resolved to a
+    string is read as YAML where the field is not a string (``port: ${oc.env:REFIT_PORT}``
+    gives an int), as OmegaConf's ``oc.decode`` would."""
     import yaml
 
-    with open(path) as f:
-        return split_refit_section(yaml.safe_load(f) or {})
+    hints = typing.get_type_hints(RefitConfig)
+    for key in keys:
+        value = section.get(key)
+        if isinstance(value, str) and key in hints and str not in (typing.get_args(hints[key]) or (hints[key],)):
+            try:
+                section[key] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass  # left as the string: the type check names the key and the value
 
 
 _BRIDGE_LAYOUT = {

@@ -124,3 +124,71 @@ def test_config_imports_neither_megatron_nor_torch():
             "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+ENV_YAML = """
+model:
+  tensor_model_parallel_size: 2
+refit:
+  enabled: false
+  host: ${oc.env:TEST_REFIT_HOST}
+  port: ${oc.env:TEST_REFIT_PORT,29600}
+  gen_tp: 2
+  gen_dp: ${model.tensor_model_parallel_size}
+"""
+
+
+def test_training_yaml_resolves_env_interpolation_and_dotted_overrides(tmp_path, monkeypatch):
+    """As Bridge reads its YAML (OmegaConf): ``${oc.env:...}`` (an env value read as YAML where
+    the field is a number), references to other keys, dotted overrides from a list of strings."""
+    path = tmp_path / "train.yaml"
+    path.write_text(ENV_YAML)
+    monkeypatch.setenv("TEST_REFIT_HOST", "node-017")
+    monkeypatch.setenv("TEST_REFIT_PORT", "29611")
+    rest, refit = load_training_yaml(str(path), overrides=["refit.enabled=true", "refit.gen_tp=16",
+                                                           "model.tensor_model_parallel_size=4"])
+    assert (refit.enabled, refit.host, refit.port, refit.gen_tp, refit.gen_dp) == (True, "node-017", 29611, 16, 4)
+    assert rest == {"model": {"tensor_model_parallel_size": 4}}
+    monkeypatch.delenv("TEST_REFIT_PORT")
+    assert load_training_yaml(str(path), ["refit.enabled=true"])[1].port == 29600  # the default after the comma
+
+
+@pytest.mark.parametrize("overrides, env, match", [
+    (["refit.gen_tp=0"], {"TEST_REFIT_HOST": "h"}, r"refit\.gen_tp must be positive, got 0"),
+    (["refit.gen_tpp=2"], {"TEST_REFIT_HOST": "h"}, r"unknown key\(s\) \['gen_tpp'\]"),
+    (["refit.gen_tp"], {"TEST_REFIT_HOST": "h"}, r"overrides must be 'dotted.key=value' strings"),
+    ([], {"TEST_REFIT_HOST": "h", "TEST_REFIT_PORT": "http"}, r"refit\.port: expected int, got 'http'"),
+    ([], {}, r"Environment variable 'TEST_REFIT_HOST' not found.*full_key: refit\.host"),
+])
+@pytest.mark.reliability
+def test_training_yaml_errors_name_the_key(tmp_path, monkeypatch, overrides, env, match):
+    path = tmp_path / "train.yaml"
+    path.write_text(ENV_YAML)
+    for var in ("TEST_REFIT_HOST", "TEST_REFIT_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        load_training_yaml(str(path), overrides)
+
+
+@pytest.mark.reliability
+def test_a_misspelt_refit_section_is_an_error_not_refit_off():
+    with pytest.raises(ValueError, match=r"unknown section 'refti'; did you mean 'refit'"):
+        split_refit_section({"model": {}, "refti": {"enabled": True}})
+    assert split_refit_section({"model": {}, "optimizer": {}})[1].enabled is False
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "bogus"}, r"refit\.mode: 'bogus' is not one of"),
+    ({"bucket_mb": float("nan")}, r"refit\.bucket_mb must be a finite number"),
+    ({"timeout_s": float("inf")}, r"refit\.timeout_s must be a finite number"),
+    ({"timeout_s": 1e300}, r"refit\.timeout_s must be between"),
+    ({"bucket_mb": 1e-9}, r"refit\.bucket_mb must be between"),
+    ({"gen_tp": "2"}, r"refit\.gen_tp: expected int"),
+    ({"every_n_steps": 0}, r"refit\.every_n_steps must be positive"),
+])
+@pytest.mark.reliability
+def test_direct_construction_is_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RefitConfig(**kwargs)

@@ -11,7 +11,7 @@
 #   PYTHON      interpreter for the dry run (default: .venv/bin/python).
 #   REFIT_DRY_RUN_ONLY=1  stop after the dry run (validates the config and the plan).
 # Exported to both commands: REFIT_CONFIG, REFIT_HOST / REFIT_PORT (rendezvous of the
-# refit group, on the first train node; pass them as refit.host / refit.port), MASTER_ADDR,
+# refit group, on the first train node; the shipped configs read them: host: ${oc.env:REFIT_HOST,...}), MASTER_ADDR,
 # REFIT_TRAIN_NODES, REFIT_GEN_NODES.
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
