@@ -39,7 +39,9 @@ def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
                                   dtype=built.config.params_dtype, device=tokens.device)
         torch.distributed.recv(stage_input, ps.get_pipeline_model_parallel_prev_rank())
         stage_input.requires_grad_(torch.is_grad_enabled())
-    model.set_input_tensor(stage_input)
+    from megatron.core.utils import get_attr_wrapped_model
+
+    get_attr_wrapped_model(model, "set_input_tensor")(stage_input)  # through a DDP wrapper too
     with cpu_forward():
         output = model(tokens, position_ids, mask, labels=tokens if labels else None)
     if not ps.is_pipeline_last_stage():
@@ -49,15 +51,32 @@ def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
 
 def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
                loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
-    """Forward + backward + one optimizer step. The loss is Megatron's next-token loss on
+    """Forward + backward + one optimizer step: a ``torch.optim`` optimizer over bare chunks,
+    or Megatron's (:func:`~conversion.megatron_optim.distributed_optimizer`: DDP-wrapped chunks,
+    Megatron's ``finalize_model_grads``). The loss is Megatron's next-token loss on
     ``tokens``, or ``loss_fn(full-vocab logits [batch, seq, vocab])`` (e.g. a policy-gradient
     loss; the logits are gathered over TP with autograd). Returns the loss on the last
     pipeline stage, None elsewhere."""
-    from megatron.core import parallel_state as ps
+    from .megatron_optim import cuda_calls_on_cpu, is_megatron_optimizer
 
     if len(built.model) != 1:
         raise ValueError("train_step supports one model chunk (no virtual pipeline)")
-    optimizer.zero_grad(set_to_none=True)
+
+    if is_megatron_optimizer(optimizer):  # DDP-wrapped chunks and Megatron's optimizer
+        with cuda_calls_on_cpu():
+            return _step(built, optimizer, tokens, loss_fn, megatron=True)
+    return _step(built, optimizer, tokens, loss_fn, megatron=False)
+
+
+def _step(built: BuiltModel, optimizer, tokens: torch.Tensor, loss_fn, *, megatron: bool) -> float | None:
+    from megatron.core import parallel_state as ps
+
+    if megatron:
+        for chunk in built.model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     output, stage_input = _pipeline_forward(built, tokens, labels=loss_fn is None)
     loss = None
     with cpu_forward():
@@ -70,8 +89,14 @@ def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torc
             output.backward(grad)
     if stage_input is not None:
         torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
-    _finalize_grads(built)
-    optimizer.step()
+    if megatron:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(built.model)  # Megatron's: DP reduce-scatter, TP-replicated grads
+        optimizer.step()
+    else:
+        _finalize_grads(built)
+        optimizer.step()
     _update_expert_bias(built)
     return float(loss.detach()) if loss is not None else None
 

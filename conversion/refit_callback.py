@@ -1,0 +1,116 @@
+"""``RefitCallback``: the refit inside Megatron-Bridge's own training loop.
+
+Bridge's ``pretrain(config, forward_step_func, callbacks=[...])`` / ``finetune(...)`` fire
+training callbacks (``megatron.bridge.training.callbacks``); this one is all a training
+script adds to refit the generation engine::
+
+    bridge_config, refit_cfg = load_training_yaml("train.yaml", overrides=sys.argv[1:])
+    callbacks = [RefitCallback.from_config(refit_cfg, bridge)] if refit_cfg.enabled else []
+    pretrain(config, forward_step_func, callbacks=callbacks)
+
+- ``on_train_start``: enumerate this train rank's HF-named local shards of ``context.model``
+  (the DDP-wrapped chunks: the shards are views of their params), join the refit group
+  (train rank = this process's rank in the trainer's world) and build the plan with the
+  engine ranks.
+- ``on_train_step_end``: refit, with the iteration number as the version (Bridge's step
+  counter after this step: ``train_state.step + 1``), every ``refit.every_n_steps``
+  iterations; a skipped iteration (``context.skipped_iter``) sends nothing. What travels is
+  what the engine computes with: the model params (bf16 with Megatron's mixed precision),
+  not the optimizer's fp32 main params; with ``overlap_param_gather`` the step's param
+  all-gather is forced to finish first (Bridge's ``force_param_sync``), so no refit sends a
+  half-gathered replica.
+- ``on_train_end``: release the refit group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.report import RefitReport
+
+from .te_shim import import_bridge
+
+import_bridge()
+from megatron.bridge.training.callbacks import Callback  # noqa: E402
+
+
+def hf_config_of(bridge):
+    """The Hugging Face config an ``AutoBridge`` was built from (``from_hf_config`` or
+    ``from_hf_pretrained``)."""
+    from transformers import PretrainedConfig
+
+    held = bridge.hf_pretrained
+    return held if isinstance(held, PretrainedConfig) else held.config
+
+
+def force_param_sync(model: list, optimizer=None) -> None:
+    """Finish the data-parallel param all-gather of the last step now, where DDP defers it to
+    the next forward (``overlap_param_gather``), as Bridge's ``force_param_sync`` does before
+    a checkpoint. Without overlap the gather already ran inside ``optimizer.step()``."""
+    chunks = [c for c in model if getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)]
+    if not chunks:
+        return
+    from .megatron_optim import cuda_calls_on_cpu
+
+    with cuda_calls_on_cpu():
+        if optimizer is not None and hasattr(optimizer, "prepare_model_params_for_param_sync"):
+            optimizer.prepare_model_params_for_param_sync()
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+class RefitCallback(Callback):
+    """Refits the generation engine from Bridge's training loop (see the module docstring)."""
+
+    def __init__(self, cfg: RefitConfig, bridge, *, hf_config=None, offloader=None,
+                 on_report: Callable[[dict], None] | None = None):
+        if not isinstance(cfg, RefitConfig):
+            raise ValueError(f"RefitCallback takes the refit: section as a RefitConfig (load_training_yaml), "
+                             f"got {type(cfg).__name__}")
+        if not cfg.enabled:
+            raise ValueError("refit.enabled is false: set enabled: true in the refit section of the training config")
+        self.cfg = cfg
+        self.bridge = bridge
+        self.hf_config = hf_config if hf_config is not None else hf_config_of(bridge)
+        self.offloader = offloader
+        self.on_report = on_report
+        self.sync = None
+        """The :class:`~megatron_refit.integration.TrainerRefit` of this rank (after ``on_train_start``)."""
+        self.last_report: RefitReport | None = None
+        self.skipped: list[int] = []
+        """Iterations that were skipped (and not refitted)."""
+
+    @classmethod
+    def from_config(cls, cfg: RefitConfig, bridge, **kwargs) -> "RefitCallback":
+        """The callback for the ``refit:`` section ``cfg`` and the ``AutoBridge`` the model was
+        built from (its HF config says what the engine serves)."""
+        return cls(cfg, bridge, **kwargs)
+
+    def on_train_start(self, context) -> None:
+        import torch.distributed as dist
+
+        from megatron_refit.integration import trainer_refit
+
+        if self.sync is not None:
+            raise RuntimeError("RefitCallback: on_train_start twice; one callback serves one training run")
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.sync = trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
+                                  offloader=self.offloader, on_report=self.on_report)
+
+    def on_train_step_end(self, context) -> None:
+        if self.sync is None:
+            raise RuntimeError("RefitCallback: on_train_step_end before on_train_start")
+        iteration = context.state.train_state.step + 1  # Bridge counts the step after this event
+        if context.skipped_iter:
+            self.skipped.append(iteration)
+            return
+        if iteration % self.cfg.every_n_steps:
+            return
+        force_param_sync(context.model, context.optimizer)
+        self.last_report = self.sync.refit(iteration)
+
+    def on_train_end(self, context) -> None:
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None

@@ -1,0 +1,133 @@
+"""``RefitCallback`` driven through Megatron-Bridge's ``CallbackManager`` over real Megatron
+training: DDP-wrapped chunks and the DistributedOptimizer (bf16 params, fp32 main params),
+gloo on CPU.
+
+Two train ranks (TP2, or TP1 x DP2) and one generation rank (Hugging Face transformers,
+gen TP1). Every iteration: a real step (``train_step`` with Megatron's optimizer), then
+Bridge's ``on_train_step_end`` event with a real ``CallbackContext``. After every refit the
+generation weights must equal Bridge's ``export_hf_weights`` of the trainer's bf16 params
+bit for bit. Skipped iterations and ``every_n_steps`` send nothing; with
+``overlap_param_gather`` the step's param all-gather is still pending when the event fires,
+and the callback must finish it before reading (the test shows it was pending).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_refit.launch import free_ports, run_spawned
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 4
+
+def _train(rank, world, refit, tp, overlap, skipped, port):
+
+    from conversion.build import build_model, init_gloo, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.megatron_optim import distributed_optimizer
+    from conversion.refit_callback import RefitCallback
+    from conversion.train_step import train_step
+    from megatron_refit.harness import tokens_for
+    from megatron_refit.layout import TrainLayout
+    from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
+
+    init_gloo(rank, world, port)
+    layout = TrainLayout(tp=tp, dp=world // tp)
+    init_model_parallel(layout)
+    cfg = hf_config("qwen3")
+    built = build_model(cfg, layout, dtype=torch.bfloat16)
+    built, optimizer = distributed_optimizer(built, lr=1e-2, overlap=overlap)
+    callback = RefitCallback.from_config(refit, built.bridge)
+    manager = CallbackManager()
+    manager.add(callback)
+    state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0))  # what the callback reads of GlobalState
+
+    def context(**kw):
+        return CallbackContext(state=state, model=built.model, user_state=manager.user_state, optimizer=optimizer,
+                               **kw)
+
+    manager.fire("on_train_start", context())
+    out = []
+    for it in range(ITERATIONS):
+        loss = train_step(built, optimizer, tokens_for(it + 1, cfg.vocab_size))
+        before = [p.detach().clone() for chunk in built.model for p in chunk.parameters()]
+        manager.fire("on_train_step_end", context(skipped_iter=it + 1 in skipped, loss_dict={"lm loss": loss}))
+        after = [p.detach() for chunk in built.model for p in chunk.parameters()]
+        pending = sum(not torch.equal(a, b) for a, b in zip(before, after))  # finished by the callback's sync
+        report = callback.last_report
+        refitted = report is not None and report.version == it + 1
+        export = None
+        if refitted:  # collective over the train ranks; rank 0 keeps it
+            export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
+                built.model, cpu=True, show_progress=False)}
+            export = export if rank == 0 else None
+        out.append(dict(iteration=it + 1, refitted=refitted, pending=pending, export=export, loss=loss,
+                        dtypes=sorted({str(p.dtype) for chunk in built.model for p in chunk.parameters()}),
+                        sent=report.bytes_sent if refitted else 0))
+        state.train_state.step += 1
+    manager.fire("on_train_end", context())
+    return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None)
+
+def _gen(refit, versions, num_train):
+    from conversion.hf_configs import hf_config
+    from megatron_refit.integration import engine_refit
+    from megatron_refit.receivers.hf import HFReceiver
+
+    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
+    sync = engine_refit(refit, backend, gen_index=0, num_train=num_train)
+    out = {}
+    for version in versions:
+        report = sync.receive(version)
+        out[version] = dict(weights=backend.state_dict_hf(), minimal=report.bytes_minimal)
+    sync.close()
+    return dict(role="gen", refits=out)
+
+def _rank(rank, world, port, refit, tp, overlap, skipped, versions, megatron_port):
+    if rank < 2:
+        return _train(rank, 2, refit, tp, overlap, skipped, megatron_port)
+    return _gen(refit, versions, num_train=2)
+
+def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
+    from megatron_refit.config import RefitConfig
+
+    refit_port, megatron_port = free_ports(2)
+    refit = RefitConfig(enabled=True, backend="hf", port=refit_port, bucket_mb=0.25, timeout_s=120,
+                        every_n_steps=every)
+    versions = [v for v in range(1, ITERATIONS + 1) if v % every == 0 and v not in skipped]
+    out = run_spawned(_rank, 3, refit, tp, overlap, set(skipped), versions, megatron_port, timeout_s=300)
+    train, gen = out[:2], out[2]
+    refitted = [s["iteration"] for s in train[0]["steps"] if s["refitted"]]
+    assert refitted == versions == sorted(gen["refits"])
+    for step in train[0]["steps"]:
+        assert step["dtypes"] == ["torch.bfloat16"]  # the model params, not the fp32 main params
+        if step["refitted"]:
+            got = gen["refits"][step["iteration"]]["weights"]
+            want = step["export"]
+            assert set(got) <= set(want) and got
+            diff = [n for n in got if not torch.equal(got[n], want[n])]
+            assert not diff, (step["iteration"], diff[:5])
+            assert sum(t["steps"][step["iteration"] - 1]["sent"] for t in train) == \
+                gen["refits"][step["iteration"]]["minimal"]
+    assert train[0]["skipped"] == list(skipped) and all(t["closed"] for t in train)
+    losses = [s["loss"] for s in train[-1]["steps"]]
+    assert len(set(losses)) == len(losses)  # real optimizer steps changed the weights
+    return train
+
+@pytest.mark.parametrize("tp,skipped,every", [(2, (3,), 1), (1, (), 2)],
+                         ids=["TP2-iteration-3-skipped", "TP1xDP2-every-2nd-step"])
+def test_callback_refits_from_ddp_and_distributed_optimizer(tp, skipped, every):
+    """Bit-exact at every refit; a skipped iteration and the steps between every_n_steps send
+    nothing (the generation rank expects exactly the other versions)."""
+    train = _run(tp, skipped=skipped, every=every)
+    assert all(s["pending"] == 0 for t in train for s in t["steps"])  # without overlap: gathered in step()
+
+
+def test_callback_finishes_an_overlapped_param_gather_before_reading():
+    train = _run(tp=1, overlap=True)
+    # the step's all-gather was still pending when on_train_step_end fired (replicas held
+    # stale shards of each other's params); the callback finished it before the refit read them
+    assert all(s["pending"] > 0 for t in train for s in t["steps"])
