@@ -26,8 +26,12 @@ _CUDA_TYPE_NAMES = {torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float16: 
                     torch.float32: "torch.cuda.FloatTensor"}
 
 
-class _HostStream:
-    """``torch.cuda.current_stream()`` on a host: every wait is already satisfied."""
+class HostStream:
+    """A CUDA stream on a host (``torch.cuda.current_stream()``, ``torch.cuda.Stream()``):
+    every wait is already satisfied."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
 
     def wait_stream(self, *args, **kwargs) -> None:
         pass
@@ -65,7 +69,7 @@ def cuda_calls_on_cpu():
         return
     saved = torch.cuda.current_device, torch.cuda.current_stream
     torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: HostStream()
     try:
         with _CudaToHost():
             yield

@@ -10,8 +10,10 @@ script adds to refit the generation engine::
 
 - ``on_train_start``: enumerate this train rank's HF-named local shards of ``context.model``
   (the DDP-wrapped chunks: the shards are views of their params), join the refit group
-  (train rank = this process's rank in the trainer's world) and build the plan with the
-  engine ranks.
+  (train rank = this process's rank in the trainer's world), build the plan with the engine
+  ranks and send the starting weights (version ``train_state.step``: 0, or the iteration a
+  resumed run starts from), so the engine never starts from other weights than the
+  trainer's (``initial_refit=False`` skips it when both load the same checkpoint).
 - ``on_train_step_end``: refit, with the iteration number as the version (Bridge's step
   counter after this step: ``train_state.step + 1``), every ``refit.every_n_steps``
   iterations; a skipped iteration (``context.skipped_iter``) sends nothing. What travels is
@@ -63,7 +65,7 @@ def force_param_sync(model: list, optimizer=None) -> None:
 class RefitCallback(Callback):
     """Refits the generation engine from Bridge's training loop (see the module docstring)."""
 
-    def __init__(self, cfg: RefitConfig, bridge, *, hf_config=None, offloader=None,
+    def __init__(self, cfg: RefitConfig, bridge, *, hf_config=None, initial_refit: bool = True, offloader=None,
                  on_report: Callable[[dict], None] | None = None):
         if not isinstance(cfg, RefitConfig):
             raise ValueError(f"RefitCallback takes the refit: section as a RefitConfig (load_training_yaml), "
@@ -73,6 +75,7 @@ class RefitCallback(Callback):
         self.cfg = cfg
         self.bridge = bridge
         self.hf_config = hf_config if hf_config is not None else hf_config_of(bridge)
+        self.initial_refit = initial_refit
         self.offloader = offloader
         self.on_report = on_report
         self.sync = None
@@ -97,6 +100,9 @@ class RefitCallback(Callback):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.sync = trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
                                   offloader=self.offloader, on_report=self.on_report)
+        if self.initial_refit:
+            force_param_sync(context.model, context.optimizer)
+            self.last_report = self.sync.refit(context.state.train_state.step)
 
     def on_train_step_end(self, context) -> None:
         if self.sync is None:

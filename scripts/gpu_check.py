@@ -7,6 +7,10 @@
    bit-exact against Bridge's export, logits against the Megatron forward.
 3. ``colocated_speed``: the same on the benchmark's 215M-parameter shape, seconds and GB/s.
 4. ``nccl_one_gpu``: whether NCCL accepts two ranks on one GPU (it is expected to refuse).
+5. ``pretrain_callback``: Megatron-Bridge's real ``pretrain()`` (tiny Qwen3, mock data, bf16,
+   DistributedOptimizer) with ``RefitCallback`` on the GPU, colocated with a generation
+   process on the same GPU (CUDA IPC); bit-exact against Bridge's export at the start and
+   after every iteration (``tests/test_refit_callback.run_pretrain_refit``).
 
 Every check runs on its own; a failure is recorded, not fatal. ``--out FILE`` writes the
 results as JSON (also printed, last line). ``--device cpu`` runs the same checks on CPU
@@ -21,6 +25,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -154,17 +159,30 @@ def check_nccl_one_gpu() -> dict:
         return dict(accepted=False, error=str(exc)[-1500:])
 
 
+def check_pretrain_callback(device: str) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.test_refit_callback import run_pretrain_refit
+
+    result = run_pretrain_refit(tempfile.mkdtemp(prefix="pretrain_refit_"), num_train=1, device=device)
+    result["ok"] = result["closed"] and all(c["bit_exact"] for c in result["checks"].values())
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--only", nargs="*", default=["fp8", "colocated", "colocated_speed", "nccl_one_gpu"])
+    p.add_argument("--only", nargs="*",
+                   default=["fp8", "colocated", "colocated_speed", "nccl_one_gpu", "pretrain_callback"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     results: dict = dict(torch=torch.__version__, device=args.device)
     if args.device == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     checks = dict(fp8=lambda: check_fp8(args.device), colocated=lambda: check_colocated(args.device),
-                  colocated_speed=lambda: check_colocated_speed(args.device), nccl_one_gpu=check_nccl_one_gpu)
+                  colocated_speed=lambda: check_colocated_speed(args.device), nccl_one_gpu=check_nccl_one_gpu,
+                  pretrain_callback=lambda: check_pretrain_callback(args.device))
     for name in args.only:
         t0 = time.perf_counter()
         try:

@@ -1,30 +1,35 @@
-"""A tiny GRPO loop on CPU with a refit after every optimizer step.
+"""A tiny GRPO loop on CPU, the refit inside Megatron-Bridge's training callbacks.
 
 The layout and the refit switch come from a training YAML (``--config``, default
 ``configs/examples/grpo_tiny.yaml``: Bridge's ``model:`` section plus ``refit: {enabled:
-true, ...}``); train ranks call ``trainer_refit`` and the generation rank ``engine_refit``
-(:mod:`megatron_refit.integration`), then ``refit(step)`` / ``receive(step)`` every step.
+true, ...}``, read with ``load_training_yaml``, which also takes dotted overrides such as
+``--set refit.bucket_mb=2``). The train ranks train the way Megatron does: model chunks
+wrapped in Megatron's ``DistributedDataParallel``, stepped by Megatron's distributed
+optimizer; the refit is a ``RefitCallback`` fired through Bridge's ``CallbackManager``
+(``on_train_start`` sends the starting weights, ``on_train_step_end`` every update). The
+generation rank (Hugging Face transformers) calls ``engine_refit`` and ``receive(step)``.
 
 Train ranks (Megatron-Core policy built through Megatron-Bridge, train TP2) and one
-generation rank (Hugging Face transformers receiver) share a gloo refit group. Each step:
+generation rank share a gloo refit group. Each step ``k``:
 
-1. refit: the trainer's current weights go shard-to-shard into the generation model;
-2. rollouts: the generation rank samples ``--group`` completions for each of ``--prompts``
-   prompts with the refitted weights, and its token logprobs;
-3. the trainer recomputes the same sequences' token logprobs with Megatron and checks
+1. rollouts: the generation rank, holding the policy after ``k - 1`` updates (version
+   ``k - 1``), samples ``--group`` completions for each of ``--prompts`` prompts, with
+   their token logprobs;
+2. the trainer recomputes the same sequences' token logprobs with Megatron and checks
    them against the generation side's (fp32: max |diff| <= 1e-5) — the refit delivered the
    trainer's policy exactly;
-4. reward (toy and verifiable): the fraction of completion tokens equal to a target token;
-   group-normalised advantages; a clipped policy-gradient loss; backward and one Adam step
-   on the trainer.
+3. reward (toy and verifiable): the fraction of completion tokens equal to a target token;
+   group-normalised advantages; a clipped policy-gradient loss; backward and one step of
+   Megatron's optimizer on the trainer;
+4. Bridge's ``on_train_step_end``: the callback refits version ``k``.
 
 ``--json``: last line ``{"ok", "steps", "logprob_match", "max_logprob_diff",
 "refit_seconds", "refit_report_seconds", "rewards"}``: ``refit_seconds`` is the wall time of
-the ``refit`` / ``receive`` call (including waiting for the other side to finish its
-training step or rollouts), ``refit_report_seconds`` the refit itself (``RefitReport``'s
-total, after the ranks agreed on the version); both the slowest rank's. Per-step metrics go
-to stdout; ``--png PATH`` draws the refit itself and the reward per step (needs matplotlib:
-the ``plots`` extra).
+the trainer's callback / the engine's ``receive`` call (including waiting for the other side
+to finish its training step or rollouts), ``refit_report_seconds`` the refit itself
+(``RefitReport``'s total, after the ranks agreed on the version); both the slowest rank's.
+Per-step metrics go to stdout; ``--png PATH`` draws the refit itself and the reward per
+step (needs matplotlib: the ``plots`` extra).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import argparse
 import json
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -71,56 +77,79 @@ def policy_loss(logits, sequences, prompt_len, old_logprobs, adv, clip=0.2) -> t
 
 def _rank(rank, world, port, args):
     from megatron_refit.harness import _hf_config
-    from megatron_refit.integration import engine_refit, trainer_refit
+
+    cfg = _hf_config(args.spec)
+    if rank < args.spec.num_train:
+        return _train(rank, args, cfg)
+    return _generate(rank, args, cfg)
+
+
+def _train(rank, args, cfg):
+    from conversion.build import build_model, init_gloo, init_model_parallel
+    from conversion.megatron_optim import distributed_optimizer
+    from conversion.refit_callback import RefitCallback
+    from conversion.train_step import forward_logits, train_step
+    from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
     from megatron_refit.progress import Bar
 
-    spec, refit = args.spec, args.refit
-    cfg = _hf_config(spec)
-    num_train = spec.num_train
-    if rank < num_train:
-        from conversion.build import build_model, init_gloo, init_model_parallel
-        from conversion.train_step import forward_logits, train_step
+    spec, num_train = args.spec, args.spec.num_train
+    init_gloo(rank, num_train, args.megatron_port)
+    init_model_parallel(spec.train)
+    torch.manual_seed(0)
+    built, optimizer = distributed_optimizer(build_model(cfg, spec.train), lr=args.lr)  # DDP + Megatron's optimizer
+    callbacks = CallbackManager()
+    refit = RefitCallback.from_config(args.refit, built.bridge)
+    callbacks.add(refit)
+    state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0))  # what callbacks read of GlobalState
 
-        init_gloo(rank, num_train, args.megatron_port)
-        init_model_parallel(spec.train)
-        torch.manual_seed(0)
-        built = build_model(cfg, spec.train)
-        sync = trainer_refit(refit, built.bridge, built.model, cfg, rank=rank, num_train=num_train)
-        optimizer = torch.optim.Adam([p for c in built.model for p in c.parameters()], lr=args.lr)
-    else:
-        from megatron_refit.receivers.hf import HFReceiver
+    def event(name: str, **kw) -> float:
+        t0 = time.perf_counter()
+        callbacks.fire(name, CallbackContext(state=state, model=built.model, user_state=callbacks.user_state,
+                                             optimizer=optimizer, **kw))
+        return time.perf_counter() - t0
 
-        backend = HFReceiver.from_config(cfg)
-        sync = engine_refit(refit, backend, gen_index=rank - num_train, num_train=num_train)
-    group = sync.group
-    g = torch.Generator().manual_seed(1234)
+    refit_s = event("on_train_start")  # the starting weights, version 0
     metrics = []
     steps = range(1, args.steps + 1)
     bar = Bar(steps, desc="GRPO steps") if rank == 0 else None
     for step in bar or steps:
-        start = time.perf_counter()
-        report = sync.refit(step) if rank < num_train else sync.receive(step)
-        refit_s = time.perf_counter() - start
-        rollout = None
-        if rank >= num_train:
-            rollout = _rollouts(backend, g, args, cfg.vocab_size)
         # the generation rank's rollouts to every rank (one small object per step)
-        sequences, gen_logprobs = group.all_gather_object(rollout)[num_train]
-        if rank >= num_train:
-            metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"],
-                                bytes=report.bytes_received))
-            continue
+        sequences, gen_logprobs = refit.sync.group.all_gather_object(None)[num_train]
         train_logprobs = token_logprobs(forward_logits(built, sequences), sequences, args.prompt_len)
         diff = float((train_logprobs - gen_logprobs).abs().max())
         reward = rewards(sequences, args.prompt_len)
         adv = advantages(reward, args.group)
-        loss = train_step(built, optimizer, sequences,
-                          loss_fn=lambda logits: policy_loss(logits, sequences, args.prompt_len, gen_logprobs, adv))
+        report = refit.last_report  # the refit that delivered this step's rollout policy
         metrics.append(dict(step=step, refit_s=refit_s, report_s=report.seconds["total"], bytes=report.bytes_sent,
-                            reward=float(reward.mean()), loss=loss, max_logprob_diff=diff))
+                            reward=float(reward.mean()), max_logprob_diff=diff))
+        metrics[-1]["loss"] = train_step(built, optimizer, sequences, loss_fn=lambda logits: policy_loss(
+            logits, sequences, args.prompt_len, gen_logprobs, adv))
+        refit_s = event("on_train_step_end", skipped_iter=False)  # refits version `step`
+        state.train_state.step += 1
         if bar is not None:
-            bar.show(reward=f"{metrics[-1]['reward']:.3f}", refit_s=f"{refit_s:.3f}")
+            bar.show(reward=f"{metrics[-1]['reward']:.3f}", refit_s=f"{metrics[-1]['refit_s']:.3f}")
+    event("on_train_end")
     return metrics
+
+
+def _generate(rank, args, cfg):
+    from megatron_refit.integration import engine_refit
+    from megatron_refit.receivers.hf import HFReceiver
+
+    num_train = args.spec.num_train
+    backend = HFReceiver.from_config(cfg)
+    sync = engine_refit(args.refit, backend, gen_index=rank - num_train, num_train=num_train)
+    g = torch.Generator().manual_seed(1234)
+    metrics = []
+    for step in range(1, args.steps + 2):
+        start = time.perf_counter()
+        report = sync.receive(step - 1)  # the policy after step - 1 updates
+        metrics.append(dict(step=step, refit_s=time.perf_counter() - start, report_s=report.seconds["total"],
+                            bytes=report.bytes_received))
+        if step <= args.steps:
+            sync.group.all_gather_object(_rollouts(backend, g, args, cfg.vocab_size))
+    sync.close()
+    return metrics[: args.steps]
 
 
 @torch.no_grad()
@@ -135,7 +164,7 @@ def _rollouts(backend, g: torch.Generator, args, vocab: int):
     return seq, token_logprobs(backend.logits(seq), seq, args.prompt_len)
 
 
-def _from_config(path: str, port: int):
+def _from_config(path: str, port: int, overrides: list[str]):
     """The run's layout and refit config from a training YAML (see ``configs/examples``)."""
     from dataclasses import replace
 
@@ -143,7 +172,7 @@ def _from_config(path: str, port: int):
     from megatron_refit.gen_layout import GenLayout
     from megatron_refit.harness import RunSpec
 
-    bridge_config, refit = load_training_yaml(path)
+    bridge_config, refit = load_training_yaml(path, overrides)
     if not refit.enabled:
         raise SystemExit(f"error: {path}: refit.enabled is false; this example checks every refit, turn it on")
     if refit.backend != "hf" or refit.gen_tp * refit.gen_dp != 1:
@@ -165,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--png", metavar="PATH", help="write a chart of refit seconds and reward per step (matplotlib)")
     p.add_argument("--config", default=CONFIG,
                    help="training YAML: Bridge's model: section (tensor_model_parallel_size) and the refit: section")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override of the training YAML, e.g. --set refit.bucket_mb=2 (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "group", "prompt_len", "completion_len"):
@@ -179,7 +210,10 @@ def main(argv=None) -> int:
     from megatron_refit.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
-    args.spec, args.refit = _from_config(args.config, refit_port)
+    try:
+        args.spec, args.refit = _from_config(args.config, refit_port, args.set)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     world = args.spec.num_train + 1
     out = run_spawned(_rank, world, args, timeout_s=600, port=refit_port)
     train, gen = out[0], out[-1]

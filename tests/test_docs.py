@@ -250,3 +250,23 @@ def test_engine_guide_single_controller_example_is_the_gpu_checks_code():
     assert len(statements) >= 3
     for statement in statements:
         assert re.sub(r"\s+", " ", statement) in script, statement
+
+
+def test_quickstart_callback_snippet_is_what_the_pretrain_test_runs():
+    """docs/quickstart.md's training-loop snippet: its config and callback lines are the ones
+    tests/test_refit_callback.py runs inside Bridge's pretrain()."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    section = text.split("## 3. In Megatron-Bridge's training loop")[1].split("\n## ")[0]
+    test = re.sub(r"\s+", " ", (ROOT / "tests" / "test_refit_callback.py").read_text())
+    blocks = _python_blocks_of(section)
+    assert blocks
+    statements = [ast.get_source_segment(block, node) for block in blocks for node in ast.parse(block).body]
+    checked = [s for s in statements if "RefitCallback" in s]
+    assert checked, statements
+    for statement in checked:
+        assert re.sub(r"\s+", " ", statement) in test, statement
+    assert "pretrain(config, forward_step_func, callbacks=callbacks)" in section  # Bridge's own call
+
+
+def _python_blocks_of(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -50,7 +50,9 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
         return CallbackContext(state=state, model=built.model, user_state=manager.user_state, optimizer=optimizer,
                                **kw)
 
-    manager.fire("on_train_start", context())
+    manager.fire("on_train_start", context())  # version 0: the weights training starts from
+    start = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(built.model, cpu=True,
+                                                                              show_progress=False)}
     out = []
     for it in range(ITERATIONS):
         loss = train_step(built, optimizer, tokens_for(it + 1, cfg.vocab_size))
@@ -70,19 +72,21 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
                         sent=report.bytes_sent if refitted else 0))
         state.train_state.step += 1
     manager.fire("on_train_end", context())
-    return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None)
+    return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None,
+                start=start if rank == 0 else None)
 
-def _gen(refit, versions, num_train):
+def _gen(refit, versions, num_train, device="cpu"):
     from conversion.hf_configs import hf_config
     from megatron_refit.integration import engine_refit
     from megatron_refit.receivers.hf import HFReceiver
 
-    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
-    sync = engine_refit(refit, backend, gen_index=0, num_train=num_train)
+    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
+    sync = engine_refit(refit, backend, gen_index=0, num_train=num_train, device=device)
     out = {}
     for version in versions:
         report = sync.receive(version)
-        out[version] = dict(weights=backend.state_dict_hf(), minimal=report.bytes_minimal)
+        out[version] = dict(weights={n: t.cpu() for n, t in backend.state_dict_hf().items()},
+                            minimal=report.bytes_minimal, seconds=report.seconds["total"])
     sync.close()
     return dict(role="gen", refits=out)
 
@@ -97,11 +101,13 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
     refit_port, megatron_port = free_ports(2)
     refit = RefitConfig(enabled=True, backend="hf", port=refit_port, bucket_mb=0.25, timeout_s=120,
                         every_n_steps=every)
-    versions = [v for v in range(1, ITERATIONS + 1) if v % every == 0 and v not in skipped]
+    versions = [0] + [v for v in range(1, ITERATIONS + 1) if v % every == 0 and v not in skipped]  # 0: the start
     out = run_spawned(_rank, 3, refit, tp, overlap, set(skipped), versions, megatron_port, timeout_s=300)
     train, gen = out[:2], out[2]
-    refitted = [s["iteration"] for s in train[0]["steps"] if s["refitted"]]
+    refitted = [0] + [s["iteration"] for s in train[0]["steps"] if s["refitted"]]
     assert refitted == versions == sorted(gen["refits"])
+    start = gen["refits"][0]["weights"]
+    assert all(torch.equal(start[n], train[0]["start"][n]) for n in start)  # the starting weights, exactly
     for step in train[0]["steps"]:
         assert step["dtypes"] == ["torch.bfloat16"]  # the model params, not the fp32 main params
         if step["refitted"]:
@@ -131,3 +137,112 @@ def test_callback_finishes_an_overlapped_param_gather_before_reading():
     # the step's all-gather was still pending when on_train_step_end fired (replicas held
     # stale shards of each other's params); the callback finished it before the refit read them
     assert all(s["pending"] > 0 for t in train for s in t["steps"])
+
+
+# -- inside Bridge's real pretrain() -------------------------------------------------------
+
+TRAIN_YAML = """
+model:
+  tensor_model_parallel_size: 1
+refit:
+  enabled: true
+  backend: hf
+  port: ${oc.env:TEST_REFIT_PORT}
+  bucket_mb: 0.25
+  timeout_s: 120
+"""
+PRETRAIN_ITERATIONS = 3
+
+
+def _pretrain_train(rank, num_train, yaml_path, megatron_port):
+    import os
+
+    from conversion.hf_configs import hf_config
+    from conversion.refit_callback import RefitCallback
+    from conversion.te_shim import import_bridge
+    from conversion.tiny_pretrain import run_tiny_pretrain
+    from megatron_refit.config import load_training_yaml
+
+    import_bridge()
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.training.callbacks import Callback
+
+    os.environ.update(WORLD_SIZE=str(num_train), MASTER_PORT=str(megatron_port))  # Bridge's world: the train ranks
+    cfg = hf_config("qwen3")
+    bridge = AutoBridge.from_hf_config(cfg)
+    bridge_config, refit = load_training_yaml(yaml_path)
+    callbacks = [RefitCallback.from_config(refit, bridge)] if refit.enabled else []
+    exports = {}
+
+    class Export(Callback):
+        """After the refit callback: Bridge's export of what it just sent (collective over
+        the train ranks), and the dtype of the params it read."""
+
+        def _export(self, context, version):
+            got = {n: t.detach().cpu().clone() for n, t in bridge.export_hf_weights(context.model, cpu=True,
+                                                                                      show_progress=False)}
+            dtypes = sorted({str(p.dtype) for chunk in context.model for p in chunk.parameters()})
+            report = callbacks[0].last_report
+            exports[version] = dict(weights=got if rank == 0 else None, dtypes=dtypes, sent=report.bytes_sent,
+                                    seconds=report.seconds["total"])
+
+        def on_train_start(self, context):
+            self._export(context, context.state.train_state.step)
+
+        def on_train_step_end(self, context):
+            self._export(context, context.state.train_state.step + 1)
+
+    record = run_tiny_pretrain(cfg, train_iters=PRETRAIN_ITERATIONS, callbacks=callbacks + [Export()], dp=num_train,
+                               overlap_param_gather=num_train > 1)
+    return dict(exports=exports, record=record, closed=callbacks[0].sync is None)
+
+
+def _pretrain_rank(rank, world, port, yaml_path, megatron_port, device):
+    import os
+
+    os.environ["TEST_REFIT_PORT"] = str(port)  # ${oc.env:...} in the training YAML
+    num_train = world - 1
+    if rank < num_train:
+        return _pretrain_train(rank, num_train, yaml_path, megatron_port)
+    from megatron_refit.config import load_training_yaml
+
+    return _gen(load_training_yaml(yaml_path)[1], range(PRETRAIN_ITERATIONS + 1), num_train=num_train, device=device)
+
+
+def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu") -> dict:
+    """Bridge's pretrain() on ``num_train`` ranks (TP1 x DP, overlapped param gather when DP > 1)
+    with ``RefitCallback`` into one HF generation rank; every refit checked against Bridge's
+    export. ``device="cuda"``: one train rank and the engine on one GPU, colocated (CUDA IPC):
+    ``scripts/gpu_check.py`` runs it."""
+    import os
+
+    path = os.path.join(workdir, "train.yaml")
+    with open(path, "w") as f:
+        f.write(TRAIN_YAML + ("  mode: colocated\n" if device == "cuda" else ""))
+    out = run_spawned(_pretrain_rank, num_train + 1, path, free_ports(1)[0], device, timeout_s=300)
+    train, gen = out[:num_train], out[num_train]
+    checks = {}
+    for version, refit in gen["refits"].items():
+        want = train[0]["exports"][version]
+        diff = [n for n, t in refit["weights"].items() if not torch.equal(t, want["weights"][n])]
+        checks[version] = dict(bit_exact=not diff, diff=diff[:5], dtypes=want["dtypes"],
+                               bytes_sent=sum(t["exports"][version]["sent"] for t in train),
+                               bytes_minimal=refit["minimal"],
+                               seconds=max(refit["seconds"], *(t["exports"][version]["seconds"] for t in train)))
+    return dict(versions=sorted(gen["refits"]), checks=checks, iterations=train[0]["record"]["iterations"],
+                losses=train[0]["record"]["losses"], closed=all(t["closed"] for t in train))
+
+
+def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
+    """Bridge's own pretrain() (mock data, bf16, DistributedOptimizer, overlap_param_gather,
+    TP1 x DP2), the refit switched on in the training YAML and the callback list built as
+    docs/quickstart.md shows; bit-exact at the start and after every iteration."""
+    result = run_pretrain_refit(str(tmp_path))
+    assert result["versions"] == list(range(PRETRAIN_ITERATIONS + 1))
+    assert result["iterations"] == PRETRAIN_ITERATIONS and result["closed"]
+    for version, check in result["checks"].items():
+        assert check["bit_exact"], (version, check["diff"])
+        assert check["dtypes"] == ["torch.bfloat16"]
+        assert check["bytes_sent"] == check["bytes_minimal"] > 0
+    losses = result["losses"]
+    assert len(losses) == PRETRAIN_ITERATIONS and len(set(losses)) == PRETRAIN_ITERATIONS
