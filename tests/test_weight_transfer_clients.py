@@ -119,3 +119,35 @@ def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
     assert sorted(body["init_info"]["replica"] for _, body in seen) == [0, 1]
     with pytest.raises(ValueError, match="at least one client"):
         ReplicaClients([])
+
+
+def _source_rank(rank, world, port):
+    from conversion.build import build_model, init_gloo, init_model_parallel
+    from conversion.hf_configs import hf_config
+    from conversion.local_shards import enumerate_local_shards
+    from conversion.lora import apply_lora
+    from megatron_refit.layout import TrainLayout
+    from megatron_refit.weight_transfer.trainer import LocalShardSource
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout())
+    cfg = hf_config("qwen3")
+    built = build_model(cfg, TrainLayout())
+    plain = LocalShardSource.from_bridge(built.bridge, built.model, cfg)
+    lora_model = apply_lora(build_model(cfg, TrainLayout()).model, dim=4, alpha=8)
+    lora = LocalShardSource.from_bridge(built.bridge, lora_model, cfg)
+    return dict(plain=sorted(p.spec.name for p in plain.weights), expected=sorted(
+        s.spec.name for s in enumerate_local_shards(built.bridge, built.model, cfg)),
+        plain_lora=(plain.lora_rank, len(plain.adapters)), lora=(lora.lora_rank, lora.lora_alpha, len(lora.adapters)),
+        device=str(lora.device))
+
+
+@pytest.mark.slow
+def test_weight_transfer_source_from_a_bridge_model_holds_its_local_shards_and_lora_adapters():
+    from megatron_refit.launch import run_spawned
+
+    out = run_spawned(_source_rank, 1, timeout_s=180)[0]
+    assert out["plain"] == out["expected"] and out["plain"]
+    assert out["plain_lora"] == (0, 0)
+    rank, alpha, adapters = out["lora"]
+    assert (rank, alpha) == (4, 8) and adapters > 0 and out["device"] == "cpu"

@@ -4,10 +4,11 @@
 # The user supplies (environment variables):
 #   TRAIN_CMD   the training entry run on every train rank (one task per GPU), e.g. a
 #               Megatron-Bridge GRPO loop that loads $CONFIG (Bridge reads its sections;
-#               megatron_refit.config.load_training_yaml reads refit:) and calls
-#               Refitter.refit(step) after each optimizer step.
+#               megatron_refit.config.load_training_yaml reads refit:) with
+#               conversion.refit_callback.RefitCallback in Bridge's callbacks.
 #   GEN_CMD     the generation entry run on every gen rank (one task per GPU): the engine
-#               (vLLM / SGLang) plus megatron_refit's Receiver; it may use its own venv.
+#               (vLLM with --weight-transfer-config '{"backend": "megatron_refit"}', or
+#               another engine with megatron_refit's engine_refit); it may use its own venv.
 #   PYTHON      interpreter for the dry run (default: .venv/bin/python).
 #   REFIT_DRY_RUN_ONLY=1  stop after the dry run (validates the config and the plan).
 # Exported to both commands: REFIT_CONFIG, REFIT_HOST / REFIT_PORT (rendezvous of the

@@ -2,7 +2,8 @@
 
 vLLM 0.33 and Megatron-Bridge 0.6.2 pin transformers ranges that do not overlap, so the
 engine tests (``.venv-vllm``) cannot build a Megatron model themselves. This script runs in
-the Megatron environment: train ranks build a tiny model through Bridge at train TP2 and,
+the Megatron environment: two train ranks build a tiny model through Bridge at train TP2
+(:data:`VARIANTS`: their own layout) and,
 per version, save their HF-named local shards (``enumerate_local_shards``: the pieces and
 boxes a trainer sends, QKV splits and vocab padding included), their LoRA adapter shards,
 and rank 0 Bridge's ``export_hf_weights`` (the reference; LoRA merged). Version 1 is the
@@ -26,11 +27,21 @@ if ROOT not in sys.path:  # run as a script: the repository's packages
 
 TRAIN_TP = 2
 LORA_ALPHA = 8
+VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2))}
+"""Models that are a preset with overrides and their own train layout: one KV head (every
+vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head)."""
+
+
+def model_config(name: str):
+    """The HF config of ``name`` (a preset, or a :data:`VARIANTS` entry)."""
+    from conversion.hf_configs import hf_config
+
+    base, overrides, _ = VARIANTS.get(name, (name, {}, None))
+    return hf_config(base, **overrides)
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], versions: int, lora: int):
     from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
     from conversion.lora import apply_lora
     from conversion.train_step import train_step
     from megatron_refit.harness import tokens_for
@@ -40,9 +51,9 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     init_gloo(rank, world, port)
     for name in models:
         model_name, _, kind = name.partition("+")
-        layout = TrainLayout(tp=TRAIN_TP)
+        layout = TrainLayout(**VARIANTS[model_name][2]) if model_name in VARIANTS else TrainLayout(tp=TRAIN_TP)
         init_model_parallel(layout)
-        cfg = hf_config(model_name)
+        cfg = model_config(model_name)
         built = build_model(cfg, layout)
         if kind == "lora":
             built = replace(built, model=apply_lora(built.model, dim=lora, alpha=LORA_ALPHA))

@@ -14,15 +14,77 @@ C++ ops: post-load runs on a GPU only.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
 from megatron_refit.fp8 import fp8_checkpoint
 from megatron_refit.launch import free_ports, run_spawned
 
-from .test_vllm_receiver import _full_tensors, _under, _vllm_model
-
 pytest.importorskip("vllm")
+
+
+def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object]:
+    from transformers import AutoModelForCausalLM
+
+    from conversion.hf_configs import hf_config
+    from megatron_refit.receivers.hf import HFReceiver
+
+    cfg = hf_config(model_name, **overrides)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return HFReceiver(hf).state_dict_hf(), cfg
+
+
+def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str, quant: dict | None = None,
+                dtype: str = "float32"):
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: F401  (registers loaders)
+    from vllm.model_executor.models import ModelRegistry
+
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(dict(cfg.to_dict(), **({"quantization_config": quant} if quant else {})), f)
+    vcfg = VllmConfig(
+        model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                                 dtype=dtype),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        device_config=DeviceConfig("cpu"),
+        load_config=LoadConfig(load_format="dummy"),
+    )
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():  # once per process: several models share the TP group
+        with set_current_vllm_config(vcfg):
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(tp, 1, backend="gloo")
+    model_cls, _ = ModelRegistry.resolve_model_cls(cfg.architectures, vcfg.model_config)
+
+    def build():
+        # attention layers register by name; a second instance (the reference) needs a clean slate
+        vcfg.compilation_config.static_forward_context.clear()
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_current_vllm_config(vcfg), set_default_torch_dtype(vcfg.model_config.dtype), torch.device("cpu"):
+            return model_cls(vllm_config=vcfg).eval()
+
+    return vcfg, build
+
+
+def _under(vcfg, fn):
+    """``fn`` run inside vLLM's current-config context (its layers look it up)."""
+    from vllm.config import set_current_vllm_config
+
+    def run():
+        with set_current_vllm_config(vcfg):
+            return fn()
+
+    return run
+
 
 ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
 # One spawn covers every fused scale layout: layer 0 is a dense MLP (gate_up_proj), layer 1

@@ -40,10 +40,12 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NUM_TRAIN = 2
 VERSIONS = (1, 2)
-# (case, Bridge model, engine_load) refitted by gen TP2; re-allocation runs on "realloc"
+# (case, Bridge model, engine_load) refitted by gen TP2; re-allocation runs on "realloc";
+# "qwen3-kv1": one KV head that both engine ranks hold (trained at TP1 x DP2: replicas send)
 TP2_CASES = [("qwen3-moe", "qwen3-moe", "in_place"), ("qwen3", "qwen3", "in_place"),
              ("qwen3-load", "qwen3", "load_weights"), ("qwen3-lora", "qwen3+lora", "in_place"),
-             ("deepseek-v3", "deepseek-v3", "in_place"), ("realloc", "qwen3", "in_place")]
+             ("deepseek-v3", "deepseek-v3", "in_place"), ("qwen3-kv1", "qwen3-kv1", "in_place"),
+             ("realloc", "qwen3", "in_place")]
 TP1_CASES = [("qwen3", "qwen3", "in_place")]
 
 
@@ -84,11 +86,12 @@ def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from conversion.hf_configs import hf_config
+    sys.path.insert(0, str(HERE))
+    from bridge_shards import model_config
 
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(hf_config(model_name).to_dict(), f)
+        json.dump(model_config(model_name).to_dict(), f)
     return VllmConfig(
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                                  dtype="float32"),
@@ -118,11 +121,11 @@ class _Engine:
 
         load_general_plugins()
         self.case, self.bridge_name, self.bridge_dir = case, bridge_name, bridge_dir
-        from conversion.hf_configs import hf_config
+        from bridge_shards import model_config
         from megatron_refit.hf_model import model_shape
 
         model_name = bridge_name.partition("+")[0]
-        self.moe = model_shape(hf_config(model_name)).num_experts > 0
+        self.moe = model_shape(model_config(model_name)).num_experts > 0
         self.vcfg = _vllm_config(model_name, tp, os.path.join(workdir, case), engine=True)
         self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
                              is_driver_worker=tp_rank == 0)
