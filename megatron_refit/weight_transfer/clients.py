@@ -9,7 +9,9 @@ versions. These clients close both holes around every update:
   runs during an update): the prefix cache is reset after ``finish_weight_update``.
 - :class:`HTTPClient` over ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1`` exposes the RL routes):
   ``/pause`` (in-flight requests finish or are aborted; KV and prefix caches are cleared)
-  before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``.
+  before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``. After a
+  failed update the server stays paused: its weights are not a complete version; the next
+  complete update resumes it.
 - :class:`ReplicaClients` over several independent engines (one ``LLM`` or server per
   replica): every call goes to all of them at once and ``init_info`` gets each one's
   ``replica`` index.
