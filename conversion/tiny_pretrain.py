@@ -195,7 +195,7 @@ def _config(hf_config, *, train_iters, tp, dp, lr, overlap_param_gather, seed, m
     from .build import make_provider
 
     _, provider = make_provider(hf_config, TrainLayout(tp=tp, dp=dp), dtype=torch.bfloat16, pad_vocab=True)
-    provider.use_cpu_initialization = True
+    provider.use_cpu_initialization = not torch.cuda.is_available()  # True keeps the model on the host
     provider.seq_length = seq_length
     overlap = overlap_param_gather
     return ConfigContainer(
