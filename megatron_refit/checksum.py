@@ -1,31 +1,162 @@
-"""Per-bucket checksum for ``verify`` mode (pure torch; any device).
+"""Per-bucket digests: the integrity check every refit runs (``verify``, on by default).
 
-A position-weighted sum of the buffer's 32-bit words: any single flipped byte changes it.
-Computed on the packed buffer by the sender, appended as an 8-byte trailer, recomputed by
-the receiver before unpacking.
+A bucket's digest is bound to where it belongs: its seed hashes the refit version, the
+sending and receiving refit ranks, the bucket's index in the pair's plan, its length and
+the plan itself. Over the bucket's bytes, read as little-endian 64-bit words (bytes
+``[8i, 8i+8)``; a last partial word zero-padded) and cut into at most :data:`MAX_CHUNKS`
+chunks::
+
+    digest = h(seed) + sum_k m_k(seed) * S_k        (mod 2**64)
+
+where ``S_k`` is the wrapping sum of chunk ``k``'s words and ``m_k`` an odd multiplier drawn
+from the seed. A changed word changes its chunk's sum; chunks out of order, or a bucket
+delivered to the wrong place or version, change the multipliers; all-zero bytes leave
+``h(seed)``, never 0, so a zeroed bucket with a zeroed digest is caught too. Integer sums
+wrap identically in any order, so a GPU sender and a CPU receiver agree, whatever the
+buffers' alignment.
+
+Modes (``verify``):
+
+- ``"sampled"`` (default): ``S_k`` sums the first :data:`SAMPLE_WORDS` words (8 KiB) of every
+  :data:`BLOCK_WORDS`-word block (256 KiB), the whole of a block that ends the chunk short,
+  and every word of buckets under :data:`FULL_BELOW` bytes. It reads 1/32 of a large bucket
+  in runs long enough for the memory system to stream (short strided samples cost a page
+  walk each): a zeroed, truncated, stale, swapped or misrouted bucket is caught; a
+  corruption confined to unsampled bytes is not.
+- ``"full"``: every word; one reading pass per side (a reduction, ~3x faster than a copy on
+  a CPU, but on gloo the wire itself runs at copy speed: ~40 % longer refits on the
+  project's CPU benchmark; on GPUs a small fraction of an NCCL transfer).
+- ``"off"``: none.
+
+Extra memory per bucket: ``2 * MAX_CHUNKS`` int64 (the chunk sums and multipliers), plus
+one chunk of scratch for a bucket whose start is not 8-byte aligned.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-TRAILER_BYTES = 8
+VERIFY_MODES = ("off", "sampled", "full")
+MAX_CHUNKS = 256
+"""Chunks per bucket at most: bounds the extra memory of a digest."""
+BLOCK_WORDS = 32768
+"""Sampled mode: a block of 256 KiB ..."""
+SAMPLE_WORDS = 1024
+"""... of which the first 8 KiB is read."""
+FULL_BELOW = 256 << 10
+"""Buckets smaller than this are read entirely in sampled mode too."""
+_MASK = (1 << 64) - 1
 
 
-def bucket_checksum(buf: torch.Tensor) -> torch.Tensor:
-    """int64 checksum (1 element, on ``buf``'s device) of a flat uint8 buffer."""
+def check_mode(verify) -> str:
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {list(VERIFY_MODES)}, got {verify!r}")
+    return verify
+
+
+def bucket_seed(*parts: int) -> int:
+    """A 64-bit seed from ints (version, sender, receiver, bucket index, length, plan id)."""
+    return int.from_bytes(hashlib.sha256(repr(tuple(int(p) for p in parts)).encode()).digest()[:8], "little")
+
+
+def _signed(value: int) -> int:
+    value &= _MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _sampled(nbytes: int, mode: str) -> bool:
+    return mode == "sampled" and nbytes >= FULL_BELOW
+
+
+def chunk_words(nbytes: int, mode: str) -> int:
+    """Words per chunk (sampled: a multiple of the block)."""
+    words = nbytes // 8
+    if _sampled(nbytes, mode):
+        blocks = -(-words // BLOCK_WORDS)
+        return -(-blocks // MAX_CHUNKS) * BLOCK_WORDS
+    return max(FULL_BELOW // 8, -(-words // MAX_CHUNKS))
+
+
+def extra_bytes(nbytes: int, mode: str = "sampled", aligned: bool = True) -> int:
+    """Peak extra memory of one bucket's digest: chunk sums and multipliers (int64 each, one
+    more chunk for a partial last word), plus one chunk of scratch if misaligned."""
+    if mode == "off":
+        return 0
+    cw = chunk_words(nbytes, mode)
+    chunks = -(-(nbytes // 8) // cw) + 1
+    return 16 * chunks + (0 if aligned else 8 * cw)
+
+
+def _sum(words: torch.Tensor, sampled: bool) -> torch.Tensor:
+    """The sum of one (possibly short) chunk's words."""
+    if not sampled:
+        return words.sum()
+    blocks = words.numel() // BLOCK_WORDS
+    total = words[blocks * BLOCK_WORDS:].sum()  # a block that ends the chunk short: entirely
+    if blocks:
+        total = total + words[: blocks * BLOCK_WORDS].view(blocks, BLOCK_WORDS)[:, :SAMPLE_WORDS].sum()
+    return total
+
+
+def chunk_sums(buf: torch.Tensor, mode: str) -> torch.Tensor:
+    """``S_k`` of every chunk of a flat uint8 buffer (on its device; the last entry covers a
+    partial last word): the per-bucket pass. :func:`digests` turns them into digests."""
     n = buf.numel()
-    words = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=buf.device)
-    words[:n] = buf
-    words = words.view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=buf.device) % 65521 + 1
-    return (words * weights).sum().reshape(1)
+    sampled = _sampled(n, mode)
+    cw = chunk_words(n, mode)
+    nwords = n // 8
+    whole = nwords // cw
+    device = buf.device
+    sums = []
+    if nwords and buf.data_ptr() % 8 == 0:
+        words = buf[: nwords * 8].view(torch.int64)
+        if whole:
+            main = words[: whole * cw]
+            sums.append(main.view(whole, cw // BLOCK_WORDS, BLOCK_WORDS)[:, :, :SAMPLE_WORDS].sum(dim=(1, 2))
+                        if sampled else main.view(whole, cw).sum(dim=1))
+        if nwords > whole * cw:
+            sums.append(_sum(words[whole * cw:], sampled).reshape(1))
+    elif nwords:  # chunk by chunk through an aligned scratch: the same sums
+        scratch = torch.empty(cw * 8, dtype=torch.uint8, device=device)
+        for start in range(0, nwords * 8, cw * 8):
+            size = min(cw * 8, nwords * 8 - start)
+            scratch[:size] = buf[start:start + size]
+            sums.append(_sum(scratch[:size].view(torch.int64), sampled).reshape(1))
+    if n > nwords * 8 or not sums:  # the partial last word, zero-padded
+        tail = torch.zeros(8, dtype=torch.uint8, device=device)
+        tail[: n - nwords * 8] = buf[nwords * 8:]
+        sums.append(tail.view(torch.int64))
+    return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
-def write_trailer(buf: torch.Tensor, nbytes: int) -> None:
-    buf[nbytes:nbytes + TRAILER_BYTES].copy_(bucket_checksum(buf[:nbytes]).view(torch.uint8))
+def digests(sums: list[torch.Tensor], seeds: list[int]) -> torch.Tensor:
+    """The digests (int64 tensor, one per bucket, on the sums' device) of buckets given their
+    :func:`chunk_sums` and seeds: a few vectorised operations for all of them at once."""
+    if not sums:
+        return torch.zeros(0, dtype=torch.int64)
+    device = sums[0].device
+    counts = torch.tensor([t.numel() for t in sums], device=device)
+    flat = torch.cat(sums)
+    per_chunk = lambda values: torch.tensor(values, dtype=torch.int64, device=device).repeat_interleave(counts)  # noqa: E731
+    a = per_chunk([_signed(_splitmix(seed ^ 0xA5A5A5A5A5A5A5A5)) for seed in seeds])
+    b = per_chunk([_signed(_splitmix(seed ^ 0x5A5A5A5A5A5A5A5A)) for seed in seeds])
+    first = per_chunk((torch.cumsum(counts, 0) - counts).tolist())
+    ks = torch.arange(flat.numel(), dtype=torch.int64, device=device) - first
+    multipliers = (ks * a + b) | 1  # wraps mod 2**64: odd, distinct per chunk
+    bucket = torch.arange(len(sums), device=device).repeat_interleave(counts)
+    out = torch.zeros(len(sums), dtype=torch.int64, device=device).index_add_(0, bucket, flat * multipliers)
+    return out + torch.tensor([_signed(_splitmix(seed)) for seed in seeds], dtype=torch.int64, device=device)
 
 
-def trailer_ok(buf: torch.Tensor, nbytes: int) -> bool:
-    sent = buf[nbytes:nbytes + TRAILER_BYTES].clone().view(torch.int64)
-    return bool(torch.equal(sent, bucket_checksum(buf[:nbytes])))
+def digest(buf: torch.Tensor, seed: int, mode: str = "sampled") -> int:
+    """The digest of one flat uint8 buffer under ``seed``."""
+    return int(digests([chunk_sums(buf, mode)], [seed])[0])

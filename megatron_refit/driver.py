@@ -17,14 +17,15 @@ always posted at both ends).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
 from .buckets import pack_bucket, unpack_bucket
-from .checksum import trailer_ok, write_trailer
-from .endpoint import Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
+from .checksum import chunk_sums, digests
+from .endpoint import DIGEST_TAG, Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import RefitGroup
@@ -55,7 +56,8 @@ class TensorPiece:
 
 
 class RefitCorruptionError(ValueError):
-    """``verify`` found buckets whose bytes changed in flight (names the parameters)."""
+    """A bucket's digest did not match (``verify``): its bytes changed in flight, or it was
+    delivered to the wrong place or version. Names the parameters."""
 
 
 class StaleWeightsError(RuntimeError):
@@ -110,7 +112,7 @@ class Refitter(Endpoint):
     role = "train"
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | str | None = "auto",
+                 bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  offloader=None, on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report)
@@ -154,22 +156,40 @@ class Refitter(Endpoint):
                 cache[name] = tensor
             return cache[name]
 
+        sums: dict[int, list] = {}  # receiver -> [(seed, chunk sums)] in plan order
+        left = Counter(self.plan.global_dst(b) for b in buckets)  # buckets still to post, per receiver
+        digest_sends: list = []
+
+        def check(bucket, data: torch.Tensor) -> None:
+            # after the send is posted: the digest pass overlaps the transfer; a receiver's
+            # digests follow its last bucket at once (no wait for the sends to complete)
+            if self.verify == "off":
+                return
+            t0 = time.perf_counter()
+            dst = self.plan.global_dst(bucket)
+            sums.setdefault(dst, []).append((self._seed(version, bucket), chunk_sums(data, self.verify)))
+            left[dst] -= 1
+            if not left[dst]:
+                values = digests([s for _, s in sums[dst]], [seed for seed, _ in sums[dst]])
+                digest_sends.append(self.group.send_small(values, dst, DIGEST_TAG))
+            report.seconds["verify"] += time.perf_counter() - t0
+
         def post(bucket, buf):
             report.bytes_sent += bucket.payload_bytes
             direct = self._direct_view(bucket, get_src, "src")
             self._route(report, direct is not None)
+            report.bytes_wire += bucket.nbytes
             if direct is not None:  # straight from the local tensor
-                report.bytes_wire += bucket.nbytes
                 pending = self.group.isend(direct, self.plan.global_dst(bucket), bucket.index)
                 pending.direct = True
+                check(bucket, direct)
                 return pending
             t0 = time.perf_counter()
-            pack_bucket(bucket, get_src, out=buf[: bucket.nbytes])
-            if self.verify:
-                write_trailer(buf, bucket.nbytes)
+            pack_bucket(bucket, get_src, out=buf)
             report.seconds["pack"] += time.perf_counter() - t0
-            report.bytes_wire += buf.numel()
-            return self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
+            pending = self.group.isend(buf, self.plan.global_dst(bucket), bucket.index)
+            check(bucket, buf)
+            return pending
 
         def retire(bucket, pending) -> None:
             # a piece's last bucket has left: drop copies made for it (QKV split, FP8 quantisation)
@@ -182,6 +202,10 @@ class Refitter(Endpoint):
         try:
             with torch.no_grad():
                 self._run(buckets, post, retire, report)
+                t0 = time.perf_counter()
+                for pending in digest_sends:
+                    self.group.wait(pending)
+                report.seconds["verify"] += time.perf_counter() - t0
         finally:
             cache.clear()
             for piece in self.pieces.values():  # also pieces of a failed refit or never sent
@@ -202,7 +226,7 @@ class Receiver(Endpoint):
     role = "gen"
 
     def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: bool = False, direct_bytes: int | str | None = "auto",
+                 bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report)
@@ -259,7 +283,14 @@ class Receiver(Endpoint):
         start = time.perf_counter()
         report = RefitReport(version=version, role="gen", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal)
-        corrupted: list = []
+        buckets = self.plan.buckets_to(self.gen_index)
+        received: dict[int, list] = {}  # sender -> [(bucket, seed, chunk sums)] in plan order
+        left = Counter(self.plan.global_src(b) for b in buckets)  # buckets still to come, per sender
+        computed: dict[int, torch.Tensor] = {}  # sender -> digests of what arrived
+        sent = {}  # sender -> its digest message, posted before the first bucket
+        if self.verify != "off":
+            sent = {src: self.group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
+                    for src, n in left.items()}
 
         def post(bucket, buf):
             direct = self._direct_view(bucket, self.backend.buffer, "dst")
@@ -274,24 +305,40 @@ class Receiver(Endpoint):
             buf = pending.buffer
             report.bytes_received += bucket.payload_bytes
             report.bytes_wire += buf.numel()
+            if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
+                t0 = time.perf_counter()
+                src = self.plan.global_src(bucket)
+                received.setdefault(src, []).append((bucket, self._seed(version, bucket),
+                                                     chunk_sums(buf, self.verify)))
+                left[src] -= 1
+                if not left[src]:
+                    items = received[src]
+                    computed[src] = digests([s for _, _, s in items], [seed for _, seed, _ in items]).cpu()
+                report.seconds["verify"] += time.perf_counter() - t0
             if pending.direct:
-                return
-            if self.verify and not trailer_ok(buf, bucket.nbytes):
-                corrupted.append(bucket)  # keep draining: the senders must not be left waiting
                 return
             t0 = time.perf_counter()
             unpack_bucket(bucket, buf, self.backend.buffer)
             report.seconds["load"] += time.perf_counter() - t0
 
         with torch.no_grad():
-            self._run(self.plan.buckets_to(self.gen_index), post, retire, report)
-            if corrupted:
-                names = sorted({item.transfer.name for b in corrupted for item in b.items})
-                sources = sorted({self.plan.global_src(b) for b in corrupted})
-                raise RefitCorruptionError(
-                    f"refit {version}: checksum mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
-                    f"{sources}; parameters {names[:8]}{' ...' if len(names) > 8 else ''}"
-                )
+            self._run(buckets, post, retire, report)
+            if self.verify != "off":
+                t0 = time.perf_counter()
+                corrupted = []
+                for src, pending in sent.items():
+                    self.group.wait(pending)
+                    mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
+                    corrupted += [received[src][i][0] for i in mismatch]
+                report.seconds["verify"] += time.perf_counter() - t0
+                if corrupted:
+                    names = sorted({item.transfer.name for b in corrupted for item in b.items})
+                    sources = sorted({self.plan.global_src(b) for b in corrupted})
+                    raise RefitCorruptionError(
+                        f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
+                        f"{sources} (bytes changed in flight, or misrouted); parameters "
+                        f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+                    )
             t0 = time.perf_counter()
             self.backend.finalize()
             report.seconds["load"] += time.perf_counter() - t0

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .buckets import contiguous_bytes
-from .checksum import TRAILER_BYTES
+from .checksum import bucket_seed, check_mode
 from .plan import RefitPlan
 from .report import RefitReport
 from .spec import ShardSpec
@@ -26,6 +26,9 @@ from .transport import RefitGroup
 logger = logging.getLogger("megatron_refit")
 
 MAX_DIRECT_IN_FLIGHT = 16
+
+DIGEST_TAG = 1 << 30
+"""Message tag of a pair's bucket digests (bucket messages use the bucket's index)."""
 
 
 class RefitAbortedError(RuntimeError):
@@ -84,7 +87,7 @@ class Endpoint:
 
     role: str
 
-    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: bool,
+    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
                  direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
@@ -99,7 +102,9 @@ class Endpoint:
         self.num_train = num_train
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
-        self.verify = verify
+        self.verify = check_mode(verify)
+        """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
+        :mod:`megatron_refit.checksum`)."""
         direct_bytes = resolve_direct_bytes(direct_bytes, getattr(group, "backend", "gloo"), bucket_bytes)
         if not getattr(group, "direct_ok", True):
             direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
@@ -202,6 +207,11 @@ class Endpoint:
         if self.version is not None and version <= self.version:
             raise ValueError(f"refit version {version} does not advance past {self.version}")
 
+    def _seed(self, version: int, bucket) -> int:
+        """The digest seed of ``bucket`` in refit ``version`` (see :mod:`megatron_refit.checksum`)."""
+        return bucket_seed(version, self.plan.global_src(bucket), self.plan.global_dst(bucket), bucket.index,
+                           bucket.nbytes, self._plan_id)
+
     def _emit(self, report: RefitReport) -> None:
         """One structured log line per refit and rank, and the optional callback."""
         metrics = report.as_dict()
@@ -217,7 +227,7 @@ class Endpoint:
         """Post buckets in order and retire them in the same order (FIFO). At most two
         packed buckets are in flight (they occupy the two staging buffers); direct buckets
         use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
-        width = max((b.nbytes for b in buckets), default=0) + (TRAILER_BYTES if self.verify else 0)
+        width = max((b.nbytes for b in buckets), default=0)
         count = min(2, len(buckets))
         staging = getattr(self.group, "staging", None)  # colocated: buffers the peers map
         slots = staging(count, width) if staging is not None else [
@@ -239,8 +249,7 @@ class Endpoint:
             while not free or direct_in_flight >= MAX_DIRECT_IN_FLIGHT:
                 retire_oldest()
             slot = free.pop(0)
-            wire = bucket.nbytes + (TRAILER_BYTES if self.verify else 0)
-            pending = post(bucket, slots[slot][:wire])
+            pending = post(bucket, slots[slot][:bucket.nbytes])
             if pending.direct:
                 free.insert(0, slot)
                 slot = None
@@ -264,7 +273,7 @@ class Endpoint:
         one item whose slice is contiguous, or items that lie back to back in one storage
         exactly as they sit in the bucket (a run: see :func:`megatron_refit.packing._units`).
         Each side decides for itself; the bytes on the wire are the same either way."""
-        if self.verify or not getattr(self.group, "direct_ok", True):
+        if not getattr(self.group, "direct_ok", True):
             return None
         first, offset = None, 0
         for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)

@@ -92,6 +92,13 @@ class RefitGroup:
     def irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
         return Pending(self._pg.recv([buffer], peer, tag), peer, f"receive from rank {peer}", buffer)
 
+    def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        """A small control message (digests), on the group's own device, also in colocated mode."""
+        return self.isend(tensor.to(self.device), peer, tag)
+
+    def recv_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        return self.irecv(tensor.to(self.device), peer, tag)
+
     def wait(self, pending: Pending) -> None:
         self._wait(pending.work, pending.what, pending.peer)
 

@@ -4,7 +4,10 @@
 (b) the peers' default: Bridge ``export_hf_weights`` (full gathers on the trainer), then a
     packed send of every full HF tensor from train rank 0 to every generation rank;
 (c) the transport floor: for every (sender, receiver) pair of plan (a), one flat
-    pre-allocated buffer of exactly that pair's bytes, same group, same pattern.
+    pre-allocated buffer of exactly that pair's bytes, same group, same pattern;
+(d) ours with the integrity check off (``verify="off"``): ``verify_overhead`` is (a) / (d),
+    the cost of the bucket digests that every refit runs by default (``--verify``: which
+    check (a) runs, ``sampled`` by default).
 
 Warm-up, then ``--reps`` repetitions; medians of the slowest rank per repetition.
 ``--json``: the last line is one JSON object (see the issue for the fields); ``--png PATH``
@@ -54,7 +57,7 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - start
 
 
-def bench_rank(rank, world, port, spec: RunSpec, reps: int):
+def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled"):
     from megatron_refit.driver import Receiver, Refitter, TensorPiece
     from megatron_refit.harness import _hf_config, make_gen_backend
     from megatron_refit.spec import ShardSpec, full_box
@@ -73,10 +76,13 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
         init_gloo(rank, T, spec.megatron_port, timeout_s=600)
         init_model_parallel(spec.train)
         built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
-        ours = Refitter(group, enumerate_local_shards(built.bridge, built.model, cfg), **kw)
+        shards = enumerate_local_shards(built.bridge, built.model, cfg)
+        ours, unverified = (Refitter(group, shards, verify=v, **kw) for v in (verify, "off"))
     else:
-        ours = Receiver(group, make_gen_backend(spec, cfg, rank - T), **kw)
+        backend = make_gen_backend(spec, cfg, rank - T)
+        ours, unverified = (Receiver(group, backend, verify=v, **kw) for v in (verify, "off"))
     plan = ours.prepare()
+    unverified.prepare()
 
     # (b) peers: the full export's names and shapes, on every rank
     full_specs = [ShardSpec(name=s.name, global_shape=s.global_shape, dtype=s.dtype, box=full_box(s.global_shape))
@@ -109,8 +115,8 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
         for p in pending:
             group.wait(p)
 
-    def run_ours(v):
-        ours.refit(v) if is_train else ours.receive(v)
+    def run_ours(v, endpoint=ours):
+        endpoint.refit(v) if is_train else endpoint.receive(v)
 
     def run_peers(v):
         if is_train:
@@ -124,32 +130,36 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
 
     from megatron_refit.progress import Bar
 
-    times = {"ours": [], "gather_broadcast": [], "floor": []}
+    times = {"ours": [], "gather_broadcast": [], "floor": [], "ours_unverified": []}
     rounds = range(1, reps + 2)  # the first round is the warm-up
     for v in Bar(rounds, desc=f"bench gen TP{spec.gen.tp}xDP{spec.gen.dp}") if rank == 0 else rounds:
-        # ours and the floor back to back (this machine's speed drifts over seconds), in
-        # alternating order so that neither always runs first
-        if v % 2:
-            t_ours = _timed(lambda: run_ours(v), group)
-            t_floor = _timed(floor, group)
-        else:
-            t_floor = _timed(floor, group)
-            t_ours = _timed(lambda: run_ours(v), group)
-        t_peer = _timed(lambda: run_peers(v), group)
+        # ours, ours unverified and the floor back to back (this machine's speed drifts over
+        # seconds), in rotating order so that none always runs first
+        runs = [("ours", lambda: run_ours(v)), ("ours_unverified", lambda: run_ours(v, unverified)),
+                ("floor", floor)]
+        got = {}
+        for key, fn in runs[v % 3:] + runs[: v % 3]:
+            got[key] = _timed(fn, group)
+        got["gather_broadcast"] = _timed(lambda: run_peers(v), group)
         if v > 1:
-            times["ours"].append(t_ours)
-            times["gather_broadcast"].append(t_peer)
-            times["floor"].append(t_floor)
+            for key, seconds in got.items():
+                times[key].append(seconds)
     num_params = sum(math.prod(s.global_shape) for s in full_specs)
+    from megatron_refit.checksum import extra_bytes
+
     return dict(times=times, num_params=num_params, bytes_sent=plan.bytes_sent, bytes_minimal=plan.bytes_minimal,
+                verify_extra_bytes=max((extra_bytes(b.nbytes, verify) for b in plan.buckets), default=0),
+                max_bucket_bytes=max((b.nbytes for b in plan.buckets), default=0),
                 peer_bytes=peers.plan.bytes_sent, role="train" if is_train else "gen",
-                driver_cpu=_driver_cpu(group, run_ours, first_version=reps + 2, reps=reps))
+                driver_cpu=_driver_cpu(group, lambda v: run_ours(v, unverified), first_version=reps + 2, reps=reps))
 
 
 def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
     """Median CPU seconds of this rank's refit with a transport that moves nothing: the
     driver's own work per refit (the version handshake, getting the pieces, the QKV split,
-    packing and unpacking, Python per bucket), which the measured refit adds to the wire's."""
+    packing and unpacking, Python per bucket), which the measured refit adds to the wire's.
+    Measured without the integrity check (digests of bytes that never moved cannot match);
+    ``verify_overhead`` measures that."""
     from megatron_refit.transport import Pending
 
     group.isend = group.irecv = lambda buffer, peer, tag: Pending(None, peer, "nothing", buffer)
@@ -164,20 +174,25 @@ def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
     return statistics.median(cpu)
 
 
-def run_bench(spec: RunSpec, reps: int) -> dict:
+def run_bench(spec: RunSpec, reps: int, verify: str = "sampled") -> dict:
     from dataclasses import replace
 
     from megatron_refit.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port, collect=False)
-    out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, reps, timeout_s=1800, port=refit_port)
-    seconds = {}
-    for key in ("ours", "gather_broadcast", "floor"):
-        per_rep = [max(r["times"][key][i] for r in out) for i in range(reps)]
-        seconds[key] = statistics.median(per_rep)
+    out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, reps, verify, timeout_s=1800, port=refit_port)
+    seconds, per_rep = {}, {}
+    for key in ("ours", "gather_broadcast", "floor", "ours_unverified"):
+        per_rep[key] = [max(r["times"][key][i] for r in out) for i in range(reps)]
+        seconds[key] = statistics.median(per_rep[key])
     return dict(
         seconds=seconds,
+        # the median of each repetition's on / off ratio (both measured back to back): this
+        # machine's speed drifts more between repetitions than the check costs
+        verify_overhead=statistics.median(a / b for a, b in zip(per_rep["ours"], per_rep["ours_unverified"])),
+        verify_extra_bytes_per_bucket=max(r["verify_extra_bytes"] for r in out),
+        max_bucket_bytes=max(r["max_bucket_bytes"] for r in out),
         driver_cpu_ms={role: round(1e3 * max(r["driver_cpu"] for r in out if r["role"] == role), 1)
                        for role in ("train", "gen")},
         model_params=out[0]["num_params"],
@@ -204,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--also-tp1-dp2", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure train TP2 -> gen TP1xDP2 for the table")
+    p.add_argument("--verify", default="sampled", choices=["sampled", "full"],
+                   help="the integrity check of the measured refit (default: %(default)s, as refit.verify)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", metavar="PATH", help="write a bar chart: ours vs gather+broadcast vs floor per layout")
     args = p.parse_args(argv)
@@ -219,7 +236,7 @@ def main(argv=None) -> int:
         spec = RunSpec(model="qwen3", overrides=dict(BENCH_SHAPE), train=TrainLayout(tp=args.train_tp),
                        gen=GenLayout(tp=gen_tp, dp=gen_dp), bucket_bytes=int(args.bucket_mb * (1 << 20)),
                        dtype=args.dtype)
-        rows.append(run_bench(spec, args.reps))
+        rows.append(run_bench(spec, args.reps, args.verify))
     print(f"{'layout':36s} {'ours s':>8} {'gather+bcast s':>14} {'floor s':>8} {'p1 bytes':>9} "
           f"{'p2 vs floor':>11} {'p3 speedup':>10} {'bytes ours':>13} {'bytes peers':>13}")
     for r in rows:
@@ -235,12 +252,20 @@ def main(argv=None) -> int:
         p2_vs_floor=s["ours"] / s["floor"],
         p3_speedup_vs_gather=s["gather_broadcast"] / s["ours"],
         seconds=s,
+        verify=args.verify,
+        verify_overhead=head["verify_overhead"],
+        verify_extra_bytes_per_bucket=head["verify_extra_bytes_per_bucket"],
         driver_cpu_ms=head["driver_cpu_ms"],
         model_params=head["model_params"],
         layout=head["layout"],
     )
     result["ok"] = result["p1_bytes_ratio"] == 1.0 and result["p2_vs_floor"] <= 1.15 and \
         result["p3_speedup_vs_gather"] >= 2.0
+    for r in rows:
+        print(f"{r['layout']}: integrity check (verify {args.verify}) {r['seconds']['ours']:.3f} s against "
+              f"{r['seconds']['ours_unverified']:.3f} s off: verify_overhead {r['verify_overhead']:.3f}; "
+              f"peak extra memory {r['verify_extra_bytes_per_bucket']:,} bytes per bucket (largest bucket "
+              f"{r['max_bucket_bytes']:,} bytes)")
     for r in rows:
         print(f"{r['layout']}: driver CPU per refit with a transport that moves nothing (median, slowest rank): "
               f"train {r['driver_cpu_ms']['train']} ms, gen {r['driver_cpu_ms']['gen']} ms")

@@ -54,7 +54,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     num_train = 2
-    verify = mode == "colocated"
+    verify = "full" if mode == "colocated" else "sampled"
     if mode == "colocated":
         from megatron_refit.colocated import IpcGroup
 

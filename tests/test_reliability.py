@@ -101,15 +101,30 @@ def _rank(rank, world, port, scenario):
     from megatron_refit.transport import RefitGroup
 
     group_cls = RefitGroup
-    if scenario == "flip-byte":
-        class Flipping(RefitGroup):  # corrupts one byte of bucket 1 of version 2, after the checksum
+    if scenario == "corrupt":
+        from megatron_refit.endpoint import DIGEST_TAG
+
+        class Corrupting(RefitGroup):
+            """What travels of bucket 1 (what the sender's digest was computed over is untouched):
+            version 2 one flipped byte; version 3 zeros, the digest message zeroed too;
+            version 4 version 1's bucket and digests replayed (stale, but internally consistent)."""
+
             version = 0
+            stash: dict = {}
 
             def isend(self, buffer, peer, tag):
-                if self.version == 2 and tag == 1:
+                key = (peer, tag)
+                if tag in (1, DIGEST_TAG) and self.version == 1:
+                    self.stash[key] = buffer.clone()
+                if tag == 1 and self.version == 2:
+                    buffer = buffer.clone()
                     buffer[3] ^= 0x40
+                elif tag in (1, DIGEST_TAG) and self.version == 3:
+                    buffer = torch.zeros_like(buffer)
+                elif tag in (1, DIGEST_TAG) and self.version == 4:
+                    buffer = self.stash[key]
                 return super().isend(buffer, peer, tag)
-        group_cls = Flipping
+        group_cls = Corrupting
     if scenario in ("fingerprint-mismatch", "pair-mismatch") and rank == NUM_TRAIN + 1:
         from megatron_refit.plan import RefitPlan
 
@@ -126,7 +141,7 @@ def _rank(rank, world, port, scenario):
             return prints
         RefitPlan.fingerprints = fingerprints
     group = group_cls.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
-    verify = scenario in ("flip-byte", "verify-mismatch") and not (scenario == "verify-mismatch" and rank == 0)
+    verify = "full" if scenario == "verify-mismatch" and rank == 0 else "sampled"  # the default
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify=verify)
     if rank < NUM_TRAIN:
         on_read = _die_after(3) if scenario == "kill-train" and rank == 1 else None
@@ -146,8 +161,8 @@ def _rank(rank, world, port, scenario):
     if rank >= NUM_TRAIN:
         backend.on_write = on_write
     outcome = []
-    for version in (1, 2, 3):
-        if scenario == "flip-byte":
+    for version in (1, 2, 3, 4, 5) if scenario == "corrupt" else (1, 2, 3):
+        if scenario == "corrupt":
             group.version = version
         start = time.monotonic()
         try:
@@ -198,19 +213,22 @@ def test_silent_peer_times_out():
     assert "RefitTimeoutError" in kinds.values(), kinds
 
 
-def test_flipped_byte_is_detected_by_name_and_next_refit_restores():
-    out = run_spawned(_rank, NUM_TRAIN + NUM_GEN, "flip-byte", timeout_s=120)
-    hit = [res for res in out[NUM_TRAIN:] if res["outcome"][1][0] != "ok"]
-    assert len(hit) >= 1
+def test_corrupted_zeroed_or_stale_bucket_is_detected_by_name_and_next_refit_restores():
+    """The integrity check is on by default: a flipped byte, a zeroed bucket whose digest
+    message was zeroed too, and a replay of an older refit's bucket with its own (then valid)
+    digests are each caught on every generation rank that got them, naming the parameters;
+    the weights are stale until the next refit restores them."""
+    out = run_spawned(_rank, NUM_TRAIN + NUM_GEN, "corrupt", timeout_s=120)
     for res in out[NUM_TRAIN:]:
-        v1, v2, v3 = res["outcome"]
+        v1, v2, v3, v4, v5 = res["outcome"]
         assert v1[0] == "ok" and v1[3] == "ready"
-        if v2[0] != "ok":
-            assert v2[0] == "RefitCorruptionError"
-            assert "checksum mismatch" in v2[1] and "layer" in v2[1] and "refit rank" in v2[1]
-            assert v2[3] == "stale"
-        assert v3[0] == "ok" and v3[3] == "ready"
+        for bad in (v2, v3, v4):
+            assert bad[0] == "RefitCorruptionError", bad
+            assert "digest mismatch in" in bad[1] and "layer" in bad[1] and "refit rank" in bad[1]
+            assert bad[3] == "stale"
+        assert v5[0] == "ok" and v5[3] == "ready"
         assert res["exact"] and res["backend_state"] == "ready"
+    assert all(r["outcome"][4][0] == "ok" for r in out[:NUM_TRAIN])
 
 
 def test_trainer_name_unknown_to_receiver_is_refused_before_transfer():

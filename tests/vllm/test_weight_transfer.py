@@ -23,6 +23,7 @@ On CPU vLLM's MoE post-load prepacks the experts with a ``vllm._C`` op the CUDA 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -185,7 +186,7 @@ def _serve(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     _init_vllm(tp, tp_rank, vllm_ports[gen // tp], _vllm_config("qwen3-moe", tp, os.path.join(workdir, "x"), False))
     engines: dict[str, _Engine] = {}
     while True:
-        method, kwargs = requests[gen].get()
+        seq, method, kwargs = requests[gen].get()
         if method == "stop":
             return None
         try:
@@ -201,12 +202,15 @@ def _serve(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
                 target = engine if hasattr(engine, method) else engine.worker
                 with set_current_vllm_config(engine.vcfg):
                     result = getattr(target, method)(**kwargs)
-            replies[gen].put((True, result))
+            replies[gen].put((seq, True, result))
         except Exception as exc:  # noqa: BLE001 -- sent back to the client, which raises
             import traceback
 
             traceback.print_exc()  # the client reports only the message
-            replies[gen].put((False, f"{type(exc).__name__}: {exc}"))
+            replies[gen].put((seq, False, f"{type(exc).__name__}: {exc}"))
+
+
+_SEQ = itertools.count()
 
 
 class _QueueClient:
@@ -216,9 +220,12 @@ class _QueueClient:
         self.requests, self.replies, self.gens, self.case = requests, replies, gens, case
 
     def call(self, method: str, **kwargs):
+        seq = next(_SEQ)
         for g in self.gens:
-            self.requests[g].put((method, dict(kwargs, case=self.case)))
-        out = [self.replies[g].get(timeout=300) for g in self.gens]
+            self.requests[g].put((seq, method, dict(kwargs, case=self.case)))
+        out = []
+        for g in self.gens:  # replies to an earlier call abandoned after an error are skipped
+            out.append(next(r for r in iter(lambda: self.replies[g].get(timeout=300), None) if r[0] == seq)[1:])
         errors = [value for ok, value in out if not ok]
         if errors:
             raise RuntimeError(f"engine {method} failed: {errors[0]}")
@@ -293,7 +300,7 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
         results[case] = out
     if rank == 0:
         for g in gens:
-            requests[g].put(("stop", {}))
+            requests[g].put((-1, "stop", {}))
     return results
 
 

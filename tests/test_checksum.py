@@ -1,0 +1,63 @@
+"""Bucket digests (pure): bound to their place, independent of alignment, what each mode catches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_refit.checksum import FULL_BELOW, bucket_seed, check_mode, digest, extra_bytes
+
+SEED = bucket_seed(3, 0, 2, 5, 1 << 20, 11)
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1001, FULL_BELOW - 1, FULL_BELOW, FULL_BELOW + 13, (5 << 20) + 3])
+def test_digest_depends_on_the_bytes_not_on_their_address(mode, n):
+    x = _bytes(n)
+    shifted = torch.empty(n + 3, dtype=torch.uint8)
+    shifted[3:] = x  # the same bytes at an address that is not 8-byte aligned
+    assert digest(x, SEED, mode) == digest(shifted[3:], SEED, mode)
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_digest_catches_zeroed_stale_and_misrouted_buckets(mode):
+    x = _bytes(4 << 20)
+    want = digest(x, SEED, mode)
+    assert digest(torch.zeros_like(x), SEED, mode) != want
+    assert digest(torch.zeros_like(x), SEED, mode) != 0  # a zeroed digest message does not match zeros either
+    assert digest(x[: -4096], SEED, mode) != want  # truncated
+    assert digest(_bytes(4 << 20, seed=1), SEED, mode) != want  # other bytes (another bucket's)
+    for other in ((4, 0, 2, 5), (3, 1, 2, 5), (3, 0, 3, 5), (3, 0, 2, 6)):  # version, sender, receiver, index
+        assert digest(x, bucket_seed(*other, 1 << 20, 11), mode) != want
+    swapped = x.clone()
+    swapped[: 1 << 20], swapped[1 << 20: 2 << 20] = x[1 << 20: 2 << 20], x[: 1 << 20]
+    assert digest(swapped, SEED, mode) != want  # two chunks in each other's place
+
+
+def test_full_mode_catches_any_flipped_byte_sampled_mode_the_bytes_it_reads():
+    x = _bytes(1 << 20)
+    for position in (0, 8191, 8192, 262143, 500_000, (1 << 20) - 1):
+        assert digest(_flip(x, position), SEED, "full") != digest(x, SEED, "full"), position
+    sampled = {position: digest(_flip(x, position), SEED, "sampled") != digest(x, SEED, "sampled")
+               for position in (0, 8191, 8192, 262143, 262144)}
+    assert sampled == {0: True, 8191: True, 8192: False, 262143: False, 262144: True}  # 8 KiB of every 256 KiB
+    small = _bytes(FULL_BELOW - 8)
+    assert digest(_flip(small, 100_000), SEED, "sampled") != digest(small, SEED, "sampled")  # small: every byte
+
+
+def _flip(x: torch.Tensor, position: int) -> torch.Tensor:
+    out = x.clone()
+    out[position] ^= 0x40
+    return out
+
+
+def test_extra_memory_per_bucket_is_bounded():
+    assert extra_bytes(1 << 30) == extra_bytes(64 << 20) <= 16 * 258  # at most MAX_CHUNKS (+1) sums and multipliers
+    assert extra_bytes(1 << 30, aligned=False) > extra_bytes(1 << 30)  # one chunk of scratch
+    assert extra_bytes(1 << 30, "off") == 0
+    with pytest.raises(ValueError, match=r"verify must be one of \['off', 'sampled', 'full'\], got True"):
+        check_mode(True)
