@@ -63,6 +63,6 @@ def test_refit_metrics_and_log_line(caplog):
     assert metrics["version"] == 7 and metrics["routes"] == dict(direct=2, packed=0, shared=0)
     assert metrics["bytes_received"] == 3_000_000 and metrics["bytes_minimal"] == 6_000_000
     assert metrics["gbps"] == pytest.approx(3_000_000 / 0.5 / 1e9)
-    assert set(metrics["seconds"]) == {"total", "pack", "transfer", "load", "onload", "offload"}
+    assert set(metrics["seconds"]) == {"total", "pack", "transfer", "verify", "load", "onload", "offload"}
     (line,) = [r.getMessage() for r in caplog.records if r.name == "megatron_refit"]
     assert line.startswith("refit ") and json.loads(line.removeprefix("refit ")) == metrics
