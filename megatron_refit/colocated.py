@@ -32,16 +32,42 @@ def _create(nbytes: int, device: torch.device) -> _SharedBuffer:
         from torch.multiprocessing.reductions import reduce_tensor
 
         t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return _SharedBuffer(t, ("cuda", reduce_tensor(t)))
+        return _SharedBuffer(t, ("cuda", cuda_handle(reduce_tensor(t))))
     shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     t = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
     return _SharedBuffer(t, ("cpu", shm.name, nbytes), shm)
 
 
+_STORAGES = ("TypedStorage", "UntypedStorage")
+
+
+def cuda_handle(reduced: tuple) -> list:
+    """``reduce_tensor``'s output for one of our uint8 staging buffers as plain data (what
+    travels to the peers: no classes, no functions; see :mod:`megatron_refit.wire`)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    rebuild, (tensor_cls, size, stride, offset, storage_cls, dtype, *rest) = reduced
+    if rebuild is not rebuild_cuda_tensor or tensor_cls is not torch.Tensor or dtype != torch.uint8:
+        raise TypeError(f"not a plain uint8 CUDA tensor handle: {rebuild.__name__}, {tensor_cls}, {dtype}")
+    if storage_cls.__name__ not in _STORAGES:
+        raise TypeError(f"unexpected storage class {storage_cls} in a CUDA IPC handle")
+    return [list(size), list(stride), offset, storage_cls.__name__, *rest]
+
+
+def cuda_rebuild_args(plain: list) -> tuple:
+    """The arguments of ``rebuild_cuda_tensor`` from :func:`cuda_handle`'s plain data."""
+    size, stride, offset, storage, *rest = plain
+    if storage not in _STORAGES:
+        raise ValueError(f"unexpected storage class {storage!r} in a CUDA IPC handle from a peer")
+    storage_cls = torch.storage.TypedStorage if storage == "TypedStorage" else torch.UntypedStorage
+    return (torch.Tensor, torch.Size(size), tuple(stride), offset, storage_cls, torch.uint8, *rest)
+
+
 def _open(handle: tuple) -> _SharedBuffer:
     if handle[0] == "cuda":
-        rebuild, args = handle[1]
-        return _SharedBuffer(rebuild(*args), handle)
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return _SharedBuffer(rebuild_cuda_tensor(*cuda_rebuild_args(handle[1])), handle)
     _, name, nbytes = handle
     # Python 3.12 registers segments opened by name with the resource tracker too (3.13 has
     # track=False), which would unlink the owner's segment when this process exits, and
@@ -96,7 +122,7 @@ class IpcGroup:
         if grown:
             self._close_own()
             self._own = [_create(width, self.device) for _ in range(2)]
-        handles = self.group.all_gather_object([b.handle for b in self._own] if grown else None)
+        handles = self.group.all_gather_object([b.handle for b in self._own] if grown else None, "refit")
         for peer, peer_handles in enumerate(handles):
             if peer_handles is not None and peer != self.rank:
                 for buf in self._peers.pop(peer, []):
@@ -163,5 +189,5 @@ class IpcGroup:
 
             gc.collect()  # mapped CUDA IPC memory is released when the last tensor on it is freed
             torch.cuda.synchronize()
-        self.group.all_gather_tensor(torch.zeros(1))
+        self.group.barrier("close")
         self._close_own()

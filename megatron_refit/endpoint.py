@@ -124,9 +124,10 @@ class Endpoint:
         return []
 
     def prepare(self) -> RefitPlan:
+        self._begin("prepare")
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
         mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent)
-        gathered = self.group.all_gather_unique(mine)  # DP replicas' pieces travel once
+        gathered = self.group.all_gather_unique(mine, "prepare")  # DP replicas' pieces travel once
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
@@ -155,7 +156,7 @@ class Endpoint:
                 f"(the receiver does not know them), e.g. {names[:5]}"
             )
         prints = plan.fingerprints()
-        bad = _disagreeing(plan, self.group.all_gather_object(prints))
+        bad = _disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
         if bad:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
@@ -175,6 +176,7 @@ class Endpoint:
         other rank raises :class:`RefitAbortedError` naming it, so no rank is left waiting."""
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
+        self._begin(f"refit {version}")
         error: BaseException | None = None
         try:
             self._check_version(version)
@@ -183,23 +185,27 @@ class Endpoint:
         except Exception as exc:  # reported to every rank below, then re-raised here
             error = exc
         shown = version if error is None else -1
-        rows = self.group.all_gather_tensor(torch.tensor([shown, int(error is not None), self._plan_id],
-                                                         dtype=torch.int64))
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id])
         if error is not None:
             raise error
-        failed = [rank for rank, row in enumerate(rows) if int(row[1])]
+        failed = [rank for rank, row in enumerate(rows) if row[1]]
         if failed:
             raise RefitAbortedError(f"refit {version}: refit rank(s) {failed} failed their checks before any byte "
                                     f"moved (their own errors say why); this rank sent and received nothing")
-        versions = [int(row[0]) for row in rows]
+        versions = [row[0] for row in rows]
         if any(v != version for v in versions):
             raise ValueError(f"refit ranks disagree on the version: {versions}")
-        plans = sorted({int(row[2]) for row in rows})
+        plans = sorted({row[2] for row in rows})
         if len(plans) != 1:
-            by_plan = {p: [r for r, row in enumerate(rows) if int(row[2]) == p] for p in plans}
+            by_plan = {p: [r for r, row in enumerate(rows) if row[2] == p] for p in plans}
             raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
                              f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
                              f"the engine expects a full refit")
+
+    def _begin(self, phase: str) -> None:
+        begin = getattr(self.group, "begin", None)
+        if begin is not None:
+            begin(phase)
 
     def _check_version(self, version: int) -> None:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:

@@ -4,18 +4,29 @@ One process group holds every train and generation rank. It is created from its 
 TCPStore rendezvous, independent of the trainer's and the engine's default groups
 (Megatron and vLLM each keep theirs). NCCL on GPU, gloo on CPU: the same calls, only the
 backend and the buffers' device differ. Every wait has a timeout; a dead or silent peer
-surfaces as :class:`RefitTimeoutError` / :class:`RefitTransportError` naming the peer.
+surfaces as :class:`RefitTimeoutError` / :class:`RefitTransportError` naming the peer, and
+the rank that reported the first failure in the group; after one, the group is broken and
+says so at every later call until the ranks reconnect.
+
+Every control collective (``prepare()``'s metadata, the per-refit handshake, colocated
+handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-size header carrying
+the call it belongs to and its sequence number, so ranks in different calls (one side in
+``prepare()``, the other in ``refit()``) stop with :class:`RefitProtocolError` naming both
+sides' calls instead of reading one message's bytes as another's. Metadata travels as JSON
+(:mod:`megatron_refit.wire`), never as pickles.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import pickle
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import wire
+from .rendezvous import RendezvousError, join, open_store
 
 
 class RefitTransportError(RuntimeError):
@@ -24,6 +35,24 @@ class RefitTransportError(RuntimeError):
 
 class RefitTimeoutError(RefitTransportError):
     """A wait ran past ``timeout_s``."""
+
+
+class RefitProtocolError(RuntimeError):
+    """Refit ranks are in different calls (or run different protocol versions): raised on
+    every rank of the exchange, naming each side's call; no weight byte moved."""
+
+
+MAGIC = 0x52_46_49_54_0002
+"""First word of every control header: "RFIT" and the protocol version."""
+
+CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4}
+"""The calls control messages belong to (the header's second word)."""
+
+HEADER_VALUES = 5
+"""Values a control header carries after (magic, call, sequence)."""
+
+FIRST_FAILURE = "megatron_refit_first_failure"
+"""Store key: the first failure any rank of the group reported."""
 
 
 BACKENDS = ("gloo", "nccl")
@@ -52,6 +81,11 @@ class RefitGroup:
         self.backend = backend
         self.timeout_s = timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.phase = ""
+        """What the group is doing (set by the endpoints), for failure messages."""
+        self.broken: str | None = None
+        """Set by the first timeout or transport failure: the group refuses every later call."""
+        self._seq = 0
 
     @classmethod
     def connect(
@@ -73,9 +107,14 @@ class RefitGroup:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        except RuntimeError as exc:  # e.g. the store host never came up
-            raise RefitTimeoutError(f"refit rendezvous at {host}:{port} failed for rank {rank}: {exc}") from exc
+            store = open_store(host, port, rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, OSError) as exc:  # e.g. the store host never came up, the port is taken
+            raise RefitTimeoutError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        try:
+            join(store, rank=rank, world_size=world_size, where=f"{host}:{port}", timeout=timeout)
+        except RendezvousError as exc:
+            raise RefitTransportError(str(exc)) from None
         prefixed = dist.PrefixStore("megatron_refit", store)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -87,10 +126,18 @@ class RefitGroup:
 
     # -- point to point -------------------------------------------------------------------
     def isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
-        return Pending(self._pg.send([buffer], peer, tag), peer, f"send to rank {peer}", buffer)
+        what = f"send to rank {peer}"
+        return Pending(self._post(self._usable().send, buffer, peer, tag, what), peer, what, buffer)
 
     def irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
-        return Pending(self._pg.recv([buffer], peer, tag), peer, f"receive from rank {peer}", buffer)
+        what = f"receive from rank {peer}"
+        return Pending(self._post(self._usable().recv, buffer, peer, tag, what), peer, what, buffer)
+
+    def _post(self, op, buffer, peer, tag, what):
+        try:
+            return op([buffer], peer, tag)
+        except RuntimeError as exc:  # gloo refuses to post on a pair it already saw fail
+            self._fail(RefitTransportError, f"{what} failed (peer: refit rank {peer}): {_first_line(exc)}")
 
     def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
         """A small control message (digests), on the group's own device, also in colocated mode."""
@@ -106,57 +153,135 @@ class RefitGroup:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            msg = str(exc)
+            msg = _first_line(exc)
             who = f" (peer: refit rank {peer})" if peer is not None else ""
             if "timed out" in msg.lower() or "timeout" in msg.lower():
-                raise RefitTimeoutError(
-                    f"refit rank {self.rank}: {what} timed out after {self.timeout_s:.0f} s{who}"
-                ) from exc
-            raise RefitTransportError(f"refit rank {self.rank}: {what} failed{who}: {msg.splitlines()[0]}") from exc
+                self._fail(RefitTimeoutError, f"{what} timed out after {self.timeout_s:g} s{who}")
+            self._fail(RefitTransportError, f"{what} failed{who}: {msg}")
 
-    # -- small collectives (prepare / per-refit handshake only) ---------------------------
-    def all_gather_tensor(self, value: torch.Tensor) -> list[torch.Tensor]:
+    # -- failure ----------------------------------------------------------------------------
+    def begin(self, phase: str) -> None:
+        """Name what the group is doing (``"prepare"``, ``"refit 7"``) for its failure messages."""
+        self._usable()
+        self.phase = phase
+
+    def _usable(self):
+        if self._pg is None:
+            raise RefitTransportError(f"refit rank {self.rank}: the refit group is closed")
+        if self.broken is not None:
+            raise RefitTransportError(f"refit rank {self.rank}: the refit group is broken ({self.broken}); "
+                                      f"every rank must reconnect (RefitGroup.connect) before the next refit")
+        return self._pg
+
+    def _fail(self, cls: type[RefitTransportError], what: str):
+        """Mark the group broken and raise, naming the first failure any rank reported."""
+        where = f" at {self.phase}" if self.phase else ""
+        mine = f"refit rank {self.rank}: {what}{where}"
+        self.broken = f"{what.split(' (')[0]}{where}"
+        first = self._first_failure(mine)
+        raise cls(mine if first in (None, mine) else f"{mine}; the first failure in the group: {first}")
+
+    def _first_failure(self, mine: str) -> str | None:
+        store = self._store
+        if store is None:
+            return None
+        try:  # the store lives in rank 0's process: it may be the one that died
+            store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, 5.0)))
+            return store.compare_set(FIRST_FAILURE, "", mine).decode(errors="replace")
+        except Exception:  # noqa: BLE001 -- best effort: the error itself is raised regardless
+            return None
+
+    # -- control collectives (prepare / per-refit handshake only) -------------------------
+    def exchange(self, call: str, values=()) -> list[list[int]]:
+        """A control collective: every rank shows ``[magic, call, sequence, *values]`` (up to
+        :data:`HEADER_VALUES` int64 values) and gets every rank's values. Ranks in different
+        calls or at different points of one raise :class:`RefitProtocolError` on every rank
+        (then the sequence resynchronises, so the group stays usable)."""
+        if call not in CALLS or len(values) > HEADER_VALUES:
+            raise ValueError(f"control call must be one of {sorted(CALLS)} with <= {HEADER_VALUES} values, "
+                             f"got {call!r} with {len(values)}")
+        self._seq += 1
+        header = torch.zeros(3 + HEADER_VALUES, dtype=torch.int64)
+        header[:3] = torch.tensor([MAGIC, CALLS[call], self._seq])
+        header[3:3 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        rows = [row.tolist() for row in self._all_gather(header)]
+        if any(row[:3] != rows[0][:3] for row in rows):
+            self._seq = max(row[2] for row in rows)
+            raise RefitProtocolError(_call_mismatch(rows))
+        return [row[3:] for row in rows]
+
+    def barrier(self, call: str = "message") -> None:
+        self.exchange(call)
+
+    def _all_gather(self, value: torch.Tensor) -> list[torch.Tensor]:
         value = value.to(self.device)
         out = [torch.empty_like(value) for _ in range(self.world_size)]
-        self._wait(self._pg.allgather([out], [value]), "all_gather", None)
+        self._wait(self._usable().allgather([out], [value]), "all_gather", None)
         return [t.cpu() for t in out]
 
-    def all_gather_object(self, obj) -> list:
-        """Pickled all-gather (sizes first, then padded payloads)."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather_tensor(torch.tensor([payload.numel()], dtype=torch.int64))
-        width = int(max(int(s) for s in sizes))
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        gathered = self.all_gather_tensor(padded)
-        return [pickle.loads(g[: int(n)].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+    def all_gather_object(self, obj, call: str = "message") -> list:
+        """Every rank's ``obj`` (plain data: see :mod:`megatron_refit.wire`), sizes in the header."""
+        blob = wire.dumps(obj)
+        sizes = [row[0] for row in self.exchange(call, [len(blob)])]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else padded[:0]
+        gathered = self._all_gather(padded)
+        return [wire.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
-    def all_gather_unique(self, obj) -> list:
+    def all_gather_unique(self, obj, call: str = "message") -> list:
         """:meth:`all_gather_object` for objects that many ranks share (DP replicas hold the
         same pieces): ranks compare digests first, then one holder of each distinct object
         broadcasts it; equal objects come back as one object. At full scale this moves
         (distinct objects) x (size) instead of (world size) x (largest size)."""
-        blob = pickle.dumps(obj)
-        mine = hashlib.sha256(blob).digest()
-        digests = self.all_gather_object(mine)
-        holder: dict[bytes, int] = {}
-        for rank, digest in enumerate(digests):
+        blob = wire.dumps(obj)
+        mine = hashlib.sha256(blob).hexdigest()
+        digests = self.all_gather_object([mine, len(blob)], call)
+        holder: dict[str, int] = {}
+        for rank, (digest, _) in enumerate(digests):
             holder.setdefault(digest, rank)
-        objects: dict[bytes, object] = {}
+        objects: dict[str, object] = {}
         for digest, src in holder.items():
-            size = torch.tensor([len(blob) if src == self.rank else 0], dtype=torch.int64, device=self.device)
-            self._broadcast(size, src)
+            size = digests[src][1]
             payload = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if src == self.rank
-                       else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
+                       else torch.empty(size, dtype=torch.uint8, device=self.device))
             self._broadcast(payload, src)
-            objects[digest] = obj if digest == mine else pickle.loads(payload.cpu().numpy().tobytes())
-        return [objects[digest] for digest in digests]
+            if digest == mine:
+                objects[digest] = obj
+            else:
+                data = payload.cpu().numpy().tobytes()
+                if hashlib.sha256(data).hexdigest() != digest:
+                    raise RefitProtocolError(f"refit rank {self.rank}: metadata broadcast by refit rank {src} "
+                                             f"does not match the digest it announced")
+                objects[digest] = wire.loads(data)
+        return [objects[digest] for digest, _ in digests]
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self._pg.broadcast([tensor], opts), f"broadcast from rank {src}", src)
+        self._wait(self._usable().broadcast([tensor], opts), f"broadcast from rank {src}", src)
 
     def close(self) -> None:
         self._pg = None
         self._store = None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _call_mismatch(rows: list[list[int]]) -> str:
+    names = {code: name for name, code in CALLS.items()}
+    sides: dict[tuple, list[int]] = {}
+    for rank, row in enumerate(rows):
+        sides.setdefault(tuple(row[:3]), []).append(rank)
+    parts = []
+    for (magic, call, seq), ranks in sides.items():
+        if magic != MAGIC:
+            parts.append(f"refit rank(s) {ranks} sent a control header of another protocol or version "
+                         f"({magic:#x}, not {MAGIC:#x}: another megatron-refit version?)")
+            continue
+        name = names.get(call, f"call {call}")
+        version = f" version {rows[ranks[0]][3]}," if name == "refit" else ""
+        parts.append(f"refit rank(s) {ranks} are in {name}({version} control message {seq})")
+    return ("refit ranks are in different calls: " + "; ".join(parts) + ". Every rank calls prepare() once, then "
+            "refit() / receive() with the same versions: do both sides read the same refit config?")

@@ -51,7 +51,7 @@ class _FullBuffers:
 
 def _timed(fn, group) -> float:
     """Wall seconds of ``fn`` on this rank, started together on all ranks."""
-    group.all_gather_tensor(torch.zeros(1))
+    group.barrier()
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -166,7 +166,7 @@ def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
     group.wait = lambda pending: None
     cpu = []
     for v in range(first_version, first_version + reps):
-        group.all_gather_tensor(torch.zeros(1))
+        group.barrier()
         start = time.process_time()
         run_ours(v)
         cpu.append(time.process_time() - start)

@@ -1,0 +1,148 @@
+"""The refit group's protocol and rendezvous: ranks in different calls stop with an error
+naming both sides (this used to abort the trainer with SIGABRT), a duplicate rank or a
+world-size mismatch is named at connect, a timed-out group says it is broken until the ranks
+reconnect, and the store listens only where it was told to."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_refit.launch import run_spawned
+from tests.test_reliability import NAMES, NUM_GEN, NUM_TRAIN, _Backend, _full, _stall_after, _train_pieces
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+TIMEOUT_S = 4.0
+
+
+def _outcome(fn):
+    start = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 -- the test inspects what each rank raised
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+
+
+def _endpoint(rank, world, port, on_write=None):
+    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
+    kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify="sampled")
+    if rank < NUM_TRAIN:
+        return Refitter(group, _train_pieces(rank), **kw), None
+    backend = _Backend(NAMES)
+    return Receiver(group, backend, **kw), backend
+
+
+def _order_rank(rank, world, port):
+    """Refit 1 as usual; then the generation side calls prepare() again (it re-read its
+    config) while the trainer refits 2; then both refit 3."""
+    endpoint, backend = _endpoint(rank, world, port)
+    endpoint.prepare()
+    train = rank < NUM_TRAIN
+    step = endpoint.refit if train else endpoint.receive
+    out = [_outcome(lambda: step(1))]
+    out.append(_outcome(lambda: step(2) if train else endpoint.prepare()))
+    out.append(_outcome(lambda: step(3)))
+    exact = None if train else all(torch.equal(backend.t[n], _full(n)) for n in NAMES)
+    return dict(outcome=out, exact=exact)
+
+
+def test_ranks_in_different_calls_stop_on_every_rank_naming_both_calls():
+    out = run_spawned(_order_rank, NUM_TRAIN + NUM_GEN, timeout_s=120)
+    for rank, res in enumerate(out):
+        first, mismatch, after = res["outcome"]
+        assert first[0] == "ok" and after[0] == "ok", (rank, res)
+        kind, msg, seconds = mismatch
+        assert kind == "RefitProtocolError", (rank, mismatch)
+        assert "refit rank(s) [0, 1] are in refit( version 2," in msg and "refit rank(s) [2, 3] are in prepare(" in msg
+        assert seconds < TIMEOUT_S
+    assert all(res["exact"] for res in out[NUM_TRAIN:])
+
+
+def _broken_rank(rank, world, port):
+    """A generation rank stalls in refit 1; the others time out, and refit 2 then reports the
+    group broken at once instead of waiting for another timeout."""
+    on_write = _stall_after(1, seconds=2.5 * TIMEOUT_S) if rank == NUM_TRAIN else None
+    endpoint, backend = _endpoint(rank, world, port)
+    endpoint.prepare()
+    if backend is not None:
+        backend.on_write = on_write
+    step = endpoint.refit if rank < NUM_TRAIN else endpoint.receive
+    out = [_outcome(lambda: step(1)), _outcome(lambda: step(2))]
+    if rank == 0:
+        time.sleep(2.0)  # rank 0 hosts the store where the first failure is recorded: stay up for the others
+    return out
+
+
+def test_a_timed_out_group_reports_itself_broken_until_reconnected():
+    out = run_spawned(_broken_rank, NUM_TRAIN + NUM_GEN, timeout_s=120)
+    firsts = {}
+    for rank, (first, second) in enumerate(out):
+        if first[0] == "ok" or rank == NUM_TRAIN:  # the stalled rank wakes long after its peers gave up
+            continue
+        assert first[0] in ("RefitTimeoutError", "RefitTransportError"), (rank, first)
+        assert "at refit 1" in first[1] and first[2] <= TIMEOUT_S + 5, (rank, first)
+        firsts[rank] = first[1]
+        assert second[0] == "RefitTransportError" and second[2] < 1.0, (rank, second)
+        assert "the refit group is broken" in second[1] and "at refit 1" in second[1] and "reconnect" in second[1]
+    assert firsts and any(o[0][0] == "RefitTimeoutError" for o in out), out
+    # every failed rank names the failure it saw, and those that were not first name the first one
+    origins = {msg.split("; the first failure in the group: ")[-1] for msg in firsts.values()}
+    assert len(origins) == 1, firsts
+
+
+def _join_rank(rank, world, port, scenario):
+    from megatron_refit.transport import RefitGroup, RefitTransportError
+
+    refit_rank, refit_world = rank, world
+    if scenario == "duplicate" and rank == world - 1:
+        refit_rank = world - 2  # two processes claim the same rank; the last rank never comes
+        time.sleep(1.0)  # let the honest holder join first
+    if scenario == "world" and rank == world - 1:
+        refit_world = world + 1
+    try:
+        RefitGroup.connect(host="127.0.0.1", port=port, rank=refit_rank, world_size=refit_world, timeout_s=TIMEOUT_S)
+    except RefitTransportError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_a_duplicate_rank_is_named_at_connect():
+    out = run_spawned(_join_rank, 4, "duplicate", timeout_s=60)
+    assert "refit rank 2 joined the refit group" in out[3] and "twice" in out[3]
+    for msg in out[:3]:
+        assert "refit rank(s) [3] of 4 never joined" in msg and "refit rank(s) [2] joined twice" in msg, msg
+
+
+def test_a_world_size_mismatch_is_named_at_connect():
+    out = run_spawned(_join_rank, 4, "world", timeout_s=60)
+    assert "refit rank 3 was started with world size 5; refit rank(s) [0] were started with world size(s) [4]" \
+        in out[3], out[3]
+    for msg in out[:3]:
+        assert "refit rank(s) [3] were started with world size(s) [5]" in msg, msg
+
+
+def test_the_store_listens_only_on_the_configured_address():
+    import datetime
+
+    from megatron_refit.launch import free_port
+    from megatron_refit.rendezvous import open_store
+
+    port = free_port()
+    store = open_store("127.0.0.1", port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=5))
+    store.set("k", "v")
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.split(":")[1], 16) == port:
+                    listening.add(local.split(":")[0])
+    assert listening == {"0100007F"}, listening  # 127.0.0.1 only, not 0.0.0.0 / ::
+    assert store.get("k") == b"v"
