@@ -88,6 +88,10 @@ class RefitConfig:
     byte (also single flipped bytes; on CPU/gloo ~40 % longer refits, on GPUs far less);
     ``off``. A mismatch raises ``RefitCorruptionError`` naming the parameters, marks the
     engine's weights stale, and the next refit restores them."""
+    check_finite: bool = False
+    """Read every trainer piece for NaN / Inf before each refit (one pass over this rank's
+    weights); one found ends the refit on every rank before any byte moves, naming the
+    parameters, and the engine keeps serving the previous version."""
     model: str | None = None
     """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""

@@ -60,6 +60,27 @@ class RefitCorruptionError(ValueError):
     delivered to the wrong place or version. Names the parameters."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """``check_finite``: a trainer piece holds NaN or Inf; nothing was sent."""
+
+
+def nonfinite_counts(tensor: torch.Tensor, rows: int = 1 << 26) -> tuple[int, int]:
+    """(NaN count, Inf count) of ``tensor``, read in slices of about ``rows`` elements (the
+    masks stay small on a large weight). Integer tensors have neither."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return 0, 0
+    flat = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor
+    step = max(1, rows // max(1, flat[0].numel()))
+    nan = inf = 0
+    for part in flat.split(step):
+        if part.element_size() == 1:  # float8: isfinite is not implemented for it everywhere
+            part = part.to(torch.float16)
+        if not bool(torch.isfinite(part).all()):
+            nan += int(torch.isnan(part).sum())
+            inf += int(torch.isinf(part).sum())
+    return nan, inf
+
+
 class StaleWeightsError(RuntimeError):
     """The engine's weights are not those of a complete refit."""
 
@@ -113,9 +134,13 @@ class Refitter(Endpoint):
 
     def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
-                 offloader=None, on_report: Callable[[dict], None] | None = None):
+                 offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report)
+        self.check_finite = check_finite
+        """Before a refit, every piece is read for NaN / Inf; one found ends the refit on
+        every rank before any byte moves (:class:`NonFiniteWeightsError` here,
+        :class:`~megatron_refit.endpoint.RefitAbortedError` on the others)."""
         self.offloader = offloader
         """Optional :class:`~megatron_refit.offload.ParamOffloader`: offloaded parameters are
         loaded for the refit and offloaded again after it."""
@@ -132,16 +157,45 @@ class Refitter(Endpoint):
         # declared by the pieces (``follows``: gate/up of one fused weight, q/k/v of one split)
         return [(p.follows, name) for name, p in self.pieces.items() if getattr(p, "follows", None) in self.pieces]
 
+    def _onload(self) -> float:
+        """Load offloaded parameters back (seconds it took; 0 if there was nothing to load)."""
+        if self.offloader is None or not self.offloader.offloaded:
+            return 0.0
+        t0 = time.perf_counter()
+        self.offloader.onload()
+        return time.perf_counter() - t0
+
+    def _check_finite(self, version: int) -> None:
+        bad = []
+        for name, piece in self.pieces.items():
+            nan, inf = nonfinite_counts(piece.tensor().detach())
+            if nan or inf:
+                bad.append(f"{name} ({nan} NaN, {inf} Inf)")
+        if bad:
+            raise NonFiniteWeightsError(f"refit {version}: refit rank {self.group.rank} holds non-finite weights in "
+                                        f"{len(bad)} parameter(s): {', '.join(bad[:5])}"
+                                        f"{' ...' if len(bad) > 5 else ''}; nothing was sent (refit.check_finite)")
+
     def refit(self, version: int) -> RefitReport:
-        self._agree_on_version(version)
         start = time.perf_counter()
+        was_offloaded = self.offloader is not None and self.offloader.offloaded
+        onload_s = 0.0
+        if self.check_finite:
+            def preflight():
+                nonlocal onload_s
+                onload_s = self._onload()
+                self._check_finite(version)
+        try:
+            self._agree_on_version(version, preflight if self.check_finite else None)
+        except BaseException:
+            for piece in self.pieces.values():
+                _release(piece)
+            if was_offloaded and not self.offloader.offloaded:
+                self.offloader.offload()
+            raise
         report = RefitReport(version=version, role="train", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal)
-        was_offloaded = self.offloader is not None and self.offloader.offloaded
-        if was_offloaded:
-            t0 = time.perf_counter()
-            self.offloader.onload()
-            report.seconds["onload"] = time.perf_counter() - t0
+        report.seconds["onload"] = onload_s + self._onload()
         cache: dict[str, torch.Tensor] = {}
         buckets = self.plan.buckets_from(self.group.rank)
         last_use = {item.transfer.name: bucket.index for bucket in buckets for item in bucket.items}

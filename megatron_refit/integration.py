@@ -93,6 +93,7 @@ class TrainerRefit(_Sync):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report)
         self.group = group
+        kw["check_finite"] = cfg.check_finite
         self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
         self.plan = self.full.prepare()
         self.adapters = None

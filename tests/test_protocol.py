@@ -27,14 +27,14 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), time.monotonic() - start)
 
 
-def _endpoint(rank, world, port, on_write=None):
+def _endpoint(rank, world, port, check_finite=False):
     from megatron_refit.driver import Receiver, Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify="sampled")
     if rank < NUM_TRAIN:
-        return Refitter(group, _train_pieces(rank), **kw), None
+        return Refitter(group, _train_pieces(rank), check_finite=check_finite, **kw), None
     backend = _Backend(NAMES)
     return Receiver(group, backend, **kw), backend
 
@@ -63,6 +63,41 @@ def test_ranks_in_different_calls_stop_on_every_rank_naming_both_calls():
         assert "refit rank(s) [0, 1] are in refit( version 2," in msg and "refit rank(s) [2, 3] are in prepare(" in msg
         assert seconds < TIMEOUT_S
     assert all(res["exact"] for res in out[NUM_TRAIN:])
+
+
+def _nan_rank(rank, world, port):
+    """With refit.check_finite, a NaN and an Inf on train rank 1 at refit 2 end that refit on
+    every rank before any byte moves; the engine keeps version 1; refit 3 (finite) lands."""
+    endpoint, backend = _endpoint(rank, world, port, check_finite=True)
+    endpoint.prepare()
+    train = rank < NUM_TRAIN
+    step = endpoint.refit if train else endpoint.receive
+    out = [_outcome(lambda: step(1))]
+    if rank == 1:
+        w = endpoint.pieces["layer3.w"].data
+        saved = w.clone()
+        w[0, 0], w[1, 2] = float("nan"), float("inf")
+    out.append(_outcome(lambda: step(2)))
+    state = None if train else (endpoint.state, endpoint.weights_version)
+    if rank == 1:
+        w.copy_(saved)
+    out.append(_outcome(lambda: step(3)))
+    exact = None if train else all(torch.equal(backend.t[n], _full(n)) for n in NAMES)
+    return dict(outcome=out, state=state, exact=exact)
+
+
+def test_non_finite_trainer_weights_are_refused_before_any_byte_moves():
+    out = run_spawned(_nan_rank, NUM_TRAIN + NUM_GEN, timeout_s=120)
+    for rank, res in enumerate(out):
+        first, nan, after = res["outcome"]
+        assert first[0] == "ok" and after[0] == "ok", (rank, res)
+        if rank == 1:
+            assert nan[0] == "NonFiniteWeightsError", nan
+            assert "layer3.w (1 NaN, 1 Inf)" in nan[1] and "refit rank 1" in nan[1] and "nothing was sent" in nan[1]
+        else:
+            assert nan[0] == "RefitAbortedError" and "refit rank(s) [1]" in nan[1], (rank, nan)
+    for res in out[NUM_TRAIN:]:
+        assert res["state"] == ("ready", 1) and res["exact"]
 
 
 def _broken_rank(rank, world, port):
@@ -146,3 +181,16 @@ def test_the_store_listens_only_on_the_configured_address():
                     listening.add(local.split(":")[0])
     assert listening == {"0100007F"}, listening  # 127.0.0.1 only, not 0.0.0.0 / ::
     assert store.get("k") == b"v"
+
+
+def test_nonfinite_counts_reads_every_dtype_in_slices():
+    from megatron_refit.driver import nonfinite_counts
+
+    w = torch.zeros(300, 7)
+    w[299, 6], w[5, 0], w[100, 3] = float("nan"), float("-inf"), float("inf")
+    assert nonfinite_counts(w, rows=64) == (1, 2)
+    assert nonfinite_counts(w.to(torch.bfloat16)[:, 3]) == (0, 1)  # a strided 1-d view
+    f8 = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    f8[1, 1] = float("nan")
+    assert nonfinite_counts(f8) == (1, 0)
+    assert nonfinite_counts(torch.arange(5)) == (0, 0) and nonfinite_counts(torch.tensor(float("nan"))) == (1, 0)
