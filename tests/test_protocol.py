@@ -194,3 +194,62 @@ def test_nonfinite_counts_reads_every_dtype_in_slices():
     f8[1, 1] = float("nan")
     assert nonfinite_counts(f8) == (1, 0)
     assert nonfinite_counts(torch.arange(5)) == (0, 0) and nonfinite_counts(torch.tensor(float("nan"))) == (1, 0)
+
+
+def _hf_cfg():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _hf_realloc_rank(rank, world, port):
+    """The engine re-allocates its parameters after prepare() (offload / reload, model.to):
+    refit 2 must land in the live model, not in the storage prepare() saw; a parameter
+    that changed dtype is refused by name before any byte moves."""
+    from megatron_refit.driver import Receiver, Refitter, TensorPiece
+    from megatron_refit.receivers.hf import HFReceiver
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    kw = dict(num_train=1, num_gen=1, bucket_bytes=1 << 14, verify="sampled")
+    torch.manual_seed(0)
+    recv = HFReceiver.from_config(_hf_cfg())
+    if rank == 0:  # the trainer's weights: another model of the same shape, changed per version
+        pieces = [TensorPiece(spec, recv.buffer(spec.name).clone()) for spec in recv.target_specs()]
+        endpoint = Refitter(group, pieces, **kw)
+        endpoint.prepare()
+        out = []
+        for version in (1, 2, 3, 4):
+            for piece in pieces:
+                piece.data.add_(1.0)
+            out.append(_outcome(lambda: endpoint.refit(version)))
+        return dict(outcome=out, sent={p.spec.name: p.data for p in pieces})
+    endpoint = Receiver(group, recv, **kw)
+    endpoint.prepare()
+    out = [_outcome(lambda: endpoint.receive(1))]
+    for p in recv.model.parameters():  # re-allocated: the old storage is no longer the model's
+        p.data = p.data.clone()
+    out.append(_outcome(lambda: endpoint.receive(2)))
+    live_after_2 = {n: t.clone() for n, t in recv.model.state_dict().items()}
+    norm = recv.model.model.norm.weight
+    norm.data = norm.data.double()
+    out.append(_outcome(lambda: endpoint.receive(3)))
+    state_3 = endpoint.state
+    norm.data = norm.data.float()
+    out.append(_outcome(lambda: endpoint.receive(4)))
+    return dict(outcome=out, live_after_2=live_after_2, state_3=state_3, rebinds=recv.rebinds,
+                live={n: t.clone() for n, t in recv.model.state_dict().items()})
+
+
+def test_hf_receiver_follows_reallocated_parameters_and_refuses_changed_ones():
+    train, gen = run_spawned(_hf_realloc_rank, 2, timeout_s=120)
+    kinds = [o[0] for o in gen["outcome"]]
+    assert kinds == ["ok", "ok", "ValueError", "ok"], gen["outcome"]
+    assert [o[0] for o in train["outcome"]] == ["ok", "ok", "RefitAbortedError", "ok"]
+    assert "model.norm.weight changed since prepare()" in gen["outcome"][2][1] and "torch.float64" in \
+        gen["outcome"][2][1]
+    assert gen["state_3"] == "stale" and gen["rebinds"] > 0
+    # version 2 (trainer weights + 2) reached the live, re-allocated model; version 4 too
+    assert torch.equal(gen["live_after_2"]["model.norm.weight"], train["sent"]["model.norm.weight"] - 2)
+    assert all(torch.equal(gen["live"][n], t) for n, t in train["sent"].items() if n in gen["live"])

@@ -29,7 +29,6 @@ class HFReceiver:
         self.model = model
         self.state = "stale"
         self.weights_version: int | None = None
-        self._views: dict[str, torch.Tensor] = {}
         # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
         # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
         # does; from_config does not) stay float32, as the trainer sends them.
@@ -37,23 +36,9 @@ class HFReceiver:
         for name, buf in model.named_buffers():
             if any(key in name.split(".") for key in keep_fp32):
                 buf.data = buf.data.float()
-        params = model.state_dict(keep_vars=True)
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        for name, param in params.items():
-            if tied and name == "lm_head.weight":
-                continue
-            if name.endswith(".experts.gate_up_proj"):
-                prefix = name.removesuffix(".gate_up_proj")
-                half = param.shape[1] // 2
-                for e in range(param.shape[0]):
-                    self._views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :half]
-                    self._views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, half:]
-            elif name.endswith(".experts.down_proj"):
-                prefix = name.removesuffix(".down_proj")
-                for e in range(param.shape[0]):
-                    self._views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
-            else:
-                self._views[name] = param.data
+        self._views = self._live_views()
+        self.rebinds = 0
+        """Targets re-resolved because the model re-allocated their storage (see :meth:`refresh_targets`)."""
         self._staged: dict[str, torch.Tensor] = {}
         """FP8 mode: received FP8 data and scales, by checkpoint name."""
         if fp8:
@@ -62,6 +47,44 @@ class HFReceiver:
                     self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE, device=view.device)
                     self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32,
                                                                  device=view.device)
+
+    def _live_views(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the model's storage for it, from the model as it is now."""
+        views: dict[str, torch.Tensor] = {}
+        params = self.model.state_dict(keep_vars=True)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        for name, param in params.items():
+            if tied and name == "lm_head.weight":
+                continue
+            if name.endswith(".experts.gate_up_proj"):
+                prefix = name.removesuffix(".gate_up_proj")
+                half = param.shape[1] // 2
+                for e in range(param.shape[0]):
+                    views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :half]
+                    views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, half:]
+            elif name.endswith(".experts.down_proj"):
+                prefix = name.removesuffix(".down_proj")
+                for e in range(param.shape[0]):
+                    views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
+            else:
+                views[name] = param.data
+        return views
+
+    def refresh_targets(self) -> None:
+        """Before every refit (the receiver calls it): follow parameters the model re-allocated
+        since ``prepare()`` (``model.to(...)``, offload / reload), so bytes land in the live
+        model; a target whose shape or dtype changed is refused by name before any byte moves."""
+        live = self._live_views()
+        for name, old in self._views.items():
+            new = live.get(name)
+            if new is None or new.shape != old.shape or new.dtype != old.dtype:
+                now = "gone" if new is None else f"{tuple(new.shape)} {new.dtype}"
+                raise ValueError(f"HF receiver: model parameter {name} changed since prepare() "
+                                 f"({tuple(old.shape)} {old.dtype} -> {now}); prepare a new refit plan")
+        moved = sum(live[name].data_ptr() != old.data_ptr() for name, old in self._views.items())
+        if moved:
+            self._views = {name: live[name] for name in self._views}
+            self.rebinds += moved
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
