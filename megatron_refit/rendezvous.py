@@ -16,11 +16,9 @@ import socket
 
 import torch.distributed as dist
 
+from .errors import RefitTransportError
+
 PREFIX = "megatron_refit_join/"
-
-
-class RendezvousError(RuntimeError):
-    """Raised as :class:`~megatron_refit.transport.RefitTransportError` by the caller."""
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -56,7 +54,7 @@ def open_store(host: str, port: int, *, rank: int, world_size: int, timeout: dat
 def join(store, *, rank: int, world_size: int, where: str, timeout: datetime.timedelta) -> None:
     """Check in, wait for the others, and compare world sizes (see the module docs)."""
     if store.add(f"{PREFIX}join/{rank}", 1) > 1:
-        raise RendezvousError(f"refit rank {rank} joined the refit group at {where} twice: another process already "
+        raise RefitTransportError(f"refit rank {rank} joined the refit group at {where} twice: another process already "
                               f"holds rank {rank} (two generation ranks with the same gen_index / replica?)")
     store.set(f"{PREFIX}world/{rank}", str(world_size))
     keys = [f"{PREFIX}world/{r}" for r in range(world_size)]
@@ -64,11 +62,11 @@ def join(store, *, rank: int, world_size: int, where: str, timeout: datetime.tim
         try:
             host_world = _worlds(store, [0])[0]
         except RuntimeError as exc:
-            raise RendezvousError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, "
+            raise RefitTransportError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, "
                                   f"exited: its own error says why)") from exc
         if host_world != world_size:
             _done_reading(store, rank, [])
-            raise RendezvousError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
+            raise RefitTransportError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
                                   f"{world_size}{_mismatch({0: host_world}, world_size)} (num_train + num_gen "
                                   f"must be the same on every rank)")
     # the host waits a little longer: the others read the store to name who is missing
@@ -83,22 +81,22 @@ def join(store, *, rank: int, world_size: int, where: str, timeout: datetime.tim
                      and store.add(f"{PREFIX}join/{r}", 0) > 1]
             worlds = _worlds(store, present)
         except RuntimeError:
-            raise RendezvousError(f"refit rendezvous at {where}: not every rank of {world_size} joined {waited}, and "
+            raise RefitTransportError(f"refit rendezvous at {where}: not every rank of {world_size} joined {waited}, and "
                                   f"the store is gone (refit rank 0, its host, exited)") from exc
         missing = [r for r in range(world_size) if r not in present]
         detail = f"; refit rank(s) {twice} joined twice" if twice else ""
         detail += _mismatch(worlds, world_size)
         _done_reading(store, rank, present)
-        raise RendezvousError(f"refit rendezvous at {where}: refit rank(s) {missing} of {world_size} never joined "
+        raise RefitTransportError(f"refit rendezvous at {where}: refit rank(s) {missing} of {world_size} never joined "
                               f"{waited}{detail}") from exc
     try:
         worlds = _worlds(store, range(world_size))
     except RuntimeError as exc:
-        raise RendezvousError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, exited: "
+        raise RefitTransportError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, exited: "
                               f"its own error says why)") from exc
     if any(w != world_size for w in worlds.values()):
         _done_reading(store, rank, range(world_size))
-        raise RendezvousError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
+        raise RefitTransportError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
                               f"{world_size}{_mismatch(worlds, world_size)} (num_train + num_gen must be the "
                               f"same on every rank)")
 

@@ -26,20 +26,10 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .rendezvous import RendezvousError, join, open_store
+from .errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
+from .rendezvous import join, open_store
 
-
-class RefitTransportError(RuntimeError):
-    """A transfer failed: the peer closed the connection, crashed or misbehaved."""
-
-
-class RefitTimeoutError(RefitTransportError):
-    """A wait ran past ``timeout_s``."""
-
-
-class RefitProtocolError(RuntimeError):
-    """Refit ranks are in different calls (or run different protocol versions): raised on
-    every rank of the exchange, naming each side's call; no weight byte moved."""
+__all__ = ["RefitGroup", "Pending", "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]
 
 
 MAGIC = 0x52_46_49_54_0002
@@ -111,10 +101,7 @@ class RefitGroup:
         except (RuntimeError, OSError) as exc:  # e.g. the store host never came up, the port is taken
             raise RefitTimeoutError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
                                     f"{str(exc).splitlines()[0]}") from exc
-        try:
-            join(store, rank=rank, world_size=world_size, where=f"{host}:{port}", timeout=timeout)
-        except RendezvousError as exc:
-            raise RefitTransportError(str(exc)) from None
+        join(store, rank=rank, world_size=world_size, where=f"{host}:{port}", timeout=timeout)
         prefixed = dist.PrefixStore("megatron_refit", store)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -137,7 +124,9 @@ class RefitGroup:
         try:
             return op([buffer], peer, tag)
         except RuntimeError as exc:  # gloo refuses to post on a pair it already saw fail
-            self._fail(RefitTransportError, f"{what} failed (peer: refit rank {peer}): {_first_line(exc)}")
+            note = self._broke(f"{what} failed")
+            raise RefitTransportError(f"refit rank {self.rank}: {what} failed (peer: refit rank {peer}): "
+                                      f"{_first_line(exc)}{note}") from exc
 
     def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
         """A small control message (digests), on the group's own device, also in colocated mode."""
@@ -156,8 +145,11 @@ class RefitGroup:
             msg = _first_line(exc)
             who = f" (peer: refit rank {peer})" if peer is not None else ""
             if "timed out" in msg.lower() or "timeout" in msg.lower():
-                self._fail(RefitTimeoutError, f"{what} timed out after {self.timeout_s:g} s{who}")
-            self._fail(RefitTransportError, f"{what} failed{who}: {msg}")
+                note = self._broke(f"{what} timed out after {self.timeout_s:g} s")
+                raise RefitTimeoutError(f"refit rank {self.rank}: {what} timed out after {self.timeout_s:g} s{who}"
+                                        f"{note}") from exc
+            note = self._broke(f"{what} failed")
+            raise RefitTransportError(f"refit rank {self.rank}: {what} failed{who}: {msg}{note}") from exc
 
     # -- failure ----------------------------------------------------------------------------
     def begin(self, phase: str) -> None:
@@ -173,13 +165,14 @@ class RefitGroup:
                                       f"every rank must reconnect (RefitGroup.connect) before the next refit")
         return self._pg
 
-    def _fail(self, cls: type[RefitTransportError], what: str):
-        """Mark the group broken and raise, naming the first failure any rank reported."""
+    def _broke(self, what: str) -> str:
+        """Mark the group broken by ``what``; the end of the error message: where it happened
+        and, if another rank reported a failure first, that one."""
         where = f" at {self.phase}" if self.phase else ""
+        self.broken = f"{what}{where}"
         mine = f"refit rank {self.rank}: {what}{where}"
-        self.broken = f"{what.split(' (')[0]}{where}"
         first = self._first_failure(mine)
-        raise cls(mine if first in (None, mine) else f"{mine}; the first failure in the group: {first}")
+        return where if first in (None, mine) else f"{where}; the first failure in the group: {first}"
 
     def _first_failure(self, mine: str) -> str | None:
         store = self._store
@@ -207,7 +200,9 @@ class RefitGroup:
         rows = [row.tolist() for row in self._all_gather(header)]
         if any(row[:3] != rows[0][:3] for row in rows):
             self._seq = max(row[2] for row in rows)
-            raise RefitProtocolError(_call_mismatch(rows))
+            raise RefitProtocolError(f"refit ranks are in different calls: {_sides(rows)}. Every rank calls prepare() "
+                                     f"once, then refit() / receive() with the same versions: do both sides read "
+                                     f"the same refit config?")
         return [row[3:] for row in rows]
 
     def barrier(self, call: str = "message") -> None:
@@ -269,7 +264,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def _call_mismatch(rows: list[list[int]]) -> str:
+def _sides(rows: list[list[int]]) -> str:
     names = {code: name for name, code in CALLS.items()}
     sides: dict[tuple, list[int]] = {}
     for rank, row in enumerate(rows):
@@ -283,5 +278,4 @@ def _call_mismatch(rows: list[list[int]]) -> str:
         name = names.get(call, f"call {call}")
         version = f" version {rows[ranks[0]][3]}," if name == "refit" else ""
         parts.append(f"refit rank(s) {ranks} are in {name}({version} control message {seq})")
-    return ("refit ranks are in different calls: " + "; ".join(parts) + ". Every rank calls prepare() once, then "
-            "refit() / receive() with the same versions: do both sides read the same refit config?")
+    return "; ".join(parts)
