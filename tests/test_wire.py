@@ -48,7 +48,7 @@ def test_bytes_that_are_not_refit_metadata_are_refused(data, match):
 def test_only_plain_data_is_sent():
     with pytest.raises(TypeError, match="builtin_function_or_method cannot travel"):
         wire.dumps([print])
-    with pytest.raises(TypeError, match="type cannot travel"):
+    with pytest.raises(TypeError, match="_TensorMeta cannot travel as refit metadata"):
         wire.dumps((torch.Tensor,))
 
 
