@@ -83,7 +83,7 @@ class RefitConfig:
     verify: str = "sampled"
     """Integrity check of every bucket against a digest its sender computed, seeded with the
     version, both ranks, the bucket's place in the plan and the plan itself: ``sampled``
-    reads 8 KiB of every 256 KiB (all of buckets under 256 KiB) and catches zeroed, truncated,
+    reads 4 KiB of every 512 KiB (all of buckets under 512 KiB) and catches zeroed, truncated,
     stale, swapped or misrouted buckets at a few percent of a refit; ``full`` reads every
     byte (also single flipped bytes; on CPU/gloo ~40 % longer refits, on GPUs far less);
     ``off``. A mismatch raises ``RefitCorruptionError`` naming the parameters, marks the

@@ -115,6 +115,8 @@ class Endpoint:
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
         rank uses the same plan."""
         self.version: int | None = None
+        self._seed_bases: dict[tuple[int, int, int], int] = {}
+        """The version-free part of each bucket's digest seed under this plan (see :meth:`_seed`)."""
 
     def _local_specs(self) -> list[ShardSpec]:
         raise NotImplementedError
@@ -161,6 +163,7 @@ class Endpoint:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
         self._plan_id = int(prints["plan"][:15], 16)
+        self._seed_bases = {}
         return plan
 
     def _local_rank(self) -> tuple[str, int]:
@@ -215,8 +218,12 @@ class Endpoint:
 
     def _seed(self, version: int, bucket) -> int:
         """The digest seed of ``bucket`` in refit ``version`` (see :mod:`megatron_refit.checksum`)."""
-        return bucket_seed(version, self.plan.global_src(bucket), self.plan.global_dst(bucket), bucket.index,
-                           bucket.nbytes, self._plan_id)
+        key = (bucket.src_rank, bucket.dst_rank, bucket.index)
+        base = self._seed_bases.get(key)
+        if base is None:
+            base = self._seed_bases[key] = bucket_seed(
+                self.plan.global_src(bucket), self.plan.global_dst(bucket), bucket.index, bucket.nbytes, self._plan_id)
+        return bucket_seed(base, version)
 
     def _emit(self, report: RefitReport) -> None:
         """One structured log line per refit and rank, and the optional callback."""

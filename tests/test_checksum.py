@@ -39,12 +39,12 @@ def test_digest_catches_zeroed_stale_and_misrouted_buckets(mode):
 
 
 def test_full_mode_catches_any_flipped_byte_sampled_mode_the_bytes_it_reads():
-    x = _bytes(1 << 20)
-    for position in (0, 8191, 8192, 262143, 500_000, (1 << 20) - 1):
+    x = _bytes(2 << 20)
+    for position in (0, 4095, 4096, 524287, 500_000, (2 << 20) - 1):
         assert digest(_flip(x, position), SEED, "full") != digest(x, SEED, "full"), position
     sampled = {position: digest(_flip(x, position), SEED, "sampled") != digest(x, SEED, "sampled")
-               for position in (0, 8191, 8192, 262143, 262144)}
-    assert sampled == {0: True, 8191: True, 8192: False, 262143: False, 262144: True}  # 8 KiB of every 256 KiB
+               for position in (0, 4095, 4096, 524287, 524288)}
+    assert sampled == {0: True, 4095: True, 4096: False, 524287: False, 524288: True}  # 4 KiB of every 512 KiB
     small = _bytes(FULL_BELOW - 8)
     assert digest(_flip(small, 100_000), SEED, "sampled") != digest(small, SEED, "sampled")  # small: every byte
 
@@ -56,7 +56,7 @@ def _flip(x: torch.Tensor, position: int) -> torch.Tensor:
 
 
 def test_extra_memory_per_bucket_is_bounded():
-    assert extra_bytes(1 << 30) == extra_bytes(64 << 20) <= 16 * 258  # at most MAX_CHUNKS (+1) sums and multipliers
+    assert extra_bytes(1 << 30) == extra_bytes(256 << 20) <= 16 * 258  # at most MAX_CHUNKS (+1) sums and multipliers
     assert extra_bytes(1 << 30, aligned=False) > extra_bytes(1 << 30)  # one chunk of scratch
     assert extra_bytes(1 << 30, "off") == 0
     with pytest.raises(ValueError, match=r"verify must be one of \['off', 'sampled', 'full'\], got True"):
