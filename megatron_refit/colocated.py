@@ -189,5 +189,6 @@ class IpcGroup:
 
             gc.collect()  # mapped CUDA IPC memory is released when the last tensor on it is freed
             torch.cuda.synchronize()
-        self.group.barrier("close")
+        if self.group.broken is None:  # a broken group cannot meet: free this rank's buffers regardless
+            self.group.barrier("close")
         self._close_own()

@@ -253,3 +253,24 @@ def test_hf_receiver_follows_reallocated_parameters_and_refuses_changed_ones():
     # version 2 (trainer weights + 2) reached the live, re-allocated model; version 4 too
     assert torch.equal(gen["live_after_2"]["model.norm.weight"], train["sent"]["model.norm.weight"] - 2)
     assert all(torch.equal(gen["live"][n], t) for n, t in train["sent"].items() if n in gen["live"])
+
+
+def test_a_broken_colocated_group_still_frees_its_shared_buffers():
+    """close() is collective (peers unmap before the owner frees), but a broken group cannot
+    meet: the owner frees its shared memory anyway instead of raising on the way out."""
+    from multiprocessing import shared_memory
+
+    from megatron_refit.colocated import IpcGroup, _create
+    from megatron_refit.transport import RefitGroup, RefitTransportError
+
+    group = RefitGroup(object(), rank=0, world_size=2, backend="gloo", timeout_s=1.0)
+    group.broken = "receive from rank 1 timed out after 1 s at refit 3"
+    ipc = IpcGroup(group, num_train=1)
+    ipc._own = [_create(64, torch.device("cpu"))]
+    name = ipc._own[0].handle[1]
+    ipc.close()
+    assert ipc._own == []
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+    with pytest.raises(RefitTransportError, match=r"the refit group is broken \(.*at refit 3\)"):
+        group.barrier()
