@@ -121,8 +121,10 @@ def chunk_sums(buf: torch.Tensor, mode: str) -> torch.Tensor:
     device = buf.device
     sums = []
     if nwords and buf.data_ptr() % 8 == 0:
-        words = buf[: nwords * 8].view(torch.int64)
-        if whole:
+        words = (buf if n == nwords * 8 else buf[: nwords * 8]).view(torch.int64)
+        if sampled and cw == BLOCK_WORDS:  # one block per chunk (buckets up to 128 MiB): one strided sum
+            sums.append(words.as_strided((whole, SAMPLE_WORDS), (BLOCK_WORDS, 1)).sum(dim=1))
+        elif whole:
             main = words[: whole * cw]
             sums.append(main.view(whole, cw // BLOCK_WORDS, BLOCK_WORDS)[:, :, :SAMPLE_WORDS].sum(dim=(1, 2))
                         if sampled else main.view(whole, cw).sum(dim=1))

@@ -61,3 +61,25 @@ def test_extra_memory_per_bucket_is_bounded():
     assert extra_bytes(1 << 30, "off") == 0
     with pytest.raises(ValueError, match=r"verify must be one of \['off', 'sampled', 'full'\], got True"):
         check_mode(True)
+
+
+def test_sampled_sums_follow_the_definition_on_views_with_offsets():
+    """Each chunk sums the first SAMPLE_WORDS words of each of its whole blocks, a trailing
+    partial block entirely, and the partial last word on its own (zero-padded), also for
+    a view that starts inside its storage (a direct bucket of a larger tensor)."""
+    from megatron_refit.checksum import BLOCK_WORDS, SAMPLE_WORDS, chunk_sums
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-(1 << 63), (1 << 63) - 1, (5 * BLOCK_WORDS,), dtype=torch.int64, generator=g).view(torch.uint8)
+    for start, n in ((0, 2 * BLOCK_WORDS * 8), (8 * 1000, 3 * BLOCK_WORDS * 8 + 8 * 777 + 5)):
+        buf = x[start:start + n]
+        words = buf[: n // 8 * 8].view(torch.int64)
+        blocks = words.numel() // BLOCK_WORDS
+        want = [words[b * BLOCK_WORDS: b * BLOCK_WORDS + SAMPLE_WORDS].sum() for b in range(blocks)]
+        if words.numel() > blocks * BLOCK_WORDS:
+            want.append(words[blocks * BLOCK_WORDS:].sum())
+        if n % 8:
+            tail = torch.zeros(8, dtype=torch.uint8)
+            tail[: n % 8] = buf[n // 8 * 8:]
+            want.append(tail.view(torch.int64)[0])
+        assert torch.equal(chunk_sums(buf, "sampled"), torch.stack(want)), (start, n)
