@@ -4,9 +4,9 @@ torch's process-group rendezvous to fail on them with a raw store error or a han
 
 Rank 0 hosts the store. Every rank then adds itself under ``join/<rank>`` (a second process
 with the same rank sees a count of 2 and stops), writes the world size it was started with
-under ``world/<rank>``, compares it with rank 0's, and waits, up to the timeout, for every rank of its
-world to do the same. Any rank whose world size differs, any rank that never came and any rank that came
-twice is named in the error, on every rank that can see it.
+under ``world/<rank>``, compares it with rank 0's, and waits, up to the timeout, for every
+rank of its world to do the same. Any rank whose world size differs, any rank that never
+came and any rank that came twice is named in the error, on every rank that can see it.
 """
 
 from __future__ import annotations
@@ -54,21 +54,23 @@ def open_store(host: str, port: int, *, rank: int, world_size: int, timeout: dat
 def join(store, *, rank: int, world_size: int, where: str, timeout: datetime.timedelta) -> None:
     """Check in, wait for the others, and compare world sizes (see the module docs)."""
     if store.add(f"{PREFIX}join/{rank}", 1) > 1:
-        raise RefitTransportError(f"refit rank {rank} joined the refit group at {where} twice: another process already "
-                              f"holds rank {rank} (two generation ranks with the same gen_index / replica?)")
+        raise RefitTransportError(f"refit rank {rank} joined the refit group at {where} twice: another process "
+                                  f"already holds rank {rank} (two generation ranks with the same gen_index / "
+                                  f"replica?)")
     store.set(f"{PREFIX}world/{rank}", str(world_size))
     keys = [f"{PREFIX}world/{r}" for r in range(world_size)]
     if rank != 0:  # the host's world size is there already: a mismatch with it stops this rank at once
         try:
+            store.wait([keys[0]], timeout)
             host_world = _worlds(store, [0])[0]
         except RuntimeError as exc:
             raise RefitTransportError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, "
-                                  f"exited: its own error says why)") from exc
+                                      f"exited: its own error says why)") from exc
         if host_world != world_size:
             _done_reading(store, rank, [])
             raise RefitTransportError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
-                                  f"{world_size}{_mismatch({0: host_world}, world_size)} (num_train + num_gen "
-                                  f"must be the same on every rank)")
+                                      f"{world_size}{_mismatch({0: host_world}, world_size)} (num_train + num_gen "
+                                      f"must be the same on every rank)")
     # the host waits a little longer: the others read the store to name who is missing
     grace = datetime.timedelta(seconds=2.0 if rank == 0 else 0.0)
     try:
@@ -81,24 +83,24 @@ def join(store, *, rank: int, world_size: int, where: str, timeout: datetime.tim
                      and store.add(f"{PREFIX}join/{r}", 0) > 1]
             worlds = _worlds(store, present)
         except RuntimeError:
-            raise RefitTransportError(f"refit rendezvous at {where}: not every rank of {world_size} joined {waited}, and "
-                                  f"the store is gone (refit rank 0, its host, exited)") from exc
+            raise RefitTransportError(f"refit rendezvous at {where}: not every rank of {world_size} joined "
+                                      f"{waited}, and the store is gone (refit rank 0, its host, exited)") from exc
         missing = [r for r in range(world_size) if r not in present]
         detail = f"; refit rank(s) {twice} joined twice" if twice else ""
         detail += _mismatch(worlds, world_size)
         _done_reading(store, rank, present)
-        raise RefitTransportError(f"refit rendezvous at {where}: refit rank(s) {missing} of {world_size} never joined "
-                              f"{waited}{detail}") from exc
+        raise RefitTransportError(f"refit rendezvous at {where}: refit rank(s) {missing} of {world_size} never "
+                                  f"joined {waited}{detail}") from exc
     try:
         worlds = _worlds(store, range(world_size))
     except RuntimeError as exc:
-        raise RefitTransportError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, exited: "
-                              f"its own error says why)") from exc
+        raise RefitTransportError(f"refit rendezvous at {where}: the store is gone (refit rank 0, its host, "
+                                  f"exited: its own error says why)") from exc
     if any(w != world_size for w in worlds.values()):
         _done_reading(store, rank, range(world_size))
         raise RefitTransportError(f"refit rendezvous at {where}: refit rank {rank} was started with world size "
-                              f"{world_size}{_mismatch(worlds, world_size)} (num_train + num_gen must be the "
-                              f"same on every rank)")
+                                  f"{world_size}{_mismatch(worlds, world_size)} (num_train + num_gen must be the "
+                                  f"same on every rank)")
 
 
 def _worlds(store, ranks) -> dict[int, int]:

@@ -101,7 +101,13 @@ class RefitGroup:
         except (RuntimeError, OSError) as exc:  # e.g. the store host never came up, the port is taken
             raise RefitTimeoutError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
                                     f"{str(exc).splitlines()[0]}") from exc
-        join(store, rank=rank, world_size=world_size, where=f"{host}:{port}", timeout=timeout)
+        try:
+            join(store, rank=rank, world_size=world_size, where=f"{host}:{port}", timeout=timeout)
+        except RefitTransportError:
+            raise
+        except RuntimeError as exc:  # the store itself failed (its host, rank 0, went away)
+            raise RefitTransportError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
+                                      f"{_first_line(exc)}") from exc
         prefixed = dist.PrefixStore("megatron_refit", store)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
