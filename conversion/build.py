@@ -8,6 +8,7 @@ initialisation, no mixed-precision wrapper, MoE's allgather dispatcher.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +128,11 @@ def build_model(
     check_train_layout(hf_config, layout)
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
     torch.manual_seed(seed)
-    with cpu_device_for_buffers(meta):
+    from megatron_refit.launch import quiet
+
+    # Megatron prints each rank's parameter count: dropped in a quiet spawned rank
+    chatter = contextlib.redirect_stdout(io.StringIO()) if quiet() else contextlib.nullcontext()
+    with cpu_device_for_buffers(meta), chatter:
         model = provider.provide_distributed_model(
             wrap_with_ddp=False,
             use_cpu_initialization=True,

@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train LoRA adapters of this rank (Bridge PEFT): refit 1 moves base + adapters, later "
                         "refits only the adapters, merged on the generation side (gen TP 1)")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the ranks' third-party warnings and logs (Apex / TE fallbacks, deprecations)")
     return p.parse_args(argv)
 
 
@@ -140,11 +142,12 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = evaluate(spec, run(spec))
+    quiet = not args.verbose
+    result = evaluate(spec, run(spec, quiet=quiet))
     if spec.fp8:
         # the same model and layout refit in bf16, for the byte ratio
         bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
-        result["bf16_bytes_sent"] = evaluate(bf16, run(bf16))["refits"][0]["bytes_sent"]
+        result["bf16_bytes_sent"] = evaluate(bf16, run(bf16, quiet=quiet))["refits"][0]["bytes_sent"]
         result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)

@@ -211,14 +211,16 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
 
 
-def run(spec: RunSpec) -> list[dict]:
-    """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order)."""
+def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
+    """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order).
+    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.launch`)."""
     from .launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)
     timeout = 180.0 + 60.0 * spec.refits
-    return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout, port=refit_port)
+    return run_spawned(rank_main, spec.num_train + spec.num_gen, spec, timeout_s=timeout, port=refit_port,
+                       quiet=quiet)
 
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:

@@ -59,11 +59,28 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+THIRD_PARTY_WARNINGS = (r"megatron\.", r"torch\.", r"transformers\.", r"modelopt", r"nvidia_resiliency_ext")
+"""Modules whose warnings a quiet spawned rank drops (Apex / TE / absl fallbacks, deprecations:
+the same lines once per rank). Warnings of megatron_refit and conversion still show."""
+
+_QUIET = False
+
+
+def quiet() -> bool:
+    """True inside a rank spawned with ``quiet=True`` (helpers silence third-party chatter)."""
+    return _QUIET
+
+
 def _entry(fn, rank, world_size, port, args, results, env):
+    global _QUIET
     if env.pop("REFIT_QUIET_LOGS", "0") == "1":
         import logging
+        import warnings
 
+        _QUIET = True
         logging.disable(logging.WARNING)  # Megatron/Bridge import chatter, once per rank
+        for module in THIRD_PARTY_WARNINGS:  # PYTHONWARNINGS in env would come too late: set here
+            warnings.filterwarnings("ignore", module=module)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
     import torch
@@ -108,7 +125,7 @@ def run_spawned(
     port = port or free_port()
     base_env = {"OMP_NUM_THREADS": "1", "REFIT_QUIET_LOGS": "1" if quiet else "0", **(env or {})}
     if quiet:
-        base_env.setdefault("PYTHONWARNINGS", "ignore")
+        base_env.setdefault("PYTHONWARNINGS", "ignore")  # for processes a rank starts in turn
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, base_env), daemon=True)
         for r in range(world_size)

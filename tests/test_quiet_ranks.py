@@ -1,0 +1,31 @@
+"""Spawned ranks are quiet by default (the demo's output is its report): third-party
+warnings are dropped in each rank, ours still show; ``quiet=False`` (``demo --verbose``)
+shows everything."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from megatron_refit.launch import run_spawned
+
+
+def _warn_rank(rank, world, port):
+    from megatron_refit.launch import quiet
+
+    warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "backends.py", 34,
+                           module="megatron.core.models.backends")
+    warnings.warn_explicit("`all_gather_into_tensor` is deprecated", FutureWarning, "c10d_logger.py", 83,
+                           module="torch.distributed.c10d_logger")
+    warnings.warn_explicit("refit.enabled is false: ['gen_tp'] are ignored", UserWarning, "config.py", 1,
+                           module="megatron_refit.config")
+    return quiet()
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_ranks_drop_third_party_warnings_only(quiet, capfd):
+    assert run_spawned(_warn_rank, 1, timeout_s=60, quiet=quiet) == [quiet]
+    err = capfd.readouterr().err
+    assert "refit.enabled is false" in err  # ours, always
+    assert ("Apex is not installed" in err) is not quiet and ("is deprecated" in err) is not quiet
