@@ -16,13 +16,18 @@ import sys
 from dataclasses import replace
 
 from .gen_layout import GenLayout
-from .harness import RunSpec, evaluate, run
+from .harness import RunSpec, _hf_config, evaluate, run
+from .launch import SpawnError
 from .layout import TrainLayout
 
 MODELS = ["qwen3", "qwen3-moe", "llama3", "llama3-tied", "deepseek-v3", "nemotron-h"]
 MOE_MODELS = ("qwen3-moe", "deepseek-v3", "nemotron-h")
 
 LOGIT_TOLERANCE = {"float32": 1e-5}
+
+USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
+"""Errors a rank raises on a bad layout or model (the message names the bad value): printed
+as one ``error:`` line, exit code 2. Anything else keeps its traceback."""
 """Logits must match the Megatron forward this closely; in bf16 two implementations of the
 same weights differ by bf16 rounding, so the difference is reported, not judged."""
 
@@ -139,15 +144,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         spec = spec_from_args(args)
+        from conversion.validate import check_train_layout
+
+        check_train_layout(_hf_config(spec), spec.train)  # before any rank starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     quiet = not args.verbose
-    result = evaluate(spec, run(spec, quiet=quiet))
-    if spec.fp8:
-        # the same model and layout refit in bf16, for the byte ratio
-        bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
-        result["bf16_bytes_sent"] = evaluate(bf16, run(bf16, quiet=quiet))["refits"][0]["bytes_sent"]
+    try:
+        result = evaluate(spec, run(spec, quiet=quiet))
+        if spec.fp8:
+            # the same model and layout refit in bf16, for the byte ratio
+            bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
+            result["bf16_bytes_sent"] = evaluate(bf16, run(bf16, quiet=quiet))["refits"][0]["bytes_sent"]
+    except SpawnError as exc:  # a bad layout or model found in a rank: one line, as for the parent's checks
+        inner = exc.innermost
+        if inner is None or inner[0] not in USER_ERRORS:
+            raise
+        print(f"error: {inner[1]}", file=sys.stderr)
+        return 2
         result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)

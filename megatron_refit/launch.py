@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import queue
 import socket
 import time
@@ -18,6 +19,14 @@ from typing import Any, Callable
 
 class SpawnError(RuntimeError):
     """A spawned rank failed, died, or the group ran past its timeout."""
+
+    @property
+    def innermost(self) -> tuple[str, str] | None:
+        """``(exception class name, message)`` of the failed rank's innermost error, read from
+        the traceback this error carries; None if it carries none (a death, a timeout)."""
+        lines = [line for line in str(self).splitlines() if line.strip()]
+        match = re.match(r"([A-Za-z_][\w.]*): (.*)", lines[-1]) if len(lines) > 1 else None
+        return (match.group(1).rsplit(".", 1)[-1], match.group(2)) if match else None
 
 
 def free_ports(count: int) -> list[int]:

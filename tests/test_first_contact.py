@@ -1,4 +1,4 @@
-"""Spawned ranks are quiet by default (the demo's output is its report): third-party
+"""First contact: spawned ranks are quiet by default (the demo's output is its report): third-party
 warnings are dropped in each rank, ours still show; ``quiet=False`` (``demo --verbose``)
 shows everything."""
 
@@ -29,3 +29,24 @@ def test_quiet_ranks_drop_third_party_warnings_only(quiet, capfd):
     err = capfd.readouterr().err
     assert "refit.enabled is false" in err  # ours, always
     assert ("Apex is not installed" in err) is not quiet and ("is deprecated" in err) is not quiet
+
+
+def test_a_bad_layout_is_one_error_line(capfd):
+    """``demo --train-tp 3`` (4 heads): one line naming the bad value, exit 2, before any rank
+    starts (an error a rank finds ends the same way: :attr:`SpawnError.innermost`)."""
+    from megatron_refit.demo import main
+
+    assert main(["--train-tp", "3", "--refits", "1"]) == 2
+    out, err = capfd.readouterr()
+    assert err.strip().splitlines() == ["error: model num_attention_heads=4 is not divisible by train tp=3 "
+                                        "(layout TP3xPP1xDP1)"], err
+    assert out == ""
+
+
+def test_spawn_error_innermost_reads_the_rank_traceback():
+    from megatron_refit.launch import SpawnError
+
+    err = SpawnError("rank 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
+                     "megatron_refit.plan.PlanError: gen rank 2 holds nothing\n")
+    assert err.innermost == ("PlanError", "gen rank 2 holds nothing")
+    assert SpawnError("rank 3 died with exit code -9").innermost is None
