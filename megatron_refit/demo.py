@@ -32,21 +32,34 @@ as one ``error:`` line, exit code 2. Anything else keeps its traceback."""
 same weights differ by bf16 rounding, so the difference is reported, not judged."""
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default (unless its help says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__.replace("``", "'"),
+                                formatter_class=_HelpFormatter)
     p.add_argument("--model", default="qwen3", choices=MODELS,
                    help="tiny preset; nemotron-h cannot run on CPU (exits with the reason)")
     for flag in ("hidden", "layers", "heads", "kv-heads", "experts", "vocab", "ffn"):
-        p.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
-    p.add_argument("--train-tp", type=int, default=2)
-    p.add_argument("--train-pp", type=int, default=1)
-    p.add_argument("--train-ep", type=int, default=1)
-    p.add_argument("--train-dp", type=int, default=None, help="default: the smallest that fits EP")
-    p.add_argument("--gen-tp", type=int, default=1)
-    p.add_argument("--gen-dp", type=int, default=2)
-    p.add_argument("--bucket-mb", type=float, default=1.0)
-    p.add_argument("--refits", type=int, default=3)
+        p.add_argument(f"--{flag}", type=int, default=None,
+                       help=f"override the preset's {flag} (default: the preset's)")
+    p.add_argument("--train-tp", type=int, default=2, help="trainer tensor parallelism")
+    p.add_argument("--train-pp", type=int, default=1, help="trainer pipeline stages")
+    p.add_argument("--train-ep", type=int, default=1, help="trainer expert parallelism (MoE presets)")
+    p.add_argument("--train-dp", type=int, default=None, help="trainer data parallelism (default: the smallest that "
+                                                              "fits EP)")
+    p.add_argument("--gen-tp", type=int, default=1, help="generation tensor parallelism (1: a transformers model, "
+                                                         ">1: vLLM-shaped storage)")
+    p.add_argument("--gen-dp", type=int, default=2, help="generation replicas")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
+    p.add_argument("--refits", type=int, default=3, help="refits, each after a real optimizer step")
     p.add_argument("--dtype", default=None, choices=["float32", "fp32", "bfloat16", "bf16"],
                    help="training dtype (default float32; bfloat16 with --fp8)")
     p.add_argument("--fp8", default=None, choices=["trainer", "te"],
