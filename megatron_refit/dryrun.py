@@ -120,6 +120,11 @@ def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     preset = PRESETS[refit.model]
     layout = train_layout(rest, refit)
     layout.stage_layers(preset["num_hidden_layers"])
+    from types import SimpleNamespace
+
+    from conversion.validate import check_train_layout  # plain arithmetic on the preset's sizes
+
+    check_train_layout(SimpleNamespace(**preset), layout)  # here, not as a traceback of the enumeration
     return refit, preset, layout
 
 

@@ -50,3 +50,19 @@ def test_spawn_error_innermost_reads_the_rank_traceback():
                      "megatron_refit.plan.PlanError: gen rank 2 holds nothing\n")
     assert err.innermost == ("PlanError", "gen rank 2 holds nothing")
     assert SpawnError("rank 3 died with exit code -9").innermost is None
+
+
+def test_dry_run_of_a_layout_the_model_does_not_divide_is_one_error_line(tmp_path, capfd):
+    """It used to end in the enumeration child's traceback."""
+    from pathlib import Path
+
+    from megatron_refit.dryrun import main
+
+    text = (Path(__file__).parent.parent / "configs" / "qwen3-4b.yaml").read_text()
+    assert "tensor_model_parallel_size: 2" in text
+    config = tmp_path / "tp3.yaml"
+    config.write_text(text.replace("tensor_model_parallel_size: 2", "tensor_model_parallel_size: 3"))
+    assert main(["--config", str(config), "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["error: model num_attention_heads=32 is not divisible by train tp=3 (layout TP3xPP1xDP4)"], err
+    assert not (tmp_path / "cache").exists()  # nothing enumerated
