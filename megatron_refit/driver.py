@@ -26,6 +26,7 @@ import torch
 from .buckets import pack_bucket, unpack_bucket
 from .checksum import chunk_sums, digests
 from .endpoint import DIGEST_TAG, Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
+from .finite import check_finite
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import RefitGroup
@@ -58,27 +59,6 @@ class TensorPiece:
 class RefitCorruptionError(ValueError):
     """A bucket's digest did not match (``verify``): its bytes changed in flight, or it was
     delivered to the wrong place or version. Names the parameters."""
-
-
-class NonFiniteWeightsError(ValueError):
-    """``check_finite``: a trainer piece holds NaN or Inf; nothing was sent."""
-
-
-def nonfinite_counts(tensor: torch.Tensor, rows: int = 1 << 26) -> tuple[int, int]:
-    """(NaN count, Inf count) of ``tensor``, read in slices of about ``rows`` elements (the
-    masks stay small on a large weight). Integer tensors have neither."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return 0, 0
-    flat = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor
-    step = max(1, rows // max(1, flat[0].numel()))
-    nan = inf = 0
-    for part in flat.split(step):
-        if part.element_size() == 1:  # float8: isfinite is not implemented for it everywhere
-            part = part.to(torch.float16)
-        if not bool(torch.isfinite(part).all()):
-            nan += int(torch.isnan(part).sum())
-            inf += int(torch.isinf(part).sum())
-    return nan, inf
 
 
 class StaleWeightsError(RuntimeError):
@@ -139,7 +119,7 @@ class Refitter(Endpoint):
                          direct_bytes=direct_bytes, on_report=on_report)
         self.check_finite = check_finite
         """Before a refit, every piece is read for NaN / Inf; one found ends the refit on
-        every rank before any byte moves (:class:`NonFiniteWeightsError` here,
+        every rank before any byte moves (:class:`~megatron_refit.finite.NonFiniteWeightsError` here,
         :class:`~megatron_refit.endpoint.RefitAbortedError` on the others)."""
         self.offloader = offloader
         """Optional :class:`~megatron_refit.offload.ParamOffloader`: offloaded parameters are
@@ -165,17 +145,6 @@ class Refitter(Endpoint):
         self.offloader.onload()
         return time.perf_counter() - t0
 
-    def _check_finite(self, version: int) -> None:
-        bad = []
-        for name, piece in self.pieces.items():
-            nan, inf = nonfinite_counts(piece.tensor().detach())
-            if nan or inf:
-                bad.append(f"{name} ({nan} NaN, {inf} Inf)")
-        if bad:
-            raise NonFiniteWeightsError(f"refit {version}: refit rank {self.group.rank} holds non-finite weights in "
-                                        f"{len(bad)} parameter(s): {', '.join(bad[:5])}"
-                                        f"{' ...' if len(bad) > 5 else ''}; nothing was sent (refit.check_finite)")
-
     def refit(self, version: int) -> RefitReport:
         start = time.perf_counter()
         was_offloaded = self.offloader is not None and self.offloader.offloaded
@@ -184,7 +153,7 @@ class Refitter(Endpoint):
             def preflight():
                 nonlocal onload_s
                 onload_s = self._onload()
-                self._check_finite(version)
+                check_finite(self.pieces, version=version, rank=self.group.rank)
         try:
             self._agree_on_version(version, preflight if self.check_finite else None)
         except BaseException:

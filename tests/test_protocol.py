@@ -184,7 +184,7 @@ def test_the_store_listens_only_on_the_configured_address():
 
 
 def test_nonfinite_counts_reads_every_dtype_in_slices():
-    from megatron_refit.driver import nonfinite_counts
+    from megatron_refit.finite import nonfinite_counts
 
     w = torch.zeros(300, 7)
     w[299, 6], w[5, 0], w[100, 3] = float("nan"), float("-inf"), float("inf")
