@@ -22,6 +22,12 @@ script adds to refit the generation engine::
   all-gather is forced to finish first (Bridge's ``force_param_sync``), so no refit sends a
   half-gathered replica.
 - ``on_train_end``: release the refit group.
+
+Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
+…) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
+``state.tensorboard_logger`` / ``state.wandb_logger``, on the rank that holds them) at the
+refit's iteration, beside Bridge's own throughput and loss curves; ``on_report`` is called
+with them too.
 """
 
 from __future__ import annotations
@@ -44,6 +50,21 @@ def hf_config_of(bridge):
 
     held = bridge.hf_pretrained
     return held if isinstance(held, PretrainedConfig) else held.config
+
+
+def log_to_bridge(state, metrics: dict, iteration: int) -> None:
+    """Write one refit's flat metrics to the writers of Bridge's training state, as Bridge
+    writes its own (``add_scalar(name, value, iteration)``, ``wandb.log(dict, step)``); the
+    writers exist only on the rank Bridge logs from, the others write nothing."""
+    if not metrics:
+        return
+    writer = getattr(state, "tensorboard_logger", None)
+    if writer is not None:
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, iteration)
+    wandb_writer = getattr(state, "wandb_logger", None)
+    if wandb_writer is not None:
+        wandb_writer.log(metrics, iteration)
 
 
 def force_param_sync(model: list, optimizer=None) -> None:
@@ -102,7 +123,9 @@ class RefitCallback(Callback):
                                   offloader=self.offloader, on_report=self.on_report)
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
-            self.last_report = self.sync.refit(context.state.train_state.step)
+            step = context.state.train_state.step
+            self.last_report = self.sync.refit(step)
+            log_to_bridge(context.state, self.last_report.summary, step)
 
     def on_train_step_end(self, context) -> None:
         if self.sync is None:
@@ -115,6 +138,7 @@ class RefitCallback(Callback):
             return
         force_param_sync(context.model, context.optimizer)
         self.last_report = self.sync.refit(iteration)
+        log_to_bridge(context.state, self.last_report.summary, iteration)
 
     def on_train_end(self, context) -> None:
         if self.sync is not None:

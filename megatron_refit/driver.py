@@ -239,7 +239,11 @@ class Refitter(Endpoint):
                 report.seconds["offload"] = time.perf_counter() - t0
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
+        failed = self._summarize(report)  # waits for the receivers to apply the refit
         self._emit(report)
+        if failed:
+            raise RefitAbortedError(f"refit {version}: generation rank(s) {failed} could not apply it (their own "
+                                    f"errors say why, e.g. a digest mismatch); they are stale until the next refit")
         return report
 
 
@@ -346,25 +350,39 @@ class Receiver(Endpoint):
 
         with torch.no_grad():
             self._run(buckets, post, retire, report)
-            if self.verify != "off":
-                t0 = time.perf_counter()
-                corrupted = []
-                for src, pending in sent.items():
-                    self.group.wait(pending)
-                    mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
-                    corrupted += [received[src][i][0] for i in mismatch]
-                report.seconds["verify"] += time.perf_counter() - t0
-                if corrupted:
-                    names = sorted({item.transfer.name for b in corrupted for item in b.items})
-                    sources = sorted({self.plan.global_src(b) for b in corrupted})
-                    raise RefitCorruptionError(
-                        f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
-                        f"{sources} (bytes changed in flight, or misrouted); parameters "
-                        f"{names[:8]}{' ...' if len(names) > 8 else ''}"
-                    )
-            t0 = time.perf_counter()
-            self.backend.finalize()
-            report.seconds["load"] += time.perf_counter() - t0
+            try:
+                self._check_and_finalize(version, sent, computed, received, report)
+            except Exception:
+                try:  # every byte arrived: the group is intact, tell the trainer this rank failed
+                    self._summarize(report, failed=True)
+                except Exception:  # noqa: BLE001 -- this rank's own error is the one to raise
+                    pass
+                raise
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
+        self._summarize(report)
         return report
+
+    def _check_and_finalize(self, version: int, sent: dict, computed: dict, received: dict,
+                            report: RefitReport) -> None:
+        """Compare the digests each sender computed with what arrived, then run the
+        engine's post-load step."""
+        if self.verify != "off":
+            t0 = time.perf_counter()
+            corrupted = []
+            for src, pending in sent.items():
+                self.group.wait(pending)
+                mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
+                corrupted += [received[src][i][0] for i in mismatch]
+            report.seconds["verify"] += time.perf_counter() - t0
+            if corrupted:
+                names = sorted({item.transfer.name for b in corrupted for item in b.items})
+                sources = sorted({self.plan.global_src(b) for b in corrupted})
+                raise RefitCorruptionError(
+                    f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
+                    f"{sources} (bytes changed in flight, or misrouted); parameters "
+                    f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+                )
+        t0 = time.perf_counter()
+        self.backend.finalize()
+        report.seconds["load"] += time.perf_counter() - t0

@@ -19,7 +19,7 @@ import torch
 from .buckets import contiguous_bytes
 from .checksum import bucket_seed, check_mode
 from .plan import RefitPlan
-from .report import RefitReport
+from .report import RefitReport, report_values, summarize
 from .spec import ShardSpec
 from .transport import RefitGroup
 
@@ -98,7 +98,8 @@ class Endpoint:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
         self.on_report = on_report
-        """Called with each refit's metrics dict (e.g. to forward them to wandb or TensorBoard)."""
+        """Called on every rank with each refit's group metrics, one flat dict of scalars
+        (:func:`~megatron_refit.report.summarize`; e.g. ``wandb.log`` on the rank that logs)."""
         self.num_train = num_train
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
@@ -225,12 +226,22 @@ class Endpoint:
                 self.plan.global_src(bucket), self.plan.global_dst(bucket), bucket.index, bucket.nbytes, self._plan_id)
         return bucket_seed(base, version)
 
+    def _summarize(self, report: RefitReport, failed: bool = False) -> list[int]:
+        """The end of every refit, on every rank: one control message with each rank's
+        bytes, seconds and whether it applied the refit; fills ``report.summary`` (the same
+        flat dict on every rank) and returns the refit ranks that failed."""
+        rows = self.group.exchange("report", report_values(report, failed))
+        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal)
+        return [rank for rank, row in enumerate(rows) if row[0]]
+
     def _emit(self, report: RefitReport) -> None:
-        """One structured log line per refit and rank, and the optional callback."""
-        metrics = report.as_dict()
-        logger.info("refit %s", json.dumps(metrics, sort_keys=True))
+        """One structured log line per refit and rank (its detail), the group summary on
+        refit rank 0, and the optional callback with the summary."""
+        logger.info("refit %s", json.dumps(report.as_dict(), sort_keys=True))
+        if self.group.rank == 0 and report.summary:
+            logger.info("refit summary %s", json.dumps(report.summary, sort_keys=True))
         if self.on_report is not None:
-            self.on_report(metrics)
+            self.on_report(report.summary)
 
     def _route(self, report: RefitReport, direct: bool) -> None:
         route = "direct" if direct else ("shared" if hasattr(self.group, "staging") else "packed")

@@ -61,4 +61,4 @@ class Bar:
 
     def on_report(self, metrics: dict) -> None:
         """A ``Refitter`` / ``Receiver`` ``on_report`` callback: the refit's GB/s and seconds."""
-        self.show(refit_s=f"{metrics['seconds']['total']:.3f}", gbps=f"{metrics['gbps']:.2f}")
+        self.show(refit_s=f"{metrics['refit/total_s']:.3f}", gbps=f"{metrics['refit/gbps']:.2f}")

@@ -1,4 +1,5 @@
-"""What one refit did on one rank: bytes, seconds per phase, routes taken."""
+"""What one refit did: per rank (:class:`RefitReport`) and for the whole group
+(:func:`summarize`, one flat dict of scalars a metrics logger takes as is)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class RefitReport:
     """Buckets by route: ``direct`` (straight from / into the tensor, no staging copy),
     ``packed`` (through a staging buffer over the process group), ``shared`` (through a
     shared staging buffer, colocated mode)."""
+    summary: dict = field(default_factory=dict)
+    """The whole refit group's metrics (:func:`summarize`): the same flat dict on every rank."""
 
     @property
     def gbps(self) -> float:
@@ -33,3 +36,53 @@ class RefitReport:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "gbps": self.gbps}
+
+
+_US = 1e6
+_TIMES = ("total", "pack", "load", "verify", "onload", "offload")
+
+
+def report_values(report: RefitReport, failed: bool) -> list[int]:
+    """This rank's share of the group summary, as the ints a control message carries:
+    ``[failed, bytes_sent, bytes_received, bytes_wire, buckets, *microseconds of _TIMES]``."""
+    buckets = sum(report.routes.values()) if report.role == "train" else 0
+    return [int(failed), report.bytes_sent, report.bytes_received, report.bytes_wire, buckets,
+            *(round(report.seconds[t] * _US) for t in _TIMES)]
+
+
+SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/total_s", "refit/gbps", "refit/bytes",
+                "refit/bytes_wire", "refit/bytes_minimal", "refit/buckets", "refit/pack_s", "refit/load_s",
+                "refit/verify_s", "refit/onload_s", "refit/offload_s", "refit/slowest_rank", "refit/train_ranks",
+                "refit/gen_ranks")
+"""The keys :func:`summarize` returns, in order (docs/observability.md says what each means)."""
+
+
+def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal: int) -> dict:
+    """The flat metrics of one refit from every rank's :func:`report_values` (``rows[r]`` is
+    refit rank ``r``; train ranks first). Seconds are the slowest rank's (the group waits for
+    it); bytes are summed over train ranks (each byte is sent once)."""
+    train, gen = rows[:num_train], rows[num_train:]
+    seconds = {t: [row[5 + i] / _US for row in rows] for i, t in enumerate(_TIMES)}
+    total = max(seconds["total"])
+    sent = sum(row[1] for row in train)
+    failed = [rank for rank, row in enumerate(rows) if row[0]]
+    out = {
+        "refit/version": version,
+        "refit/ok": int(not failed),
+        "refit/failed_ranks": len(failed),
+        "refit/total_s": total,
+        "refit/gbps": sent / total / 1e9 if total > 0 else 0.0,
+        "refit/bytes": sent,
+        "refit/bytes_wire": sum(row[3] for row in train),
+        "refit/bytes_minimal": bytes_minimal,
+        "refit/buckets": sum(row[4] for row in train),
+        "refit/pack_s": max(seconds["pack"][:num_train]),
+        "refit/load_s": max(seconds["load"][num_train:], default=0.0),
+        "refit/verify_s": max(seconds["verify"]),
+        "refit/onload_s": max(seconds["onload"][:num_train]),
+        "refit/offload_s": max(seconds["offload"][:num_train]),
+        "refit/slowest_rank": seconds["total"].index(total),
+        "refit/train_ranks": len(train),
+        "refit/gen_ranks": len(gen),
+    }
+    return out

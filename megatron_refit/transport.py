@@ -8,8 +8,8 @@ surfaces as :class:`RefitTimeoutError` / :class:`RefitTransportError` naming the
 the rank that reported the first failure in the group; after one, the group is broken and
 says so at every later call until the ranks reconnect.
 
-Every control collective (``prepare()``'s metadata, the per-refit handshake, colocated
-handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-size header carrying
+Every control collective (``prepare()``'s metadata, the per-refit handshake and summary,
+colocated handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-size header carrying
 the call it belongs to and its sequence number, so ranks in different calls (one side in
 ``prepare()``, the other in ``refit()``) stop with :class:`RefitProtocolError` naming both
 sides' calls instead of reading one message's bytes as another's. Metadata travels as JSON
@@ -32,13 +32,13 @@ from .rendezvous import join, open_store
 __all__ = ["RefitGroup", "Pending", "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]
 
 
-MAGIC = 0x52_46_49_54_0002
+MAGIC = 0x52_46_49_54_0003
 """First word of every control header: "RFIT" and the protocol version."""
 
-CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4}
+CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5}
 """The calls control messages belong to (the header's second word)."""
 
-HEADER_VALUES = 5
+HEADER_VALUES = 11
 """Values a control header carries after (magic, call, sequence)."""
 
 FIRST_FAILURE = "megatron_refit_first_failure"
@@ -190,7 +190,7 @@ class RefitGroup:
         except Exception:  # noqa: BLE001 -- best effort: the error itself is raised regardless
             return None
 
-    # -- control collectives (prepare / per-refit handshake only) -------------------------
+    # -- control collectives (prepare, the per-refit handshake and summary) -------------------------
     def exchange(self, call: str, values=()) -> list[list[int]]:
         """A control collective: every rank shows ``[magic, call, sequence, *values]`` (up to
         :data:`HEADER_VALUES` int64 values) and gets every rank's values. Ranks in different

@@ -80,7 +80,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
         shared = getattr(group, "bytes_shared", 0)
         if mode == "colocated":
             group.close()  # collective: every rank is done reading before buffers go away
-        assert seen == [r.as_dict() for r in reports]  # the callback got every refit's metrics
+        assert seen == [r.summary for r in reports] and seen[0]  # the callback got every refit's group metrics
         return [dict(r.as_dict(), shared=shared) for r in reports]
     extra = []
     if mode == "unknown-name":
@@ -119,6 +119,21 @@ def test_refit_moves_every_dtype_exactly(bucket_bytes, direct_bytes):
     assert sent == out[0][0]["bytes_minimal"]
     # replicated norm: the two train ranks share the load
     assert out[0][0]["bytes_sent"] > 0 and out[1][0]["bytes_sent"] > 0
+    # every rank holds the same flat group summary of each refit, reduced from all four
+    for i in (0, 1):
+        summaries = [out[r][i]["summary"] for r in (0, 1)] + [out[r]["reports"][i]["summary"] for r in (2, 3)]
+        assert all(s == summaries[0] for s in summaries)
+        s = summaries[0]
+        assert s["refit/version"] == i + 1 and s["refit/ok"] == 1 and s["refit/failed_ranks"] == 0
+        assert s["refit/bytes"] == sent == s["refit/bytes_minimal"]
+        assert s["refit/train_ranks"] == s["refit/gen_ranks"] == 2
+        assert s["refit/buckets"] == sum(sum(out[r][i]["routes"].values()) for r in (0, 1))
+        totals = [out[r][i]["seconds"]["total"] for r in (0, 1)] + \
+            [out[r]["reports"][i]["seconds"]["total"] for r in (2, 3)]
+        assert s["refit/total_s"] == pytest.approx(max(totals), abs=1e-6)
+        assert s["refit/slowest_rank"] == totals.index(max(totals))
+        assert s["refit/gbps"] == pytest.approx(sent / s["refit/total_s"] / 1e9)
+        assert all(isinstance(v, (int, float)) for v in s.values())
 
 
 def test_unknown_receiver_name_fails_on_every_rank_before_transfer():

@@ -44,7 +44,10 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
     callback = RefitCallback.from_config(refit, built.bridge)
     manager = CallbackManager()
     manager.add(callback)
-    state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0))  # what the callback reads of GlobalState
+    # what the callback reads of GlobalState; Bridge's TensorBoard writer lives on the last rank only
+    writer = _Writer() if rank == world - 1 else None
+    state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0), tensorboard_logger=writer,
+                                  wandb_logger=None)
 
     def context(**kw):
         return CallbackContext(state=state, model=built.model, user_state=manager.user_state, optimizer=optimizer,
@@ -69,11 +72,21 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
             export = export if rank == 0 else None
         out.append(dict(iteration=it + 1, refitted=refitted, pending=pending, export=export, loss=loss,
                         dtypes=sorted({str(p.dtype) for chunk in built.model for p in chunk.parameters()}),
-                        sent=report.bytes_sent if refitted else 0))
+                        sent=report.bytes_sent if refitted else 0, summary=report.summary if refitted else None))
         state.train_state.step += 1
     manager.fire("on_train_end", context())
     return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None,
-                start=start if rank == 0 else None)
+                start=start if rank == 0 else None, scalars=writer.scalars if writer else None)
+
+
+class _Writer:
+    """Records ``add_scalar`` calls as TensorBoard's SummaryWriter receives them."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars.append((name, value, iteration))
 
 def _gen(refit, versions, num_train, device="cpu"):
     from conversion.hf_configs import hf_config
@@ -121,6 +134,16 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
     assert train[0]["skipped"] == list(skipped) and all(t["closed"] for t in train)
     losses = [s["loss"] for s in train[-1]["steps"]]
     assert len(set(losses)) == len(losses)  # real optimizer steps changed the weights
+    # every refit's flat group metrics reached the training run's writer (last rank) at its iteration
+    assert train[0]["scalars"] is None
+    logged = {}
+    for name, value, iteration in train[1]["scalars"]:
+        logged.setdefault(iteration, {})[name] = value
+    assert sorted(logged) == versions
+    for step in train[1]["steps"]:
+        if step["refitted"]:
+            assert logged[step["iteration"]] == step["summary"] == train[0]["steps"][step["iteration"] - 1]["summary"]
+            assert step["summary"]["refit/bytes"] == gen["refits"][step["iteration"]]["minimal"]
     return train
 
 def test_callback_refits_from_ddp_and_distributed_optimizer_at_tp2_skipping_an_iteration():

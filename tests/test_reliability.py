@@ -214,7 +214,11 @@ def test_corrupted_zeroed_or_stale_bucket_is_detected_by_name_and_next_refit_res
             assert bad[3] == "stale"
         assert v5[0] == "ok" and v5[3] == "ready"
         assert res["exact"] and res["backend_state"] == "ready"
-    assert all(r["outcome"][4][0] == "ok" for r in out[:NUM_TRAIN])
+    for res in out[:NUM_TRAIN]:  # the trainer learns of it: no refit reports success while the engine is stale
+        v1, v2, v3, v4, v5 = res["outcome"]
+        assert v1[0] == v5[0] == "ok"
+        for bad in (v2, v3, v4):
+            assert bad[0] == "RefitAbortedError" and "could not apply it" in bad[1], bad
 
 
 def test_trainer_name_unknown_to_receiver_is_refused_before_transfer():
