@@ -4,23 +4,31 @@ VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
 
-.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo docs clean
+.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo docs lint clean
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
 setup-vllm: setup
 	@VLLM_VENV=$(VLLM_VENV) scripts/setup_vllm_venv.sh
 
-test: test-main
-ifneq ($(SKIP_VLLM),1)
-test: test-vllm
-endif
+# Both suites (the vLLM one unless SKIP_VLLM=1), timed after setup: the budget is 15 minutes.
+test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm)
+	@start=$$(date +%s); rc=0; \
+	$(MAKE) --no-print-directory test-main || rc=$$?; \
+	if [ "$(SKIP_VLLM)" != 1 ]; then $(MAKE) --no-print-directory test-vllm || rc=$$?; fi; \
+	echo "make test: $$(( $$(date +%s) - start )) s of tests after setup (budget 900 s)"; exit $$rc
 
 test-main: setup
-	$(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm tests
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm tests; rc=$$?; \
+	echo "make test-main: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-vllm: setup-vllm
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm
+	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm; rc=$$?; \
+	echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests.
+lint: setup
+	$(VENV)/bin/ruff check .
 
 demo: setup
 	$(PY) -m megatron_refit.demo
@@ -34,4 +42,8 @@ clean:
 
 # Debian's slurm-wlm for tests/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
 setup-slurm:
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm
+	@if command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; then \
+	  echo "setup-slurm: slurm-wlm already installed"; \
+	else \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm; \
+	fi

@@ -128,7 +128,7 @@ def build_model(
     check_train_layout(hf_config, layout)
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
     torch.manual_seed(seed)
-    from megatron_refit.launch import quiet
+    from megatron_refit.tools.launch import quiet
 
     # Megatron prints each rank's parameter count: dropped in a quiet spawned rank
     chatter = contextlib.redirect_stdout(io.StringIO()) if quiet() else contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """``python -m conversion.enumerate``: meta-enumerate train ranks of a preset and layout into
-a spec cache file (see :mod:`megatron_refit.derive`). Imports Megatron; about 1 s per rank.
+a spec cache file (see :mod:`megatron_refit.tools.derive`). Imports Megatron; about 1 s per rank.
 
-The dry run (:mod:`megatron_refit.dryrun`) runs this in a child process when its cache is
+The dry run (:mod:`megatron_refit.tools.dryrun`) runs this in a child process when its cache is
 missing or stale, so the dry run's own process never imports Megatron or torch.
 """
 
@@ -25,7 +25,7 @@ def enumerate_specs(model: str, layout, ranks: list[int], dtype: str = "bfloat16
 
 
 def main(argv=None) -> int:
-    from megatron_refit.derive import representative_ranks, save_specs
+    from megatron_refit.tools.derive import representative_ranks, save_specs
     from megatron_refit.layout import TrainLayout
 
     p = argparse.ArgumentParser(prog="python -m conversion.enumerate", description=__doc__)

@@ -13,7 +13,7 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -296,6 +296,7 @@ def group_experts(shards: list[LocalShard], num_experts: int) -> list[LocalShard
         )
         getters = [s.get for _, s in members]
         out.append(
-            LocalShard(spec=spec, megatron_name=f"{prefix}.*.{suffix}", get=lambda g=getters: torch.stack([f() for f in g]))
+            LocalShard(spec=spec, megatron_name=f"{prefix}.*.{suffix}",
+                       get=lambda g=getters: torch.stack([f() for f in g]))
         )
     return out

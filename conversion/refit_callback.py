@@ -32,7 +32,7 @@ with them too.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.report import RefitReport
@@ -106,7 +106,7 @@ class RefitCallback(Callback):
         """Iterations that were skipped (and not refitted)."""
 
     @classmethod
-    def from_config(cls, cfg: RefitConfig, bridge, **kwargs) -> "RefitCallback":
+    def from_config(cls, cfg: RefitConfig, bridge, **kwargs) -> RefitCallback:
         """The callback for the ``refit:`` section ``cfg`` and the ``AutoBridge`` the model was
         built from (its HF config says what the engine serves)."""
         return cls(cfg, bridge, **kwargs)

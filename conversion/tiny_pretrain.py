@@ -9,11 +9,13 @@ restored afterwards; with CUDA available no CUDA patch is applied (the import st
 where the optional packages are missing).
 
 Import stubs (only where the real package is absent; removed from ``sys.modules`` afterwards):
-- ``nvidia_resiliency_ext``: imported unconditionally by bridge's pretrain/checkpointing (inprocess restart, async ckpt).
+- ``nvidia_resiliency_ext``: imported unconditionally by bridge's pretrain/checkpointing
+  (inprocess restart, async ckpt).
 - ``modelopt``: imported unconditionally by bridge's train/eval/gpt_step/checkpointing (distillation, modelopt state).
 - ``datasets``: imported unconditionally by bridge's data package (HF/SFT datasets), unused with mock data.
 - ``megatron.energon``: imported unconditionally by bridge's data package (energon loaders), unused with mock data.
-- ``torch.utils.tensorboard``: bridge's state.py imports its SummaryWriter at module level; tensorboard is not installed.
+- ``torch.utils.tensorboard``: bridge's state.py imports its SummaryWriter at module level;
+  tensorboard is not installed.
 
 CPU patches (none when CUDA is available):
 - ``setup.initialize_megatron``: called with ``allow_no_cuda=True`` (setup() never passes it; it asserts CUDA).

@@ -9,7 +9,7 @@ with TP refuses train mode without sequence parallelism.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

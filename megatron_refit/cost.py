@@ -58,7 +58,8 @@ def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tu
         return list(range(num_train)), [first_gen + i for i in range(num_gen)]
     if mode == "colocated":
         if num_train != num_gen:
-            raise ValueError(f"colocated placement needs as many gen ranks as train ranks, got {num_gen} and {num_train}")
+            raise ValueError(f"colocated placement needs as many gen ranks as train ranks, "
+                             f"got {num_gen} and {num_train}")
         return list(range(num_train)), list(range(num_gen))
     raise ValueError(f"unknown placement mode {mode!r}; expected 'disaggregated' or 'colocated'")
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -27,9 +28,17 @@ from .buckets import pack_bucket, unpack_bucket
 from .checksum import chunk_sums, digests
 from .endpoint import DIGEST_TAG, Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
 from .finite import check_finite
+from .receivers.base import (  # noqa: F401  (re-exported: the receiver protocol and its errors)
+    STATES,
+    RefitCorruptionError,
+    ReceiverBackend,
+    RefreshesTargets,
+    StaleWeightsError,
+    TracksState,
+)
 from .report import RefitReport
 from .spec import ShardSpec
-from .transport import RefitGroup
+from .transport import Transport
 
 
 class HasPiece(Protocol):
@@ -56,39 +65,6 @@ class TensorPiece:
         return self.data
 
 
-class RefitCorruptionError(ValueError):
-    """A bucket's digest did not match (``verify``): its bytes changed in flight, or it was
-    delivered to the wrong place or version. Names the parameters."""
-
-
-class StaleWeightsError(RuntimeError):
-    """The engine's weights are not those of a complete refit."""
-
-
-STATES = ("stale", "updating", "ready")
-
-
-class ReceiverBackend(Protocol):
-    """What a generation engine provides to :class:`Receiver`."""
-
-    def target_specs(self) -> list[ShardSpec]:
-        """The pieces of HF tensors this generation rank holds (HF names, global boxes)."""
-
-    def buffer(self, name: str) -> torch.Tensor:
-        """Engine storage for the piece ``name``, shaped like its box (written in place)."""
-
-    def finalize(self) -> None:
-        """Post-load step, once all pieces of a refit are in."""
-
-    # Optional: ``set_state(state: str, version: int | None)`` is called on every state
-    # change (``stale`` → ``updating`` → ``ready``, or back to ``stale`` on failure), so the
-    # engine can refuse to serve half-updated weights.
-    # Optional: ``refresh_targets()`` is called at the start of every refit, before any byte
-    # moves: a backend over a live engine checks that the storage it writes into is still
-    # the engine's (re-resolving it if the engine re-allocated its parameters) and raises
-    # if it cannot be; every rank then ends the refit with an error (see ``RefitAbortedError``).
-
-
 def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
     ``a`` ends."""
@@ -112,7 +88,7 @@ class Refitter(Endpoint):
 
     role = "train"
 
-    def __init__(self, group: RefitGroup, pieces: list[HasPiece], *, num_train: int, num_gen: int,
+    def __init__(self, group: Transport, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
@@ -252,7 +228,7 @@ class Receiver(Endpoint):
 
     role = "gen"
 
-    def __init__(self, group: RefitGroup, backend: ReceiverBackend, *, num_train: int, num_gen: int,
+    def __init__(self, group: Transport, backend: ReceiverBackend, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
@@ -267,11 +243,9 @@ class Receiver(Endpoint):
         self._set_state("stale")
 
     def _set_state(self, state: str) -> None:
-        assert state in STATES
         self.state = state
-        hook = getattr(self.backend, "set_state", None)
-        if hook is not None:
-            hook(state, self.weights_version)
+        if isinstance(self.backend, TracksState):
+            self.backend.set_state(state, self.weights_version)
 
     def _local_specs(self) -> list[ShardSpec]:
         return list(self.backend.target_specs())
@@ -281,11 +255,10 @@ class Receiver(Endpoint):
         return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
 
     def _refresh_targets(self) -> None:
-        refresh = getattr(self.backend, "refresh_targets", None)
-        if refresh is None:
+        if not isinstance(self.backend, RefreshesTargets):
             return
         try:
-            refresh()
+            self.backend.refresh_targets()
         except BaseException:
             self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
             raise

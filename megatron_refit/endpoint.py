@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +21,7 @@ from .checksum import bucket_seed, check_mode
 from .plan import RefitPlan
 from .report import RefitReport, report_values, summarize
 from .spec import ShardSpec
-from .transport import RefitGroup
+from .transport import Transport
 
 logger = logging.getLogger("megatron_refit")
 
@@ -87,7 +87,7 @@ class Endpoint:
 
     role: str
 
-    def __init__(self, group: RefitGroup, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
+    def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
                  direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
@@ -106,8 +106,8 @@ class Endpoint:
         self.verify = check_mode(verify)
         """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
         :mod:`megatron_refit.checksum`)."""
-        direct_bytes = resolve_direct_bytes(direct_bytes, getattr(group, "backend", "gloo"), bucket_bytes)
-        if not getattr(group, "direct_ok", True):
+        direct_bytes = resolve_direct_bytes(direct_bytes, group.backend, bucket_bytes)
+        if not group.direct_ok:
             direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
         self.direct_bytes = direct_bytes
         """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
@@ -207,9 +207,7 @@ class Endpoint:
                              f"the engine expects a full refit")
 
     def _begin(self, phase: str) -> None:
-        begin = getattr(self.group, "begin", None)
-        if begin is not None:
-            begin(phase)
+        self.group.begin(phase)
 
     def _check_version(self, version: int) -> None:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -244,7 +242,7 @@ class Endpoint:
             self.on_report(report.summary)
 
     def _route(self, report: RefitReport, direct: bool) -> None:
-        route = "direct" if direct else ("shared" if hasattr(self.group, "staging") else "packed")
+        route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
         report.routes[route] += 1
 
     def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
@@ -253,8 +251,7 @@ class Endpoint:
         use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
         width = max((b.nbytes for b in buckets), default=0)
         count = min(2, len(buckets))
-        staging = getattr(self.group, "staging", None)  # colocated: buffers the peers map
-        slots = staging(count, width) if staging is not None else [
+        slots = self.group.staging(count, width) if self.group.shares_buffers else [
             torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
         free = list(range(len(slots)))
         in_flight: deque = deque()
@@ -288,16 +285,14 @@ class Endpoint:
         self.group.wait(pending)
         report.seconds["transfer"] += time.perf_counter() - start
         retire(bucket, pending)
-        release = getattr(self.group, "release", None)  # colocated: hand the shared buffer back
-        if release is not None:
-            release(pending)
+        self.group.release(pending)  # colocated: hand the shared buffer back
 
     def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
         """The bucket's bytes as one flat view of this side's memory, when it can skip packing:
         one item whose slice is contiguous, or items that lie back to back in one storage
         exactly as they sit in the bucket (a run: see :func:`megatron_refit.packing._units`).
         Each side decides for itself; the bytes on the wire are the same either way."""
-        if not getattr(self.group, "direct_ok", True):
+        if not self.group.direct_ok:
             return None
         first, offset = None, 0
         for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)

@@ -1,5 +1,5 @@
 """The refit group's error types (raised by :mod:`megatron_refit.transport` and
-:mod:`megatron_refit.rendezvous`; see docs/troubleshooting.md)."""
+:mod:`megatron_refit.transport.rendezvous`; see docs/troubleshooting.md)."""
 
 
 class RefitTransportError(RuntimeError):

@@ -1,5 +1,7 @@
-"""Sender assignment by families of parameters (pure): the dry run's form of
-:class:`megatron_refit.senders.SenderPlan`, without a piece per gen class and parameter.
+"""Sender assignment by families of parameters (pure): the one implementation of who sends
+what. ``prepare()`` gets it through :class:`megatron_refit.senders.SenderPlan` (which lists
+its pieces per gen class), the dry run and cost model use it as it is, without a piece per
+gen class and parameter.
 
 A full-scale MoE plan has millions of (gen class, parameter) pieces (DeepSeek-V3 on vLLM
 TP32: 45 k parameters x 32 engine TP ranks) but few patterns: the routed experts of one
@@ -7,8 +9,7 @@ projection share their global shape, dtype and train boxes (each box held by one
 have the same box on every gen class; only the train rank holding them differs. A *family*
 is such a set of parameters: it is validated, intersected and sized once and keeps one
 tuple of holders per parameter. A parameter with a train box held by several ranks (DP
-replicas) has its senders water-filled piece by piece, in SenderPlan's order (by name,
-then class), so both give the same senders, bytes and transfers.
+replicas) has its senders water-filled piece by piece, by name, then class.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from operator import itemgetter
 from megatron_refit.gen_layout import GenTargets
 from megatron_refit.packing import Transfer, _numel
 from megatron_refit.plan_checks import ITEMSIZE, PlanError, check_target, check_tiling, gc_paused, index_specs
-from megatron_refit.senders import Piece
 from megatron_refit.spec import Box, ShardSpec, intersect, relative
+
+Piece = tuple[Box, tuple[int, ...], int]
+"""``(train box, senders, nbytes)``: one train box overlapping a gen piece; the class's
+j-th gen rank receives it from ``senders[j % len(senders)]``."""
 
 Item = tuple[str, str, Box, tuple[Piece, ...]]
 """``(name, dtype, gen box, its train pieces)``: one gen piece of a class and its senders."""
@@ -45,7 +49,7 @@ class Family:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FamilyPlan:
-    """Validated sender assignment, equal to :class:`SenderPlan`'s (see the module docstring)."""
+    """Validated sender assignment (see the module docstring)."""
 
     class_ranks: tuple[tuple[int, ...], ...]
     """Gen ranks of each class (identical pieces), in order of their first rank."""
@@ -70,7 +74,8 @@ class FamilyPlan:
         ranks_seen = sorted(rank for class_ranks in ranks for rank in class_ranks)
         if ranks_seen != list(range(num_gen)):
             raise PlanError(f"gen ranks must be 0..{num_gen - 1}, got {ranks_seen}")
-        assert [r[0] for r in ranks] == sorted(r[0] for r in ranks), ranks
+        if [r[0] for r in ranks] != sorted(r[0] for r in ranks):
+            raise PlanError(f"gen classes must come in order of their first rank, got {ranks}")
         train_index, train_meta = index_specs("train", train_specs)
         tiled: set[tuple[int, ...]] = set()  # by object identity: every shape and box stays alive
         for name in sorted(train_meta):
@@ -224,7 +229,8 @@ class _Builder:
                 nbytes.append((0,) * len(train_boxes))
                 continue
             row = tuple(self._numel(train_boxes[i], gen_box) * itemsize for i in order)
-            assert sum(row) == _numel(gen_box) * itemsize, (gen_box, train_boxes)  # the tiling was checked
+            if sum(row) != _numel(gen_box) * itemsize:  # the tiling was checked: a bug if reached
+                raise PlanError(f"train boxes {train_boxes} do not cover gen box {gen_box} exactly")
             nbytes.append(row)
         family = Family(dtype=dtype, train_boxes=tuple(train_boxes[i] for i in order), gen_boxes=gen_boxes,
                         nbytes=tuple(nbytes), names=(), holders=())
@@ -263,7 +269,8 @@ class _Builder:
                     for i, rank in enumerate(senders):
                         load[rank] += nbytes * (base + (i < extra))
                 pieces.append((train_box, senders, nbytes))
-            assert total == self._numel(gen_box, gen_box), (name, gen_box)  # the tiling was checked
+            if total != self._numel(gen_box, gen_box):  # the tiling was checked: a bug if reached
+                raise PlanError(f"{name}: train pieces do not cover gen box {gen_box} exactly")
             if len(pieces) > 1:
                 pieces.sort(key=itemgetter(0))
             self.replicated[c].append((name, dtype, gen_box, tuple(pieces)))

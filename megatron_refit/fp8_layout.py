@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from .roles import param_role
 from .spec import Box, ShardSpec
 
 BLOCK = 128
@@ -24,7 +25,7 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = (BLOCK, BLOCK))
 
 
 QUANTISED_ROLES = frozenset({"q", "kv", "column", "expert_column", "row", "expert_row"})
-"""Sharding roles (``gen_layout.param_role``) of the linear weights that are quantised:
+"""Sharding roles (:func:`megatron_refit.roles.param_role`) of the linear weights that are quantised:
 q/k/v/o and gate/up/down, routed and shared experts included. Embeddings and lm_head
 (role ``vocab``), norms, the MoE router and biases (``replicated`` or not ``.weight``)
 keep their training dtype."""
@@ -32,8 +33,6 @@ keep their training dtype."""
 
 def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
     """True if trainer-side FP8 quantises HF parameter ``name`` (decided by its role)."""
-    from .gen_layout import param_role
-
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
     return param_role(name, 2) in QUANTISED_ROLES

@@ -8,10 +8,10 @@ parameter whole (e.g. Hugging Face transformers at TP1).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from megatron_refit.fp8_layout import BLOCK, scale_box, scale_shape, weight_name
+from megatron_refit.roles import EXPERT_RE, param_role  # noqa: F401  (param_role: re-exported)
 from megatron_refit.spec import Box, ShardSpec, box_along, full_box
 
 VOCAB_PADDING = 64
@@ -60,45 +60,6 @@ class ModelShape:
             raise ValueError(f"ModelShape.num_experts must be a non-negative int, got {self.num_experts!r}")
 
 
-_EXPERT = r"(?:^|\.)mlp\.experts\.(?P<expert>\d+)\."
-_EXPERT_RE = re.compile(_EXPERT)
-_SHARED = r"(?:^|\.)mlp\.shared_experts?\."
-_ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (role, re.compile(pattern))
-    for role, pattern in (
-        ("q", r"(?:^|\.)self_attn\.q_proj\.(?:weight|bias)$"),
-        ("kv", r"(?:^|\.)self_attn\.[kv]_proj\.(?:weight|bias)$"),
-        # MLA (DeepSeek): per-head up projections are column-parallel by heads; the low-rank
-        # down projections (vLLM fuses them into ``fused_qkv_a_proj``) are replicated.
-        ("q", r"(?:^|\.)self_attn\.(?:q_b|kv_b)_proj\.weight$"),
-        ("replicated", r"(?:^|\.)self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight$"),
-        ("column", r"(?:^|\.)mlp\.(?:gate|up)_proj\.(?:weight|bias)$"),
-        ("column", _SHARED + r"(?:gate|up)_proj\.(?:weight|bias)$"),
-        ("expert_column", _EXPERT + r"(?:gate|up)_proj\.(?:weight|bias)$"),
-        ("row", r"(?:^|\.)self_attn\.o_proj\.weight$"),
-        ("row", r"(?:^|\.)mlp\.down_proj\.weight$"),
-        ("row", _SHARED + r"down_proj\.weight$"),
-        ("expert_row", _EXPERT + r"down_proj\.weight$"),
-        ("expert_replicated", _EXPERT + r"down_proj\.bias$"),
-        ("vocab", r"(?:^|\.)embed_tokens\.weight$"),
-        ("vocab", r"^lm_head\.weight$"),
-        # Replicated parameters of 2 or more dims; any other 1-D parameter is replicated too.
-        ("replicated", r"(?:^|\.)mlp\.gate\.weight$"),  # MoE router
-        ("replicated", r"(?:^|\.)mlp\.shared_expert_gate\.weight$"),
-    )
-)
-
-
-def param_role(name: str, ndim: int) -> str:
-    """Sharding role of HF parameter ``name``; ``ValueError`` for an unknown tensor of 2+ dims."""
-    for role, pattern in _ROLES:
-        if pattern.search(name):
-            return role
-    if ndim <= 1:
-        return "replicated"
-    raise ValueError(f"no vLLM sharding rule for parameter {name!r} ({ndim} dims)")
-
-
 def _even(name: str, size: int, num_shards: int, index: int) -> tuple[int, int]:
     if size % num_shards:
         raise ValueError(f"{name}: dim of size {size} is not divisible by tp={num_shards}")
@@ -144,7 +105,7 @@ def _vocab_rows(name: str, rows: int, tp: int, tp_rank: int, model: ModelShape) 
 
 def _expert_owner(name: str, tp: int, model: ModelShape) -> int:
     """The TP rank that holds expert ``name`` whole under expert parallelism."""
-    expert = int(re.search(_EXPERT, name).group("expert"))
+    expert = int(EXPERT_RE.search(name).group("expert"))
     if model.num_experts % tp or model.num_experts == 0:
         raise ValueError(f"{name}: num_experts={model.num_experts} is not a positive multiple of tp={tp}")
     if expert >= model.num_experts:
@@ -174,9 +135,10 @@ def _vllm_box(
             return None
     elif role in ("column", "expert_column"):
         rows = _even(name, shape[0], tp, tp_rank)
-    else:
-        assert role in ("row", "expert_row"), role
+    elif role in ("row", "expert_row"):
         return box_along(shape, 1, *_even(name, shape[1], tp, tp_rank))
+    else:
+        raise ValueError(f"{name}: unknown sharding role {role!r}")
     return box_along(shape, 0, *rows)
 
 
@@ -234,7 +196,7 @@ def gen_targets(
         if style == "full":
             out[name] = (shape, dtype, (full_box(shape),))
             continue
-        expert = _EXPERT_RE.search(name)
+        expert = EXPERT_RE.search(name)
         template = name if expert is None else f"{name[: expert.start('expert')]}#{name[expert.end('expert'):]}"
         role = roles.get(template)
         if role is None:
@@ -268,7 +230,7 @@ def gen_target_classes(
     per_tp_rank: list[list[ShardSpec]] = [[] for _ in targets.ranks]
     trusted = ShardSpec.trusted
     for name, (shape, dtype, boxes) in targets.params.items():
-        is_expert = _EXPERT_RE.search(name) is not None
+        is_expert = EXPERT_RE.search(name) is not None
         for specs, box in zip(per_tp_rank, boxes):
             if box is not None:
                 specs.append(trusted(name, shape, dtype, box, is_expert=is_expert))

@@ -19,14 +19,14 @@ layout: ``0..num_train-1`` train, then ``gen_tp * gen_dp`` generation ranks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .config import RefitConfig
 from .driver import Receiver, Refitter
 from .report import RefitReport
-from .transport import RefitGroup
+from .transport import open_transport
 
 
 def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device):
@@ -36,15 +36,12 @@ def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.
     if not 0 <= refit_rank < world:
         raise ValueError(f"refit rank {refit_rank} outside the refit world of {world} "
                          f"(num_train={num_train} + gen_tp*gen_dp={cfg.gen_tp * cfg.gen_dp})")
-    colocated = cfg.mode == "colocated"
-    backend = "nccl" if device.type == "cuda" and not colocated else "gloo"
-    group = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world, backend=backend,
-                               timeout_s=cfg.timeout_s)
-    if colocated:
-        from .colocated import IpcGroup
-
-        group = IpcGroup(group, num_train=num_train, device=device)
-    return group
+    if cfg.mode == "colocated":
+        name = "ipc"
+    else:
+        name = "nccl" if device.type == "cuda" else "gloo"
+    return open_transport(name, host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world,
+                          timeout_s=cfg.timeout_s, num_train=num_train, device=device)
 
 
 def _check_lora_sync(cfg: RefitConfig) -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit import _timed, layout_parser  # noqa: E402
 
 from megatron_refit.gen_layout import GenLayout  # noqa: E402
-from megatron_refit.harness import RunSpec  # noqa: E402
+from megatron_refit.tools.harness import RunSpec  # noqa: E402
 from megatron_refit.layout import TrainLayout  # noqa: E402
 
 # Qwen3-shaped, ~150M parameters, every TP2 shard edge on the 128 grid; a small vocabulary
@@ -33,7 +33,7 @@ FP8_BENCH_SHAPE = dict(hidden=1024, layers=12, heads=8, kv_heads=4, head_dim=128
 def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     from megatron_refit.driver import Receiver, Refitter
     from megatron_refit.fp8_pieces import quantise_pieces
-    from megatron_refit.harness import _hf_config, make_gen_backend
+    from megatron_refit.tools.harness import _hf_config, make_gen_backend
     from megatron_refit.transport import RefitGroup
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=FP8_BENCH_SHAPE["layers"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from megatron_refit.launch import free_ports, run_spawned
+    from megatron_refit.tools.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = RunSpec(model="qwen3", overrides=dict(FP8_BENCH_SHAPE, layers=args.layers),

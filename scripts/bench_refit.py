@@ -25,7 +25,7 @@ import time
 import torch
 
 from megatron_refit.gen_layout import GenLayout
-from megatron_refit.harness import RunSpec
+from megatron_refit.tools.harness import RunSpec
 from megatron_refit.layout import TrainLayout
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
@@ -59,7 +59,7 @@ def _timed(fn, group) -> float:
 
 def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled"):
     from megatron_refit.driver import Receiver, Refitter, TensorPiece
-    from megatron_refit.harness import _hf_config, make_gen_backend
+    from megatron_refit.tools.harness import _hf_config, make_gen_backend
     from megatron_refit.spec import ShardSpec, full_box
     from megatron_refit.transport import RefitGroup
 
@@ -128,7 +128,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
         else:
             peers.receive(v)
 
-    from megatron_refit.progress import Bar
+    from megatron_refit.tools.progress import Bar
 
     times = {"ours": [], "gather_broadcast": [], "floor": [], "ours_unverified": []}
     rounds = range(1, reps + 2)  # the first round is the warm-up
@@ -177,7 +177,7 @@ def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
 def run_bench(spec: RunSpec, reps: int, verify: str = "sampled") -> dict:
     from dataclasses import replace
 
-    from megatron_refit.launch import free_ports, run_spawned
+    from megatron_refit.tools.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port, collect=False)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--png", metavar="PATH", help="write a bar chart: ours vs gather+broadcast vs floor per layout")
     args = p.parse_args(argv)
     if args.png:
-        from megatron_refit.plots import require_matplotlib
+        from megatron_refit.tools.plots import require_matplotlib
 
         require_matplotlib()
     layouts = [(args.gen_tp, args.gen_dp)]
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     print(f"model: {head['model_params'] / 1e6:.0f}M params, {args.dtype}, median of {args.reps} after warm-up; "
           f"targets p1 = 1.00, p2 <= 1.15, p3 >= 2.0: {'met' if result['ok'] else 'NOT met'}")
     if args.png:
-        from megatron_refit.plots import bench_chart
+        from megatron_refit.tools.plots import bench_chart
 
         bench_chart(rows, args.png, title=f"refit of a {head['model_params'] / 1e6:.0f}M-parameter Qwen3 shape, "
                                           f"{args.dtype}, median of {args.reps} (gloo, CPU)")

@@ -31,7 +31,7 @@ import torch
 
 from bench_refit import BENCH_SHAPE  # scripts/: the benchmark's model shape
 from megatron_refit.gen_layout import GenLayout
-from megatron_refit.harness import RunSpec, evaluate, run
+from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.layout import TrainLayout
 
 
@@ -151,7 +151,7 @@ def _nccl_rank(rank, world, port):
 
 
 def check_nccl_one_gpu() -> dict:
-    from megatron_refit.launch import run_spawned
+    from megatron_refit.tools.launch import run_spawned
 
     try:
         return dict(accepted=True, result=run_spawned(_nccl_rank, 2, timeout_s=90))

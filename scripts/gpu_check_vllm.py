@@ -189,7 +189,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
 
     from conversion.build import build_model, init_gloo, init_model_parallel
     from conversion.train_step import train_step
-    from megatron_refit.launch import free_port
+    from megatron_refit.tools.launch import free_port
     from megatron_refit.layout import TrainLayout
     from megatron_refit.weight_transfer.trainer import (
         LocalShardSource,
@@ -212,7 +212,8 @@ def trainer(model: str, workdir: str, port: int) -> None:
     refit = {"mode": "colocated", "gen_tp": 1, "port": free_port()}
     engine = MegatronRefitTrainerEngine.trainer_init(MegatronRefitTrainerInitInfo(refit=refit, num_train=1, rank=0),
                                                      client=client,
-                                                     source=LocalShardSource.from_bridge(built.bridge, built.model, cfg))
+                                                     source=LocalShardSource.from_bridge(built.bridge, built.model,
+                                                                                         cfg))
     reports = []
     for version in range(1, REFITS + 1):
         for _ in range(STEPS_PER_REFIT):

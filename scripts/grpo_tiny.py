@@ -76,7 +76,7 @@ def policy_loss(logits, sequences, prompt_len, old_logprobs, adv, clip=0.2) -> t
 
 
 def _rank(rank, world, port, args):
-    from megatron_refit.harness import _hf_config
+    from megatron_refit.tools.harness import _hf_config
 
     cfg = _hf_config(args.spec)
     if rank < args.spec.num_train:
@@ -90,7 +90,7 @@ def _train(rank, args, cfg):
     from conversion.refit_callback import RefitCallback
     from conversion.train_step import forward_logits, train_step
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
-    from megatron_refit.progress import Bar
+    from megatron_refit.tools.progress import Bar
 
     spec, num_train = args.spec, args.spec.num_train
     init_gloo(rank, num_train, args.megatron_port)
@@ -170,7 +170,7 @@ def _from_config(path: str, port: int, overrides: list[str]):
 
     from megatron_refit.config import load_training_yaml, train_layout
     from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.harness import RunSpec
+    from megatron_refit.tools.harness import RunSpec
 
     bridge_config, refit = load_training_yaml(path, overrides)
     if not refit.enabled:
@@ -204,10 +204,10 @@ def main(argv=None) -> int:
     if args.group < 2:
         raise SystemExit(f"error: --group must be >= 2 for group-normalised advantages, got {args.group}")
     if args.png:
-        from megatron_refit.plots import require_matplotlib
+        from megatron_refit.tools.plots import require_matplotlib
 
         require_matplotlib()
-    from megatron_refit.launch import free_ports, run_spawned
+    from megatron_refit.tools.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
     try:
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     print(f"reward {result['rewards'][0]:.3f} -> {result['rewards'][-1]:.3f} (mean of last 3: "
           f"{statistics.mean(result['rewards'][-3:]):.3f}); logprobs match: {result['logprob_match']}")
     if args.png:
-        from megatron_refit.plots import grpo_chart
+        from megatron_refit.tools.plots import grpo_chart
 
         grpo_chart(result["refit_report_seconds"], result["rewards"], args.png)
         print(f"chart: {args.png}")

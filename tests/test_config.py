@@ -120,7 +120,7 @@ def test_train_layout_errors():
 
 
 def test_config_imports_neither_megatron_nor_torch():
-    code = ("import sys, megatron_refit.config, megatron_refit.dryrun, megatron_refit.costmodel; "
+    code = ("import sys, megatron_refit.config, megatron_refit.tools.dryrun, megatron_refit.tools.costmodel; "
             "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron_refit.cost import Cluster, placement, predict
-from megatron_refit.costmodel import pair_bytes
+from megatron_refit.tools.costmodel import pair_bytes
 from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan import RefitPlan, SenderPlan, gen_classes
 from megatron_refit.spec import ShardSpec

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.driver import TensorPiece
-from megatron_refit.launch import SpawnError, run_spawned
+from megatron_refit.tools.launch import SpawnError, run_spawned
 from megatron_refit.spec import ShardSpec, box_along, full_box
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
     num_train = 2
     verify = "full" if mode == "colocated" else "sampled"
     if mode == "colocated":
-        from megatron_refit.colocated import IpcGroup
+        from megatron_refit.transport.ipc import IpcGroup
 
         group = IpcGroup(group, num_train=num_train)
     if rank < num_train:  # train TP2: dim-0 halves of every 2-D tensor, norms replicated
@@ -64,7 +64,8 @@ def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
         for name, (shape, dtype) in GLOBAL.items():
             full = _full(name)
             if len(shape) == 1:
-                pieces.append(TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=full_box(shape)), full))
+                spec = ShardSpec(name=name, global_shape=shape, dtype=dtype, box=full_box(shape))
+                pieces.append(TensorPiece(spec, full))
             else:
                 half = shape[0] // 2
                 box = box_along(shape, 0, rank * half, (rank + 1) * half)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_refit.derive import (
+from megatron_refit.tools.derive import (
     derive_all_ranks,
     load_specs,
     representative_ranks,
@@ -25,7 +25,7 @@ from megatron_refit.gen_layout import (
     gen_target_classes,
     gen_target_specs,
 )
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from megatron_refit.layout import TrainLayout
 from megatron_refit.plan import RefitPlan, SenderPlan, gen_classes
 from megatron_refit.spec import ShardSpec
@@ -148,7 +148,7 @@ EXPECTED_PARAMS = {  # published totals
 @pytest.mark.parametrize("config", CONFIGS, ids=[os.path.basename(c)[:-5] for c in CONFIGS])
 def test_dry_run_of_shipped_config(config):
     from conversion.hf_configs import PRESETS
-    from megatron_refit.dryrun import load_config
+    from megatron_refit.tools.dryrun import load_config
 
     name = os.path.basename(config)[:-5]
     if name == "deepseek-v3" and "deepseek-v3-671b" not in PRESETS:
@@ -189,7 +189,7 @@ def test_dry_run_names_bad_config(tmp_path):
 
 
 def test_full_scale_plan_spreads_the_sending_over_all_train_ranks():
-    from megatron_refit.dryrun import build
+    from megatron_refit.tools.dryrun import build
 
     run = build(os.path.join(ROOT, "configs", "qwen3-235b-a22b.yaml"))
     sent = run.senders.train_bytes
@@ -206,7 +206,8 @@ def _fp8_copy(tmp_path, name):
 
     text = open(os.path.join(ROOT, "configs", f"{name}.yaml")).read()
     assert "  enabled: true\n" in text
-    (tmp_path / f"{name}.yaml").write_text(text.replace("  enabled: true\n", "  enabled: true\n  trainer_quantize_fp8: true\n"))
+    fp8 = text.replace("  enabled: true\n", "  enabled: true\n  trainer_quantize_fp8: true\n")
+    (tmp_path / f"{name}.yaml").write_text(fp8)
     shutil.copytree(os.path.join(ROOT, "configs", "cache"), tmp_path / "cache")
     return str(tmp_path / f"{name}.yaml")
 

@@ -22,8 +22,8 @@ from megatron_refit.gen_layout import (
     gen_target_specs,
     param_role,
 )
-from megatron_refit.harness import RunSpec, evaluate, run
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.harness import RunSpec, evaluate, run
+from megatron_refit.tools.launch import run_spawned
 from megatron_refit.layout import TrainLayout
 from megatron_refit.receivers.vllm_layout import expected_storage, fused_layout
 from megatron_refit.spec import intersect

@@ -1,40 +1,33 @@
-"""FamilyPlan (the dry run's sender assignment) against SenderPlan and RefitPlan.build, field
-for field: on reduced shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine TP and
-expert parallel) and on random tilings with replicas."""
+"""FamilyPlan, the one sender assignment: planned from the dry run's compact engine targets
+(``gen_targets``) it equals what ``prepare()`` plans from every gen rank's ShardSpecs
+(``gen_target_classes`` → ``SenderPlan`` / ``RefitPlan.build``), field for field, on reduced
+shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine TP and expert parallel); and it
+refuses what the plan refuses, with the same message. Its properties on random tilings
+(exact coverage, balanced senders) are tests/test_plan_properties.py's."""
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 
 import pytest
 from hypothesis import given, settings
 
-from megatron_refit.derive import derive_all_ranks, load_specs
-from megatron_refit.dryrun import _quantised, load_config, num_experts
+from megatron_refit.tools.derive import derive_all_ranks, load_specs
+from megatron_refit.tools.dryrun import _quantised, load_config, num_experts
 from megatron_refit.family_plan import FamilyPlan
 from megatron_refit.fp8_layout import fp8_param_table
-from megatron_refit.gen_layout import GenLayout, GenTargets, ModelShape, gen_target_classes, gen_targets
+from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_targets
 from megatron_refit.plan import PlanError, RefitPlan, SenderPlan, gen_classes
-from megatron_refit.spec import ShardSpec
+from megatron_refit.plan_checks import ITEMSIZE, index_specs
+from megatron_refit.senders import targets_of
+from megatron_refit.spec import ShardSpec, intersect
 from tests.test_plan_properties import SETTINGS, problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _targets_of(classes) -> GenTargets:
-    """The GenTargets of SenderPlan's gen classes (names held by no class left out)."""
-    classes = sorted(classes, key=lambda c: c[0][0])
-    params: dict[str, tuple] = {}
-    for c, (_, specs) in enumerate(classes):
-        for s in specs:
-            shape, dtype, boxes = params.setdefault(s.name, (s.global_shape, s.dtype, [None] * len(classes)))
-            assert (shape, dtype) == (s.global_shape, s.dtype)
-            boxes[c] = s.box
-    return GenTargets(ranks=tuple(ranks for ranks, _ in classes),
-                      params={name: (shape, dtype, tuple(boxes)) for name, (shape, dtype, boxes) in params.items()})
 
 
 def _assert_same(family: FamilyPlan, senders: SenderPlan) -> None:
@@ -80,8 +73,8 @@ REDUCED = [  # (config, layers kept, gen layout, trainer FP8)
 
 
 @pytest.mark.parametrize("config, layers, gen, fp8", REDUCED,
-                         ids=[f"{c[:-5]}-L{min(l)}-TP{g.tp}xDP{g.dp}{'-EP' * g.expert_parallel}{'-fp8' * q}"
-                              for c, l, g, q in REDUCED])
+                         ids=[f"{c[:-5]}-L{min(layers)}-TP{g.tp}xDP{g.dp}{'-EP' * g.expert_parallel}{'-fp8' * q}"
+                              for c, layers, g, q in REDUCED])
 def test_family_plan_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp8):
     train, model = _reduced(config, layers)
     params = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
@@ -107,14 +100,38 @@ def test_family_plan_equals_refit_plan_on_reduced_layouts(config, layers, gen, f
         (t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in plan.transfers}
 
 
+def _water_filled_loads(train, gen) -> list[int]:
+    """Bytes per train rank by the rule the docs state, written out plainly: names in
+    order, then gen classes in order of their first rank; the D ranks of a class that need a
+    train box held by h ranks get it from the h holders in (bytes so far, rank) order, each
+    sending D // h or D // h + 1 times."""
+    classes = sorted(gen_classes(gen), key=lambda c: c[0][0])
+    index, meta = index_specs("train", train)
+    load = [0] * len(train)
+    for name in sorted({s.name for _, specs in classes for s in specs}):
+        for ranks, specs in classes:
+            (spec,) = [s for s in specs if s.name == name] or [None]
+            if spec is None:
+                continue
+            for train_box, holders in index[name].items():
+                box = intersect(train_box, spec.box) if spec.box else train_box
+                if box is None:
+                    continue
+                nbytes = math.prod(hi - lo for lo, hi in box) * ITEMSIZE[meta[name].dtype]
+                order = sorted(holders, key=lambda r: (load[r], r))[:len(ranks)]
+                base, extra = divmod(len(ranks), len(order))
+                for i, rank in enumerate(order):
+                    load[rank] += nbytes * (base + (i < extra))
+    return load
+
+
 @settings(max_examples=200, **SETTINGS)
 @given(problems())
-def test_family_plan_equals_sender_plan_on_random_tilings(problem):
+def test_senders_are_water_filled_on_random_tilings(problem):
     train, gen, _, _ = problem
-    classes = gen_classes(gen)
-    family, senders = FamilyPlan.build(train, _targets_of(classes)), SenderPlan.build(train, classes)
-    _assert_same(family, senders)
-    assert family.transfers() == senders.transfers()
+    family = FamilyPlan.build(train, targets_of(gen_classes(gen)))
+    assert list(family.train_bytes) == _water_filled_loads(train, gen)
+    assert sum(family.train_bytes) == sum(family.gen_bytes().values())
 
 
 def _spec(name, shape, box, dtype="float32"):
@@ -133,4 +150,4 @@ def test_family_plan_refuses_what_refit_plan_refuses(train, gen):
     with pytest.raises(PlanError) as expected:
         RefitPlan.build(train, gen)
     with pytest.raises(PlanError, match=f"^{re.escape(str(expected.value))}$"):
-        FamilyPlan.build(train, _targets_of(gen_classes(gen)))
+        FamilyPlan.build(train, targets_of(gen_classes(gen)))

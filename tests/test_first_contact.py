@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 
 
 def _warn_rank(rank, world, port):
-    from megatron_refit.launch import quiet
+    from megatron_refit.tools.launch import quiet
 
     warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "backends.py", 34,
                            module="megatron.core.models.backends")
@@ -34,7 +34,7 @@ def test_quiet_ranks_drop_third_party_warnings_only(quiet, capfd):
 def test_a_bad_layout_is_one_error_line(capfd):
     """``demo --train-tp 3`` (4 heads): one line naming the bad value, exit 2, before any rank
     starts (an error a rank finds ends the same way: :attr:`SpawnError.innermost`)."""
-    from megatron_refit.demo import main
+    from megatron_refit.tools.demo import main
 
     assert main(["--train-tp", "3", "--refits", "1"]) == 2
     out, err = capfd.readouterr()
@@ -44,7 +44,7 @@ def test_a_bad_layout_is_one_error_line(capfd):
 
 
 def test_spawn_error_innermost_reads_the_rank_traceback():
-    from megatron_refit.launch import SpawnError
+    from megatron_refit.tools.launch import SpawnError
 
     err = SpawnError("rank 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
                      "megatron_refit.plan.PlanError: gen rank 2 holds nothing\n")
@@ -56,7 +56,7 @@ def test_dry_run_of_a_layout_the_model_does_not_divide_is_one_error_line(tmp_pat
     """It used to end in the enumeration child's traceback."""
     from pathlib import Path
 
-    from megatron_refit.dryrun import main
+    from megatron_refit.tools.dryrun import main
 
     text = (Path(__file__).parent.parent / "configs" / "qwen3-4b.yaml").read_text()
     assert "tensor_model_parallel_size: 2" in text

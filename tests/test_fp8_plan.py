@@ -56,7 +56,8 @@ def problems(draw):
             spec = ShardSpec(name=name, global_shape=shape, dtype="float32", box=box)
             train.setdefault(rank, []).append(TensorPiece(spec, full[name][_slices(box)].clone()))
         for rank, box in enumerate(b for b in draw(aligned_tilings(shape)) for _ in range(draw(st.integers(1, 2)))):
-            gen.setdefault(rank, []).extend(fp8_specs(ShardSpec(name=name, global_shape=shape, dtype="float32", box=box)))
+            spec = ShardSpec(name=name, global_shape=shape, dtype="float32", box=box)
+            gen.setdefault(rank, []).extend(fp8_specs(spec))
     return train, gen, full, draw(st.sampled_from([1, 100, 4096, 1 << 20]))
 
 

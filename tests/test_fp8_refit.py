@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_refit.gen_layout import GenLayout
-from megatron_refit.harness import RunSpec, evaluate, run
+from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.layout import TrainLayout
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_refit.gen_layout import GenLayout
-from megatron_refit.harness import RunSpec, evaluate, run
+from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.layout import TrainLayout
 
 RANK = 4

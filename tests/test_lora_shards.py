@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from tests import workers
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def _assemble(pieces):
 
 def test_adapter_and_base_pieces_equal_bridge_exports():
     out = run_spawned(workers.lora_cases, 2, CASES, timeout_s=300)
-    for i, (model, layout) in enumerate(CASES):
+    for i, (_model, layout) in enumerate(CASES):
         ours = _assemble([p for rank in out for p in rank[i]["ours"]])
         adapters = out[0][i]["adapters"]
         assert adapters and set(ours) == set(adapters), (layout, set(ours) ^ set(adapters))

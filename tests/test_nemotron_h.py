@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from megatron_refit.layout import TrainLayout
 
 NEMOTRON_MAPPINGS = {  # Megatron name -> (Bridge mapping type, HF checkpoint name)

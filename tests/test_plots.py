@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.plots import bench_chart, grpo_chart
+from megatron_refit.tools.plots import bench_chart, grpo_chart, time_unit
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -27,6 +27,12 @@ def test_bench_chart_writes_a_png(tmp_path):
 def test_grpo_chart_writes_a_png(tmp_path):
     grpo_chart([0.02, 0.01, 0.01], [0.1, 0.4, 0.9], str(tmp_path / "grpo.png"))
     assert _read_png(tmp_path / "grpo.png").shape[1] > 100
+
+
+def test_time_axis_unit_follows_the_values():
+    # the GRPO example's refits take milliseconds: its axis must not say seconds
+    assert time_unit([0.0035, 0.0066]) == (1e3, "ms")
+    assert time_unit([0.34, 2.89]) == (1.0, "s")
 
 
 def test_charts_refuse_bad_input(tmp_path):

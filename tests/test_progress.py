@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_refit.progress import Bar, on_terminal
+from megatron_refit.tools.progress import Bar, on_terminal
 from megatron_refit.report import RefitReport
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from tests.test_reliability import NAMES, NUM_GEN, NUM_TRAIN, _Backend, _full, _stall_after, _train_pieces
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -166,8 +166,8 @@ def test_a_world_size_mismatch_is_named_at_connect():
 def test_the_store_listens_only_on_the_configured_address():
     import datetime
 
-    from megatron_refit.launch import free_port
-    from megatron_refit.rendezvous import open_store
+    from megatron_refit.tools.launch import free_port
+    from megatron_refit.transport.rendezvous import open_store
 
     port = free_port()
     store = open_store("127.0.0.1", port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=5))
@@ -260,7 +260,7 @@ def test_a_broken_colocated_group_still_frees_its_shared_buffers():
     meet: the owner frees its shared memory anyway instead of raising on the way out."""
     from multiprocessing import shared_memory
 
-    from megatron_refit.colocated import IpcGroup, _create
+    from megatron_refit.transport.ipc import IpcGroup, _create
     from megatron_refit.transport import RefitGroup, RefitTransportError
 
     group = RefitGroup(object(), rank=0, world_size=2, backend="gloo", timeout_s=1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_refit.driver import TensorPiece
-from megatron_refit.launch import SpawnError, run_spawned
+from megatron_refit.tools.launch import SpawnError, run_spawned
 from megatron_refit.spec import ShardSpec, box_along, full_box
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.driver import TensorPiece, adjacent_pieces
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from megatron_refit.plan import PlanError, RefitPlan
 from megatron_refit.spec import ShardSpec, box_along, full_box
 

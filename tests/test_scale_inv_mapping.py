@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from tests import workers
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ CASES = [("qwen3", dict(tp=2)), ("qwen3-moe", dict(tp=2, etp=2))]
 
 def test_scale_inv_pieces_equal_bridge_export():
     out = run_spawned(workers.scale_inv_cases, 2, CASES, timeout_s=300)
-    for i, (model, kw) in enumerate(CASES):
+    for i, (model, _kw) in enumerate(CASES):
         bridge = out[0][i]["bridge"]
         assert bridge and all(name.endswith("_scale_inv") for name in bridge)
         assembled = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_refit.fp8 import is_quantised, quantize_blockwise, scale_name
-from megatron_refit.launch import run_spawned
+from megatron_refit.tools.launch import run_spawned
 from tests import workers
 
 pytestmark = pytest.mark.slow

@@ -144,7 +144,7 @@ def _source_rank(rank, world, port):
 
 @pytest.mark.slow
 def test_weight_transfer_source_from_a_bridge_model_holds_its_local_shards_and_lora_adapters():
-    from megatron_refit.launch import run_spawned
+    from megatron_refit.tools.launch import run_spawned
 
     out = run_spawned(_source_rank, 1, timeout_s=180)[0]
     assert out["plain"] == out["expected"] and out["plain"]

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from megatron_refit import wire
+from megatron_refit.transport import wire
 from megatron_refit.spec import ShardSpec, box_along
 
 
@@ -57,7 +57,7 @@ def test_cuda_ipc_handle_travels_as_plain_data():
     out without its classes and function, and comes back as the same rebuild arguments."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from megatron_refit.colocated import cuda_handle, cuda_rebuild_args
+    from megatron_refit.transport.ipc import cuda_handle, cuda_rebuild_args
 
     args = (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"\x01" * 64,
             8192, 512, False, b"ref", 16, b"\x02" * 64, True)

@@ -165,7 +165,8 @@ def scale_inv_cases(rank, world_size, port, cases):
                 mapping=_HFNameSuffixMapping(registry.resolve_mapping(t.mapping, ()), "_scale_inv"),
             ))
         with forbid_collectives():
-            ours = [(s.spec, s.tensor().clone()) for t in scale_tasks for s in task_shards(t, vocab_size=cfg.vocab_size)]
+            ours = [(s.spec, s.tensor().clone())
+                    for t in scale_tasks for s in task_shards(t, vocab_size=cfg.vocab_size)]
         bridge = {n: v.clone() for n, v in model_bridge.stream_weights_megatron_to_hf(
             built.model, cfg, cpu=True, show_progress=False, conversion_tasks=scale_tasks)}
         results.append(dict(ours=ours, bridge=bridge if rank == 0 else None))

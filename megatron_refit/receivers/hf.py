@@ -20,15 +20,14 @@ import torch
 
 from ..fp8 import FP8_DTYPE, dequantize_blockwise, fp8_specs, is_quantised, scale_name, scale_shape
 from ..spec import ShardSpec, full_box
+from .base import WeightsState
 
 
-class HFReceiver:
+class HFReceiver(WeightsState):
     """Receiver backend over a transformers causal LM (all pieces whole: gen TP 1)."""
 
     def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
         self.model = model
-        self.state = "stale"
-        self.weights_version: int | None = None
         # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
         # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
         # does; from_config does not) stay float32, as the trainer sends them.
@@ -88,7 +87,7 @@ class HFReceiver:
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
-                    device: str | torch.device = "cpu") -> "HFReceiver":
+                    device: str | torch.device = "cpu") -> HFReceiver:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
@@ -118,19 +117,10 @@ class HFReceiver:
         out.update({name: t.clone() for name, t in self._staged.items()})
         return out
 
-    def set_state(self, state: str, version: int | None) -> None:
-        self.state, self.weights_version = state, version
-
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits of the received model. Refuses unless the last refit completed:
         the engine never serves half-updated weights."""
-        if self.state != "ready":
-            from ..driver import StaleWeightsError
-
-            raise StaleWeightsError(
-                f"HF receiver weights are {self.state} (last complete refit: {self.weights_version}); "
-                "refusing to generate until a refit completes"
-            )
+        self.require_ready("HF receiver")
         device = next(self.model.parameters()).device
         return self.model(tokens.to(device)).logits.float().cpu()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gen_layout import param_role
+from ..roles import param_role
 from ..spec import ShardSpec
 
 ADAPTED_ROLES = frozenset({"q", "kv", "column", "row"})
@@ -73,11 +73,11 @@ class LoraReceiver:
     def _adapter_specs(self) -> list[ShardSpec]:
         return list(self._adapter_boxes.values())
 
-    def full(self) -> "_Backend":
+    def full(self) -> _Backend:
         """Backend of a refit that moves everything: base weights and adapters."""
         return _Backend(self, list(self._specs.values()) + self._adapter_specs(), full=True)
 
-    def adapters(self) -> "_Backend":
+    def adapters(self) -> _Backend:
         """Backend of a refit that moves only the adapters (the base is kept)."""
         return _Backend(self, self._adapter_specs(), full=False)
 

@@ -22,6 +22,7 @@ import torch
 
 from ..gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
 from ..spec import ShardSpec
+from .base import WeightsState
 
 # (pattern on the HF name, fused vLLM name template, member key group, member order)
 # FP8 ``weight_scale_inv`` tiles fuse exactly like their weights (rows in 128-row tiles).
@@ -95,8 +96,9 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
     return shapes, placements
 
 
-class VllmLayoutReceiver:
-    """Receiver backend over vLLM-shaped storage of one generation TP rank."""
+class VllmLayoutReceiver(WeightsState):
+    """Receiver backend over vLLM-shaped storage of one generation TP rank (``state`` /
+    ``require_ready``: the weights' state, for the engine loop that serves them)."""
 
     def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],
                  placements: dict[str, Placement]):
@@ -122,7 +124,7 @@ class VllmLayoutReceiver:
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
-                 *, gen_index: int, device: str | torch.device = "cpu") -> "VllmLayoutReceiver":
+                 *, gen_index: int, device: str | torch.device = "cpu") -> VllmLayoutReceiver:
         pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
         shapes, placements = fused_layout(pieces, model, layout.tp)
         storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)

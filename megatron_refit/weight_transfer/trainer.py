@@ -26,7 +26,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
+from collections.abc import Callable
 
 import torch
 
@@ -94,7 +95,7 @@ class LocalShardSource(_SourceBase):
         self.device = torch.device(device or "cpu")
 
     @classmethod
-    def from_bridge(cls, bridge, model: list, hf_config) -> "LocalShardSource":
+    def from_bridge(cls, bridge, model: list, hf_config) -> LocalShardSource:
         """The local shards of Megatron model chunks built through Megatron-Bridge (LoRA
         adapters of Bridge PEFT wrappers included, with their rank and alpha)."""
         weights, adapters = local_pieces(bridge, model, hf_config)

@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.lora import apply_lora
     from conversion.train_step import train_step
-    from megatron_refit.harness import tokens_for
+    from megatron_refit.tools.harness import tokens_for
     from megatron_refit.integration import local_pieces
     from megatron_refit.layout import TrainLayout
 
@@ -82,7 +82,7 @@ def load(out_dir: str, name: str, version: int, rank: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_refit.launch import run_spawned
+    from megatron_refit.tools.launch import run_spawned
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

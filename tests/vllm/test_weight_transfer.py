@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_refit.launch import free_ports, run_spawned
+from megatron_refit.tools.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
@@ -360,7 +360,8 @@ def spawned(bridge_dir, tmp_path_factory):
             ctx = mp.get_context("spawn")
             requests = [ctx.Queue() for _ in range(num_gen)]
             replies = [ctx.Queue() for _ in range(num_gen)]
-            ports = free_ports(num_gen // tp + len(cases))  # vLLM's groups (one per engine), refit groups (one per case)
+            # vLLM's groups (one per engine), refit groups (one per case)
+            ports = free_ports(num_gen // tp + len(cases))
             out = run_spawned(_rank, NUM_TRAIN + num_gen, requests, replies, tp, ports[: num_gen // tp],
                               ports[num_gen // tp:], str(tmp_path_factory.mktemp("engine")), bridge_dir, cases,
                               timeout_s=900, env={"VLLM_TARGET_DEVICE": "cpu"})
@@ -468,7 +469,8 @@ def test_weight_transfer_bad_init_info_names_the_field(engine, bad, field):
         engine.parse_init_info({**GOOD_INIT, **bad})
 
 
-@pytest.mark.parametrize("bad,field", [({"version": -1}, "update_info.version"), ({"version": "3"}, "update_info.version"),
+@pytest.mark.parametrize("bad,field", [({"version": -1}, "update_info.version"),
+                                       ({"version": "3"}, "update_info.version"),
                                        ({"version": 1, "full": "yes"}, "update_info.full"), ({}, "version"),
                                        ({"version": 1, "names": []}, "names")])
 def test_weight_transfer_bad_update_info_names_the_field(engine, bad, field):

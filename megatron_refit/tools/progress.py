@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Iterable, Iterator, TextIO
+from typing import TextIO
+from collections.abc import Iterable, Iterator
 
 DELAY_S = 2.0
 """Seconds a loop runs before its bar appears."""

@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from .spec import ShardSpec
+from ..spec import ShardSpec
 
 
 class WireError(ValueError):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .fp8 import fp8_checkpoint, fp8_param_table
-from .gen_layout import GenLayout
-from .hf_model import hf_param_table, model_shape
-from .layout import TrainLayout
+from ..fp8 import fp8_checkpoint, fp8_param_table
+from ..gen_layout import GenLayout
+from ..hf_model import hf_param_table, model_shape
+from ..layout import TrainLayout
 
 SEQ, BATCH = 8, 2
 
@@ -41,7 +41,7 @@ class RunSpec:
     offload: bool = False
     """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
     colocated: bool = False
-    """Bucket bytes through shared staging buffers (:mod:`megatron_refit.colocated`)."""
+    """Bucket bytes through shared staging buffers (:mod:`megatron_refit.transport.ipc`)."""
     lora_rank: int = 0
     """> 0: the trainer trains LoRA adapters of this rank (Bridge PEFT); refit 1 moves base +
     adapters, later refits only the adapters (gen TP 1, the HF receiver merges)."""
@@ -50,7 +50,7 @@ class RunSpec:
     """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
     progress: bool = False
-    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.progress`: terminals only)."""
+    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.tools.progress`: terminals only)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -97,7 +97,7 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
 def refit_config(spec: RunSpec, port: int):
     """The ``refit:`` config section this run corresponds to (the harness goes through the
     same integration calls as a training loop)."""
-    from .config import RefitConfig
+    from ..config import RefitConfig
 
     return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
                        backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
@@ -117,7 +117,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.build import build_model, init_gloo, init_model_parallel
     from conversion.train_step import forward_logits, train_step
 
-    from .integration import trainer_refit
+    from ..integration import trainer_refit
     from .progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
@@ -136,7 +136,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     params = [p for chunk in built.model for p in chunk.parameters()]
     offloader = None
     if spec.offload:
-        from .offload import ParamOffloader
+        from ..offload import ParamOffloader
 
         offloader = ParamOffloader(params)
     versions = range(1, spec.refits + 1)
@@ -151,10 +151,12 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
         if offloader is not None:
             offloader.offload()  # between steps the parameters wait in host memory
-            assert all(p.numel() == 0 for p in params)
+            if any(p.numel() for p in params):
+                raise RuntimeError("offload left parameters in place")
         report = sync.refit(version)
         if offloader is not None:
-            assert offloader.offloaded  # the refit put them back where it found them
+            if not offloader.offloaded:  # the refit puts them back where it found them
+                raise RuntimeError(f"refit {version} left offloaded parameters loaded")
             offloader.onload()  # for the checks below
         item = dict(report=report.as_dict(), loss=loss)
         if spec.collect:
@@ -179,7 +181,7 @@ def _reference_weights(spec: RunSpec, built):
 
 
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
-    from .integration import engine_refit
+    from ..integration import engine_refit
 
     backend = make_gen_backend(spec, cfg, gen_index)
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
@@ -200,10 +202,10 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1:
-        from .receivers.hf import HFReceiver
+        from ..receivers.hf import HFReceiver
 
         return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
-    from .receivers.vllm_layout import VllmLayoutReceiver
+    from ..receivers.vllm_layout import VllmLayoutReceiver
 
     params = hf_param_table(cfg, dtype)
     if spec.fp8:
@@ -213,7 +215,7 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order).
-    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.launch`)."""
+    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.tools.launch`)."""
     from .launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
@@ -225,7 +227,7 @@ def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
-    from .receivers.vllm_layout import expected_storage
+    from ..receivers.vllm_layout import expected_storage
 
     train = [r for r in results if r["role"] == "train"]
     gens = [r for r in results if r["role"] == "gen"]

@@ -14,7 +14,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 class SpawnError(RuntimeError):
@@ -111,6 +112,20 @@ def _entry(fn, rank, world_size, port, args, results, env):
         results.put((rank, False, traceback.format_exc()))
 
 
+PRELOAD_ENV = "REFIT_SPAWN_PRELOAD"
+"""Comma-separated modules: when set, ranks fork from a forkserver that imported them once
+(see :mod:`megatron_refit.tools.preload`); unset, every rank is a fresh interpreter."""
+
+
+def _context():
+    modules = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
+    if not modules:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(modules)
+    return ctx
+
+
 def run_spawned(
     fn: Callable[..., Any],
     world_size: int,
@@ -121,7 +136,8 @@ def run_spawned(
     may_die: frozenset[int] = frozenset(),
     port: int | None = None,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
+    """Call ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes (forked
+from a warm forkserver with ``REFIT_SPAWN_PRELOAD``, see :data:`PRELOAD_ENV`).
 
     ``fn`` must be importable (module-level). Returns the ranks' results in rank order.
     Ranks in ``may_die`` (failure tests kill them on purpose) may exit without a result;
@@ -129,7 +145,7 @@ def run_spawned(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = port or free_port()
     base_env = {"OMP_NUM_THREADS": "1", "REFIT_QUIET_LOGS": "1" if quiet else "0", **(env or {})}
@@ -161,7 +177,7 @@ def run_spawned(
                     try:
                         rank, ok, value = results.get(timeout=2.0)
                     except queue.Empty:
-                        raise SpawnError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                        raise SpawnError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 else:
                     continue
             if not ok:

@@ -17,7 +17,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from .transport import Pending, RefitGroup
+from .base import Pending, Transport
+from .process_group import RefitGroup
 
 
 @dataclass
@@ -43,7 +44,7 @@ _STORAGES = ("TypedStorage", "UntypedStorage")
 
 def cuda_handle(reduced: tuple) -> list:
     """``reduce_tensor``'s output for one of our uint8 staging buffers as plain data (what
-    travels to the peers: no classes, no functions; see :mod:`megatron_refit.wire`)."""
+    travels to the peers: no classes, no functions; see :mod:`megatron_refit.transport.wire`)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     rebuild, (tensor_cls, size, stride, offset, storage_cls, dtype, *rest) = reduced
@@ -94,11 +95,13 @@ class _Both:
             work.wait(timeout)
 
 
-class IpcGroup:
-    """A refit group whose bucket bytes travel through shared staging buffers."""
+class IpcGroup(Transport):
+    """A refit group whose bucket bytes travel through shared staging buffers; control
+    messages and collectives go over the :class:`RefitGroup` it wraps."""
 
     direct_ok = False
     """The driver packs every item (only the staging buffers are shared)."""
+    shares_buffers = True
 
     def __init__(self, group: RefitGroup, *, num_train: int, device: torch.device | str | None = None):
         self.group = group
@@ -111,8 +114,30 @@ class IpcGroup:
         self.bytes_shared = 0
         """Payload bytes handed over through shared buffers so far (this rank's side)."""
 
-    def __getattr__(self, name):  # rank, world_size, timeout_s, all_gather_*, ...
-        return getattr(self.group, name)
+    # what the wrapped group does and knows
+    rank = property(lambda self: self.group.rank)
+    world_size = property(lambda self: self.group.world_size)
+    backend = property(lambda self: self.group.backend)
+    timeout_s = property(lambda self: self.group.timeout_s)
+    broken = property(lambda self: self.group.broken)
+
+    def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        return self.group.send_small(tensor, peer, tag)
+
+    def recv_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        return self.group.recv_small(tensor, peer, tag)
+
+    def exchange(self, call: str, values=()) -> list[list[int]]:
+        return self.group.exchange(call, values)
+
+    def all_gather_object(self, obj, call: str = "message") -> list:
+        return self.group.all_gather_object(obj, call)
+
+    def all_gather_unique(self, obj, call: str = "message") -> list:
+        return self.group.all_gather_unique(obj, call)
+
+    def begin(self, phase: str) -> None:
+        self.group.begin(phase)
 
     def staging(self, count: int, width: int) -> list[torch.Tensor]:
         """The driver's staging buffers; train ranks' are shared. Collective: every rank
@@ -152,7 +177,7 @@ class IpcGroup:
 
     def wait(self, pending: Pending) -> None:
         self.group.wait(pending)
-        control = getattr(pending, "control", None)
+        control = pending.control
         if control is not None:  # receiver: the bytes are in the sender's buffer
             tag, slot, nbytes = (int(x) for x in control)
             pending.buffer = self._peers[pending.peer][slot].tensor[:nbytes]
@@ -161,7 +186,7 @@ class IpcGroup:
 
     def release(self, pending: Pending) -> None:
         """Receiver: the bucket is unpacked; the sender may reuse its buffer."""
-        if getattr(pending, "control", None) is not None:
+        if pending.control is not None:
             if pending.buffer.is_cuda:
                 torch.cuda.current_stream().synchronize()
             self.group.wait(self.group.isend(torch.ones(1, dtype=torch.int64), pending.peer, pending.tag))

@@ -13,23 +13,21 @@ colocated handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-s
 the call it belongs to and its sequence number, so ranks in different calls (one side in
 ``prepare()``, the other in ``refit()``) stop with :class:`RefitProtocolError` naming both
 sides' calls instead of reading one message's bytes as another's. Metadata travels as JSON
-(:mod:`megatron_refit.wire`), never as pickles.
+(:mod:`megatron_refit.transport.wire`), never as pickles.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
 from . import wire
-from .errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
+from .base import Pending, Transport
 from .rendezvous import join, open_store
-
-__all__ = ["RefitGroup", "Pending", "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]
 
 
 MAGIC = 0x52_46_49_54_0003
@@ -48,20 +46,9 @@ FIRST_FAILURE = "megatron_refit_first_failure"
 BACKENDS = ("gloo", "nccl")
 
 
-@dataclass
-class Pending:
-    """An outstanding send or receive."""
-
-    work: object
-    peer: int
-    what: str
-    buffer: torch.Tensor = field(repr=False)
-    direct: bool = False
-    """The buffer is the tensor itself (no packing / unpacking)."""
-
-
-class RefitGroup:
-    """The refit process group: ranks ``0..num_train-1`` train, then generation ranks."""
+class RefitGroup(Transport):
+    """The refit process group over torch.distributed P2P: ranks ``0..num_train-1`` train,
+    then generation ranks; gloo on CPU, NCCL between GPUs."""
 
     def __init__(self, pg, *, rank: int, world_size: int, backend: str, timeout_s: float, store=None):
         self._pg = pg
@@ -87,7 +74,7 @@ class RefitGroup:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
-    ) -> "RefitGroup":
+    ) -> RefitGroup:
         """Rendezvous at ``host:port`` (rank 0 hosts the store) and build the group."""
         if backend not in BACKENDS:
             raise ValueError(f"transport backend must be one of {BACKENDS}, got {backend!r}")
@@ -211,9 +198,6 @@ class RefitGroup:
                                      f"the same refit config?")
         return [row[3:] for row in rows]
 
-    def barrier(self, call: str = "message") -> None:
-        self.exchange(call)
-
     def _all_gather(self, value: torch.Tensor) -> list[torch.Tensor]:
         value = value.to(self.device)
         out = [torch.empty_like(value) for _ in range(self.world_size)]
@@ -221,7 +205,7 @@ class RefitGroup:
         return [t.cpu() for t in out]
 
     def all_gather_object(self, obj, call: str = "message") -> list:
-        """Every rank's ``obj`` (plain data: see :mod:`megatron_refit.wire`), sizes in the header."""
+        """Every rank's ``obj`` (plain data: see :mod:`megatron_refit.transport.wire`), sizes in the header."""
         blob = wire.dumps(obj)
         sizes = [row[0] for row in self.exchange(call, [len(blob)])]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)

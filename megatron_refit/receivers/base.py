@@ -1,0 +1,80 @@
+"""The receiver protocol: what a generation engine gives :class:`~megatron_refit.driver.Receiver`,
+the weight states it goes through, and the errors a receiver raises.
+
+A receiver backend holds the engine's storage for this generation rank's pieces
+(:class:`ReceiverBackend`). The driver moves it through ``stale → updating → ready`` (back
+to ``stale`` on any failure) and tells it each change; :class:`WeightsState` is the guard
+every receiver in this package keeps, so an engine can refuse to serve weights that are not
+those of a complete refit. Nothing here imports the driver, a transport or Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..spec import ShardSpec
+
+STATES = ("stale", "updating", "ready")
+"""``stale``: not the weights of a complete refit (before the first, or after a failed one);
+``updating``: a refit is writing into them; ``ready``: the weights of refit ``weights_version``."""
+
+
+class StaleWeightsError(RuntimeError):
+    """The engine's weights are not those of a complete refit."""
+
+
+class RefitCorruptionError(ValueError):
+    """A bucket's digest did not match (``verify``): its bytes changed in flight, or it was
+    delivered to the wrong place or version. Names the parameters."""
+
+
+class ReceiverBackend(Protocol):
+    """What a generation engine provides to :class:`~megatron_refit.driver.Receiver`."""
+
+    def target_specs(self) -> list[ShardSpec]:
+        """The pieces of HF tensors this generation rank holds (HF names, global boxes)."""
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Engine storage for the piece ``name``, shaped like its box (written in place)."""
+
+    def finalize(self) -> None:
+        """Post-load step, once all pieces of a refit are in."""
+
+
+@runtime_checkable
+class TracksState(Protocol):
+    """Optional: told every state change (``stale`` → ``updating`` → ``ready``, or back to
+    ``stale`` on failure), so the engine can refuse to serve half-updated weights."""
+
+    def set_state(self, state: str, version: int | None) -> None: ...
+
+
+@runtime_checkable
+class RefreshesTargets(Protocol):
+    """Optional: called at the start of every refit, before any byte moves. A backend over a
+    live engine checks that the storage it writes into is still the engine's (re-resolving
+    it if the engine re-allocated its parameters) and raises if it cannot be; every rank then
+    ends the refit with an error (``RefitAbortedError``)."""
+
+    def refresh_targets(self) -> None: ...
+
+
+class WeightsState:
+    """The stale / updating / ready guard of a receiver (see :data:`STATES`)."""
+
+    state: str = "stale"
+    weights_version: int | None = None
+    """Version of the last complete refit (None before the first)."""
+
+    def set_state(self, state: str, version: int | None) -> None:
+        if state not in STATES:
+            raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
+        self.state, self.weights_version = state, version
+
+    def require_ready(self, what: str) -> None:
+        """``StaleWeightsError`` unless the weights are those of a complete refit."""
+        if self.state != "ready":
+            raise StaleWeightsError(f"{what}: weights are {self.state} (last complete refit: "
+                                    f"{self.weights_version}); refusing to serve until a refit completes")

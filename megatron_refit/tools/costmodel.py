@@ -1,0 +1,91 @@
+"""``python -m megatron_refit.costmodel --config configs/<model>.yaml [--json]``.
+
+Builds the config's plan as the dry run does (:mod:`megatron_refit.tools.dryrun`), places its
+ranks on a GPU cluster and predicts the refit seconds with :mod:`megatron_refit.cost`,
+printed beside the published refit times of other systems for the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_refit.cost import Cluster, placement, predict
+from megatron_refit.tools.dryrun import build
+from megatron_refit.family_plan import FamilyPlan
+from megatron_refit.plan import SenderPlan
+
+PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
+    "qwen3-4b": [("NeMo-RL refit, earlier version (H100)", "not stated", 0.07, 0.07)],
+    "qwen3-30b-a3b": [("NeMo-RL reshard refit (H100)", "EP8xPP2 -> TP8xDP2", 0.74, 1.00)],
+    "qwen3-235b-a22b": [
+        ("NeMo-RL refit, earlier version (H100)", "TP4xPP8xEP16 -> TP8xDP16", 4.56, 4.56),
+        ("MoonshotAI checkpoint-engine (8x H800)", "its own layout", 6.22, 6.22),
+    ],
+    "deepseek-v3": [
+        ("NeMo-RL reshard refit (H100)", "PP16xEP16 -> TP32xDP8", 2.39, 2.83),
+        ("NeMo-RL refit, earlier version (H100)", "PP16xEP16 -> TP32xDP8", 7.65, 9.94),
+    ],
+}
+"""Published refit seconds: (system, layout, low, high)."""
+
+
+def pair_bytes(senders: SenderPlan | FamilyPlan) -> dict[tuple[int, int], int]:
+    """Bytes per (train rank, gen rank) pair of a plan."""
+    return senders.pair_bytes()
+
+
+def main(argv=None) -> int:
+    defaults = Cluster()
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.costmodel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training YAML with a refit: section")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--cache-dir", default=None, help="enumeration cache (default: <config dir>/cache)")
+    p.add_argument("--placement", choices=["disaggregated", "colocated"], default=None,
+                   help="default: the config's refit.mode")
+    p.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    p.add_argument("--nvlink-gbps", type=float, default=defaults.nvlink_gbps)
+    p.add_argument("--nic-gbps", type=float, default=defaults.nic_gbps)
+    p.add_argument("--efficiency", type=float, default=defaults.efficiency)
+    p.add_argument("--latency-us", type=float, default=defaults.latency_s * 1e6)
+    args = p.parse_args(argv)
+    model = ""
+    try:
+        cluster = Cluster(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps,
+                          efficiency=args.efficiency, latency_s=args.latency_us * 1e-6)
+        run = build(args.config, cache_dir=args.cache_dir)
+        model = run.refit.model
+        mode = args.placement or run.refit.mode
+        train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)
+        prediction = predict(pair_bytes(run.senders), train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+    except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
+        print(f"error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "model": model, "predicted_seconds": 0.0, "bottleneck": "",
+                              "bytes_per_gen_rank_max": 0, "error": str(e)}))
+        return 2
+    layout = f"{run.train.describe()} -> TP{run.gen.tp}xDP{run.gen.dp}"
+    print(f"{model}: {layout}, {mode}, {cluster.gpus_per_node} GPUs/node, NVLink {cluster.nvlink_gbps:g} GB/s, "
+          f"NIC {cluster.nic_gbps:g} GB/s per GPU, efficiency {cluster.efficiency:g}, "
+          f"{cluster.latency_s * 1e6:g} us/message")
+    print(f"bytes per gen rank (max): {run.gen_bytes_max() / 1e9:.2f} GB; bottleneck: {prediction.bottleneck}")
+    if run.refit.direct_mb is not None and run.refit.direct_bytes < run.refit.bucket_bytes:
+        print(f"note: refit.direct_mb={run.refit.direct_mb:g} is below bucket_mb={run.refit.bucket_mb:g}: every "
+              "transfer of that size or more is a message of its own, which this prediction does not count "
+              "(it counts full buckets, the NCCL default)")
+    print(f"{'system':42} {'layout':40} {'seconds':>12}")
+    print(f"{'megatron-refit (predicted transport)':42} {layout:40} {prediction.seconds:12.2f}")
+    for system, their_layout, low, high in PUBLISHED.get(model, []):
+        seconds = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
+        print(f"{system:42} {their_layout:40} {seconds:>12}")
+    if args.json:
+        print(json.dumps({"ok": prediction.seconds > 0, "model": model,
+                          "predicted_seconds": round(prediction.seconds, 4), "bottleneck": prediction.bottleneck,
+                          "bytes_per_gen_rank_max": run.gen_bytes_max()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

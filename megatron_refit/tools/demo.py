@@ -1,0 +1,194 @@
+"""``python -m megatron_refit.demo``: refit a tiny Megatron model into generation ranks.
+
+Train ranks build the model through Megatron-Bridge and take a real optimizer step
+before every refit; generation ranks hold a Hugging Face transformers model (gen TP 1)
+or vLLM-shaped storage (gen TP > 1); everything runs on gloo. After each refit the
+generation weights are checked bit for bit against Bridge's ``export_hf_weights`` and,
+where a rank holds a whole model, its logits against the Megatron forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+
+from ..gen_layout import GenLayout
+from .harness import RunSpec, _hf_config, evaluate, run
+from .launch import SpawnError
+from ..layout import TrainLayout
+
+MODELS = ["qwen3", "qwen3-moe", "llama3", "llama3-tied", "deepseek-v3", "nemotron-h"]
+MOE_MODELS = ("qwen3-moe", "deepseek-v3", "nemotron-h")
+
+LOGIT_TOLERANCE = {"float32": 1e-5}
+
+USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
+"""Errors a rank raises on a bad layout or model (the message names the bad value): printed
+as one ``error:`` line, exit code 2. Anything else keeps its traceback."""
+"""Logits must match the Megatron forward this closely; in bf16 two implementations of the
+same weights differ by bf16 rounding, so the difference is reported, not judged."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default (unless its help says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__.replace("``", "'"),
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="qwen3", choices=MODELS,
+                   help="tiny preset; nemotron-h cannot run on CPU (exits with the reason)")
+    for flag in ("hidden", "layers", "heads", "kv-heads", "experts", "vocab", "ffn"):
+        p.add_argument(f"--{flag}", type=int, default=None,
+                       help=f"override the preset's {flag} (default: the preset's)")
+    p.add_argument("--train-tp", type=int, default=2, help="trainer tensor parallelism")
+    p.add_argument("--train-pp", type=int, default=1, help="trainer pipeline stages")
+    p.add_argument("--train-ep", type=int, default=1, help="trainer expert parallelism (MoE presets)")
+    p.add_argument("--train-dp", type=int, default=None, help="trainer data parallelism (default: the smallest that "
+                                                              "fits EP)")
+    p.add_argument("--gen-tp", type=int, default=1, help="generation tensor parallelism (1: a transformers model, "
+                                                         ">1: vLLM-shaped storage)")
+    p.add_argument("--gen-dp", type=int, default=2, help="generation replicas")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size in MiB")
+    p.add_argument("--refits", type=int, default=3, help="refits, each after a real optimizer step")
+    p.add_argument("--dtype", default=None, choices=["float32", "fp32", "bfloat16", "bf16"],
+                   help="training dtype (default float32; bfloat16 with --fp8)")
+    p.add_argument("--fp8", default=None, choices=["trainer", "te"],
+                   help="trainer: quantise linear weights to 128x128-block FP8 on the train ranks (also runs "
+                        "the same refit in bf16 and reports the byte ratio); te: Transformer Engine pass-through "
+                        "(needs a GPU)")
+    p.add_argument("--colocated", action="store_true",
+                   help="bucket bytes through shared staging buffers (CUDA IPC on GPU, shared memory on CPU)")
+    p.add_argument("--offload", action="store_true", help="trainer parameters in host memory between steps")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train LoRA adapters of this rank (Bridge PEFT): refit 1 moves base + adapters, later "
+                        "refits only the adapters, merged on the generation side (gen TP 1)")
+    p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the ranks' third-party warnings and logs (Apex / TE fallbacks, deprecations)")
+    return p.parse_args(argv)
+
+
+FP8_SHAPE = dict(hidden=512, heads=4, kv_heads=2, head_dim=128, ffn=1536, vocab=256, layers=6)
+"""Demo shape with ``--fp8`` (unless shape flags are given): every shard edge on the 128
+grid, and linear weights dominating the bytes as in real models (embeddings stay bf16)."""
+
+
+def spec_from_args(args) -> RunSpec:
+    if args.fp8 == "te":
+        raise ValueError("--fp8 te sends Transformer Engine Float8Blockwise params as they are; TE needs CUDA "
+                         "(not available on this CPU demo): run it on a GPU node, or use --fp8 trainer")
+    if args.refits < 1:
+        raise ValueError(f"--refits must be >= 1, got {args.refits}")
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    dp = args.train_dp or args.train_ep // math.gcd(args.train_tp, args.train_ep)
+    overrides = {k: getattr(args, k.replace("-", "_")) for k in
+                 ("hidden", "layers", "heads", "kv_heads", "experts", "vocab", "ffn")}
+    if args.model not in MOE_MODELS and overrides["experts"]:
+        raise ValueError(f"--experts needs an MoE model ({', '.join(MOE_MODELS)}), got --model {args.model}")
+    _check_runs_on_cpu(args.model)
+    if args.fp8 and args.model not in ("qwen3", "qwen3-moe"):
+        # The FP8 demo shape and the quantised-role rules are Qwen3's; MLA / Llama FP8 untried.
+        raise ValueError(f"--fp8 is tried with --model qwen3 / qwen3-moe only, got --model {args.model}")
+    if args.fp8 and all(v is None for v in overrides.values()):
+        overrides.update(FP8_SHAPE)
+    dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    return RunSpec(
+        model=args.model,
+        fp8=args.fp8 or "",
+        colocated=args.colocated,
+        offload=args.offload,
+        lora_rank=args.lora,
+        overrides={k: v for k, v in overrides.items() if v is not None},
+        train=TrainLayout(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, dp=dp),
+        gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),
+        bucket_bytes=int(args.bucket_mb * (1 << 20)),
+        refits=args.refits,
+        dtype=dtype,
+        progress=True,
+    )
+
+
+def _check_runs_on_cpu(model: str) -> None:
+    """``ValueError`` with the reason when the model's family cannot be built on CPU."""
+    from conversion.families import NOT_ON_CPU
+    from conversion.hf_configs import PRESETS
+
+    arch = PRESETS[model]["architectures"][0]
+    if arch in NOT_ON_CPU:
+        raise ValueError(f"--model {model} cannot run here: {NOT_ON_CPU[arch]}")
+
+
+def format_table(result: dict) -> str:
+    t, g = result["train"], result["gen"]
+    lines = [
+        f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
+        f"train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
+        f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
+        f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'bytes sent':>11} {'minimal':>11} "
+        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}",
+    ]
+    for r in result["refits"]:
+        s = r["seconds"]
+        diff = "n/a" if r["max_logit_diff"] is None else f"{r['max_logit_diff']:.2e}"
+        gbps = r["bytes_sent"] / s["total"] / 1e9 if s["total"] else 0.0
+        lines.append(
+            f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {r['bytes_sent']:>11,} {r['bytes_minimal']:>11,} "
+            f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {gbps:>6.2f}"
+        )
+    if "bytes_ratio_vs_bf16" in result:
+        lines.append(f"FP8 bytes / bf16 bytes (same model and layout, measured): {result['refits'][-1]['bytes_sent']:,}"
+                     f" / {result['bf16_bytes_sent']:,} = {result['bytes_ratio_vs_bf16']:.4f}")
+    lines.append(f"ok: {result['ok']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+        from conversion.validate import check_train_layout
+
+        check_train_layout(_hf_config(spec), spec.train)  # before any rank starts
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    quiet = not args.verbose
+    try:
+        result = evaluate(spec, run(spec, quiet=quiet))
+        if spec.fp8:
+            # the same model and layout refit in bf16, for the byte ratio
+            bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
+            result["bf16_bytes_sent"] = evaluate(bf16, run(bf16, quiet=quiet))["refits"][0]["bytes_sent"]
+    except SpawnError as exc:  # a bad layout or model found in a rank: one line, as for the parent's checks
+        inner = exc.innermost
+        if inner is None or inner[0] not in USER_ERRORS:
+            raise
+        print(f"error: {inner[1]}", file=sys.stderr)
+        return 2
+        result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
+    diff = result["max_logit_diff"]
+    tolerance = LOGIT_TOLERANCE.get(spec.dtype)
+    result["ok"] = bool(result["bit_exact"]) and (diff is None or tolerance is None or diff <= tolerance) and all(
+        r["bytes_sent"] == r["bytes_minimal"] for r in result["refits"])
+    print(format_table(result))
+    if args.json:
+        out = {k: v for k, v in result.items() if k != "summary"}
+        out["refits"] = [{k: v for k, v in r.items() if k != "loss"} for r in result["refits"]]
+        print(json.dumps(out))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""``python -m megatron_refit.dryrun --config configs/<model>.yaml [--json]``.
+
+Validates a training YAML's ``refit:`` section and the trainer layout in its Bridge
+``model:`` section, then builds the full-scale refit plan in one CPU process:
+
+1. *Enumeration* (cached per model + layout + dtype + package versions): the
+   representative train ranks (:func:`megatron_refit.tools.derive.representative_ranks`) are
+   built on the meta device in a child process (``python -m conversion.enumerate``; it
+   imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``.
+2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
+   compute every engine TP rank's targets (:func:`megatron_refit.gen_layout.gen_targets`),
+   validate and assign senders (:class:`megatron_refit.family_plan.FamilyPlan`: the senders,
+   bytes and transfers of the :class:`megatron_refit.plan.SenderPlan` that
+   ``RefitPlan.build`` expands into buckets, planned once per family of parameters that
+   match box for box). This process imports neither Megatron nor torch.
+
+``plan_seconds`` and ``peak_rss_mb`` cover step 2 and the whole life of this process
+(reading the YAML included); the enumeration's time is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
+from megatron_refit.tools.derive import CACHE_FORMAT, derive_all_ranks, load_specs
+from megatron_refit.fp8_layout import fp8_param_table, fp8_specs, is_quantised
+from megatron_refit.family_plan import FamilyPlan
+from megatron_refit.gen_layout import GenLayout, ModelShape, gen_targets
+from megatron_refit.layout import TrainLayout
+from megatron_refit.plan_checks import ITEMSIZE, gc_paused
+
+VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
+"""Packages whose versions key the enumeration cache."""
+
+
+@dataclass
+class DryRun:
+    """A validated config and its plan."""
+
+    config_path: str
+    refit: RefitConfig
+    preset: dict
+    train: TrainLayout
+    gen: GenLayout
+    senders: FamilyPlan
+    num_params: int
+    plan_seconds: float
+    """Wall seconds of the plan phase (cache load to sender assignment)."""
+    plan_cpu_seconds: float
+    """CPU seconds of this process in the same phase (steadier on a shared machine)."""
+    enumerate_seconds: float
+    cache_path: str
+
+    def gen_bytes_max(self) -> int:
+        return max(self.senders.gen_bytes().values())
+
+    def bytes_total(self) -> int:
+        return sum(self.senders.gen_bytes().values())
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for package in VERSIONED:
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "absent"
+    return out
+
+
+ENUMERATION_SOURCES = ("__init__.py", "build.py", "enumerate.py", "families.py", "hf_configs.py",
+                       "local_shards.py", "meta.py", "te_shim.py", "validate.py")
+"""The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
+helpers do not)."""
+
+
+def _enumeration_sources() -> str:
+    """sha256 of those sources (read, not imported): any change to how ranks are
+    enumerated makes old caches stale."""
+    import conversion
+
+    digest = hashlib.sha256()
+    folder = os.path.dirname(conversion.__file__)
+    for name in ENUMERATION_SOURCES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+def cache_key(model: str, preset: dict, layout: TrainLayout, dtype: str) -> str:
+    """Key of an enumeration cache: preset, layout, dtype, package versions, conversion sources."""
+    text = json.dumps({"format": CACHE_FORMAT, "model": model, "preset": preset, "layout": asdict(layout),
+                       "dtype": dtype, "versions": _versions(), "sources": _enumeration_sources()},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
+    """``(refit config, HF preset fields, train layout)``; ``ValueError`` naming bad input."""
+    from conversion.hf_configs import PRESETS  # plain data; imports nothing heavy
+
+    rest, refit = load_training_yaml(path)
+    if refit.model is None:
+        raise ValueError(f"{path}: refit.model must name a preset of conversion.hf_configs ({sorted(PRESETS)})")
+    if refit.model not in PRESETS:
+        raise ValueError(f"{path}: refit.model {refit.model!r} is not a preset; choose from {sorted(PRESETS)}")
+    preset = PRESETS[refit.model]
+    layout = train_layout(rest, refit)
+    layout.stage_layers(preset["num_hidden_layers"])
+    from types import SimpleNamespace
+
+    from conversion.validate import check_train_layout  # plain arithmetic on the preset's sizes
+
+    check_train_layout(SimpleNamespace(**preset), layout)  # here, not as a traceback of the enumeration
+    return refit, preset, layout
+
+
+def num_experts(preset: dict) -> int:
+    return preset.get("num_experts") or preset.get("n_routed_experts") or 0
+
+
+def ensure_cache(path: str, model: str, layout: TrainLayout, key: str, dtype: str) -> float:
+    """Enumerate into ``path`` in a child process unless a cache with ``key`` is there; seconds spent."""
+    if os.path.exists(path):
+        try:
+            load_specs(path, key)
+            return 0.0
+        except ValueError:
+            pass  # stale (other versions or format): enumerate again
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    start = time.perf_counter()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    layout_json = json.dumps({k: v for k, v in asdict(layout).items() if v is not None})
+    try:
+        subprocess.run([sys.executable, "-m", "conversion.enumerate", "--model", model, "--layout", layout_json,
+                        "--dtype", dtype, "--key", key, "--out", tmp], check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the enumeration failed: leave no partial file behind
+            os.remove(tmp)
+    return time.perf_counter() - start
+
+
+def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16") -> DryRun:
+    """Validate ``config_path`` and build its plan (see the module docstring)."""
+    refit, preset, layout = load_config(config_path)
+    gen = refit.gen_layout()
+    cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(config_path)), "cache")
+    key = cache_key(refit.model, preset, layout, dtype)
+    path = os.path.join(cache_dir, f"{refit.model}-{layout.describe()}-{dtype}.json.gz")
+    enumerate_seconds = ensure_cache(path, refit.model, layout, key, dtype)
+
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with gc_paused():
+        train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
+        senders = FamilyPlan.build(train_specs, targets)
+    plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
+                  num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
+                  plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path)
+
+
+def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
+    """Every train rank's pieces (derived from the cache), the engine TP ranks' targets, and
+    ``{HF name: (global shape, dtype)}``."""
+    train_specs = derive_all_ranks(layout, load_specs(path, key), num_experts(preset))
+    params = {}
+    for rank_specs in {id(specs): specs for specs in train_specs.values()}.values():
+        for s in rank_specs:
+            params.setdefault(s.name, (s.global_shape, s.dtype))
+    model = ModelShape(num_attention_heads=preset["num_attention_heads"],
+                       num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
+                       vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
+    style = "full" if refit.backend == "hf" else "vllm"
+    targets = params
+    if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
+        train_specs = _quantised(train_specs)
+        targets = fp8_param_table(params)
+    return train_specs, gen_targets(targets, gen, model, style=style), params
+
+
+def _quantised(train_specs: dict) -> dict:
+    """Train ranks' specs as trainer-side FP8 sends them (DP replicas share one list)."""
+    done: dict[int, list] = {}
+    out = {}
+    for rank, specs in train_specs.items():
+        if id(specs) not in done:
+            done[id(specs)] = [q for s in specs
+                               for q in (fp8_specs(s) if is_quantised(s.name, s.global_shape) else (s,))]
+        out[rank] = done[id(specs)]
+    return out
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of this process's own address space (Linux ``VmHWM``). ``ru_maxrss`` would
+    also count the image of a parent that forked this process before its exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass  # not Linux: fall back to getrusage
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def summary_lines(run: DryRun) -> list[str]:
+    gen_bytes = run.senders.gen_bytes()
+    train_bytes = run.senders.train_bytes
+    gb = 1e9
+    lines = [
+        f"config        {run.config_path}",
+        f"model         {run.refit.model}: {run.num_params / 1e9:.2f}B parameters",
+        f"train         {run.train.describe()} = {run.train.world_size} ranks",
+        f"gen           {run.refit.backend} TP{run.gen.tp}xDP{run.gen.dp}"
+        f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
+        f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
+        f"{len(run.senders.class_ranks)}; parameter families: {len(run.senders.families)})",
+        f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
+        f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
+        f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",
+        f"unused train  {len(run.senders.unused_train_params)} parameters",
+        f"enumeration   {run.enumerate_seconds:.1f} s ({'cached' if run.enumerate_seconds == 0 else 'ran'}: "
+        f"{run.cache_path})",
+        f"plan          {run.plan_seconds:.2f} s wall, {run.plan_cpu_seconds:.2f} s CPU, "
+        f"peak RSS {peak_rss_mb():.0f} MB, torch imported: "
+        f"{'torch' in sys.modules}",
+    ]
+    if not run.refit.enabled:
+        lines.append("note          refit.enabled is false: a training run with this config would not refit")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.dryrun", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training YAML with a refit: section")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--cache-dir", default=None, help="enumeration cache (default: <config dir>/cache)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(ITEMSIZE), help="training dtype")
+    args = p.parse_args(argv)
+    model = None
+    try:
+        run = build(args.config, cache_dir=args.cache_dir, dtype=args.dtype)
+        model = run.refit.model
+    except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
+        print(f"error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "model": model or "", "plan_seconds": 0.0, "peak_rss_mb": peak_rss_mb(),
+                              "num_params": 0, "bytes_per_gen_rank_max": 0, "bytes_total": 0, "error": str(e)}))
+        return 2
+    print("\n".join(summary_lines(run)))
+    if args.json:
+        print(json.dumps({
+            "ok": run.senders.num_transfers > 0,
+            "model": model,
+            "plan_seconds": round(run.plan_seconds, 3),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "num_params": run.num_params,
+            "bytes_per_gen_rank_max": run.gen_bytes_max(),
+            "bytes_total": run.bytes_total(),
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

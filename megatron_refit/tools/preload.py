@@ -1,0 +1,31 @@
+"""What a forkserver imports once so that spawned ranks start warm (``REFIT_SPAWN_PRELOAD``).
+
+Every multi-process test starts 2–10 ranks, and each fresh interpreter imports torch,
+transformers and Megatron-Core / Bridge again: 6–7 s of CPU per rank on the 2-core CI
+machine, most of a short test's time. With ``REFIT_SPAWN_PRELOAD=megatron_refit.tools.preload``
+(``tests/conftest.py`` sets it) :func:`megatron_refit.tools.launch.run_spawned` forks ranks
+from a forkserver that imported this module once per test session: the same modules, in
+the same state, as a rank that imported them itself (Bridge through ``conversion``'s TE
+shim, as every rank does). Their import-time warnings are dropped here, once.
+"""
+
+import logging
+import warnings
+
+from .launch import THIRD_PARTY_WARNINGS
+
+with warnings.catch_warnings():
+    for _module in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", module=_module)
+    logging.disable(logging.WARNING)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        from conversion.te_shim import import_bridge
+
+        import_bridge()
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.bridge.models.conversion.model_bridge  # noqa: F401
+    finally:
+        logging.disable(logging.NOTSET)

@@ -1,0 +1,95 @@
+"""The transport interface: what the driver needs from a refit group.
+
+A transport connects every train and generation rank of one refit (refit ranks ``0 ..
+num_train-1`` train, then generation ranks) and offers point-to-point bucket messages,
+small control messages and a few control collectives, each wait bounded by ``timeout_s``.
+The driver (:mod:`megatron_refit.endpoint`, :mod:`megatron_refit.driver`) speaks only this
+interface; :mod:`megatron_refit.transport` registers the implementations by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Pending:
+    """An outstanding send or receive."""
+
+    work: object
+    peer: int
+    what: str
+    buffer: torch.Tensor = field(repr=False)
+    direct: bool = False
+    """The buffer is the tensor itself (no packing / unpacking)."""
+    control: torch.Tensor | None = field(default=None, repr=False)
+    """Shared-buffer transports: the control message that says where the bytes are."""
+    tag: int | None = None
+
+
+class Transport(ABC):
+    """A refit group. Implementations: :class:`~megatron_refit.transport.process_group.RefitGroup`
+    (torch.distributed P2P: gloo on CPU, NCCL between GPUs) and
+    :class:`~megatron_refit.transport.ipc.IpcGroup` (colocated: shared staging buffers)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    """The torch.distributed backend under it (``"gloo"`` / ``"nccl"``): sets ``direct_bytes="auto"``."""
+    device: torch.device
+    """Where small control tensors and the transport's own buffers live."""
+    timeout_s: float
+    broken: str | None = None
+    """Set by the first timeout or transport failure; every later call then fails at once."""
+    direct_ok: bool = True
+    """Whether the driver may send a tensor straight from / into its own memory (no staging)."""
+    shares_buffers: bool = False
+    """Bucket bytes go through buffers the peers map (the driver gets them from :meth:`staging`)."""
+
+    # -- bucket messages ----------------------------------------------------------------------
+    @abstractmethod
+    def isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending: ...
+
+    @abstractmethod
+    def irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending: ...
+
+    @abstractmethod
+    def wait(self, pending: Pending) -> None:
+        """Until ``pending`` completes; ``RefitTimeoutError`` / ``RefitTransportError`` naming the peer."""
+
+    def release(self, pending: Pending) -> None:  # noqa: B027 -- optional hook, nothing to do by default
+        """Receiver: the bucket in ``pending.buffer`` is unpacked (a shared buffer may be reused)."""
+
+    def staging(self, count: int, width: int) -> list[torch.Tensor]:
+        """Shared-buffer transports: ``count`` staging buffers of ``width`` bytes (collective)."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared staging buffers")
+
+    # -- control ------------------------------------------------------------------------------
+    @abstractmethod
+    def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending: ...
+
+    @abstractmethod
+    def recv_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending: ...
+
+    @abstractmethod
+    def exchange(self, call: str, values=()) -> list[list[int]]:
+        """A control collective with a header naming the call (see ``RefitGroup.exchange``)."""
+
+    @abstractmethod
+    def all_gather_object(self, obj, call: str = "message") -> list: ...
+
+    @abstractmethod
+    def all_gather_unique(self, obj, call: str = "message") -> list: ...
+
+    def barrier(self, call: str = "message") -> None:
+        self.exchange(call)
+
+    @abstractmethod
+    def begin(self, phase: str) -> None:
+        """Name what the group is doing (``"prepare"``, ``"refit 7"``) for its failure messages."""
+
+    @abstractmethod
+    def close(self) -> None: ...
