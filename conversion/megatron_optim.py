@@ -16,6 +16,7 @@ With CUDA present it changes nothing.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import replace
 
 import torch
@@ -46,6 +47,10 @@ class HostStream:
         return None
 
 
+_GRAD = torch.Tensor.grad
+"""The ``.grad`` descriptor: a mode sees reads of it as calls of its ``__get__``."""
+
+
 class _CudaToHost(torch.overrides.TorchFunctionMode):
     """``device="cuda"`` factory calls make host tensors, ``Tensor.cuda()`` keeps the tensor,
     ``Tensor.type()`` answers the CUDA type name Megatron's dtype checks compare against."""
@@ -58,6 +63,10 @@ class _CudaToHost(torch.overrides.TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].dtype in _CUDA_TYPE_NAMES:
             return _CUDA_TYPE_NAMES[args[0].dtype]
+        if getattr(func, "__self__", None) is _GRAD:  # Megatron reads .grad of non-leaf views: its warning,
+            with warnings.catch_warnings():       # which would be attributed to this line, not to Megatron
+                warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

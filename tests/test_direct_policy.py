@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_refit import dryrun
+from megatron_refit.tools import dryrun
 from megatron_refit.config import RefitConfig
 from megatron_refit.driver import Receiver, Refitter
 from megatron_refit.endpoint import GLOO_DIRECT_BYTES, resolve_direct_bytes
@@ -33,9 +33,9 @@ def test_bad_direct_bytes_is_named(bad):
 
 def test_endpoints_resolve_before_any_collective():
     # constructors only: no group call is made before prepare()
-    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl")
+    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl", direct_ok=True)
     assert Refitter(nccl, [], num_train=1, num_gen=1, bucket_bytes=8 << 20).direct_bytes == 8 << 20
-    gloo = SimpleNamespace(world_size=2, rank=1, backend="gloo")
+    gloo = SimpleNamespace(world_size=2, rank=1, backend="gloo", direct_ok=True)
     backend = SimpleNamespace(target_specs=lambda: [], buffer=None, finalize=None)
     assert Receiver(gloo, backend, num_train=1, num_gen=1, bucket_bytes=8 << 20).direct_bytes == 1 << 20
     assert Receiver(gloo, backend, num_train=1, num_gen=1, bucket_bytes=8 << 20, direct_bytes=None).direct_bytes \

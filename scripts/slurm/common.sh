@@ -27,7 +27,7 @@ if [[ "${REFIT_DRY_RUN_ONLY:-0}" == 1 ]]; then
 fi
 
 read -r TRAIN_WORLD GEN_WORLD MODE PORT < <("$PYTHON" -c "
-from megatron_refit.dryrun import load_config
+from megatron_refit.tools.dryrun import load_config
 refit, _, layout = load_config('$CONFIG')
 print(layout.world_size, refit.gen_tp * refit.gen_dp, refit.mode, refit.port)")
 TRAIN_NODES=$(( (TRAIN_WORLD + GPUS_PER_NODE - 1) / GPUS_PER_NODE ))
