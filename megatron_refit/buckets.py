@@ -62,6 +62,15 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor, get_dst: Callable[[str], to
         get_dst(item.transfer.name)[_slices(item.transfer.dst_box)].copy_(_item_view(buf, item))
 
 
+def repack_bucket(bucket: Bucket, get_dst: Callable[[str], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`unpack_bucket`: the bucket's bytes as the receiver holds them
+    now (delta refits start from them). Padding in ``out`` is left as it is."""
+    out = out[: bucket.nbytes]
+    for item in bucket.items:
+        _item_view(out, item).copy_(get_dst(item.transfer.name)[_slices(item.transfer.dst_box)])
+    return out
+
+
 def replay(plan: RefitPlan, train_tensors: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` in one process: the gen pieces that the train pieces produce."""
     gen = {

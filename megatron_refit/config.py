@@ -24,6 +24,7 @@ BACKENDS = ("vllm", "sglang", "hf")
 LORA_SYNC = ("auto", "adapters", "merged", "full")
 VERIFY = ("off", "sampled", "full")
 ENGINE_LOAD = ("in_place", "load_weights")
+DELTA = ("off", "on", "auto")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,6 +93,16 @@ class RefitConfig:
     """Read every trainer piece for NaN / Inf before each refit (one pass over this rank's
     weights); one found ends the refit on every rank before any byte moves, naming the
     parameters, and the engine keeps serving the previous version."""
+    delta: str = "off"
+    """Delta refits: send only the elements that changed since the last refit, shard to
+    shard. ``on``: every refit after the first complete one compares each bucket with a copy
+    of what was sent last time and sends the smallest of its bytes, the changed elements'
+    indices and values, or a bitmask and values; ``auto``: as ``on``, but after a refit whose
+    delta was more than half of a full one the next 4 go full without comparing (and without
+    the copy), then it tries again; ``off``. Costs host memory on every train rank: a copy of
+    all it sends (its share of the model in the sent dtype). A receiver that missed a version
+    (restart, failed refit, re-allocated parameters) gets a full refit, decided before any
+    byte moves. (YAML reads a bare ``off`` / ``on`` as a boolean: both are taken as the mode.)"""
     model: str | None = None
     """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""
@@ -110,6 +121,8 @@ class RefitConfig:
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
+        if isinstance(d.get("delta"), bool):  # YAML 1.1 reads `delta: off` / `on` as booleans
+            d = {**d, "delta": "on" if d["delta"] else "off"}
         config = cls(**d)  # checked in __post_init__
         ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
         if not config.enabled and ignored:
@@ -136,7 +149,7 @@ class RefitConfig:
             if value is not None and value > 0 and not low <= value <= high:
                 raise ValueError(f"refit.{name} must be between {low:g} and {high:g}, got {value!r}")
         for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC),
-                              ("engine_load", ENGINE_LOAD), ("verify", VERIFY)):
+                              ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")

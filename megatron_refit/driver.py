@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .buckets import pack_bucket, unpack_bucket
+from .buckets import pack_bucket
 from .checksum import chunk_sums, digests
-from .endpoint import DIGEST_TAG, Endpoint, RefitAbortedError  # noqa: F401  (re-exported with the other refit errors)
+from .delta import RAW, DeltaSender, word_size
+from .endpoint import (  # noqa: F401  (re-exported with the other refit errors)
+    DIGEST_TAG,
+    MANIFEST_TAG,
+    Endpoint,
+    RefitAbortedError,
+    adjacent_pieces,
+)
 from .finite import check_finite
+from .plan_checks import ITEMSIZE
 from .receivers.base import (  # noqa: F401  (re-exported: the receiver protocol and its errors)
     STATES,
     RefitCorruptionError,
@@ -36,6 +44,7 @@ from .receivers.base import (  # noqa: F401  (re-exported: the receiver protocol
     StaleWeightsError,
     TracksState,
 )
+from .receiver import Receiver  # noqa: F401  (re-exported: the two sides of a refit)
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import Transport
@@ -65,18 +74,6 @@ class TensorPiece:
         return self.data
 
 
-def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
-    """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
-    ``a`` ends."""
-    starts, ends = {}, {}
-    for name, t in tensors.items():
-        if t.is_contiguous() and t.numel():
-            storage = t.untyped_storage().data_ptr()
-            starts[storage, t.data_ptr()] = name
-            ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
-    return [(a, starts[end]) for a, end in ends.items() if end in starts]
-
-
 def _release(piece) -> None:
     release = getattr(piece, "release", None)
     if release is not None:
@@ -90,9 +87,12 @@ class Refitter(Endpoint):
 
     def __init__(self, group: Transport, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
-                 offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False):
+                 offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False,
+                 delta: str = "off"):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report)
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta)
+        self._delta = DeltaSender(delta)
+        """The copies of what this rank last sent, for delta refits (``refit.delta``)."""
         self.check_finite = check_finite
         """Before a refit, every piece is read for NaN / Inf; one found ends the refit on
         every rank before any byte moves (:class:`~megatron_refit.finite.NonFiniteWeightsError` here,
@@ -113,6 +113,9 @@ class Refitter(Endpoint):
         # declared by the pieces (``follows``: gate/up of one fused weight, q/k/v of one split)
         return [(p.follows, name) for name, p in self.pieces.items() if getattr(p, "follows", None) in self.pieces]
 
+    def _delta_base(self) -> int:
+        return self._delta.base
+
     def _onload(self) -> float:
         """Load offloaded parameters back (seconds it took; 0 if there was nothing to load)."""
         if self.offloader is None or not self.offloader.offloaded:
@@ -131,7 +134,7 @@ class Refitter(Endpoint):
                 onload_s = self._onload()
                 check_finite(self.pieces, version=version, rank=self.group.rank)
         try:
-            self._agree_on_version(version, preflight if self.check_finite else None)
+            use_delta = self._agree_on_version(version, preflight if self.check_finite else None)
         except BaseException:
             for piece in self.pieces.values():
                 _release(piece)
@@ -139,10 +142,11 @@ class Refitter(Endpoint):
                 self.offloader.offload()
             raise
         report = RefitReport(version=version, role="train", rank=self.group.rank,
-                             bytes_minimal=self.plan.bytes_minimal)
+                             bytes_minimal=self.plan.bytes_minimal, delta=use_delta)
         report.seconds["onload"] = onload_s + self._onload()
         cache: dict[str, torch.Tensor] = {}
         buckets = self.plan.buckets_from(self.group.rank)
+        report.bytes_full = sum(b.payload_bytes for b in buckets)
         last_use = {item.transfer.name: bucket.index for bucket in buckets for item in bucket.items}
 
         def get_src(name: str) -> torch.Tensor:
@@ -200,6 +204,9 @@ class Refitter(Endpoint):
 
         try:
             with torch.no_grad():
+                if self._delta.keeps_copies:  # compare and keep every bucket first, then send what changed
+                    post = self._encode_all(buckets, get_src, use_delta, check, retire, report, digest_sends)
+                    retire = _nothing
                 self._run(buckets, post, retire, report)
                 t0 = time.perf_counter()
                 for pending in digest_sends:
@@ -216,6 +223,8 @@ class Refitter(Endpoint):
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         failed = self._summarize(report)  # waits for the receivers to apply the refit
+        self._delta.finish(version, ok=not failed, bytes_sent=report.summary["refit/bytes"],
+                           bytes_full=report.summary["refit/bytes_full"], was_delta=use_delta)
         self._emit(report)
         if failed:
             raise RefitAbortedError(f"refit {version}: generation rank(s) {failed} could not apply it (their own "
@@ -223,139 +232,48 @@ class Refitter(Endpoint):
         return report
 
 
-class Receiver(Endpoint):
-    """Generation side: receives this rank's pieces into ``backend`` storage."""
-
-    role = "gen"
-
-    def __init__(self, group: Transport, backend: ReceiverBackend, *, num_train: int, num_gen: int,
-                 bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
-                 on_report: Callable[[dict], None] | None = None):
-        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report)
-        if group.rank < num_train:
-            raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
-        self.backend = backend
-        self.gen_index = group.rank - num_train
-        self.state = "stale"
-        self.weights_version: int | None = None
-        """Version of the last complete refit (None before the first)."""
-        self._set_state("stale")
-
-    def _set_state(self, state: str) -> None:
-        self.state = state
-        if isinstance(self.backend, TracksState):
-            self.backend.set_state(state, self.weights_version)
-
-    def _local_specs(self) -> list[ShardSpec]:
-        return list(self.backend.target_specs())
-
-    def _local_adjacent(self) -> list[tuple[str, str]]:
-        # from the engine storage's addresses (it stays put between refits)
-        return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
-
-    def _refresh_targets(self) -> None:
-        if not isinstance(self.backend, RefreshesTargets):
-            return
-        try:
-            self.backend.refresh_targets()
-        except BaseException:
-            self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
-            raise
-
-    def receive(self, version: int) -> RefitReport:
-        """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
-        engine must not serve them) and the error propagates; the next complete refit
-        restores ``ready``."""
-        self._agree_on_version(version, self._refresh_targets)
-        self._set_state("updating")
-        try:
-            report = self._receive(version)
-        except BaseException:
-            self._set_state("stale")
-            raise
-        self.weights_version = version
-        self._set_state("ready")
-        self._emit(report)
-        return report
-
-    def _receive(self, version: int) -> RefitReport:
-        start = time.perf_counter()
-        report = RefitReport(version=version, role="gen", rank=self.group.rank,
-                             bytes_minimal=self.plan.bytes_minimal)
-        buckets = self.plan.buckets_to(self.gen_index)
-        received: dict[int, list] = {}  # sender -> [(bucket, seed, chunk sums)] in plan order
-        left = Counter(self.plan.global_src(b) for b in buckets)  # buckets still to come, per sender
-        computed: dict[int, torch.Tensor] = {}  # sender -> digests of what arrived
-        sent = {}  # sender -> its digest message, posted before the first bucket
-        if self.verify != "off":
-            sent = {src: self.group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
-                    for src, n in left.items()}
+    def _encode_all(self, buckets, get_src, use_delta: bool, check, retire, report: RefitReport, sends: list):
+        """Delta refits, sender: every bucket's full bytes compared with (and kept for the next
+        refit as) the copy of the last, its encoding chosen, its digests computed; then one
+        manifest per receiver (each bucket's encoding and size). Returns the bucket loop's post."""
+        encoded, scratch = {}, None
+        for bucket in buckets:
+            t0 = time.perf_counter()
+            data = self._direct_view(bucket, get_src, "src")
+            if data is None:
+                if scratch is None:
+                    scratch = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=self.group.device)
+                data = scratch[: bucket.nbytes].zero_()  # padding too: the receiver rebuilds it as zeros
+                pack_bucket(bucket, get_src, out=data)
+            word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
+            key = (bucket.dst_rank, bucket.index)
+            encoding, payload, changed = self._delta.encode(key, data, word, use_delta)
+            report.seconds["pack"] += time.perf_counter() - t0
+            report.words += bucket.nbytes // word
+            report.words_changed += changed
+            check(bucket, data)
+            encoded[key] = (encoding, payload if payload is not None else self._delta.previous[key])
+            retire(bucket, None)
+        if use_delta:  # waited for with the digests
+            for dst in sorted({b.dst_rank for b in buckets}):
+                codes = torch.tensor([(e, p.numel()) for (d, _), (e, p) in encoded.items() if d == dst])
+                first = next(b for b in buckets if b.dst_rank == dst)
+                sends.append(self.group.send_small(codes.flatten(), self.plan.global_dst(first), MANIFEST_TAG))
 
         def post(bucket, buf):
-            direct = self._direct_view(bucket, self.backend.buffer, "dst")
-            self._route(report, direct is not None)
-            if direct is not None:  # straight into engine storage
-                pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
-                pending.direct = True
-                return pending
-            return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
+            encoding, data = encoded.pop((bucket.dst_rank, bucket.index))
+            report.bytes_sent += bucket.payload_bytes if encoding == RAW else data.numel()
+            report.bytes_wire += data.numel()
+            dst = self.plan.global_dst(bucket)
+            alone = not self.group.shares_buffers and data.device == self.group.device
+            self._route(report, alone)
+            if not alone:
+                data = buf[: data.numel()].copy_(data)
+            pending = self.group.isend(data, dst, bucket.index)
+            pending.direct = alone
+            return pending
+        return post
 
-        def retire(bucket, pending):
-            buf = pending.buffer
-            report.bytes_received += bucket.payload_bytes
-            report.bytes_wire += buf.numel()
-            if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
-                t0 = time.perf_counter()
-                src = self.plan.global_src(bucket)
-                received.setdefault(src, []).append((bucket, self._seed(version, bucket),
-                                                     chunk_sums(buf, self.verify)))
-                left[src] -= 1
-                if not left[src]:
-                    items = received[src]
-                    computed[src] = digests([s for _, _, s in items], [seed for _, seed, _ in items]).cpu()
-                report.seconds["verify"] += time.perf_counter() - t0
-            if pending.direct:
-                return
-            t0 = time.perf_counter()
-            unpack_bucket(bucket, buf, self.backend.buffer)
-            report.seconds["load"] += time.perf_counter() - t0
 
-        with torch.no_grad():
-            self._run(buckets, post, retire, report)
-            try:
-                self._check_and_finalize(version, sent, computed, received, report)
-            except Exception:
-                try:  # every byte arrived: the group is intact, tell the trainer this rank failed
-                    self._summarize(report, failed=True)
-                except Exception:  # noqa: BLE001 -- this rank's own error is the one to raise
-                    pass
-                raise
-        self.version = version
-        report.seconds["total"] = time.perf_counter() - start
-        self._summarize(report)
-        return report
-
-    def _check_and_finalize(self, version: int, sent: dict, computed: dict, received: dict,
-                            report: RefitReport) -> None:
-        """Compare the digests each sender computed with what arrived, then run the
-        engine's post-load step."""
-        if self.verify != "off":
-            t0 = time.perf_counter()
-            corrupted = []
-            for src, pending in sent.items():
-                self.group.wait(pending)
-                mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
-                corrupted += [received[src][i][0] for i in mismatch]
-            report.seconds["verify"] += time.perf_counter() - t0
-            if corrupted:
-                names = sorted({item.transfer.name for b in corrupted for item in b.items})
-                sources = sorted({self.plan.global_src(b) for b in corrupted})
-                raise RefitCorruptionError(
-                    f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
-                    f"{sources} (bytes changed in flight, or misrouted); parameters "
-                    f"{names[:8]}{' ...' if len(names) > 8 else ''}"
-                )
-        t0 = time.perf_counter()
-        self.backend.finalize()
-        report.seconds["load"] += time.perf_counter() - t0
+def _nothing(*args) -> None:
+    return None

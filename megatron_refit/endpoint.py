@@ -18,6 +18,7 @@ import torch
 
 from .buckets import contiguous_bytes
 from .checksum import bucket_seed, check_mode
+from .delta import check_mode as check_delta_mode
 from .plan import RefitPlan
 from .report import RefitReport, report_values, summarize
 from .spec import ShardSpec
@@ -29,6 +30,8 @@ MAX_DIRECT_IN_FLIGHT = 16
 
 DIGEST_TAG = 1 << 30
 """Message tag of a pair's bucket digests (bucket messages use the bucket's index)."""
+MANIFEST_TAG = DIGEST_TAG + 1
+"""Message tag of a pair's delta manifest: each bucket's encoding and size (delta refits)."""
 
 
 class RefitAbortedError(RuntimeError):
@@ -80,6 +83,19 @@ def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
     return sorted(bad)
 
 
+def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
+    ``a`` ends."""
+    starts, ends = {}, {}
+    for name, t in tensors.items():
+        if t.is_contiguous() and t.numel():
+            storage = t.untyped_storage().data_ptr()
+            starts[storage, t.data_ptr()] = name
+            ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
+    return [(a, starts[end]) for a, end in ends.items() if end in starts]
+
+
+
 class Endpoint:
     """What both sides share: the plan agreement, the version handshake, and the bucket
     loop with a bounded window. :class:`~megatron_refit.driver.Refitter` and
@@ -88,7 +104,8 @@ class Endpoint:
     role: str
 
     def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
-                 direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None):
+                 direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None,
+                 delta: str = "off"):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -103,6 +120,8 @@ class Endpoint:
         self.num_train = num_train
         self.num_gen = num_gen
         self.bucket_bytes = bucket_bytes
+        self.delta = check_delta_mode(delta)
+        """``refit.delta``: ``off``, ``on`` or ``auto`` (see :mod:`megatron_refit.delta`)."""
         self.verify = check_mode(verify)
         """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
         :mod:`megatron_refit.checksum`)."""
@@ -129,13 +148,14 @@ class Endpoint:
     def prepare(self) -> RefitPlan:
         self._begin("prepare")
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
-        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent)
+        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent,
+                self.delta)
         gathered = self.group.all_gather_unique(mine, "prepare")  # DP replicas' pieces travel once
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
             raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4)):
+        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 6)):
             values = [g[index] for g in gathered]
             if len(set(values)) != 1:
                 raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
@@ -173,11 +193,19 @@ class Endpoint:
             return ("train", self.group.rank)
         return ("gen", self.group.rank - self.num_train)
 
-    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> None:
+    def _delta_base(self) -> int:
+        """The version a delta refit would start from on this rank (-1: none): the trainer's
+        copies of what it last sent, the engine's weights."""
+        return -1
+
+    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> bool:
         """The per-refit handshake, before any byte moves: every rank shows its version, the
-        plan it uses and whether its own checks (``preflight``, e.g. a receiver re-resolving
-        its engine's parameters) passed. A rank whose checks failed raises its own error; every
-        other rank raises :class:`RefitAbortedError` naming it, so no rank is left waiting."""
+        plan it uses, whether its own checks (``preflight``, e.g. a receiver re-resolving
+        its engine's parameters) passed, and the version a delta would start from. A rank whose
+        checks failed raises its own error; every other rank raises :class:`RefitAbortedError`
+        naming it, so no rank is left waiting. True if this refit is a delta: every rank holds
+        the same previous version (a receiver that missed one, restarted or is stale makes
+        it a full refit, decided on every rank alike)."""
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
         self._begin(f"refit {version}")
@@ -189,7 +217,8 @@ class Endpoint:
         except Exception as exc:  # reported to every rank below, then re-raised here
             error = exc
         shown = version if error is None else -1
-        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id])
+        base = self._delta_base() if self.delta != "off" and error is None else -1
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base])
         if error is not None:
             raise error
         failed = [rank for rank, row in enumerate(rows) if row[1]]
@@ -205,6 +234,7 @@ class Endpoint:
             raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
                              f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
                              f"the engine expects a full refit")
+        return rows[0][3] >= 0 and all(row[3] == rows[0][3] for row in rows)
 
     def _begin(self, phase: str) -> None:
         self.group.begin(phase)

@@ -88,7 +88,7 @@ class TrainerRefit(_Sync):
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
                  offloader=None, on_report: Callable[[dict], None] | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report)
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta)
         self.group = group
         kw["check_finite"] = cfg.check_finite
         self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
@@ -112,7 +112,7 @@ class EngineRefit(_Sync):
     def __init__(self, group, backend, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report)
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta)
         self.group = group
         self.adapters = None
         if lora is not None:

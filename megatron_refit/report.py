@@ -17,6 +17,15 @@ class RefitReport:
     """Bytes on the wire: payload plus alignment padding inside buckets (≤ 15 per item)."""
     bytes_minimal: int = 0
     """Sum over generation ranks of the bytes they must hold (the whole refit's floor)."""
+    bytes_full: int = 0
+    """What this rank sends (train) or receives (gen) in a full refit; a delta refit's
+    ``bytes_sent`` / ``bytes_received`` are less."""
+    delta: bool = False
+    """This refit sent only the changed elements (``refit.delta``)."""
+    words: int = 0
+    words_changed: int = 0
+    """Train side: bucket words compared, and those that changed since the last refit
+    (``refit.delta``; their ratio is the refit's density)."""
     seconds: dict = field(default_factory=lambda: dict(total=0.0, pack=0.0, transfer=0.0, load=0.0, verify=0.0,
                                                        onload=0.0, offload=0.0))
     """``load``: gen-side unpacking; ``verify``: computing and exchanging bucket digests
@@ -44,17 +53,19 @@ _TIMES = ("total", "pack", "load", "verify", "onload", "offload")
 
 def report_values(report: RefitReport, failed: bool) -> list[int]:
     """This rank's share of the group summary, as the ints a control message carries:
-    ``[failed, bytes_sent, bytes_received, bytes_wire, buckets, *microseconds of _TIMES]``."""
+    ``[failed, bytes_sent, bytes_received, bytes_wire, buckets, *microseconds of _TIMES,
+    bytes_full, delta, words, words_changed]``."""
     buckets = sum(report.routes.values()) if report.role == "train" else 0
     return [int(failed), report.bytes_sent, report.bytes_received, report.bytes_wire, buckets,
-            *(round(report.seconds[t] * _US) for t in _TIMES)]
+            *(round(report.seconds[t] * _US) for t in _TIMES), report.bytes_full, int(report.delta),
+            report.words, report.words_changed]
 
 
 SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/total_s", "refit/gbps", "refit/bytes",
-                "refit/bytes_wire", "refit/bytes_minimal", "refit/buckets", "refit/pack_s", "refit/load_s",
-                "refit/verify_s", "refit/onload_s", "refit/offload_s", "refit/slowest_rank", "refit/train_ranks",
-                "refit/gen_ranks")
-"""The keys :func:`summarize` returns, in order (docs/observability.md says what each means)."""
+                "refit/bytes_wire", "refit/bytes_minimal", "refit/bytes_full", "refit/delta", "refit/density",
+                "refit/buckets", "refit/pack_s", "refit/load_s", "refit/verify_s", "refit/onload_s",
+                "refit/offload_s", "refit/slowest_rank", "refit/train_ranks", "refit/gen_ranks")
+"""The keys :func:`summarize` returns, in order (docs/quickstart.md says what each means)."""
 
 
 def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal: int) -> dict:
@@ -75,6 +86,9 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
         "refit/bytes": sent,
         "refit/bytes_wire": sum(row[3] for row in train),
         "refit/bytes_minimal": bytes_minimal,
+        "refit/bytes_full": sum(row[11] for row in train),
+        "refit/delta": int(any(row[12] for row in train)),
+        "refit/density": sum(row[14] for row in train) / max(1, sum(row[13] for row in train)),
         "refit/buckets": sum(row[4] for row in train),
         "refit/pack_s": max(seconds["pack"][:num_train]),
         "refit/load_s": max(seconds["load"][num_train:], default=0.0),

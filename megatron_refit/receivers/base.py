@@ -55,10 +55,11 @@ class TracksState(Protocol):
 class RefreshesTargets(Protocol):
     """Optional: called at the start of every refit, before any byte moves. A backend over a
     live engine checks that the storage it writes into is still the engine's (re-resolving
-    it if the engine re-allocated its parameters) and raises if it cannot be; every rank then
-    ends the refit with an error (``RefitAbortedError``)."""
+    it if the engine re-allocated its parameters; True then, and that refit is a full one,
+    never a delta) and raises if it cannot be; every rank then ends the refit with an error
+    (``RefitAbortedError``)."""
 
-    def refresh_targets(self) -> None: ...
+    def refresh_targets(self) -> bool | None: ...
 
 
 class WeightsState:

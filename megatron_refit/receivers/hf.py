@@ -69,10 +69,11 @@ class HFReceiver(WeightsState):
                 views[name] = param.data
         return views
 
-    def refresh_targets(self) -> None:
+    def refresh_targets(self) -> bool:
         """Before every refit (the receiver calls it): follow parameters the model re-allocated
         since ``prepare()`` (``model.to(...)``, offload / reload), so bytes land in the live
-        model; a target whose shape or dtype changed is refused by name before any byte moves."""
+        model (True if any moved); a target whose shape or dtype changed is refused by name
+        before any byte moves."""
         live = self._live_views()
         for name, old in self._views.items():
             new = live.get(name)
@@ -84,6 +85,7 @@ class HFReceiver(WeightsState):
         if moved:
             self._views = {name: live[name] for name in self._views}
             self.rebinds += moved
+        return bool(moved)
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,

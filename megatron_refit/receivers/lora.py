@@ -123,7 +123,11 @@ class _Backend:
         if hook is not None:
             hook(state, version)
 
-    def refresh_targets(self) -> None:
+    def refresh_targets(self) -> bool:
         refresh = getattr(self.lora.hf, "refresh_targets", None)
-        if refresh is not None:
-            refresh()
+        return bool(refresh()) if refresh is not None else False
+
+    @property
+    def weights_version(self) -> int | None:
+        """The engine's version, while it holds base weights (a delta starts from them)."""
+        return getattr(self.lora.hf, "weights_version", None) if self.lora.has_base else None

@@ -72,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="train LoRA adapters of this rank (Bridge PEFT): refit 1 moves base + adapters, later "
                         "refits only the adapters, merged on the generation side (gen TP 1)")
+    p.add_argument("--lr", type=float, default=1e-2,
+                   help="learning rate of the optimizer step before each refit (bf16: Megatron's distributed "
+                        "optimizer over fp32 main params)")
+    p.add_argument("--delta", default="off", choices=["off", "on", "auto"],
+                   help="refit.delta: after the first refit send only the elements that changed")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     p.add_argument("--verbose", action="store_true",
                    help="also show the ranks' third-party warnings and logs (Apex / TE fallbacks, deprecations)")
@@ -91,6 +96,8 @@ def spec_from_args(args) -> RunSpec:
         raise ValueError(f"--refits must be >= 1, got {args.refits}")
     if args.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
     dp = args.train_dp or args.train_ep // math.gcd(args.train_tp, args.train_ep)
     overrides = {k: getattr(args, k.replace("-", "_")) for k in
                  ("hidden", "layers", "heads", "kv_heads", "experts", "vocab", "ffn")}
@@ -117,6 +124,8 @@ def spec_from_args(args) -> RunSpec:
         refits=args.refits,
         dtype=dtype,
         progress=True,
+        lr=args.lr,
+        delta=args.delta,
     )
 
 
@@ -132,12 +141,14 @@ def _check_runs_on_cpu(model: str) -> None:
 
 def format_table(result: dict) -> str:
     t, g = result["train"], result["gen"]
+    deltas = result.get("delta", "off") != "off"
     lines = [
         f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
         f"train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
         f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
         f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'bytes sent':>11} {'minimal':>11} "
-        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}",
+        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}"
+        + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else ""),
     ]
     for r in result["refits"]:
         s = r["seconds"]
@@ -146,6 +157,8 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {r['bytes_sent']:>11,} {r['bytes_minimal']:>11,} "
             f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {gbps:>6.2f}"
+            + (f" {r['bytes_full']:>11,} {r['bytes_sent'] / r['bytes_full']:>9.3f} {r['density']:>8.4f}"
+               if deltas else "")
         )
     if "bytes_ratio_vs_bf16" in result:
         lines.append(f"FP8 bytes / bf16 bytes (same model and layout, measured): {result['refits'][-1]['bytes_sent']:,}"
@@ -171,17 +184,19 @@ def main(argv=None) -> int:
             # the same model and layout refit in bf16, for the byte ratio
             bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)
             result["bf16_bytes_sent"] = evaluate(bf16, run(bf16, quiet=quiet))["refits"][0]["bytes_sent"]
+            result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
     except SpawnError as exc:  # a bad layout or model found in a rank: one line, as for the parent's checks
         inner = exc.innermost
         if inner is None or inner[0] not in USER_ERRORS:
             raise
         print(f"error: {inner[1]}", file=sys.stderr)
         return 2
-        result["bytes_ratio_vs_bf16"] = result["refits"][-1]["bytes_sent"] / result["bf16_bytes_sent"]
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)
+    # a full refit sends exactly the minimal bytes; a delta refit less than a full one
     result["ok"] = bool(result["bit_exact"]) and (diff is None or tolerance is None or diff <= tolerance) and all(
-        r["bytes_sent"] == r["bytes_minimal"] for r in result["refits"])
+        r["bytes_sent"] <= r["bytes_full"] if r["delta"] else r["bytes_sent"] == r["bytes_minimal"]
+        for r in result["refits"])
     print(format_table(result))
     if args.json:
         out = {k: v for k, v in result.items() if k != "summary"}

@@ -51,6 +51,10 @@ class RunSpec:
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
     progress: bool = False
     """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.tools.progress`: terminals only)."""
+    lr: float = 1e-2
+    """Learning rate of the step before each refit."""
+    delta: str = "off"
+    """``refit.delta``: ``on`` / ``auto`` send only the elements that changed since the last refit."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -103,7 +107,7 @@ def refit_config(spec: RunSpec, port: int):
                        backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
-                       timeout_s=spec.timeout_s)
+                       timeout_s=spec.timeout_s, delta=spec.delta)
 
 
 def _hf_config(spec: RunSpec):
@@ -133,7 +137,17 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         from conversion.lora import apply_lora
 
         built = replace(built, model=apply_lora(built.model, dim=spec.lora_rank, alpha=spec.lora_alpha))
+    optimizer = None
+    if spec.dtype == "bfloat16" and not (spec.lora_rank or spec.offload):
+        # as Megatron trains in bf16: its DistributedOptimizer over fp32 main params, the bf16
+        # params what the engine gets (a step below a bf16 ulp changes no element). Before the
+        # refit enumerates: DDP moves the params into its buffers.
+        from conversion.megatron_optim import distributed_optimizer
+
+        built, optimizer = distributed_optimizer(built, lr=spec.lr, clip_grad=0.0)
     params = [p for chunk in built.model for p in chunk.parameters()]
+    if optimizer is None:
+        optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=spec.lr)
     offloader = None
     if spec.offload:
         from ..offload import ParamOffloader
@@ -143,7 +157,6 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
-    optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
     out = []
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
@@ -265,6 +278,9 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             max_logit_diff=logit_diff,
             bytes_sent=sum(item["report"]["bytes_sent"] for item in t_items),
             bytes_minimal=reports[0]["bytes_minimal"],
+            bytes_full=sum(item["report"]["bytes_full"] for item in t_items),
+            delta=bool(t_items[0]["report"]["delta"]),
+            density=t_items[0]["report"]["summary"]["refit/density"],
             seconds=dict(total=max(r["seconds"]["total"] for r in reports), pack=secs("pack", t_items),
                          transfer=max(r["seconds"]["transfer"] for r in reports), load=secs("load", g_items),
                          onload=secs("onload", t_items), offload=secs("offload", t_items)),
@@ -276,6 +292,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         max_logit_diff=max(diffs) if diffs else None,
         model=spec.model,
         dtype=spec.dtype,
+        delta=spec.delta,
+        lr=spec.lr,
         fp8=spec.fp8 or None,
         train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),
         gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),

@@ -36,7 +36,7 @@ MAGIC = 0x52_46_49_54_0003
 CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5}
 """The calls control messages belong to (the header's second word)."""
 
-HEADER_VALUES = 11
+HEADER_VALUES = 15
 """Values a control header carries after (magic, call, sequence)."""
 
 FIRST_FAILURE = "megatron_refit_first_failure"

@@ -1,0 +1,195 @@
+"""Delta refits (``refit.delta``): the encodings, and Refitter/Receiver over gloo sending only
+what changed — bit-exact after every refit, a full refit whenever a receiver missed a
+version, ``auto`` going full when the change is dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_refit.delta import BITMASK, INDICES, RAW, DeltaSender, apply, encode, pack_bits, sizes, unpack_bits
+from megatron_refit.driver import TensorPiece
+from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.tools.launch import run_spawned
+
+# -- encodings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("word", [1, 2, 4])
+@pytest.mark.parametrize("changed", [0, 1, 37, 400, 4096])
+def test_encode_then_apply_restores_the_new_bytes(word, changed):
+    g = torch.Generator().manual_seed(changed * 10 + word)
+    old = torch.randint(0, 256, (4096 * word,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    words = new.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[word])
+    where = torch.randperm(words.numel(), generator=g)[:changed]
+    words[where] ^= 1  # flip one bit: every chosen word differs
+    encoding, payload, count = encode(new, old, word)
+    assert count == changed
+    raw, indices, bitmask = sizes(4096, changed, word)
+    if encoding == RAW:
+        assert payload is None and min(indices, bitmask) >= raw
+        return
+    assert payload.numel() == min(indices, bitmask) < raw
+    assert encoding == (INDICES if indices <= bitmask else BITMASK)
+    target = old.clone()
+    apply(target, encoding, payload, word)
+    assert torch.equal(target, new)
+
+
+def test_encoding_choice_follows_density():
+    old = torch.zeros(1 << 16, dtype=torch.uint8)
+    sparse, dense, mid = old.clone(), old.clone(), old.clone()
+    sparse[:10] = 1
+    mid[::8] = 1
+    dense[:] = 1
+    assert encode(sparse, old, 1)[0] == INDICES
+    assert encode(mid, old, 1)[0] == BITMASK  # 1/8 of the words: a bit each beats 5 bytes each
+    assert encode(dense, old, 1)[0] == RAW
+    assert torch.equal(unpack_bits(pack_bits(mid != 0), mid.numel()), mid != 0)
+
+
+def test_sender_keeps_copies_and_auto_backs_off():
+    sender = DeltaSender("auto")
+    data = torch.arange(64, dtype=torch.uint8)
+    assert sender.encode((0, 0), data, 1, use_delta=False)[0] == RAW  # the first refit: full, copy kept
+    assert sender.held_bytes() == 64
+    sender.finish(1, ok=True, bytes_sent=64, bytes_full=64, was_delta=False)
+    assert sender.base == 1
+    data[3] = 200
+    encoding, payload, changed = sender.encode((0, 0), data, 1, use_delta=True)
+    assert (encoding, changed) == (INDICES, 1) and payload.numel() == 5
+    sender.finish(2, ok=False, bytes_sent=5, bytes_full=64, was_delta=True)
+    assert sender.base == -1  # a rank failed: the next refit is full
+    sender.finish(3, ok=True, bytes_sent=60, bytes_full=64, was_delta=True)  # dense: back off
+    assert sender.base == -1 and not sender.keeps_copies and sender.held_bytes() == 0
+    for v in range(4, 8):
+        assert not sender.keeps_copies
+        sender.finish(v, ok=True, bytes_sent=64, bytes_full=64, was_delta=False)
+    assert sender.keeps_copies and sender.base == -1  # refit 8 is full again, keeping copies
+    with pytest.raises(ValueError, match=r"refit.delta: 'yes' is not one of \['off', 'on', 'auto'\]"):
+        DeltaSender("yes")
+
+
+# -- refits over gloo ------------------------------------------------------------------------
+
+GLOBAL = {"w": ((64, 48), "bfloat16"), "b": ((48,), "bfloat16"), "s": ((16, 32), "bfloat16")}
+NUM_TRAIN = 2
+
+
+def _weights(step: int, lr: float) -> dict[str, torch.Tensor]:
+    """bf16 / fp32 weights after ``step`` updates of an fp32 master copy by ``lr`` (few bf16
+    elements cross a rounding boundary at small lr)."""
+    out = {}
+    for i, (name, (shape, dtype)) in enumerate(sorted(GLOBAL.items())):
+        g = torch.Generator().manual_seed(i)
+        master = torch.randn(shape, generator=g) * 0.02
+        for s in range(step):
+            master += lr * torch.randn(shape, generator=torch.Generator().manual_seed(100 * s + i))
+        out[name] = master.to(getattr(torch, dtype))
+    return out
+
+
+class _Store:
+    def __init__(self):
+        self.t = {n: torch.zeros(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in GLOBAL.items()}
+        self.fail_next = False
+
+    def target_specs(self):
+        return [ShardSpec(name=n, global_shape=s, dtype=d, box=full_box(s)) for n, (s, d) in GLOBAL.items()]
+
+    def buffer(self, name):
+        return self.t[name]
+
+    def finalize(self):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("engine post-load failed (test)")
+
+
+def _delta_rank(rank, world, port, mode, schedule, bucket_bytes):
+    """``schedule``: (lr, event) per refit; events: "" or "fail-gen" (the last generation
+    rank's post-load fails at that refit: it misses the version)."""
+    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.transport import RefitGroup
+
+    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    kw = dict(num_train=NUM_TRAIN, num_gen=world - NUM_TRAIN, bucket_bytes=bucket_bytes, direct_bytes=None,
+              verify="full", delta=mode)
+    out = []
+    if rank < NUM_TRAIN:  # train TP2: row halves of 2-D tensors, 1-D replicated
+        pieces = {}
+        for name, (shape, dtype) in GLOBAL.items():
+            box = full_box(shape) if len(shape) == 1 else box_along(shape, 0, rank * shape[0] // 2,
+                                                                      (rank + 1) * shape[0] // 2)
+            pieces[name] = TensorPiece(ShardSpec(name=name, global_shape=shape, dtype=dtype, box=box),
+                                       torch.empty(0))
+        ep = Refitter(group, list(pieces.values()), **kw)
+        ep.prepare()
+        step = 0
+        for version, (lr, _) in enumerate(schedule, start=1):
+            step += 1
+            full = _weights(step, lr)
+            for name, piece in pieces.items():
+                piece.data = full[name][tuple(slice(a, b) for a, b in piece.spec.box)].clone()
+            try:
+                report = ep.refit(version)
+                out.append(dict(ok=True, summary=report.summary, delta=report.delta, sent=report.bytes_sent,
+                                full=report.bytes_full))
+            except Exception as exc:  # noqa: BLE001 -- the test reads what the trainer raised
+                out.append(dict(ok=False, error=type(exc).__name__))
+        return dict(out=out, held=ep._delta.held_bytes())
+    store = _Store()
+    ep = Receiver(group, store, **kw)
+    ep.prepare()
+    step = 0
+    for version, (lr, event) in enumerate(schedule, start=1):
+        step += 1
+        store.fail_next = event == "fail-gen" and rank == world - 1
+        try:
+            report = ep.receive(version)
+            out.append(dict(ok=True, delta=report.delta, received=report.bytes_received))
+        except Exception as exc:  # noqa: BLE001
+            out.append(dict(ok=False, error=type(exc).__name__))
+        want = _weights(step, lr)
+        out[-1]["exact"] = all(torch.equal(store.t[n].view(torch.uint8), want[n].view(torch.uint8)) for n in GLOBAL)
+    return dict(out=out)
+
+
+@pytest.mark.slow
+def test_delta_refits_are_exact_small_and_a_missed_version_gets_a_full_refit():
+    schedule = [(1e-6, ""), (1e-6, ""), (1e-6, "fail-gen"), (1e-6, ""), (1e-6, "")]
+    out = run_spawned(_delta_rank, 4, "on", schedule, 4096, timeout_s=120)
+    train, gen = out[:NUM_TRAIN], out[NUM_TRAIN:]
+    deltas = [r["summary"]["refit/delta"] if r["ok"] else None for r in train[0]["out"]]
+    # 1: full (nothing to start from); 2: delta; 3: delta, but the last gen rank fails to apply
+    # it (the trainer raises too); 4: full (that rank missed 3, decided before any byte moved); 5: delta
+    assert deltas == [0, 1, None, 0, 1]
+    assert [r["ok"] for r in train[0]["out"]] == [True, True, False, True, True]
+    assert train[0]["out"][2]["error"] == "RefitAbortedError"
+    for g in gen:
+        assert all(r["exact"] for r in g["out"] if r["ok"])
+    assert [r["delta"] for r in gen[0]["out"]] == [False, True, True, False, True]
+    assert [r["ok"] for r in gen[-1]["out"]] == [True, True, False, True, True]
+    assert gen[-1]["out"][2]["error"] == "RuntimeError"  # its post-load failed: stale, version 3 missed
+    assert [r.get("delta") for r in gen[-1]["out"]] == [False, True, None, False, True]
+    for i in (1, 4):
+        s = train[0]["out"][i]["summary"]
+        assert s["refit/bytes"] <= 0.1 * s["refit/bytes_full"] and 0 < s["refit/density"] < 0.05, s
+        assert s["refit/bytes_full"] == s["refit/bytes_minimal"]
+    s = train[0]["out"][3]["summary"]
+    assert s["refit/bytes"] == s["refit/bytes_full"] and s["refit/delta"] == 0
+    # host memory: a copy of what each train rank sends
+    assert sum(t["held"] for t in train) >= train[0]["out"][0]["summary"]["refit/bytes_full"]
+
+
+@pytest.mark.slow
+def test_auto_sends_full_refits_when_the_change_is_dense():
+    schedule = [(1e-6, ""), (1.0, ""), (1e-6, ""), (1e-6, "")]
+    out = run_spawned(_delta_rank, 3, "auto", schedule, 1 << 20, timeout_s=120)
+    summaries = [r["summary"] for r in out[0]["out"]]
+    assert [s["refit/delta"] for s in summaries] == [0, 1, 0, 0]  # lr 1.0 changes everything: back off
+    assert summaries[1]["refit/bytes"] == summaries[1]["refit/bytes_full"]  # every bucket went raw
+    assert summaries[1]["refit/density"] > 0.9
+    assert all(r["exact"] for r in out[2]["out"])
+    assert out[0]["held"] == 0  # backing off: no copies held
