@@ -47,6 +47,35 @@ class Cluster:
                              f"{self.efficiency!r}, {self.latency_s!r}")
 
 
+def delta_fraction(density: float, word: int = 2) -> float:
+    """Bytes of a delta refit as a fraction of a full one when ``density`` of the words
+    (``word`` bytes each: 2 for bf16) changed: each bucket goes as the smallest of its raw
+    bytes, changed indices (int32) + values, or a bitmask + values (:mod:`megatron_refit.delta`)."""
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"delta density must be in [0, 1], got {density!r}")
+    return min(word, density * (4 + word), 0.125 + density * word) / word
+
+
+def delta_prediction(pair_bytes: dict[tuple[int, int], int], train_gpu: list[int], gen_gpu: list[int],
+                     cluster: Cluster, *, bucket_bytes: int, density: float, word: int = 2) -> Prediction:
+    """:func:`predict` for a delta refit at ``density``: every pair's bytes scaled by
+    :func:`delta_fraction`, plus each GPU's compare / apply pass over its full bytes at
+    device-copy bandwidth (the sender reads the new bytes and its copy; the receiver writes
+    the changed words in place)."""
+    fraction = delta_fraction(density, word)
+    scaled = {pair: math.ceil(nbytes * fraction) for pair, nbytes in pair_bytes.items()}
+    base = predict(scaled, train_gpu, gen_gpu, cluster, bucket_bytes=bucket_bytes)
+    full: dict[int, int] = defaultdict(int)
+    for (src, dst), nbytes in pair_bytes.items():
+        full[train_gpu[src]] += 2 * nbytes  # new bytes and the copy, read
+        full[gen_gpu[dst]] += math.ceil(nbytes * fraction)
+    per_gpu = {gpu: base.per_gpu.get(gpu, 0.0) + full[gpu] / (cluster.copy_gbps * cluster.efficiency * GB)
+               for gpu in set(base.per_gpu) | set(full)}
+    slowest = max(per_gpu, key=per_gpu.get)
+    return Prediction(seconds=per_gpu[slowest], bottleneck=f"{base.bottleneck}; compare pass on GPU {slowest}",
+                      per_gpu=per_gpu)
+
+
 def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tuple[list[int], list[int]]:
     """Cluster GPU of each train rank and of each gen rank.
 

@@ -26,10 +26,10 @@ import torch
 
 from .buckets import pack_bucket
 from .checksum import chunk_sums, digests
-from .delta import RAW, DeltaSender, word_size
+from .delta import DeltaSender, word_size
 from .endpoint import (  # noqa: F401  (re-exported with the other refit errors)
     DIGEST_TAG,
-    MANIFEST_TAG,
+    delta_tag,
     Endpoint,
     RefitAbortedError,
     adjacent_pieces,
@@ -204,9 +204,8 @@ class Refitter(Endpoint):
 
         try:
             with torch.no_grad():
-                if self._delta.keeps_copies:  # compare and keep every bucket first, then send what changed
-                    post = self._encode_all(buckets, get_src, use_delta, check, retire, report, digest_sends)
-                    retire = _nothing
+                if self._delta.keeps_copies:  # compare with (and keep) a copy of every bucket, send what changed
+                    post = self._delta_post(get_src, use_delta, check, report, digest_sends)
                 self._run(buckets, post, retire, report)
                 t0 = time.perf_counter()
                 for pending in digest_sends:
@@ -232,18 +231,20 @@ class Refitter(Endpoint):
         return report
 
 
-    def _encode_all(self, buckets, get_src, use_delta: bool, check, retire, report: RefitReport, sends: list):
-        """Delta refits, sender: every bucket's full bytes compared with (and kept for the next
-        refit as) the copy of the last, its encoding chosen, its digests computed; then one
-        manifest per receiver (each bucket's encoding and size). Returns the bucket loop's post."""
-        encoded, scratch = {}, None
-        for bucket in buckets:
+    def _delta_post(self, get_src, use_delta: bool, check, report: RefitReport, sends: list):
+        """The bucket loop's post under ``refit.delta``: the bucket's full bytes compared with
+        (and kept for the next refit as) the copy of the last; in a delta refit a small header
+        (encoding, size) precedes each bucket, so the receiver posts exactly that size while
+        this rank encodes the next bucket."""
+        scratch: list[torch.Tensor] = []
+
+        def post(bucket, buf):
             t0 = time.perf_counter()
             data = self._direct_view(bucket, get_src, "src")
             if data is None:
-                if scratch is None:
-                    scratch = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=self.group.device)
-                data = scratch[: bucket.nbytes].zero_()  # padding too: the receiver rebuilds it as zeros
+                if not scratch or scratch[0].numel() < bucket.nbytes:
+                    scratch[:] = [torch.empty(bucket.nbytes, dtype=torch.uint8, device=buf.device)]
+                data = scratch[0][: bucket.nbytes].zero_()  # padding too: the receiver rebuilds it as zeros
                 pack_bucket(bucket, get_src, out=data)
             word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
             key = (bucket.dst_rank, bucket.index)
@@ -251,29 +252,21 @@ class Refitter(Endpoint):
             report.seconds["pack"] += time.perf_counter() - t0
             report.words += bucket.nbytes // word
             report.words_changed += changed
-            check(bucket, data)
-            encoded[key] = (encoding, payload if payload is not None else self._delta.previous[key])
-            retire(bucket, None)
-        if use_delta:  # waited for with the digests
-            for dst in sorted({b.dst_rank for b in buckets}):
-                codes = torch.tensor([(e, p.numel()) for (d, _), (e, p) in encoded.items() if d == dst])
-                first = next(b for b in buckets if b.dst_rank == dst)
-                sends.append(self.group.send_small(codes.flatten(), self.plan.global_dst(first), MANIFEST_TAG))
-
-        def post(bucket, buf):
-            encoding, data = encoded.pop((bucket.dst_rank, bucket.index))
-            report.bytes_sent += bucket.payload_bytes if encoding == RAW else data.numel()
-            report.bytes_wire += data.numel()
             dst = self.plan.global_dst(bucket)
+            data = self._delta.previous[key] if payload is None else payload
+            if use_delta:  # waited for with the digests
+                header = torch.tensor([encoding, data.numel()], dtype=torch.int64)
+                sends.append(self.group.send_small(header, dst, delta_tag(bucket.index)))
+            report.bytes_sent += bucket.payload_bytes if payload is None else data.numel()
+            report.bytes_wire += data.numel()
             alone = not self.group.shares_buffers and data.device == self.group.device
             self._route(report, alone)
             if not alone:
                 data = buf[: data.numel()].copy_(data)
             pending = self.group.isend(data, dst, bucket.index)
             pending.direct = alone
+            check(bucket, self._delta.previous[key])
             return pending
         return post
 
 
-def _nothing(*args) -> None:
-    return None

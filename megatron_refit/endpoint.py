@@ -30,8 +30,14 @@ MAX_DIRECT_IN_FLIGHT = 16
 
 DIGEST_TAG = 1 << 30
 """Message tag of a pair's bucket digests (bucket messages use the bucket's index)."""
-MANIFEST_TAG = DIGEST_TAG + 1
-"""Message tag of a pair's delta manifest: each bucket's encoding and size (delta refits)."""
+DELTA_TAG = 1 << 29
+"""Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
+
+
+def delta_tag(index: int) -> int:
+    if not 0 <= index < DELTA_TAG:
+        raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
+    return DELTA_TAG + index
 
 
 class RefitAbortedError(RuntimeError):

@@ -13,7 +13,7 @@ import torch
 from .buckets import repack_bucket, unpack_bucket
 from .checksum import chunk_sums, digests
 from .delta import RAW, apply, word_size
-from .endpoint import DIGEST_TAG, MANIFEST_TAG, Endpoint, adjacent_pieces
+from .endpoint import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
 from .plan_checks import ITEMSIZE
 from .receivers.base import RefitCorruptionError, ReceiverBackend, RefreshesTargets, TracksState
 from .report import RefitReport
@@ -98,11 +98,16 @@ class Receiver(Endpoint):
         if self.verify != "off":
             sent = {src: self.group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
                     for src, n in left.items()}
-        codes = self._manifests(buckets, left) if use_delta else {}  # (src, index) -> (encoding, size)
+        codes = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
         scratch = []
 
         def post(bucket, buf):
-            encoding, size = codes.get((bucket.src_rank, bucket.index), (RAW, 0))
+            encoding, size = RAW, 0
+            if use_delta:
+                header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), self.plan.global_src(bucket),
+                                               delta_tag(bucket.index))
+                self.group.wait(header)
+                encoding, size = codes[bucket.src_rank, bucket.index] = header.buffer.cpu().tolist()
             if encoding != RAW:  # the changed elements only, into staging
                 self._route(report, False)
                 return self.group.irecv(buf[:size], self.plan.global_src(bucket), bucket.index)
@@ -153,19 +158,6 @@ class Receiver(Endpoint):
         report.seconds["total"] = time.perf_counter() - start
         self._summarize(report)
         return report
-
-    def _manifests(self, buckets, left: Counter) -> dict:
-        """Delta refits: each sender's manifest, the encoding and size of every bucket it sends
-        here (in plan order), before any bucket is posted."""
-        posted = {src: self.group.recv_small(torch.zeros(2 * n, dtype=torch.int64), src, MANIFEST_TAG)
-                  for src, n in left.items()}
-        codes = {}
-        for src, pending in posted.items():
-            self.group.wait(pending)
-            mine = [b for b in buckets if self.plan.global_src(b) == src]
-            for bucket, (encoding, size) in zip(mine, pending.buffer.cpu().view(-1, 2).tolist(), strict=True):
-                codes[bucket.src_rank, bucket.index] = (encoding, size)
-        return codes
 
     def _apply_delta(self, bucket, encoding: int, payload: torch.Tensor, scratch: list) -> torch.Tensor:
         """The bucket's new bytes: the previous version's (engine storage) with the changed

@@ -7,7 +7,9 @@
     pre-allocated buffer of exactly that pair's bytes, same group, same pattern;
 (d) ours with the integrity check off (``verify="off"``): ``verify_overhead`` is (a) / (d),
     the cost of the bucket digests that every refit runs by default (``--verify``: which
-    check (a) runs, ``sampled`` by default).
+    check (a) runs, ``sampled`` by default);
+(e) delta vs full refits at lr 1e-6 and 1e-5 (``refit.delta``; the model in bf16 with fp32
+    master copies, :mod:`bench_delta`), on the first layout (``--no-delta`` skips it).
 
 Warm-up, then ``--reps`` repetitions; medians of the slowest rank per repetition.
 ``--json``: the last line is one JSON object (see the issue for the fields); ``--png PATH``
@@ -57,7 +59,7 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - start
 
 
-def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled"):
+def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False):
     from megatron_refit.driver import Receiver, Refitter, TensorPiece
     from megatron_refit.tools.harness import _hf_config, make_gen_backend
     from megatron_refit.spec import ShardSpec, full_box
@@ -147,7 +149,13 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
     num_params = sum(math.prod(s.global_shape) for s in full_specs)
     from megatron_refit.checksum import extra_bytes
 
+    delta = None
+    if with_delta:  # (e) delta vs full at small learning rates, bf16 with fp32 masters (scripts/bench_delta.py)
+        from bench_delta import delta_rank
+
+        delta = delta_rank(group, spec, cfg, shards if is_train else None, reps)
     return dict(times=times, num_params=num_params, bytes_sent=plan.bytes_sent, bytes_minimal=plan.bytes_minimal,
+                delta=delta,
                 verify_extra_bytes=max((extra_bytes(b.nbytes, verify) for b in plan.buckets), default=0),
                 max_bucket_bytes=max((b.nbytes for b in plan.buckets), default=0),
                 peer_bytes=peers.plan.bytes_sent, role="train" if is_train else "gen",
@@ -174,14 +182,15 @@ def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
     return statistics.median(cpu)
 
 
-def run_bench(spec: RunSpec, reps: int, verify: str = "sampled") -> dict:
+def run_bench(spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False) -> dict:
     from dataclasses import replace
 
     from megatron_refit.tools.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port, collect=False)
-    out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, reps, verify, timeout_s=1800, port=refit_port)
+    out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, reps, verify, with_delta, timeout_s=1800,
+                      port=refit_port)
     seconds, per_rep = {}, {}
     for key in ("ours", "gather_broadcast", "floor", "ours_unverified"):
         per_rep[key] = [max(r["times"][key][i] for r in out) for i in range(reps)]
@@ -200,7 +209,14 @@ def run_bench(spec: RunSpec, reps: int, verify: str = "sampled") -> dict:
         bytes_minimal=out[0]["bytes_minimal"],
         peer_bytes=out[0]["peer_bytes"],
         layout=f"train {spec.train.describe()} -> gen TP{spec.gen.tp}xDP{spec.gen.dp}",
+        delta=_delta_summary([r["delta"] for r in out]) if with_delta else None,
     )
+
+
+def _delta_summary(per_rank):
+    from bench_delta import summarize
+
+    return summarize(per_rank)
 
 
 def layout_parser(doc: str) -> argparse.ArgumentParser:
@@ -221,6 +237,9 @@ def main(argv=None) -> int:
                    help="also measure train TP2 -> gen TP1xDP2 for the table")
     p.add_argument("--verify", default="sampled", choices=["sampled", "full"],
                    help="the integrity check of the measured refit (default: %(default)s, as refit.verify)")
+    p.add_argument("--delta", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure delta vs full refits at lr 1e-6 and 1e-5 (bf16 with fp32 masters; first "
+                        "layout)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", metavar="PATH", help="write a bar chart: ours vs gather+broadcast vs floor per layout")
     args = p.parse_args(argv)
@@ -236,7 +255,7 @@ def main(argv=None) -> int:
         spec = RunSpec(model="qwen3", overrides=dict(BENCH_SHAPE), train=TrainLayout(tp=args.train_tp),
                        gen=GenLayout(tp=gen_tp, dp=gen_dp), bucket_bytes=int(args.bucket_mb * (1 << 20)),
                        dtype=args.dtype)
-        rows.append(run_bench(spec, args.reps, args.verify))
+        rows.append(run_bench(spec, args.reps, args.verify, with_delta=args.delta and not rows))
     print(f"{'layout':36s} {'ours s':>8} {'gather+bcast s':>14} {'floor s':>8} {'p1 bytes':>9} "
           f"{'p2 vs floor':>11} {'p3 speedup':>10} {'bytes ours':>13} {'bytes peers':>13}")
     for r in rows:
@@ -269,6 +288,12 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['layout']}: driver CPU per refit with a transport that moves nothing (median, slowest rank): "
               f"train {r['driver_cpu_ms']['train']} ms, gen {r['driver_cpu_ms']['gen']} ms")
+    if head["delta"]:
+        result["delta"] = head["delta"]
+        for lr, d in head["delta"].items():
+            print(f"{head['layout']}: delta vs full at lr {lr} (bf16, fp32 masters): {d['delta_s']:.3f} s against "
+                  f"{d['full_s']:.3f} s (x{d['time_ratio']:.2f}), {d['bytes_delta']:,} of {d['bytes_full']:,} bytes "
+                  f"({d['bytes_ratio']:.3f}), density {d['density']:.4f}")
     print(f"model: {head['model_params'] / 1e6:.0f}M params, {args.dtype}, median of {args.reps} after warm-up; "
           f"targets p1 = 1.00, p2 <= 1.15, p3 >= 2.0: {'met' if result['ok'] else 'NOT met'}")
     if args.png:

@@ -95,3 +95,33 @@ def test_command_line_on_a_shipped_config():
     floor = result["bytes_per_gen_rank_max"] / 40e9
     assert floor <= result["predicted_seconds"] <= floor * 1.05
     assert "NeMo-RL reshard refit (H100)" in out.stdout and "0.74-1.00" in out.stdout
+
+
+def test_delta_prediction_scales_the_bytes_by_the_encoding_and_adds_the_compare_pass():
+    from megatron_refit.cost import delta_fraction, delta_prediction
+
+    assert delta_fraction(0.0) == 0.0 and delta_fraction(1.0) == 1.0
+    assert delta_fraction(0.03) == pytest.approx(0.03 * 6 / 2)  # indices + values: 6 bytes per changed bf16
+    assert delta_fraction(0.2) == pytest.approx((0.125 + 0.4) / 2)  # bitmask + values
+    assert delta_fraction(0.95) == 1.0  # raw (a bitmask would add 1/8 byte per word)
+    with pytest.raises(ValueError, match="delta density must be in"):
+        delta_fraction(1.5)
+    cluster = Cluster()
+    pairs = {(0, 0): 8 * 10**9}  # one train GPU to one gen GPU on another node: 8 GB through the NIC
+    train_gpu, gen_gpu = placement(1, 1, "disaggregated", cluster.gpus_per_node)
+    full = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=1 << 29)
+    delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=1 << 29, density=0.03)
+    nic = 8e9 * 0.09 / 40e9
+    compare = 2 * 8e9 / (1500e9 * 0.8)
+    assert delta.seconds == pytest.approx(nic + compare + 2 * 20e-6, rel=1e-3) < full.seconds / 5
+
+
+def test_command_line_predicts_a_delta_refit():
+    out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/qwen3-30b-a3b.yaml",
+                          "--delta-density", "0.03", "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["delta_bytes_fraction"] == 0.09
+    assert 0 < result["predicted_delta_seconds"] < 0.2 * result["predicted_seconds"]
+    assert "delta at density 0.03" in out.stdout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.delta import BITMASK, INDICES, RAW, DeltaSender, apply, encode, pack_bits, sizes, unpack_bits
+from megatron_refit.delta import BITMASK, INDICES, RAW, DeltaSender, encode, pack_bits, sizes, unpack_bits
 from megatron_refit.driver import TensorPiece
 from megatron_refit.spec import ShardSpec, box_along, full_box
 from megatron_refit.tools.launch import run_spawned
@@ -15,26 +15,33 @@ from megatron_refit.tools.launch import run_spawned
 # -- encodings ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["host", "torch"])
 @pytest.mark.parametrize("word", [1, 2, 4])
 @pytest.mark.parametrize("changed", [0, 1, 37, 400, 4096])
-def test_encode_then_apply_restores_the_new_bytes(word, changed):
+def test_encode_then_apply_restores_the_new_bytes(word, changed, path):
+    """Both implementations (numpy for host buckets, torch for device ones, run here on CPU)."""
+    from megatron_refit import delta
+
+    encode_fn = (lambda n, o, w: delta._encode_host(n.numpy(), o.numpy(), w)) if path == "host" else \
+        delta._encode_torch
+    apply_fn = delta.apply if path == "host" else delta._apply_torch
     g = torch.Generator().manual_seed(changed * 10 + word)
     old = torch.randint(0, 256, (4096 * word,), dtype=torch.uint8, generator=g)
     new = old.clone()
     words = new.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[word])
     where = torch.randperm(words.numel(), generator=g)[:changed]
     words[where] ^= 1  # flip one bit: every chosen word differs
-    encoding, payload, count = encode(new, old, word)
-    assert count == changed
+    previous = old.clone()
+    encoding, payload, count = encode_fn(new, old, word)
+    assert count == changed and torch.equal(old, new)  # the sender's copy is the new version now
     raw, indices, bitmask = sizes(4096, changed, word)
     if encoding == RAW:
         assert payload is None and min(indices, bitmask) >= raw
         return
     assert payload.numel() == min(indices, bitmask) < raw
     assert encoding == (INDICES if indices <= bitmask else BITMASK)
-    target = old.clone()
-    apply(target, encoding, payload, word)
-    assert torch.equal(target, new)
+    apply_fn(previous, encoding, payload, word)
+    assert torch.equal(previous, new)
 
 
 def test_encoding_choice_follows_density():
@@ -43,9 +50,9 @@ def test_encoding_choice_follows_density():
     sparse[:10] = 1
     mid[::8] = 1
     dense[:] = 1
-    assert encode(sparse, old, 1)[0] == INDICES
-    assert encode(mid, old, 1)[0] == BITMASK  # 1/8 of the words: a bit each beats 5 bytes each
-    assert encode(dense, old, 1)[0] == RAW
+    assert encode(sparse, old.clone(), 1)[0] == INDICES
+    assert encode(mid, old.clone(), 1)[0] == BITMASK  # 1/8 of the words: a bit each beats 5 bytes each
+    assert encode(dense, old.clone(), 1)[0] == RAW
     assert torch.equal(unpack_bits(pack_bits(mid != 0), mid.numel()), mid != 0)
 
 
@@ -193,3 +200,68 @@ def test_auto_sends_full_refits_when_the_change_is_dense():
     assert summaries[1]["refit/density"] > 0.9
     assert all(r["exact"] for r in out[2]["out"])
     assert out[0]["held"] == 0  # backing off: no copies held
+
+
+# -- end to end: Megatron trainer (bf16, fp32 main params) -> engines ----------------------
+
+E2E = [  # (id, RunSpec fields)
+    ("qwen3-TP2-to-HF-TP1xDP2", dict(model="qwen3")),
+    ("qwen3moe-EP2-to-vllm-TP2", dict(model="qwen3-moe", train=dict(tp=1, ep=2, dp=2), gen=dict(tp=2, dp=1))),
+    ("qwen3-FP8-to-HF", dict(model="qwen3", fp8="trainer", gen=dict(tp=1, dp=1),
+                             overrides=dict(hidden=256, heads=2, kv_heads=2, head_dim=128, ffn=512, vocab=256,
+                                            layers=2))),
+    ("qwen3-colocated", dict(model="qwen3", train=dict(tp=1), gen=dict(tp=1, dp=1), colocated=True)),
+]
+
+
+def _spec(fields):
+    from megatron_refit.gen_layout import GenLayout
+    from megatron_refit.layout import TrainLayout
+    from megatron_refit.tools.harness import RunSpec
+
+    fields = dict(fields)
+    train = TrainLayout(**fields.pop("train", dict(tp=2)))
+    gen = GenLayout(**fields.pop("gen", dict(tp=1, dp=2)))
+    fields = dict(dict(dtype="bfloat16", lr=1e-6, delta="on", refits=3, bucket_bytes=64 << 10), **fields)
+    return RunSpec(train=train, gen=gen, **fields)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", [f for _, f in E2E], ids=[i for i, _ in E2E])
+def test_delta_refit_end_to_end_is_bit_exact_and_small(fields):
+    """bf16 training with fp32 main params at lr 1e-6: after the first refit only the
+    changed elements travel, and the engine's weights equal Bridge's export bit for bit."""
+    from megatron_refit.tools.harness import evaluate, run
+
+    spec = _spec(fields)
+    result = evaluate(spec, run(spec))
+    assert result["bit_exact"] is True
+    first, *rest = result["refits"]
+    assert not first["delta"] and first["bytes_sent"] == first["bytes_minimal"] == first["bytes_full"]
+    for r in rest:
+        assert r["delta"] and r["bytes_sent"] <= 0.1 * r["bytes_full"], r
+        assert 0 < r["density"] < 0.1
+
+
+@pytest.mark.slow
+def test_lora_delta_sends_changed_adapter_elements_only():
+    from megatron_refit.tools.harness import evaluate, run
+
+    spec = _spec(dict(model="qwen3", gen=dict(tp=1, dp=1), lora_rank=4, refits=4))
+    result = evaluate(spec, run(spec))
+    assert result["bit_exact"] is True
+    r1, r2, r3, r4 = result["refits"]
+    assert not r1["delta"] and not r2["delta"]  # base + adapters; then the first adapters-only refit
+    assert r2["bytes_sent"] == r2["bytes_full"] < r1["bytes_full"]
+    for r in (r3, r4):  # adapters only, and of them only what changed
+        assert r["delta"] and r["bytes_sent"] < r["bytes_full"] == r2["bytes_full"]
+
+
+def test_yaml_reads_delta_off_and_on_as_the_modes():
+    from megatron_refit.config import RefitConfig
+
+    assert RefitConfig.from_dict({"enabled": True, "delta": False}).delta == "off"
+    assert RefitConfig.from_dict({"enabled": True, "delta": True}).delta == "on"
+    assert RefitConfig.from_dict({"enabled": True, "delta": "auto"}).delta == "auto"
+    with pytest.raises(ValueError, match=r"refit.delta: 'sometimes' is not one of \['off', 'on', 'auto'\]"):
+        RefitConfig.from_dict({"enabled": True, "delta": "sometimes"})

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megatron_refit.cost import Cluster, placement, predict
+from megatron_refit.cost import Cluster, delta_fraction, delta_prediction, placement, predict
 from megatron_refit.tools.dryrun import build
 from megatron_refit.family_plan import FamilyPlan
 from megatron_refit.plan import SenderPlan
@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--nic-gbps", type=float, default=defaults.nic_gbps)
     p.add_argument("--efficiency", type=float, default=defaults.efficiency)
     p.add_argument("--latency-us", type=float, default=defaults.latency_s * 1e6)
+    p.add_argument("--delta-density", type=float, default=None, metavar="D",
+                   help="also predict a delta refit (refit.delta) where a share D of the bf16 elements changed "
+                        "since the last refit (e.g. 0.03)")
     args = p.parse_args(argv)
     model = ""
     try:
@@ -59,7 +62,12 @@ def main(argv=None) -> int:
         model = run.refit.model
         mode = args.placement or run.refit.mode
         train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)
-        prediction = predict(pair_bytes(run.senders), train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+        pairs = pair_bytes(run.senders)
+        prediction = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+        delta = None
+        if args.delta_density is not None:
+            delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
+                                     density=args.delta_density)
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)
         if args.json:
@@ -77,13 +85,19 @@ def main(argv=None) -> int:
               "(it counts full buckets, the NCCL default)")
     print(f"{'system':42} {'layout':40} {'seconds':>12}")
     print(f"{'megatron-refit (predicted transport)':42} {layout:40} {prediction.seconds:12.2f}")
+    if delta is not None:
+        label = f"  delta at density {args.delta_density:g} ({delta_fraction(args.delta_density):.3f} of bytes)"
+        print(f"{label:42} {layout:40} {delta.seconds:12.2f}")
     for system, their_layout, low, high in PUBLISHED.get(model, []):
         seconds = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
         print(f"{system:42} {their_layout:40} {seconds:>12}")
     if args.json:
         print(json.dumps({"ok": prediction.seconds > 0, "model": model,
                           "predicted_seconds": round(prediction.seconds, 4), "bottleneck": prediction.bottleneck,
-                          "bytes_per_gen_rank_max": run.gen_bytes_max()}))
+                          "bytes_per_gen_rank_max": run.gen_bytes_max(),
+                          **({"delta_density": args.delta_density, "predicted_delta_seconds": round(delta.seconds, 4),
+                              "delta_bytes_fraction": round(delta_fraction(args.delta_density), 4)}
+                             if delta is not None else {})}))
     return 0
 
 
