@@ -147,10 +147,12 @@ def build_model(
         model = [chunk.to(dtype) for chunk in model]
         # ... except the router's expert bias (DeepSeek's e_score_correction_bias), which
         # Megatron's router keeps in float32 (it restores it on every forward).
+        from .bridge_api import keep_expert_bias_fp32
+
         for chunk in model:
             for module in chunk.modules():
                 if getattr(module, "expert_bias", None) is not None:
-                    module._maintain_float32_expert_bias()
+                    keep_expert_bias_fp32(module)
     return BuiltModel(bridge=bridge, model=model, hf_config=hf_config, layout=layout)
 
 

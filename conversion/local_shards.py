@@ -19,14 +19,11 @@ import torch
 
 from megatron_refit.spec import Box, ShardSpec, box_along, full_box
 
+from . import bridge_api
 from .te_shim import import_bridge
 
 import_bridge()
 from megatron.bridge.models.conversion import param_mapping as pm  # noqa: E402
-from megatron.bridge.models.conversion.model_bridge import (  # noqa: E402
-    _HFNameSuffixMapping,
-    _megatron_local_name_to_global,
-)
 from megatron.bridge.models.conversion.utils import extract_sort_key, persistent_buffers  # noqa: E402
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -64,18 +61,18 @@ def local_conversion_tasks(bridge, model: list, hf_config) -> list:
     its cache with this rank's names, computed by Bridge's own local→global renaming, on a
     private copy of the model bridge.
     """
-    model_bridge = copy.copy(bridge._model_bridge)
+    model_bridge = copy.copy(bridge_api.model_bridge_of(bridge))
     config = model[0].config
     names = set()
     for vp_stage, chunk in enumerate(model):
         for local_name, _ in itertools.chain(chunk.named_parameters(), persistent_buffers(chunk)):
             if "_extra_state" in local_name:
                 continue
-            local_name = model_bridge._unwrap_name(local_name)
-            global_name = _megatron_local_name_to_global(model, config, local_name, vp_stage)
-            if not model_bridge._is_adapter_param_name(global_name):
+            local_name = bridge_api.unwrap_name(model_bridge, local_name)
+            global_name = bridge_api.local_name_to_global(model, config, local_name, vp_stage)
+            if not bridge_api.is_adapter_param_name(model_bridge, global_name):
                 names.add(global_name)
-    model_bridge._cached_param_names = sorted(names, key=extract_sort_key)
+    bridge_api.prime_param_names(model_bridge, sorted(names, key=extract_sort_key))
     tasks = model_bridge.build_conversion_tasks(hf_config, model)
     return [t for t in tasks if t is not None and t.param_weight is not None]
 
@@ -106,7 +103,7 @@ def _mapping_kind(mapping, module) -> str:
     if type(mapping) is pm.AutoMapping:
         if mapping.permute_dims is not None:
             raise LocalSplitError(f"{mapping.megatron_param}: AutoMapping with permute_dims has no local split")
-        return mapping._detect_parallelism_type(module)
+        return bridge_api.parallelism_of(mapping, module)
     raise LocalSplitError(
         f"{mapping.megatron_param}: no local split for mapping {type(mapping).__name__}"
     )
@@ -116,8 +113,9 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
     """Local shards of one conversion task (this rank must hold the parameter)."""
     mapping = task.mapping
     suffix = ""
-    if isinstance(mapping, _HFNameSuffixMapping):  # FP8 *_scale_inv sibling of a weight
-        suffix, mapping = mapping._suffix, mapping._base_mapping
+    parts = bridge_api.suffix_parts(mapping)
+    if parts is not None:  # FP8 *_scale_inv sibling of a weight
+        suffix, mapping = parts
     weight = task.param_weight
     module = task.megatron_module
     meg_name = task.global_param_name
@@ -131,10 +129,10 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
                           follows=None if follows is None else follows + suffix)
 
     if isinstance(mapping, pm.QKVMapping):
-        kind = mapping._tp_mapping._detect_parallelism_type(module)
+        kind = bridge_api.qkv_parallelism_of(mapping, module)
         if kind != "column":
             raise LocalSplitError(f"{meg_name}: QKV is {kind}-parallel; expected column")
-        config = mapping._get_config(module)
+        config = bridge_api.config_of(mapping, module)
         pieces = qkv_local_pieces(config, tp_size, tp_rank, weight)
         after = {"k": mapping.hf_param["q"], "v": mapping.hf_param["k"]}  # split_qkv_rows: [q; k; v]
         return [shard(mapping.hf_param[key], g, b, get, drop, after.get(key))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from megatron_refit.spec import box_along
 
+from . import bridge_api
 from .local_shards import (
     LocalShard,
     LocalSplitError,
@@ -77,7 +78,7 @@ def _task_adapter_shards(task, adapter) -> list[LocalShard]:
         a_shape = (a.shape[0] * tp, a.shape[1])
         a_box = box_along(a_shape, 0, rank * a.shape[0], (rank + 1) * a.shape[0])
         if isinstance(mapping, pm.QKVMapping):
-            pieces = qkv_local_pieces(mapping._get_config(task.megatron_module), tp, rank, b,
+            pieces = qkv_local_pieces(bridge_api.config_of(mapping, task.megatron_module), tp, rank, b,
                                       feature_dim=b.shape[1])
             return [s for key, (g, box, get, drop) in pieces.items() for s in (
                 _shard(lora(mapping.hf_param[key], "A"), a_shape, a_box, lambda w=a: w, meg, stage),

@@ -24,7 +24,7 @@ from megatron_refit.spec import ShardSpec
 from .te_shim import import_bridge
 
 import_bridge()
-from megatron.bridge.models.conversion.model_bridge import _HFNameSuffixMapping  # noqa: E402
+from .bridge_api import SuffixMapping, model_bridge_of  # noqa: E402
 
 
 def blockwise_fp8_metadata(tensor) -> dict | None:
@@ -64,7 +64,7 @@ def pass_through_tasks(model_bridge, tasks: list) -> list:
             param_name=task.param_name + SCALE_SUFFIX,
             global_param_name=task.global_param_name + SCALE_SUFFIX,
             param_weight=scale,
-            mapping=_HFNameSuffixMapping(registry.resolve_mapping(task.mapping, ()), SCALE_SUFFIX),
+            mapping=SuffixMapping(registry.resolve_mapping(task.mapping, ()), SCALE_SUFFIX),
         ))
     return out
 
@@ -73,7 +73,7 @@ def enumerate_te_fp8_shards(bridge, model: list, hf_config) -> list:
     """This rank's local shards with Float8Blockwise weights passed through (data + scales)."""
     from .local_shards import enumerate_local_shards, local_conversion_tasks
 
-    tasks = pass_through_tasks(bridge._model_bridge, local_conversion_tasks(bridge, model, hf_config))
+    tasks = pass_through_tasks(model_bridge_of(bridge), local_conversion_tasks(bridge, model, hf_config))
     shards = enumerate_local_shards(bridge, model, hf_config, tasks=tasks)
     check_fp8_specs([s.spec for s in shards])
     return shards

@@ -79,7 +79,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-ENUMERATION_SOURCES = ("__init__.py", "build.py", "enumerate.py", "families.py", "hf_configs.py",
+ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "build.py", "enumerate.py", "families.py", "hf_configs.py",
                        "local_shards.py", "meta.py", "te_shim.py", "validate.py")
 """The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
 helpers do not)."""
