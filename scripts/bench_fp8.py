@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit import _timed, layout_parser  # noqa: E402
+from bench_refit import _timed, check_args, layout_parser  # noqa: E402
 
 from megatron_refit.gen_layout import GenLayout  # noqa: E402
+from megatron_refit.tools.cli import check_layout, reports_user_errors  # noqa: E402
 from megatron_refit.tools.harness import RunSpec  # noqa: E402
 from megatron_refit.layout import TrainLayout  # noqa: E402
 
@@ -68,11 +69,13 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
                 num_params=sum(p.numel() for p in built.model[0].parameters()) if is_train else 0)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = layout_parser(__doc__)
     p.add_argument("--layers", type=int, default=FP8_BENCH_SHAPE["layers"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    check_args(args)
     from megatron_refit.tools.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
                    train=TrainLayout(tp=args.train_tp), gen=GenLayout(tp=args.gen_tp, dp=args.gen_dp),
                    bucket_bytes=int(args.bucket_mb * (1 << 20)), dtype="bfloat16", megatron_port=megatron_port,
                    collect=False)
+    check_layout(spec)  # before any rank starts
     out = run_spawned(bench_rank, spec.num_train + spec.num_gen, spec, args.reps, timeout_s=1800, port=refit_port)
     seconds = {k: statistics.median(max(r["times"][k][i] for r in out) for i in range(args.reps))
                for k in ("bf16", "fp8")}

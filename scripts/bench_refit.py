@@ -27,8 +27,9 @@ import time
 import torch
 
 from megatron_refit.gen_layout import GenLayout
-from megatron_refit.tools.harness import RunSpec
 from megatron_refit.layout import TrainLayout
+from megatron_refit.tools.cli import check_layout, reports_user_errors
+from megatron_refit.tools.harness import RunSpec
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
 BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
@@ -219,6 +220,15 @@ def _delta_summary(per_rank):
     return summarize(per_rank)
 
 
+def check_args(args) -> None:
+    """``ValueError`` naming a bad value of :func:`layout_parser`'s flags."""
+    for name in ("train_tp", "gen_tp", "gen_dp", "reps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+
+
 def layout_parser(doc: str) -> argparse.ArgumentParser:
     """The benchmarks' common flags: layout, repetitions, bucket size."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,6 +240,7 @@ def layout_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = layout_parser(__doc__)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -243,6 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", metavar="PATH", help="write a bar chart: ours vs gather+broadcast vs floor per layout")
     args = p.parse_args(argv)
+    check_args(args)
     if args.png:
         from megatron_refit.tools.plots import require_matplotlib
 
@@ -255,6 +267,7 @@ def main(argv=None) -> int:
         spec = RunSpec(model="qwen3", overrides=dict(BENCH_SHAPE), train=TrainLayout(tp=args.train_tp),
                        gen=GenLayout(tp=gen_tp, dp=gen_dp), bucket_bytes=int(args.bucket_mb * (1 << 20)),
                        dtype=args.dtype)
+        check_layout(spec)  # before any rank starts
         rows.append(run_bench(spec, args.reps, args.verify, with_delta=args.delta and not rows))
     print(f"{'layout':36s} {'ours s':>8} {'gather+bcast s':>14} {'floor s':>8} {'p1 bytes':>9} "
           f"{'p2 vs floor':>11} {'p3 speedup':>10} {'bytes ours':>13} {'bytes peers':>13}")

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_refit.tools.cli import check_layout, reports_user_errors
+
 LOGPROB_TOLERANCE = 1e-5
 MODEL = dict(vocab=16, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96)
 
@@ -183,6 +185,7 @@ def _from_config(path: str, port: int, overrides: list[str]):
     return spec, replace(refit, host="127.0.0.1", port=port)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
@@ -200,9 +203,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "group", "prompt_len", "completion_len"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group < 2:
-        raise SystemExit(f"error: --group must be >= 2 for group-normalised advantages, got {args.group}")
+        raise ValueError(f"--group must be >= 2 for group-normalised advantages, got {args.group}")
     if args.png:
         from megatron_refit.tools.plots import require_matplotlib
 
@@ -210,10 +213,8 @@ def main(argv=None) -> int:
     from megatron_refit.tools.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
-    try:
-        args.spec, args.refit = _from_config(args.config, refit_port, args.set)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    args.spec, args.refit = _from_config(args.config, refit_port, args.set)
+    check_layout(args.spec)
     world = args.spec.num_train + 1
     out = run_spawned(_rank, world, args, timeout_s=600, port=refit_port)
     train, gen = out[0], out[-1]

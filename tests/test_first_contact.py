@@ -67,3 +67,27 @@ def test_dry_run_of_a_layout_the_model_does_not_divide_is_one_error_line(tmp_pat
     err = capfd.readouterr().err.strip().splitlines()
     assert err == ["error: model num_attention_heads=32 is not divisible by train tp=3 (layout TP3xPP1xDP4)"], err
     assert not (tmp_path / "cache").exists()  # nothing enumerated
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_refit", ["--train-tp", "3", "--reps", "1", "--no-delta"], "num_attention_heads=16 is not divisible by "
+                                                                      "train tp=3"),
+    ("bench_refit", ["--reps", "0"], "--reps must be >= 1, got 0"),
+    ("bench_fp8", ["--bucket-mb", "0"], "--bucket-mb must be positive, got 0"),
+    ("grpo_tiny", ["--steps", "0"], "--steps must be >= 1, got 0"),
+    ("grpo_tiny", ["--set", "model.tensor_model_parallel_size=3"], "not divisible by train tp=3"),
+])
+def test_benchmarks_and_examples_print_one_error_line(script, argv, message, capfd, monkeypatch):
+    """The benchmarks and the GRPO example: a bad value is one ``error:`` line and exit 2,
+    before any rank starts."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    module = importlib.import_module(script)
+    assert module.main(argv) == 2
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    sys.modules.pop(script, None)

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ..gen_layout import GenLayout
 from .harness import RunSpec, _hf_config, evaluate, run
+from .cli import USER_ERRORS
 from .launch import SpawnError
 from ..layout import TrainLayout
 
@@ -24,10 +25,6 @@ MODELS = ["qwen3", "qwen3-moe", "llama3", "llama3-tied", "deepseek-v3", "nemotro
 MOE_MODELS = ("qwen3-moe", "deepseek-v3", "nemotron-h")
 
 LOGIT_TOLERANCE = {"float32": 1e-5}
-
-USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
-"""Errors a rank raises on a bad layout or model (the message names the bad value): printed
-as one ``error:`` line, exit code 2. Anything else keeps its traceback."""
 """Logits must match the Megatron forward this closely; in bf16 two implementations of the
 same weights differ by bf16 rounding, so the difference is reported, not judged."""
 
