@@ -57,7 +57,10 @@ class Receiver(Endpoint):
     def _delta_base(self) -> int:
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
         version = getattr(self.backend, "weights_version", self.weights_version)
-        return -1 if self.state != "ready" or self._moved or version is None else version
+        if self.state != "ready" or self._moved or version is None or not getattr(self.backend, "holds_sent_bytes",
+                                                                                   False):
+            return -1
+        return version
 
     def _refresh_targets(self) -> None:
         self._moved = False

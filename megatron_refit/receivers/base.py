@@ -65,6 +65,10 @@ class RefreshesTargets(Protocol):
 class WeightsState:
     """The stale / updating / ready guard of a receiver (see :data:`STATES`)."""
 
+    holds_sent_bytes: bool = True
+    """The storage keeps exactly the bytes the last refit wrote (no post-load step transforms
+    them in place): a delta refit (``refit.delta``) can start from it. A backend without this
+    attribute is assumed not to, and always gets full refits."""
     state: str = "stale"
     weights_version: int | None = None
     """Version of the last complete refit (None before the first)."""

@@ -127,6 +127,9 @@ class _Backend:
         refresh = getattr(self.lora.hf, "refresh_targets", None)
         return bool(refresh()) if refresh is not None else False
 
+    holds_sent_bytes = True
+    """Base and adapter pieces are kept as received (merging writes the HF model's weights)."""
+
     @property
     def weights_version(self) -> int | None:
         """The engine's version, while it holds base weights (a delta starts from them)."""

@@ -44,6 +44,9 @@ class StagedPieces:
     feeds each piece to the model's own ``load_weights`` as its HF tensor (the piece in its
     box, zeros elsewhere: vLLM's loaders read only this rank's part, which is the box)."""
 
+    holds_sent_bytes = True
+    """The staging tensors keep what the last refit wrote: delta refits start from them."""
+
     def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device):
         self.model = model
         self._pieces = pieces
