@@ -25,8 +25,21 @@ def private_uses(path: Path) -> list[str]:
                 found.append(f"{path.name}:{node.lineno}: .{node.attr}")
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
             found += [f"{path.name}:{node.lineno}: {node.module}.{a.name}"
-                      for a in node.names if a.name.startswith("_")]
+                      for a in node.names if _private_path(f"{node.module}.{a.name}")]
+        if isinstance(node, ast.Import):
+            found += [f"{path.name}:{node.lineno}: {a.name}"
+                      for a in node.names if a.name.startswith("megatron") and _private_path(a.name)]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and _private_path(node.args[1].value)):
+            found.append(f"{path.name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
     return found
+
+
+def _private_path(dotted: str) -> bool:
+    """A dotted name with a ``_``-prefixed (not dunder) part: a private module or attribute."""
+    return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
 
 
 def test_private_names_resolve_at_the_pinned_versions():
@@ -51,3 +64,33 @@ def test_the_check_sees_a_new_private_use(tmp_path):
     module = tmp_path / "new.py"
     module.write_text("from megatron.bridge.x import _hidden\n\ndef f(bridge):\n    return bridge._model_bridge\n")
     assert private_uses(module) == ["new.py:1: megatron.bridge.x._hidden", "new.py:4: ._model_bridge"]
+    module.write_text("import megatron.core._priv.m\nfrom megatron.bridge._x import y\n\n"
+                      "def f(b):\n    return getattr(b, '_model_bridge')\n")
+    assert sorted(private_uses(module)) == ["new.py:1: megatron.core._priv.m", "new.py:2: megatron.bridge._x.y",
+                                            "new.py:5: getattr(..., '_model_bridge')"]
+
+
+def test_a_name_gone_from_the_packages_is_reported(monkeypatch):
+    from conversion import bridge_api
+
+    monkeypatch.setattr(bridge_api, "PRIVATE_NAMES", bridge_api.PRIVATE_NAMES + (
+        ("megatron.bridge.models.conversion.model_bridge", "MegatronModelBridge._no_such_name", "method"),
+        ("megatron.bridge.models.conversion.model_bridge", "_HFNameSuffixMapping._no_such_field", "instance"),
+        ("megatron.bridge.no_such_module", "f", "function"),
+    ))
+    assert bridge_api.missing_private_names() == [
+        "megatron.bridge.models.conversion.model_bridge.MegatronModelBridge._no_such_name (method)",
+        "megatron.bridge.models.conversion.model_bridge._HFNameSuffixMapping._no_such_field (instance)",
+        "megatron.bridge.no_such_module.f (function)",
+    ]
+
+
+def test_the_adapter_on_bridge_objects():
+    from conversion import bridge_api
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    inner = pm.AutoMapping(megatron_param="decoder.layers.*.mlp.linear_fc1.weight",
+                           hf_param="model.layers.*.mlp.up_proj.weight")
+    wrapped = bridge_api.SuffixMapping(inner, "_scale_inv")
+    assert bridge_api.suffix_parts(wrapped) == ("_scale_inv", inner)
+    assert bridge_api.suffix_parts(inner) is None
