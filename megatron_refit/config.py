@@ -25,6 +25,7 @@ LORA_SYNC = ("auto", "adapters", "merged", "full")
 VERIFY = ("off", "sampled", "full")
 ENGINE_LOAD = ("in_place", "load_weights")
 DELTA = ("off", "on", "auto")
+SWAP = ("in_place", "staged")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +104,15 @@ class RefitConfig:
     all it sends (its share of the model in the sent dtype). A receiver that missed a version
     (restart, failed refit, re-allocated parameters) gets a full refit, decided before any
     byte moves. (YAML reads a bare ``off`` / ``on`` as a boolean: both are taken as the mode.)"""
+    swap: str = "in_place"
+    """How a refit becomes live. ``in_place``: bytes land in the engine's parameters, which
+    serve nothing while a refit runs (``updating``). ``staged``: the refit streams into a copy
+    of the weights while the engine keeps serving the previous version, then a short swap
+    under a pause makes it live at once: no forward pass sees two versions, every output is
+    tagged with the version that produced it, and a failed refit leaves the previous version
+    serving. Costs one more copy of the weights on each generation rank. The HF receiver
+    swaps storage pointers; with ``backend: vllm`` it needs ``engine_load: load_weights``
+    (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
     model: str | None = None
     """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""
@@ -149,7 +159,8 @@ class RefitConfig:
             if value is not None and value > 0 and not low <= value <= high:
                 raise ValueError(f"refit.{name} must be between {low:g} and {high:g}, got {value!r}")
         for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC),
-                              ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA)):
+                              ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
+                              ("swap", SWAP)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
@@ -161,6 +172,9 @@ class RefitConfig:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         if self.backend == "hf" and self.gen_tp != 1:
             raise ValueError(f"refit.backend 'hf' holds whole tensors and needs gen_tp 1, got {self.gen_tp}")
+        if self.swap == "staged" and not (self.backend == "hf" or self.engine_load == "load_weights"):
+            raise ValueError(f"refit.swap 'staged' with backend {self.backend!r} needs engine_load 'load_weights' "
+                             f"(the engine loads its staging buffers under a pause), got {self.engine_load!r}")
 
     @property
     def bucket_bytes(self) -> int:

@@ -15,7 +15,7 @@ from .checksum import chunk_sums, digests
 from .delta import RAW, apply, word_size
 from .endpoint import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
 from .plan_checks import ITEMSIZE
-from .receivers.base import RefitCorruptionError, ReceiverBackend, RefreshesTargets, TracksState
+from .receivers.base import ExpectsVersion, RefitCorruptionError, ReceiverBackend, RefreshesTargets, TracksState
 from .report import RefitReport
 from .spec import ShardSpec
 from .transport import Transport
@@ -77,6 +77,8 @@ class Receiver(Endpoint):
         engine must not serve them) and the error propagates; the next complete refit
         restores ``ready``."""
         use_delta = self._agree_on_version(version, self._refresh_targets)
+        if isinstance(self.backend, ExpectsVersion):  # a staged engine tags the swap with it
+            self.backend.expect_version(version)
         self._set_state("updating")
         try:
             report = self._receive(version, use_delta)

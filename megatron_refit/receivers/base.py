@@ -10,6 +10,7 @@ those of a complete refit. Nothing here imports the driver, a transport or Megat
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -62,8 +63,20 @@ class RefreshesTargets(Protocol):
     def refresh_targets(self) -> bool | None: ...
 
 
+@runtime_checkable
+class ExpectsVersion(Protocol):
+    """Optional: told the version a refit will deliver before its bytes move (a staged
+    receiver makes it live, tagged with that version, at the swap)."""
+
+    def expect_version(self, version: int) -> None: ...
+
+
+_LOCKS = threading.Lock()
+
+
 class WeightsState:
-    """The stale / updating / ready guard of a receiver (see :data:`STATES`)."""
+    """The stale / updating / ready guard of a receiver (see :data:`STATES`), and the lock
+    its engine holds while a forward pass reads the weights (:attr:`serving`)."""
 
     holds_sent_bytes: bool = True
     """The storage keeps exactly the bytes the last refit wrote (no post-load step transforms
@@ -76,7 +89,18 @@ class WeightsState:
     def set_state(self, state: str, version: int | None) -> None:
         if state not in STATES:
             raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
-        self.state, self.weights_version = state, version
+        with self.serving:  # a forward pass under way finishes on the weights it started with
+            self.state, self.weights_version = state, version
+
+    @property
+    def serving(self) -> threading.Lock:
+        """Held by every forward pass over the weights and by a staged swap: no forward pass
+        sees two versions."""
+        lock = self.__dict__.get("_serving")
+        if lock is None:
+            with _LOCKS:
+                lock = self.__dict__.setdefault("_serving", threading.Lock())
+        return lock
 
     def require_ready(self, what: str) -> None:
         """``StaleWeightsError`` unless the weights are those of a complete refit."""

@@ -47,10 +47,11 @@ class HFReceiver(WeightsState):
                     self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32,
                                                                  device=view.device)
 
-    def _live_views(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> the model's storage for it, from the model as it is now."""
+    def _live_views(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the model's storage for it, from the model as it is now (or from
+        ``params``, tensors under the model's state-dict names)."""
         views: dict[str, torch.Tensor] = {}
-        params = self.model.state_dict(keep_vars=True)
+        params = self.model.state_dict(keep_vars=True) if params is None else params
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         for name, param in params.items():
             if tied and name == "lm_head.weight":
@@ -123,6 +124,13 @@ class HFReceiver(WeightsState):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits of the received model. Refuses unless the last refit completed:
         the engine never serves half-updated weights."""
-        self.require_ready("HF receiver")
-        device = next(self.model.parameters()).device
-        return self.model(tokens.to(device)).logits.float().cpu()
+        return self.step(tokens)[0]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One forward pass: the logits and the version of the weights that produced them
+        (the pass holds :attr:`serving`, so a swap waits for it and it sees one version)."""
+        with self.serving:
+            self.require_ready("HF receiver")
+            device = next(self.model.parameters()).device
+            return self.model(tokens.to(device)).logits.float().cpu(), self.weights_version

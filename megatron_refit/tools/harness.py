@@ -55,6 +55,8 @@ class RunSpec:
     """Learning rate of the step before each refit."""
     delta: str = "off"
     """``refit.delta``: ``on`` / ``auto`` send only the elements that changed since the last refit."""
+    swap: str = "in_place"
+    """``refit.swap``: ``staged`` streams into a copy while the engine serves, then swaps (gen TP 1)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -65,6 +67,9 @@ class RunSpec:
             raise ValueError(f"device 'cuda' runs colocated at train PP 1 (every rank shares the one GPU; "
                              f"pipeline activations travel over gloo), got colocated={self.colocated}, "
                              f"pp={self.train.pp}")
+        if self.swap == "staged" and (self.gen.tp != 1 or self.lora_rank):
+            raise ValueError(f"swap 'staged' runs with the HF receiver (gen TP 1, no LoRA), got gen tp {self.gen.tp}, "
+                             f"lora rank {self.lora_rank}")
         if self.lora_rank and (self.gen.tp != 1 or self.fp8):
             raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
                              f"{self.gen.tp}, fp8 {self.fp8!r}")
@@ -107,7 +112,7 @@ def refit_config(spec: RunSpec, port: int):
                        backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
-                       timeout_s=spec.timeout_s, delta=spec.delta)
+                       timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap)
 
 
 def _hf_config(spec: RunSpec):
@@ -216,8 +221,10 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1:
         from ..receivers.hf import HFReceiver
+        from ..receivers.staged import StagedHFReceiver
 
-        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
+        cls = StagedHFReceiver if spec.swap == "staged" else HFReceiver
+        return cls.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from ..receivers.vllm_layout import VllmLayoutReceiver
 
     params = hf_param_table(cfg, dtype)
