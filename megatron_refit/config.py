@@ -113,6 +113,10 @@ class RefitConfig:
     serving. Costs one more copy of the weights on each generation rank. The HF receiver
     swaps storage pointers; with ``backend: vllm`` it needs ``engine_load: load_weights``
     (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
+    swap_budget_mb: float | None = None
+    """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
+    tensors that fit (embedding and the first layers) are staged, and the refit writes the
+    rest in place under the pause, which then starts when the first of them is written."""
     model: str | None = None
     """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""
@@ -148,7 +152,7 @@ class RefitConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the first bad value (also run on construction)."""
-        for name in ("bucket_mb", "direct_mb", "timeout_s"):
+        for name in ("bucket_mb", "direct_mb", "timeout_s", "swap_budget_mb"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"refit.{name} must be a finite number, got {value!r}")
@@ -168,6 +172,8 @@ class RefitConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"refit.{name} must be positive, got {value!r}")
+        if self.swap_budget_mb is not None and self.swap_budget_mb < 0:
+            raise ValueError(f"refit.swap_budget_mb must be >= 0 or null, got {self.swap_budget_mb!r}")
         if self.port > 65535:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         if self.backend == "hf" and self.gen_tp != 1:

@@ -155,16 +155,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train-tp", type=int, default=2, help="trainer tensor parallelism")
     p.add_argument("--refits", type=int, default=6, help="refits while generating (the first precedes it)")
+    p.add_argument("--budget-mb", type=float, default=None,
+                   help="refit.swap_budget_mb: memory for the staged copy (default: the whole model)")
     p.add_argument("--also-in-place", action=argparse.BooleanOptionalAction, default=True,
                    help="also run refit.swap: in_place for comparison")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.refits < 2 or args.train_tp < 1:
         raise ValueError(f"--refits must be >= 2 and --train-tp >= 1, got {args.refits}, {args.train_tp}")
+    if args.budget_mb is not None and not args.budget_mb >= 0:
+        raise ValueError(f"--budget-mb must be >= 0, got {args.budget_mb}")
+    budget = None if args.budget_mb is None else int(args.budget_mb * (1 << 20))
     rows = []
     for swap in ["staged"] + (["in_place"] if args.also_in_place else []):
         spec = RunSpec(model="qwen3", overrides=dict(SHAPE), train=TrainLayout(tp=args.train_tp),
-                       gen=GenLayout(tp=1, dp=1), refits=args.refits, swap=swap, bucket_bytes=16 << 20)
+                       gen=GenLayout(tp=1, dp=1), refits=args.refits, swap=swap, bucket_bytes=16 << 20,
+                       swap_budget_bytes=budget if swap == "staged" else None)
         check_layout(spec)
         rows.append(run_swap(spec))
     print(f"{'swap':9} {'transfer s':>10} {'pause s':>9} {'pause/transfer':>14} {'tokens in transfer':>18} "

@@ -9,7 +9,10 @@ version from the next pass on, tagged with it. Then, with the engine serving aga
 shadow (the old live tensors) takes a copy of the new version: a delta refit starts from it.
 
 A failed refit leaves the live version serving (``ready``): only the shadow was written.
-Memory: one more copy of the model. An engine whose parameters must not move (CUDA graphs)
+Memory: one more copy of the model, or ``budget_bytes`` (``refit.swap_budget_mb``): then
+only the tensors that fit (in the model's order: embedding and the first layers) have a
+shadow, and the refit writes the others in place under the pause, which then starts when
+the first of them is about to be written and lasts to the swap. An engine whose parameters must not move (CUDA graphs)
 copies the staging into its parameters under the pause instead: vLLM's ``load_weights``
 engine load does (docs/guide-engines.md).
 """
@@ -27,11 +30,17 @@ from .hf import HFReceiver
 class StagedHFReceiver(HFReceiver):
     """An :class:`HFReceiver` that takes refits into a shadow and swaps (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False, budget_bytes: int | None = None):
         super().__init__(model, fp8=fp8)
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"staged swap budget must be a non-negative number of bytes, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
         self._live = self._tensors()
-        self._shadow = {key: t.detach().clone() for key, t in self._live.items()}
+        self._shadow = self._new_shadow()
         self._shadow_views = self._views_of(self._shadow)
+        self._updating = False
+        self._paused_at: float | None = None
+        """Partial budget: when this refit took the engine to write unshadowed tensors in place."""
         self._ptrs = self._pointers()
         self._next: int | None = None
         self.last_pause_s = 0.0
@@ -48,11 +57,35 @@ class StagedHFReceiver(HFReceiver):
                 out[name] = t
         return out
 
+    def _new_shadow(self) -> dict[str, torch.Tensor]:
+        """Copies of the live tensors, as many as the budget holds, in the model's order."""
+        out, left = {}, self.budget_bytes
+        for key, t in self._live.items():
+            nbytes = t.numel() * t.element_size()
+            if left is not None and nbytes > left:
+                continue
+            out[key] = t.detach().clone()
+            left = None if left is None else left - nbytes
+        return out
+
+    @property
+    def shadow_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._shadow.values())
+
     def _views_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The targets' views into ``tensors`` (the shadowed ones: a partial budget has fewer)."""
         return {name: view for name, view in self._live_views(tensors).items() if name in self._views}
 
     def buffer(self, name: str) -> torch.Tensor:
-        return self._staged[name] if name in self._staged else self._shadow_views[name]
+        if name in self._staged:
+            return self._staged[name]
+        view = self._shadow_views.get(name)
+        if view is not None:
+            return view
+        if self._updating and self._paused_at is None:  # about to write served weights: pause serving
+            self.serving.acquire()
+            self._paused_at = time.perf_counter()
+        return self._views[name]
 
     def refresh_targets(self) -> bool:
         """True (and the shadow rebuilt from the live model) if the model's tensors are no
@@ -63,7 +96,7 @@ class StagedHFReceiver(HFReceiver):
             return False
         super().refresh_targets()  # refuses a changed shape or dtype by name
         self._live = live
-        self._shadow = {key: t.detach().clone() for key, t in live.items()}
+        self._shadow = self._new_shadow()
         self._shadow_views = self._views_of(self._shadow)
         self._ptrs = self._pointers()
         return True
@@ -76,7 +109,14 @@ class StagedHFReceiver(HFReceiver):
 
     def set_state(self, state: str, version: int | None) -> None:
         # The live weights change only at the swap (which sets "ready" and the new version):
-        # "updating" and a failed refit's "stale" concern the shadow, not what is served.
+        # "updating" and a failed refit's "stale" concern the shadow, not what is served,
+        # unless this refit already wrote served tensors (a partial budget) under the pause.
+        self._updating = state == "updating"
+        if self._paused_at is not None and state != "updating":
+            self.state, self.weights_version = state, version  # we hold the pause
+            self._paused_at = None
+            self.serving.release()
+            return
         if state == "ready" or self.weights_version is None and state != "updating":
             super().set_state(state, version)
 
@@ -86,15 +126,22 @@ class StagedHFReceiver(HFReceiver):
             if name in self._shadow_views:
                 view = self._shadow_views[name]
                 view.copy_(dequantize_blockwise(self._staged[name], self._staged[scale_name(name)], dtype=view.dtype))
-        with self.serving:
-            start = time.perf_counter()
-            for key, live in self._live.items():
+        paused = self._paused_at is not None
+        if not paused:
+            self.serving.acquire()
+        start = self._paused_at if paused else time.perf_counter()
+        try:
+            for key in self._shadow:
+                live = self._live[key]
                 live.data, self._shadow[key] = self._shadow[key], live.data
             self._views = self._live_views()
             self.state, self.weights_version = "ready", self._next
             self.last_pause_s = time.perf_counter() - start
+        finally:
+            self._paused_at = None
+            self.serving.release()
         self.swaps += 1
         self._ptrs = self._pointers()
         self._shadow_views = self._views_of(self._shadow)
-        for key, live in self._live.items():  # the shadow takes the new version (serving meanwhile)
-            self._shadow[key].copy_(live.data)
+        for key, shadow in self._shadow.items():  # the shadow takes the new version (serving meanwhile)
+            shadow.copy_(self._live[key].data)

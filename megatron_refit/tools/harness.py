@@ -57,6 +57,8 @@ class RunSpec:
     """``refit.delta``: ``on`` / ``auto`` send only the elements that changed since the last refit."""
     swap: str = "in_place"
     """``refit.swap``: ``staged`` streams into a copy while the engine serves, then swaps (gen TP 1)."""
+    swap_budget_bytes: int | None = None
+    """``refit.swap_budget_mb`` in bytes (None: the whole model)."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -223,8 +225,12 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
         from ..receivers.hf import HFReceiver
         from ..receivers.staged import StagedHFReceiver
 
-        cls = StagedHFReceiver if spec.swap == "staged" else HFReceiver
-        return cls.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
+        if spec.swap == "staged":
+            recv = StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
+            if spec.swap_budget_bytes is not None:
+                recv = StagedHFReceiver(recv.model, fp8=bool(spec.fp8), budget_bytes=spec.swap_budget_bytes)
+            return recv
+        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from ..receivers.vllm_layout import VllmLayoutReceiver
 
     params = hf_param_table(cfg, dtype)
