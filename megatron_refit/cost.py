@@ -76,6 +76,14 @@ def delta_prediction(pair_bytes: dict[tuple[int, int], int], train_gpu: list[int
                       per_gpu=per_gpu)
 
 
+def swap_pause(gen_bytes: int, cluster: Cluster, *, copy: bool = True) -> float:
+    """Seconds a staged refit (``refit.swap: staged``) pauses generation on a generation rank
+    holding ``gen_bytes``: a device copy from staging into the engine's parameters (vLLM,
+    whose parameters must stay put), or nothing measurable for a pointer swap (``copy=False``).
+    An in-place refit pauses for its whole transfer instead."""
+    return gen_bytes / (cluster.copy_gbps * cluster.efficiency * GB) if copy else 0.0
+
+
 def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tuple[list[int], list[int]]:
     """Cluster GPU of each train rank and of each gen rank.
 

@@ -88,7 +88,9 @@ def test_command_line_on_a_shipped_config():
                           "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"ok", "model", "predicted_seconds", "bottleneck", "bytes_per_gen_rank_max"}
+    assert set(result) == {"ok", "model", "predicted_seconds", "bottleneck", "bytes_per_gen_rank_max", "swap",
+                           "predicted_pause_seconds"}
+    assert result["swap"] == "in_place" and result["predicted_pause_seconds"] == round(result["predicted_seconds"], 4)
     assert result["ok"] and result["model"] == "qwen3-30b-a3b"
     # EP8xPP2 -> TP8xDP2 on separate nodes: every gen rank takes 1/8 of a replica (7.68 GB)
     # through its 40 GB/s NIC; the senders are as loaded as the receivers.
@@ -126,3 +128,19 @@ def test_command_line_predicts_a_delta_refit():
     assert result["delta_bytes_fraction"] == 0.09
     assert 0 < result["predicted_delta_seconds"] < 0.2 * result["predicted_seconds"]
     assert "delta at density 0.03" in out.stdout
+
+
+def test_staged_swap_pause_is_a_device_copy_of_the_generation_rank_bytes():
+    from megatron_refit.cost import swap_pause
+
+    cluster = Cluster()
+    assert swap_pause(60 * 10**9, cluster) == pytest.approx(60e9 / (1500e9 * 0.8))  # vLLM: staging -> params
+    assert swap_pause(60 * 10**9, cluster, copy=False) == 0.0  # a pointer swap
+    out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/qwen3-30b-a3b.yaml",
+                          "--swap", "staged", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["swap"] == "staged"
+    assert result["predicted_pause_seconds"] == round(swap_pause(result["bytes_per_gen_rank_max"], cluster), 4)
+    assert result["predicted_pause_seconds"] < 0.05 * result["predicted_seconds"]

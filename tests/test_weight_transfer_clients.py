@@ -109,6 +109,17 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
         client._post("bad")
     with pytest.raises(ValueError, match="pause_mode must be one of"):
         HTTPClient(url, pause_mode="never")
+    # refit.swap: staged: the server serves while the bytes land in staging, and pauses only
+    # for finish_weight_update (the load from staging)
+    seen.clear()
+    staged = HTTPClient(url, timeout=10, swap="staged")
+    staged.start_weight_update()
+    staged.update_weights(update_payload(8, full=False))
+    staged.finish_weight_update("8")
+    assert [path for path, _ in seen] == ["/start_weight_update", "/update_weights",
+                                          "/pause?mode=wait&clear_cache=true", "/finish_weight_update", "/resume"]
+    with pytest.raises(ValueError, match="swap must be 'in_place' or 'staged'"):
+        HTTPClient(url, swap="sometimes")
 
 
 def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):

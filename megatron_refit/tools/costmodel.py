@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megatron_refit.cost import Cluster, delta_fraction, delta_prediction, placement, predict
+from megatron_refit.cost import Cluster, delta_fraction, delta_prediction, placement, predict, swap_pause
 from megatron_refit.tools.dryrun import build
 from megatron_refit.family_plan import FamilyPlan
 from megatron_refit.plan import SenderPlan
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--delta-density", type=float, default=None, metavar="D",
                    help="also predict a delta refit (refit.delta) where a share D of the bf16 elements changed "
                         "since the last refit (e.g. 0.03)")
+    p.add_argument("--swap", choices=["in_place", "staged"], default=None,
+                   help="also predict the generation pause of a refit (refit.swap; default: the config's)")
     args = p.parse_args(argv)
     model = ""
     try:
@@ -88,6 +90,10 @@ def main(argv=None) -> int:
     if delta is not None:
         label = f"  delta at density {args.delta_density:g} ({delta_fraction(args.delta_density):.3f} of bytes)"
         print(f"{label:42} {layout:40} {delta.seconds:12.2f}")
+    swap = args.swap or run.refit.swap
+    pause = prediction.seconds if swap == "in_place" else swap_pause(run.gen_bytes_max(), cluster)
+    print(f"generation pause per refit ({swap}): {pause:.3f} s"
+          + (" (the whole transfer)" if swap == "in_place" else " (staging -> parameters, device copy)"))
     for system, their_layout, low, high in PUBLISHED.get(model, []):
         seconds = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
         print(f"{system:42} {their_layout:40} {seconds:>12}")
@@ -95,6 +101,7 @@ def main(argv=None) -> int:
         print(json.dumps({"ok": prediction.seconds > 0, "model": model,
                           "predicted_seconds": round(prediction.seconds, 4), "bottleneck": prediction.bottleneck,
                           "bytes_per_gen_rank_max": run.gen_bytes_max(),
+                          "swap": swap, "predicted_pause_seconds": round(pause, 4),
                           **({"delta_density": args.delta_density, "predicted_delta_seconds": round(delta.seconds, 4),
                               "delta_bytes_fraction": round(delta_fraction(args.delta_density), 4)}
                              if delta is not None else {})}))

@@ -56,12 +56,18 @@ class HTTPClient:
     ``HTTPVLLMWeightSyncClient``, standard library only), pausing generation around each
     update. ``pause_mode``: ``wait`` lets in-flight requests finish, ``abort`` ends them."""
 
-    def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait") -> None:
+    def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait",
+                 swap: str = "in_place") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        if swap not in ("in_place", "staged"):
+            raise ValueError(f"swap must be 'in_place' or 'staged' (refit.swap), got {swap!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.pause_mode = pause_mode
+        self.swap = swap
+        """``staged`` (``refit.swap``): the engine serves during ``update_weights`` (the bytes land
+        in staging buffers) and pauses only for ``finish_weight_update``, which loads them."""
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
         data = json.dumps(body).encode() if body is not None else b""
@@ -78,13 +84,16 @@ class HTTPClient:
         self._post("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._post(f"pause?mode={self.pause_mode}&clear_cache=true")  # KV and prefix caches dropped
+        if self.swap == "in_place":
+            self._post(f"pause?mode={self.pause_mode}&clear_cache=true")  # KV and prefix caches dropped
         self._post("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.swap == "staged":  # the pause covers only the load from the staging buffers
+            self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
         self._post("resume")
 

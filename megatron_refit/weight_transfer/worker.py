@@ -47,7 +47,11 @@ class StagedPieces:
     holds_sent_bytes = True
     """The staging tensors keep what the last refit wrote: delta refits start from them."""
 
-    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device):
+    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device, *,
+                 deferred: bool = False):
+        self.deferred = deferred
+        """``refit.swap: staged``: ``finalize`` leaves the refit in staging; :meth:`load` (in
+        ``finish_weight_update``, under the engine's pause) makes it live."""
         self.model = model
         self._pieces = pieces
         self._staged = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device) for p in pieces}
@@ -58,8 +62,12 @@ class StagedPieces:
     def buffer(self, name: str) -> torch.Tensor:
         return self._staged[name]
 
-    @torch.no_grad()
     def finalize(self) -> None:
+        if not self.deferred:
+            self.load()
+
+    @torch.no_grad()
+    def load(self) -> None:
         for piece in self._pieces:
             staged = self._staged[piece.name]
             whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
@@ -85,7 +93,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         """Version of the last refit that finished (``ready``)."""
         self.last_report: RefitReport | None = None
         self._received: int | None = None
+        self._in_update = False
         self._mode = "in_place"
+        self._staged_swap = False
+        self._backend = None
 
     # -- phase 1 --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MegatronRefitInitInfo) -> None:
@@ -100,11 +111,13 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             params = fp8_param_table(params)
         shape = model_shape(hf_config)
         self._mode = cfg.engine_load
+        self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
         if self._mode == "in_place":
             backend = EngineReceiver.for_model(self.model, params, cfg.gen_layout(), shape, gen_index=self.gen_index)
         else:
             pieces = gen_target_specs(params, cfg.gen_layout(), shape, style="vllm")[self.gen_index]
-            backend = StagedPieces(self.model, pieces, self.device)
+            backend = StagedPieces(self.model, pieces, self.device, deferred=self._staged_swap)
+        self._backend = backend
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.sync = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
@@ -149,6 +162,9 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     def start_weight_update(self) -> None:
         self._check_initialised("start_weight_update")
         self._received = None
+        self._in_update = True
+        if self._staged_swap:  # the model keeps serving: the refit lands in staging only
+            return
         self.state = "updating"
         if self._mode == "load_weights":
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -163,21 +179,30 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     def receive_weights(self, update_info: MegatronRefitUpdateInfo) -> None:
         self._check_initialised("update_weights")
-        if self.state != "updating":
+        if not self._in_update:
             raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update")
         try:
             self.last_report = self.sync.receive(update_info.version, full=update_info.full)
         except BaseException:
-            self.state = "stale"
+            if not self._staged_swap:  # staged: only the staging was written, the model serves on
+                self.state = "stale"
             raise
         self._received = update_info.version
 
     def finish_weight_update(self) -> None:
         self._check_initialised("finish_weight_update")
+        self._in_update = False
         if self._received is None:
-            self.state = "stale"
+            if not self._staged_swap:
+                self.state = "stale"
             raise RuntimeError("megatron_refit: finish_weight_update without a completed update_weights since "
                                "start_weight_update: the engine's weights are not a complete refit")
+        if self._staged_swap:  # the swap, under the engine's pause: staging loaded through vLLM's loaders
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.state = "updating"
+            initialize_layerwise_reload(self.model)
+            self._backend.load()
         if self._mode == "load_weights":
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
