@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "optimizer over fp32 main params)")
     p.add_argument("--delta", default="off", choices=["off", "on", "auto"],
                    help="refit.delta: after the first refit send only the elements that changed")
+    p.add_argument("--swap", default="in_place", choices=["in_place", "staged"],
+                   help="refit.swap: staged streams each refit into a copy while the engine serves, then swaps "
+                        "(gen TP 1)")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     p.add_argument("--verbose", action="store_true",
                    help="also show the ranks' third-party warnings and logs (Apex / TE fallbacks, deprecations)")
@@ -123,6 +126,7 @@ def spec_from_args(args) -> RunSpec:
         progress=True,
         lr=args.lr,
         delta=args.delta,
+        swap=args.swap,
     )
 
 

@@ -41,10 +41,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NUM_TRAIN = 2
 VERSIONS = (1, 2)
-# (case, Bridge model, engine_load) refitted by gen TP2; re-allocation runs on "realloc";
+# (case, Bridge model, engine_load[:swap]) refitted by gen TP2; re-allocation runs on "realloc";
 # "qwen3-kv1": one KV head that both engine ranks hold (trained at TP1 x DP2: replicas send)
 TP2_CASES = [("qwen3-moe", "qwen3-moe", "in_place"), ("qwen3", "qwen3", "in_place"),
-             ("qwen3-load", "qwen3", "load_weights"), ("qwen3-lora", "qwen3+lora", "in_place"),
+             ("qwen3-load", "qwen3", "load_weights"), ("qwen3-staged", "qwen3", "load_weights:staged"),
+             ("qwen3-lora", "qwen3+lora", "in_place"),
              ("deepseek-v3", "deepseek-v3", "in_place"), ("qwen3-kv1", "qwen3-kv1", "in_place"),
              ("realloc", "qwen3", "in_place")]
 TP1_CASES = [("qwen3", "qwen3", "in_place")]
@@ -279,8 +280,9 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
         weights, adapters = _pieces(saved["weights"]), _pieces(saved["adapters"])
         lora = saved["lora"] or (0, 0.0)
         source = LocalShardSource(weights, adapters, lora_rank=lora[0], lora_alpha=lora[1])
+        engine_load, _, swap = engine_load.partition(":")  # "load_weights:staged": refit.swap staged
         refit = dict(gen_tp=tp, gen_dp=len(gens) // tp, port=refit_ports[n], bucket_mb=0.25, timeout_s=120,
-                     engine_load=engine_load)
+                     engine_load=engine_load, swap=swap or "in_place")
         engine = WeightTransferTrainerFactory.trainer_init(
             MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client, source=source)
         out = []
