@@ -205,6 +205,7 @@ class Refitter(Endpoint):
         try:
             with torch.no_grad():
                 if self._delta.keeps_copies:  # compare with (and keep) a copy of every bucket, send what changed
+                    self._delta.base = -1  # the copies change now: no delta from them unless this refit completes
                     post = self._delta_post(get_src, use_delta, check, report, digest_sends)
                 self._run(buckets, post, retire, report)
                 t0 = time.perf_counter()
