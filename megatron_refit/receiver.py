@@ -105,6 +105,20 @@ class Receiver(Endpoint):
                     for src, n in left.items()}
         codes = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
         scratch = []
+        unchecked = []  # buckets in engine storage whose digest pass waits until the next bucket is posted
+
+        def check_arrived():
+            t0 = time.perf_counter()
+            for bucket, buf in unchecked:
+                src = self.plan.global_src(bucket)
+                received.setdefault(src, []).append((bucket, self._seed(version, bucket),
+                                                     chunk_sums(buf, self.verify)))
+                left[src] -= 1
+                if not left[src]:
+                    items = received[src]
+                    computed[src] = digests([s for _, _, s in items], [seed for _, seed, _ in items]).cpu()
+            unchecked.clear()
+            report.seconds["verify"] += time.perf_counter() - t0
 
         def post(bucket, buf):
             encoding, size = RAW, 0
@@ -134,15 +148,9 @@ class Receiver(Endpoint):
                 buf = self._apply_delta(bucket, encoding, buf[:size], scratch)
                 report.seconds["load"] += time.perf_counter() - t0
             if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
-                t0 = time.perf_counter()
-                src = self.plan.global_src(bucket)
-                received.setdefault(src, []).append((bucket, self._seed(version, bucket),
-                                                     chunk_sums(buf, self.verify)))
-                left[src] -= 1
-                if not left[src]:
-                    items = received[src]
-                    computed[src] = digests([s for _, _, s in items], [seed for _, seed, _ in items]).cpu()
-                report.seconds["verify"] += time.perf_counter() - t0
+                unchecked.append((bucket, buf))
+                if not (pending.direct and encoding == RAW):  # a staging or scratch buffer, reused next
+                    check_arrived()
             if pending.direct or encoding != RAW:  # already in engine storage
                 return
             t0 = time.perf_counter()
@@ -151,6 +159,7 @@ class Receiver(Endpoint):
 
         with torch.no_grad():
             self._run(buckets, post, retire, report)
+            check_arrived()
             try:
                 self._check_and_finalize(version, sent, computed, received, report)
             except Exception:
