@@ -116,8 +116,9 @@ class HFReceiver(WeightsState):
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Received weights under checkpoint (per-expert) names; FP8 mode: quantised weights
         as received (FP8 data and ``weight_scale_inv``)."""
-        out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}
-        out.update({name: t.clone() for name, t in self._staged.items()})
+        with self.serving:  # one version, also while a staged swap may run in another thread
+            out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}
+            out.update({name: t.clone() for name, t in self._staged.items()})
         return out
 
     @torch.no_grad()
