@@ -47,13 +47,27 @@ class Cluster:
                              f"{self.efficiency!r}, {self.latency_s!r}")
 
 
+def mask_bytes(words: int) -> int:
+    """A delta's bitmask: one bit per word, padded to a multiple of 8 bytes (the values after
+    it stay aligned for any word size)."""
+    return -(-words // 64) * 8
+
+
+def encoding_sizes(words: int, changed: float, word: int) -> tuple[float, float, float]:
+    """Bytes of a bucket of ``words`` words (``word`` bytes each) sent raw, as the changed
+    words' int32 indices + values, or as a bitmask (padded to 8 bytes) + values
+    (:mod:`megatron_refit.delta` sends the smallest)."""
+    return words * word, changed * (4 + word), mask_bytes(words) + changed * word
+
+
 def delta_fraction(density: float, word: int = 2) -> float:
     """Bytes of a delta refit as a fraction of a full one when ``density`` of the words
-    (``word`` bytes each: 2 for bf16) changed: each bucket goes as the smallest of its raw
-    bytes, changed indices (int32) + values, or a bitmask + values (:mod:`megatron_refit.delta`)."""
+    (``word`` bytes each: 2 for bf16) changed, for large buckets."""
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"delta density must be in [0, 1], got {density!r}")
-    return min(word, density * (4 + word), 0.125 + density * word) / word
+    words = 1 << 30
+    raw, *delta = encoding_sizes(words, density * words, word)
+    return min(raw, *delta) / raw
 
 
 def delta_prediction(pair_bytes: dict[tuple[int, int], int], train_gpu: list[int], gen_gpu: list[int],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .cost import encoding_sizes, mask_bytes
 from .config import DELTA as MODES  # noqa: F401  (``refit.delta``: off, on, auto; see RefitConfig.delta)
 
 RAW, INDICES, BITMASK = 0, 1, 2
@@ -46,13 +47,8 @@ def word_size(nbytes: int, itemsizes) -> int:
     return next(w for w in (8, 4, 2, 1) if w <= smallest and nbytes % w == 0)
 
 
-def _mask_bytes(words: int) -> int:
-    return -(-words // 64) * 8  # a multiple of 8: the values after it stay aligned for any word
-
-
-def sizes(words: int, changed: int, word: int) -> tuple[int, int, int]:
-    """Bytes of the RAW, INDICES and BITMASK encodings of a bucket."""
-    return words * word, changed * (4 + word), _mask_bytes(words) + changed * word
+sizes = encoding_sizes
+"""Bytes of the RAW, INDICES and BITMASK encodings of a bucket."""
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, word: int) -> tuple[int, torch.Tensor | None, int]:
@@ -98,7 +94,7 @@ def _encode_host(new: np.ndarray, old: np.ndarray, word: int) -> tuple[int, torc
     if indices <= bitmask:
         head = where.astype(np.int32).view(np.uint8)
     else:
-        head = np.zeros(_mask_bytes(a.size), dtype=np.uint8)
+        head = np.zeros(mask_bytes(a.size), dtype=np.uint8)
         bits = np.packbits(mask, bitorder="little")
         head[: bits.size] = bits
     payload = np.concatenate([head, values.view(np.uint8)])
@@ -118,7 +114,7 @@ def apply(target: torch.Tensor, encoding: int, payload: torch.Tensor, word: int)
         count = p.size // (4 + word)
         t[p[: 4 * count].view(np.int32)] = p[4 * count:].view(_NP_WORD[word])
     else:
-        head = _mask_bytes(t.size)
+        head = mask_bytes(t.size)
         t[np.unpackbits(p[:head], count=t.size, bitorder="little").view(bool)] = p[head:].view(_NP_WORD[word])
 
 
@@ -129,13 +125,13 @@ def _apply_torch(target: torch.Tensor, encoding: int, payload: torch.Tensor, wor
         count = payload.numel() // (4 + word)
         t[payload[: 4 * count].view(torch.int32).long()] = payload[4 * count:].view(_WORD[word])
     else:
-        head = _mask_bytes(t.numel())
+        head = mask_bytes(t.numel())
         t[unpack_bits(payload[:head], t.numel())] = payload[head:].view(_WORD[word])
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool vector as bits, little-endian within each byte, padded to a multiple of 8 bytes."""
-    padded = torch.zeros(_mask_bytes(mask.numel()) * 8, dtype=torch.uint8, device=mask.device)
+    padded = torch.zeros(mask_bytes(mask.numel()) * 8, dtype=torch.uint8, device=mask.device)
     padded[: mask.numel()] = mask
     return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
 

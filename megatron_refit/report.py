@@ -51,14 +51,16 @@ _US = 1e6
 _TIMES = ("total", "pack", "load", "verify", "onload", "offload")
 
 
+_FIELDS = ("failed", "bytes_sent", "bytes_received", "bytes_wire", "buckets", *(f"us_{t}" for t in _TIMES),
+           "bytes_full", "delta", "words", "words_changed")
+"""What each rank contributes to the group summary, in the order a control message carries it."""
+
+
 def report_values(report: RefitReport, failed: bool) -> list[int]:
-    """This rank's share of the group summary, as the ints a control message carries:
-    ``[failed, bytes_sent, bytes_received, bytes_wire, buckets, *microseconds of _TIMES,
-    bytes_full, delta, words, words_changed]``."""
-    buckets = sum(report.routes.values()) if report.role == "train" else 0
-    return [int(failed), report.bytes_sent, report.bytes_received, report.bytes_wire, buckets,
-            *(round(report.seconds[t] * _US) for t in _TIMES), report.bytes_full, int(report.delta),
-            report.words, report.words_changed]
+    """This rank's share of the group summary, as the ints a control message carries (:data:`_FIELDS`)."""
+    values = dict(failed=int(failed), buckets=sum(report.routes.values()) if report.role == "train" else 0,
+                  delta=int(report.delta), **{f"us_{t}": round(report.seconds[t] * _US) for t in _TIMES})
+    return [values[f] if f in values else getattr(report, f) for f in _FIELDS]
 
 
 SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/total_s", "refit/gbps", "refit/bytes",
@@ -72,11 +74,12 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
     """The flat metrics of one refit from every rank's :func:`report_values` (``rows[r]`` is
     refit rank ``r``; train ranks first). Seconds are the slowest rank's (the group waits for
     it); bytes are summed over train ranks (each byte is sent once)."""
+    rows = [dict(zip(_FIELDS, row, strict=True)) for row in rows]
     train, gen = rows[:num_train], rows[num_train:]
-    seconds = {t: [row[5 + i] / _US for row in rows] for i, t in enumerate(_TIMES)}
+    seconds = {t: [row[f"us_{t}"] / _US for row in rows] for t in _TIMES}
     total = max(seconds["total"])
-    sent = sum(row[1] for row in train)
-    failed = [rank for rank, row in enumerate(rows) if row[0]]
+    sent = sum(row["bytes_sent"] for row in train)
+    failed = [rank for rank, row in enumerate(rows) if row["failed"]]
     out = {
         "refit/version": version,
         "refit/ok": int(not failed),
@@ -84,12 +87,12 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
         "refit/total_s": total,
         "refit/gbps": sent / total / 1e9 if total > 0 else 0.0,
         "refit/bytes": sent,
-        "refit/bytes_wire": sum(row[3] for row in train),
+        "refit/bytes_wire": sum(row["bytes_wire"] for row in train),
         "refit/bytes_minimal": bytes_minimal,
-        "refit/bytes_full": sum(row[11] for row in train),
-        "refit/delta": int(any(row[12] for row in train)),
-        "refit/density": sum(row[14] for row in train) / max(1, sum(row[13] for row in train)),
-        "refit/buckets": sum(row[4] for row in train),
+        "refit/bytes_full": sum(row["bytes_full"] for row in train),
+        "refit/delta": int(any(row["delta"] for row in train)),
+        "refit/density": sum(row["words_changed"] for row in train) / max(1, sum(row["words"] for row in train)),
+        "refit/buckets": sum(row["buckets"] for row in train),
         "refit/pack_s": max(seconds["pack"][:num_train]),
         "refit/load_s": max(seconds["load"][num_train:], default=0.0),
         "refit/verify_s": max(seconds["verify"]),

@@ -90,12 +90,14 @@ class HFReceiver(WeightsState):
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
-                    device: str | torch.device = "cpu") -> HFReceiver:
+                    device: str | torch.device = "cpu", **kwargs) -> HFReceiver:
+        """A receiver over a fresh model of ``hf_config``; ``kwargs`` go to the class (e.g. a
+        staged receiver's ``budget_bytes``)."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
         model.eval()
-        return cls(model, fp8=fp8)
+        return cls(model, fp8=fp8, **kwargs)
 
     def target_specs(self) -> list[ShardSpec]:
         out = []

@@ -226,10 +226,8 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
         from ..receivers.staged import StagedHFReceiver
 
         if spec.swap == "staged":
-            recv = StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
-            if spec.swap_budget_bytes is not None:
-                recv = StagedHFReceiver(recv.model, fp8=bool(spec.fp8), budget_bytes=spec.swap_budget_bytes)
-            return recv
+            return StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
+                                                budget_bytes=spec.swap_budget_bytes)
         return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from ..receivers.vllm_layout import VllmLayoutReceiver
 
