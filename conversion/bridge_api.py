@@ -34,6 +34,7 @@ PRIVATE_NAMES = (
     ("megatron.bridge.models.conversion.param_mapping", "MegatronParamMapping._get_config", "method"),
     ("megatron.bridge.models.conversion.param_mapping", "QKVMapping._tp_mapping", "instance"),
     ("megatron.core.transformer.moe.router", "TopKRouter._maintain_float32_expert_bias", "method"),
+    ("megatron.core.post_training.modelopt.hybrid.model_specs", "_get_hybrid_stack_local_spec", "function"),
 )
 
 
@@ -112,3 +113,16 @@ def config_of(mapping, module):
 def keep_expert_bias_fp32(router) -> None:
     """Megatron's router keeps its expert bias in float32 whatever the model dtype."""
     router._maintain_float32_expert_bias()
+
+
+def hybrid_stack_local_spec(norm):
+    """Megatron's local (non-TE) hybrid (Mamba) stack spec with local core attention, built
+    with ``norm`` in place of ``modelopt.layers.Norm`` (a TE wrapper)."""
+    from megatron.core.post_training.modelopt.hybrid import model_specs
+
+    saved = model_specs.Norm
+    model_specs.Norm = norm
+    try:
+        return model_specs._get_hybrid_stack_local_spec(local_core_attention=True)
+    finally:
+        model_specs.Norm = saved

@@ -17,7 +17,7 @@ import torch
 
 from megatron_refit.layout import TrainLayout
 
-from .families import configure_provider, cpu_device_for_buffers, family
+from .families import build_context, configure_provider, family
 from .te_shim import import_bridge
 
 
@@ -62,11 +62,12 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.float32, pad_vocab: bool = False):
+def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.float32, pad_vocab: bool = False,
+                  meta: bool = False):
     """Bridge's model provider for ``hf_config``, configured for ``layout`` on CPU.
 
     ``pad_vocab`` pads Megatron's vocab to a multiple of (divisor x TP), as Megatron
-    training does; the HF names keep the unpadded vocab."""
+    training does; the HF names keep the unpadded vocab. ``meta``: for a meta-device build."""
     family(hf_config)  # ValueError for an architecture that cannot be built here
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -101,7 +102,7 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
         provider.moe_permute_fusion = False
         provider.moe_grouped_gemm = False
         provider.moe_router_fusion = False
-    configure_provider(provider, hf_config)
+    configure_provider(provider, hf_config, meta=meta)
     provider.finalize()
     return bridge, provider
 
@@ -126,13 +127,13 @@ def build_model(
     from .validate import check_train_layout
 
     check_train_layout(hf_config, layout)
-    bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab)
+    bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab, meta=meta)
     torch.manual_seed(seed)
     from megatron_refit.tools.launch import quiet
 
     # Megatron prints each rank's parameter count: dropped in a quiet spawned rank
     chatter = contextlib.redirect_stdout(io.StringIO()) if quiet() else contextlib.nullcontext()
-    with cpu_device_for_buffers(meta), chatter:
+    with build_context(hf_config, meta), chatter:
         model = provider.provide_distributed_model(
             wrap_with_ddp=False,
             use_cpu_initialization=True,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_refit import families
 from megatron_refit.spec import Box, ShardSpec, box_along, full_box
 
 from . import bridge_api
@@ -84,7 +85,7 @@ def enumerate_local_shards(bridge, model: list, hf_config, tasks: list | None = 
     vocab_size = hf_config.vocab_size
     shards: list[LocalShard] = []
     for task in tasks:
-        shards.extend(task_shards(task, vocab_size=vocab_size))
+        shards.extend(task_shards(task, vocab_size=vocab_size, hf_config=hf_config))
     names = [s.spec.name for s in shards]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -109,8 +110,9 @@ def _mapping_kind(mapping, module) -> str:
     )
 
 
-def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
-    """Local shards of one conversion task (this rank must hold the parameter)."""
+def task_shards(task, *, vocab_size: int, hf_config=None) -> list[LocalShard]:
+    """Local shards of one conversion task (this rank must hold the parameter); ``hf_config``
+    tells which HF tensors are concatenations of segments (its family's table)."""
     mapping = task.mapping
     suffix = ""
     parts = bridge_api.suffix_parts(mapping)
@@ -149,16 +151,8 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
                   follows=mapping.hf_param["gate"]),
         ]
 
-    if isinstance(mapping, (pm.MambaInProjMapping, pm.MambaConv1dMapping)):
-        if tp_size == 1:
-            shape = tuple(weight.shape)
-            return [shard(str(mapping.hf_param), shape, full_box(shape), lambda w=weight: w)]
-        # Megatron's local in_proj is [z, x, B, C, dt] of this rank's heads/groups (conv1d:
-        # [x, B, C]): several disjoint row ranges of the HF tensor, not one box.
-        raise LocalSplitError(
-            f"{meg_name}: {type(mapping).__name__} at tensor-parallel size {tp_size} holds several disjoint "
-            "row ranges of the HF tensor; a local shard is one box (use TP 1 for Mamba layers)"
-        )
+    if hf_config is not None and (segments := families.segment_rows(str(mapping.hf_param), hf_config)) is not None:
+        return segment_shards(shard, str(mapping.hf_param), segments, weight, tp_size, tp_rank)
 
     kind = _mapping_kind(mapping, module)
     hf_name = str(mapping.hf_param)
@@ -182,6 +176,27 @@ def task_shards(task, *, vocab_size: int) -> list[LocalShard]:
     else:
         get = lambda w=weight, d=dim, k=stop - start: w.narrow(d, 0, k)  # noqa: E731
     return [shard(hf_name, global_shape, box, get)]
+
+
+def segment_shards(shard, hf_name: str, segments, weight: torch.Tensor, tp_size: int, tp_rank: int) -> list:
+    """A column-parallel tensor that is a concatenation of segments (Mamba's ``in_proj`` =
+    [z, x, B, C, dt]): each segment is split over the TP ranks on its own, so the local
+    tensor is ``[seg_0 local; seg_1 local; ...]``: one box per segment, several disjoint row
+    ranges of the HF tensor. One shard per segment, a view of the local tensor each."""
+    local = [rows // tp_size for _, rows in segments]
+    if any(rows % tp_size for _, rows in segments) or sum(local) != weight.shape[0]:
+        raise LocalSplitError(
+            f"{hf_name}: local tensor of {weight.shape[0]} rows is not this rank's share of segments "
+            f"{dict(segments)} at tensor-parallel size {tp_size}"
+        )
+    out, start, previous = [], 0, None
+    for (segment, rows), n in zip(segments, local):
+        name = families.segment_name(hf_name, segment)
+        global_shape = (rows, *weight.shape[1:])
+        box = box_along(global_shape, 0, tp_rank * n, (tp_rank + 1) * n)
+        out.append(shard(name, global_shape, box, lambda w=weight, a=start, k=n: w.narrow(0, a, k), follows=previous))
+        start, previous = start + n, name
+    return out
 
 
 def qkv_local_pieces(config, tp_size: int, tp_rank: int, qkv: torch.Tensor, feature_dim: int | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_refit.families import of_config
 from megatron_refit.layout import TrainLayout
 
 from .hf_configs import num_routed_experts
@@ -21,11 +22,8 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
         checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
     else:
         layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
-    if getattr(hf_config, "kv_lora_rank", None):  # MLA: down projections are column-parallel here
-        checks += [
-            ("q_lora_rank", hf_config.q_lora_rank or hf_config.num_attention_heads, "tp", layout.tp),
-            ("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, "tp", layout.tp),
-        ]
+    family_checks = of_config(hf_config).layout_checks(hf_config)  # e.g. MLA ranks, Mamba heads and groups
+    checks += [(field, size, axis, getattr(layout, axis)) for field, size, axis in family_checks]
     experts = num_routed_experts(hf_config)
     if experts:
         checks += [

@@ -21,7 +21,6 @@ import torch
 
 from .fp8_layout import (  # noqa: F401  (re-exported: the FP8 API in one place)
     BLOCK,
-    QUANTISED_ROLES,
     SCALE_SUFFIX,
     fp8_param_table,
     fp8_specs,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .roles import param_role
+from .roles import is_quantised_role
 from .spec import Box, ShardSpec
 
 BLOCK = 128
@@ -24,18 +24,11 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = (BLOCK, BLOCK))
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
-QUANTISED_ROLES = frozenset({"q", "kv", "column", "expert_column", "row", "expert_row"})
-"""Sharding roles (:func:`megatron_refit.roles.param_role`) of the linear weights that are quantised:
-q/k/v/o and gate/up/down, routed and shared experts included. Embeddings and lm_head
-(role ``vocab``), norms, the MoE router and biases (``replicated`` or not ``.weight``)
-keep their training dtype."""
-
-
 def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
     """True if trainer-side FP8 quantises HF parameter ``name`` (decided by its role)."""
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
-    return param_role(name, 2) in QUANTISED_ROLES
+    return is_quantised_role(name)
 
 
 def scale_name(weight_name: str) -> str:

@@ -43,5 +43,11 @@ $PIP install -e '.[megatron,test,plots]'
 # Megatron pins without their dependency lists (Bridge's full list is neither needed nor
 # installable on CPU machines); see README "Why two install steps".
 $PIP install --no-deps -r requirements/megatron.txt
+# mamba-ssm and causal-conv1d (Nemotron-H) without their CUDA extensions: pure-Python builds
+# against the venv's torch (no build isolation); FORCE_BUILD stops setup.py from fetching a
+# prebuilt CUDA wheel. Each package reads only its own two variables.
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+  $PIP install --no-build-isolation --no-deps -r requirements/mamba.txt
 echo "$hash" > "$STAMP"
 echo "setup: done ($VENV)"

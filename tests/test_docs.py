@@ -20,12 +20,7 @@ HOLE = "…"
 """A placeholder in a message template (an f-string field) and a wildcard in a documented pattern."""
 MIN_WORDS = 2
 """A message template (and a documented pattern) needs this many literal words to be findable."""
-NO_STABLE_WORDS = {
-    ("conversion/families.py", "…: …"):
-        "family() raises '<architecture>: <NOT_ON_CPU reason>', documented in the row of the demo's "
-        "'--model … cannot run here: …'; rewording it would change the dry-run cache key "
-        "(families.py is an enumeration source) and invalidate configs/cache/.",
-}
+NO_STABLE_WORDS: dict[tuple[str, str], str] = {}
 """Raise sites whose message has no literal words, by (file, template), and why they stay."""
 
 

@@ -303,6 +303,11 @@ def test_presets_and_unsupported_family():
     assert (full.hidden_size, full.num_hidden_layers, full.n_routed_experts, full.vocab_size) == (7168, 61, 256, 129280)
     assert num_routed_experts(full) == 256 and num_routed_experts(hf_config("llama3")) == 0
     assert hf_config("deepseek-v3", experts=8).n_routed_experts == 8
-    with pytest.raises(ValueError, match="NemotronHForCausalLM: .*mamba_ssm"):
-        family(hf_config("nemotron-h"))
+    assert family(hf_config("nemotron-h")) == "nemotron_h"
+    nano = hf_config("nemotron-3-nano-30b-a3b")
+    assert [nano.layers_block_type.count(k) for k in ("mamba", "moe", "attention")] == [23, 23, 6]
+    unknown = hf_config("qwen3")
+    unknown.architectures = ["MysteryForCausalLM"]
+    with pytest.raises(ValueError, match="unsupported architecture 'MysteryForCausalLM'"):
+        family(unknown)
 

@@ -1,6 +1,7 @@
-"""Nemotron-H at mapping level: its MambaMixer needs the CUDA package mamba_ssm, so the model
-cannot be built on CPU (see docs/families.md). Bridge's registry maps every Mamba, attention
-and ReLU^2-MoE parameter; the local split rules hold at TP1 and TP2 (fake process group)."""
+"""Nemotron-H at mapping level: Bridge's registry maps every Mamba, attention and ReLU^2-MoE
+parameter; the local split rules hold at TP1 and TP2 (fake process group), Mamba's in_proj /
+conv1d as one box per segment ([z, x, B, C, dt] / [x, B, C]). The build, forward and refits
+are tested in test_nemotron_h_build.py and test_e2e_refit.py."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def _nemotron_mapping_level(rank, world_size, port):
                     task = SimpleNamespace(mapping=registry.megatron_to_hf_lookup(name), megatron_module=None,
                                            param_weight=torch.zeros(shape), global_param_name=name)
                     try:
-                        splits[(tp, tp_rank, name)] = [s.spec for s in task_shards(task, vocab_size=cfg.vocab_size)]
+                        splits[(tp, tp_rank, name)] = [s.spec for s in task_shards(task, vocab_size=cfg.vocab_size,
+                                                                                 hf_config=cfg)]
                     except LocalSplitError as exc:
                         splits[(tp, tp_rank, name)] = str(exc)
             finally:
@@ -89,14 +91,21 @@ def _nemotron_mapping_level(rank, world_size, port):
 @pytest.mark.slow
 def test_nemotron_h_mapping_level():
     """Bridge's Nemotron-H registry maps every Mamba / attention / ReLU^2-MoE parameter, and
-    the local split rules hold at TP1 and TP2. The model itself cannot be built here."""
+    the local split rules hold at TP1 and TP2."""
     table, splits = run_spawned(_nemotron_mapping_level, 1, timeout_s=300)[0]
     assert table == NEMOTRON_MAPPINGS
     for name, local_shape in NEMOTRON_LOCAL:
         full = splits[(1, 0, name)]
-        assert [s.box for s in full] == [tuple((0, n) for n in full[0].global_shape)], name
-        if "in_proj" in name or "conv1d" in name:  # [z, x, B, C, dt] per rank: not one box
-            assert all("disjoint row ranges" in splits[(2, r, name)] for r in (0, 1)), name
+        assert all(s.box == tuple((0, n) for n in s.global_shape) for s in full), name
+        if "in_proj" in name or "conv1d" in name:  # [z, x, B, C, dt] per rank: one box per segment
+            segments = ["z", "x", "B", "C", "dt"] if "in_proj" in name else ["x", "B", "C"]
+            assert [s.name.split("#")[1] for s in full] == segments, name
+            assert sum(s.global_shape[0] for s in full) == 2 * local_shape[0], name
+            for r in (0, 1):
+                halves = splits[(2, r, name)]
+                assert [s.global_shape for s in halves] == [s.global_shape for s in full], (name, r)
+                assert [s.box[0] for s in halves] == [(r * s.global_shape[0] // 2, (r + 1) * s.global_shape[0] // 2)
+                                                      for s in full], (name, r)
             continue
         dim = 1 if "out_proj" in name else 0
         for r in (0, 1):

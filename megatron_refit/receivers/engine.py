@@ -15,23 +15,18 @@ from collections.abc import Callable
 
 import torch
 
+from .. import families
 from ..gen_layout import GenLayout, ModelShape, gen_target_specs
 from ..spec import ShardSpec
 from .vllm_layout import VllmLayoutReceiver, fused_layout
 
-# Layout name suffix -> spellings engines use for it (first match wins); FP8 scale tiles too.
-_ALIASES = {
-    f".experts.{w}{t}": (f".experts.{w}{t}", f".experts.routed_experts.{w}{t}")
-    for w in ("w13_", "w2_") for t in ("weight", "weight_scale_inv")
-}
-
-
 def resolve_names(layout_names, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The engine parameter for each layout name; ``ValueError`` naming what is missing."""
+    """The engine parameter for each layout name (under the spellings the family tables list,
+    first match wins); ``ValueError`` naming what is missing."""
     out, missing = {}, []
     for name in layout_names:
         candidates = [name]
-        for suffix, spellings in _ALIASES.items():
+        for suffix, spellings in families.engine_aliases():
             if name.endswith(suffix):
                 candidates = [name.removesuffix(suffix) + s for s in spellings]
         found = next((c for c in candidates if c in params), None)
@@ -99,6 +94,7 @@ class EngineReceiver(VllmLayoutReceiver):
         return True
 
     def finalize(self) -> None:
+        super().finalize()  # parameters kept transformed (e.g. Mamba's A = -exp(A_log))
         if self._post_load is not None:
             self._post_load()
 

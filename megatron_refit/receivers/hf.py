@@ -18,9 +18,26 @@ from __future__ import annotations
 
 import torch
 
+from .. import families
 from ..fp8 import FP8_DTYPE, dequantize_blockwise, fp8_specs, is_quantised, scale_name, scale_shape
 from ..spec import ShardSpec, full_box
 from .base import WeightsState
+
+
+def join_segments(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``<name>#<segment>`` tensors concatenated back into ``<name>`` (dim 0, in order)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, t in tensors.items():
+        base, segment = families.split_segment(name)
+        if segment is None:
+            out[name] = t
+        else:
+            parts.setdefault(base, []).append(t)
+            out.setdefault(base, None)
+    for base, ts in parts.items():
+        out[base] = torch.cat(ts)
+    return out
 
 
 class HFReceiver(WeightsState):
@@ -52,20 +69,30 @@ class HFReceiver(WeightsState):
         ``params``, tensors under the model's state-dict names)."""
         views: dict[str, torch.Tensor] = {}
         params = self.model.state_dict(keep_vars=True) if params is None else params
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        for name, param in params.items():
-            if tied and name == "lm_head.weight":
+        config = self.model.config
+        tied = getattr(config, "tie_word_embeddings", False)
+        for model_name, param in params.items():
+            if tied and model_name == "lm_head.weight":
                 continue
+            name = families.checkpoint_name(model_name, config)
             if name.endswith(".experts.gate_up_proj"):
                 prefix = name.removesuffix(".gate_up_proj")
                 half = param.shape[1] // 2
                 for e in range(param.shape[0]):
                     views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :half]
                     views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, half:]
-            elif name.endswith(".experts.down_proj"):
-                prefix = name.removesuffix(".down_proj")
+            elif name.endswith((".experts.down_proj", ".experts.up_proj")):  # up alone: non-gated experts
+                prefix, proj = name.rsplit(".", 1)
                 for e in range(param.shape[0]):
-                    views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
+                    views[f"{prefix}.{e}.{proj}.weight"] = param.data[e]
+            elif (segments := families.segment_rows(name, config)) is not None:
+                start = 0
+                for segment, rows in segments:
+                    views[families.segment_name(name, segment)] = param.data.narrow(0, start, rows)
+                    start += rows
+                if start != param.shape[0]:
+                    raise ValueError(f"HF receiver: {name} has {param.shape[0]} rows, its segments "
+                                     f"{dict(segments)} add up to {start}")
             else:
                 views[name] = param.data
         return views
@@ -121,7 +148,7 @@ class HFReceiver(WeightsState):
         with self.serving:  # one version, also while a staged swap may run in another thread
             out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}
             out.update({name: t.clone() for name, t in self._staged.items()})
-        return out
+        return join_segments(out)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

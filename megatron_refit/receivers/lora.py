@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..roles import param_role
+from ..roles import is_adapted
 from ..spec import ShardSpec
-
-ADAPTED_ROLES = frozenset({"q", "kv", "column", "row"})
-"""Dense q/k/v/o and gate/up/down: the projections LoRA wraps (linear_qkv, linear_proj,
-linear_fc1, linear_fc2); routed experts are not adapted."""
-
 
 def lora_names(weight: str) -> tuple[str, str]:
     base = weight.removesuffix(".weight")
@@ -53,7 +48,7 @@ class LoraReceiver:
         """False until a full refit completed, and again after :meth:`drop_base`."""
         for spec in hf.target_specs():
             if len(spec.global_shape) == 2 and spec.name.endswith(".weight") and \
-                    param_role(spec.name, 2) in ADAPTED_ROLES:
+                    is_adapted(spec.name):
                 out_dim, in_dim = spec.global_shape
                 (r0, r1), (c0, c1) = spec.box
                 dtype = getattr(torch, spec.dtype)

@@ -15,38 +15,31 @@ engine's own parameters.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 
+from .. import families
 from ..gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
 from ..spec import ShardSpec
 from .base import WeightsState
 
-# (pattern on the HF name, fused vLLM name template, member key group, member order)
-# FP8 ``weight_scale_inv`` tiles fuse exactly like their weights (rows in 128-row tiles).
-_FUSED = (
-    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>[qkv])_proj\.(?P<t>weight|bias|weight_scale_inv)"), "{p}.qkv_proj.{t}",
-     ("q", "k", "v")),
-    # MLA (DeepSeek with q_lora_rank): replicated [q_a_proj; kv_a_proj_with_mqa]
-    (re.compile(r"(?P<p>.*\.self_attn)\.(?P<m>q_a_proj|kv_a_proj_with_mqa)\.(?P<t>weight)"),
-     "{p}.fused_qkv_a_proj.{t}", ("q_a_proj", "kv_a_proj_with_mqa")),
-    (re.compile(r"(?P<p>.*\.mlp)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"), "{p}.gate_up_proj.{t}",
-     ("gate", "up")),
-    (re.compile(r"(?P<p>.*\.shared_experts?)\.(?P<m>gate|up)_proj\.(?P<t>weight|weight_scale_inv)"),
-     "{p}.gate_up_proj.{t}", ("gate", "up")),
-)
-_EXPERT = re.compile(r"(?P<p>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<m>gate|up|down)_proj\.(?P<t>weight|weight_scale_inv)")
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB = families.vocab_names()
+
+
+TRANSFORMS = {"neg_exp_fp32": (lambda t: -torch.exp(t.float()), "float32")}
+"""Engine-side transforms of the family tables (``engine_transforms``): function of the sent
+tensor, and the dtype the engine keeps the result in."""
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where an HF piece lives: ``storage[vllm_name][index]`` (index: ints and slices)."""
+    """Where an HF piece lives: ``storage[vllm_name][index]`` (index: ints and slices), or,
+    with a ``transform``, what is written there from the piece at the end of a refit."""
 
     vllm_name: str
     index: tuple
+    transform: str | None = None
 
 
 def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[dict, dict]:
@@ -56,21 +49,23 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
     fused: dict[str, tuple[tuple[str, ...], dict[str, ShardSpec]]] = {}
     experts: dict[str, dict[int, dict[str, ShardSpec]]] = {}
     for piece in pieces:
-        if m := _EXPERT.fullmatch(piece.name):
+        group = families.engine_group(piece.name)
+        if group is not None and group[0] == "experts":
+            m = group[1]
             experts.setdefault((m["p"], m["t"]), {}).setdefault(int(m["e"]), {})[m["m"]] = piece
-            continue
-        for pattern, template, order in _FUSED:
-            if m := pattern.fullmatch(piece.name):
-                fused.setdefault(template.format(p=m["p"], t=m["t"]), (order, {}))[1][m["m"]] = piece
-                break
+        elif group is not None:
+            template, m, order = group
+            fused.setdefault(template.format(p=m["p"], t=m["t"]), (order, {}))[1][m["m"]] = piece
         else:
             shape = piece.shape
             if piece.name in _VOCAB:  # vLLM's per-rank rows are padded; HF rows fill a prefix
                 padded = math.ceil(model.vocab_size / VOCAB_PADDING) * VOCAB_PADDING
                 shape = (padded // tp, *shape[1:])
-            shapes[piece.name] = (shape, piece.dtype)
-            placements[piece.name] = Placement(piece.name, (slice(0, piece.shape[0]),))
+            name, transform = families.engine_name(piece.name)
+            shapes[name] = (shape, piece.dtype if transform is None else TRANSFORMS[transform][1])
+            placements[piece.name] = Placement(name, (slice(0, piece.shape[0]),), transform)
     for vllm_name, (order, members) in fused.items():
+        vllm_name = families.engine_name(vllm_name)[0]
         start = 0
         for key in order:
             piece = members[key]
@@ -80,6 +75,7 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
         shapes[vllm_name] = ((start, *first.shape[1:]), first.dtype)
     for (prefix, kind), by_expert in experts.items():
         ids = sorted(by_expert)
+        prefix = families.engine_name(prefix)[0]
         w13, w2 = f"{prefix}.w13_{kind}", f"{prefix}.w2_{kind}"
         for local, e in enumerate(ids):
             gate, up, down = (by_expert[e].get(k) for k in ("gate", "up", "down"))
@@ -104,11 +100,13 @@ class VllmLayoutReceiver(WeightsState):
                  placements: dict[str, Placement]):
         self._pieces = pieces
         self._placements = placements
+        self._staged: dict[str, torch.Tensor] = {}
+        """Sent bytes of the pieces the engine keeps transformed (by HF name)."""
         self._bind(storage)
 
     def _bind(self, storage: dict[str, torch.Tensor]) -> None:
         """Views of every piece into ``storage`` (vLLM-named tensors)."""
-        views = {}
+        views, transformed = {}, []
         for piece in self._pieces:
             place = self._placements[piece.name]
             view = storage[place.vllm_name][place.index]
@@ -117,10 +115,17 @@ class VllmLayoutReceiver(WeightsState):
                     f"{piece.name}: vLLM storage {place.vllm_name}{list(place.index)} has shape "
                     f"{tuple(view.shape)}, the piece needs {piece.shape}"
                 )
+            if place.transform is not None:  # received into a staging tensor, written at finalize
+                staged = self._staged.get(piece.name)
+                if staged is None or staged.device != view.device:
+                    staged = self._staged[piece.name] = torch.zeros(piece.shape, dtype=getattr(torch, piece.dtype),
+                                                                    device=view.device)
+                transformed.append((view, staged, TRANSFORMS[place.transform][0]))
+                view = staged
             views[piece.name] = view
             if piece.name in _VOCAB:  # as vLLM's loader does: padding rows beyond the vocab are zero
                 storage[place.vllm_name][piece.shape[0]:].zero_()
-        self._storage, self._views = storage, views
+        self._storage, self._views, self._transformed = storage, views, transformed
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
@@ -138,7 +143,10 @@ class VllmLayoutReceiver(WeightsState):
         return self._views[name]
 
     def finalize(self) -> None:
-        pass
+        """Write the parameters the engine keeps transformed (e.g. Mamba's ``A``)."""
+        with torch.no_grad():
+            for view, staged, transform in self._transformed:
+                view.copy_(transform(staged))
 
     def storage(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self._storage.items()}
@@ -147,10 +155,12 @@ class VllmLayoutReceiver(WeightsState):
 def expected_storage(full: dict[str, torch.Tensor], pieces: list[ShardSpec], model: ModelShape,
                      tp: int) -> dict[str, torch.Tensor]:
     """What a rank's vLLM storage must hold, filled from full HF tensors (vocab padding
-    rows zero)."""
+    rows zero; segmented tensors split as the pieces' segments say)."""
     shapes, placements = fused_layout(pieces, model, tp)
     out = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
+    full = families.split_segments(full, {piece.name: piece.global_shape for piece in pieces})
     for piece in pieces:
         place = placements[piece.name]
-        out[place.vllm_name][place.index] = full[piece.name][tuple(slice(a, b) for a, b in piece.box)]
+        value = full[piece.name][tuple(slice(a, b) for a, b in piece.box)]
+        out[place.vllm_name][place.index] = value if place.transform is None else TRANSFORMS[place.transform][0](value)
     return out

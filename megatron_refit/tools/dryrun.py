@@ -79,10 +79,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "build.py", "enumerate.py", "families.py", "hf_configs.py",
-                       "local_shards.py", "meta.py", "te_shim.py", "validate.py")
+ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "build.py", "deepseek_v3_build.py", "enumerate.py",
+                       "families.py", "hf_configs.py", "local_shards.py", "mamba_shim.py", "meta.py",
+                       "nemotron_h_build.py", "te_shim.py", "validate.py")
 """The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
-helpers do not)."""
+helpers do not); the family tables (``megatron_refit/families/``) do too."""
 
 
 def _enumeration_sources() -> str:
@@ -92,8 +93,11 @@ def _enumeration_sources() -> str:
 
     digest = hashlib.sha256()
     folder = os.path.dirname(conversion.__file__)
-    for name in ENUMERATION_SOURCES:
-        path = os.path.join(folder, name)
+    tables = os.path.join(os.path.dirname(os.path.dirname(__file__)), "families")
+    paths = [os.path.join(folder, name) for name in ENUMERATION_SOURCES]
+    paths += sorted(os.path.join(tables, name) for name in os.listdir(tables) if name.endswith(".py"))
+    for path in paths:
+        name = os.path.relpath(path, os.path.dirname(folder))
         if os.path.exists(path):
             with open(path, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())

@@ -33,6 +33,7 @@ from ..hf_model import hf_param_table, model_shape
 from ..integration import engine_refit
 from ..receivers.engine import EngineReceiver
 from ..report import RefitReport
+from .. import families
 from ..spec import ShardSpec
 from .info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 
@@ -68,11 +69,31 @@ class StagedPieces:
 
     @torch.no_grad()
     def load(self) -> None:
+        """Segments of one HF tensor (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that
+        tensor, at once: vLLM's loaders for it write every segment of this rank's rows."""
+        segmented: dict[str, dict[str, ShardSpec]] = {}
         for piece in self._pieces:
+            base, segment = families.split_segment(piece.name)
+            if segment is not None:
+                segmented.setdefault(base, {})[segment] = piece
+                continue
             staged = self._staged[piece.name]
             whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
             whole[tuple(slice(a, b) for a, b in piece.box)] = staged
             self.model.load_weights([(piece.name, whole)])
+        for base, members in segmented.items():
+            order = families.segment_order(base)
+            first = members[order[0]]
+            rows = sum(members[s].global_shape[0] for s in order)
+            whole = torch.zeros((rows, *first.global_shape[1:]), dtype=self._staged[first.name].dtype,
+                                device=self._staged[first.name].device)
+            start = 0
+            for segment in order:
+                piece = members[segment]
+                (r0, r1), *rest = piece.box
+                whole[(slice(start + r0, start + r1), *(slice(a, b) for a, b in rest))] = self._staged[piece.name]
+                start += piece.global_shape[0]
+            self.model.load_weights([(base, whole)])
 
 
 class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRefitUpdateInfo]):

@@ -47,6 +47,7 @@ TP2_CASES = [("qwen3-moe", "qwen3-moe", "in_place"), ("qwen3", "qwen3", "in_plac
              ("qwen3-load", "qwen3", "load_weights"), ("qwen3-staged", "qwen3", "load_weights:staged"),
              ("qwen3-lora", "qwen3+lora", "in_place"),
              ("deepseek-v3", "deepseek-v3", "in_place"), ("qwen3-kv1", "qwen3-kv1", "in_place"),
+             ("nemotron-h", "nemotron-h", "in_place"), ("nemotron-h-load", "nemotron-h", "load_weights"),
              ("realloc", "qwen3", "in_place")]
 TP1_CASES = [("qwen3", "qwen3", "in_place")]
 
@@ -183,6 +184,9 @@ def _serve(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     sys.path.insert(0, str(HERE))
     gen = rank - NUM_TRAIN
     tp_rank = gen % tp
+    from cpu_moe import allow_non_gated_moe_on_cpu
+
+    allow_non_gated_moe_on_cpu()  # Nemotron-H's ReLU² experts (see cpu_moe.py)
     # MoE first: vLLM creates its expert-parallel group only when the first config has experts
     _init_vllm(tp, tp_rank, vllm_ports[gen // tp], _vllm_config("qwen3-moe", tp, os.path.join(workdir, "x"), False))
     engines: dict[str, _Engine] = {}

@@ -1,0 +1,16 @@
+"""Llama 3 (no QK norm; untied and tied embeddings): Bridge's local layer spec builds it."""
+
+from __future__ import annotations
+
+from .base import ModelFamily
+from .hf_decoder import LAYOUT, TINY
+
+FAMILY = ModelFamily(
+    name="llama",
+    architectures={"LlamaForCausalLM": "LlamaConfig"},
+    presets={
+        "llama3": dict(TINY, architectures=["LlamaForCausalLM"], rope_theta=500000.0),
+        "llama3-tied": dict(TINY, architectures=["LlamaForCausalLM"], rope_theta=500000.0, tie_word_embeddings=True),
+    },
+    **LAYOUT,
+)
