@@ -142,6 +142,7 @@ EXPECTED_PARAMS = {  # published totals
     "qwen3-30b-a3b": (30.4e9, 30.6e9),
     "qwen3-235b-a22b": (235.0e9, 235.2e9),
     "deepseek-v3": (671.0e9, 686.0e9),  # 671B, plus 14B if the multi-token-prediction layer is exported
+    "nemotron-3-nano-30b-a3b": (31.5e9, 31.7e9),  # "31.6B total" (23 Mamba, 23 MoE, 6 attention layers)
 }
 
 

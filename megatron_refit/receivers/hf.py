@@ -5,7 +5,9 @@ place into its parameters. Checkpoint names map onto the model's storage: most a
 model's own parameter names; routed experts, which transformers 5 keeps fused per layer
 (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), receive the
 per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views into those
-tensors. Persistent buffers that checkpoints carry (DeepSeek's router
+tensors (non-gated experts: ``experts.up_proj [E, I, H]``). The family table renames state-dict
+names to checkpoint names (Nemotron-H: ``model.*`` -> ``backbone.*``) and lists tensors that
+refits move as segments (Mamba ``in_proj#z`` …: row ranges of the parameter). Persistent buffers that checkpoints carry (DeepSeek's router
 ``e_score_correction_bias``) are targets too. A tied ``lm_head`` is not a target (it is
 the embedding).
 
