@@ -21,7 +21,8 @@ MODELS = sorted(os.path.basename(p)[:-7] for p in glob.glob(os.path.join(SLURM, 
 
 def test_every_model_has_a_script():
     configs = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-    assert MODELS == configs == ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-4b"]
+    assert MODELS == configs == ["deepseek-v3", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b",
+                                 "qwen3-4b"]
 
 
 SCRIPTS = sorted(glob.glob(os.path.join(SLURM, "*.sh")) + glob.glob(os.path.join(SLURM, "*.sbatch")))

@@ -34,6 +34,8 @@ class ModelFamily:
     presets: Mapping[str, dict[str, Any]]
     """Model presets (HF config fields): tiny ones for tests and the demo, published shapes
     for dry runs and the cost model."""
+    demo: tuple[str, ...]
+    """The tiny presets (CPU: tests, ``python -m megatron_refit.demo --model``)."""
     roles: tuple[tuple[str, str], ...]
     """``(role, regex)`` on HF names: how vLLM shards each parameter (see :mod:`megatron_refit.roles`).
     1-D parameters no rule names are replicated."""

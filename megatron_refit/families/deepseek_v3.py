@@ -27,6 +27,7 @@ def _mla_checks(cfg) -> list[tuple[str, int, str]]:
 FAMILY = ModelFamily(
     name="deepseek_v3",
     architectures={"DeepseekV3ForCausalLM": "DeepseekV3Config"},
+    demo=("deepseek-v3",),
     presets={
         # 1 dense first layer, 4 routed experts + 1 shared, q/kv LoRA ranks, no MTP layer.
         "deepseek-v3": dict(TINY, architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3,

@@ -8,6 +8,7 @@ from .hf_decoder import LAYOUT, TINY
 FAMILY = ModelFamily(
     name="llama",
     architectures={"LlamaForCausalLM": "LlamaConfig"},
+    demo=("llama3", "llama3-tied"),
     presets={
         "llama3": dict(TINY, architectures=["LlamaForCausalLM"], rope_theta=500000.0),
         "llama3-tied": dict(TINY, architectures=["LlamaForCausalLM"], rope_theta=500000.0, tie_word_embeddings=True),

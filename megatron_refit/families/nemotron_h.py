@@ -56,6 +56,7 @@ def _mamba_checks(cfg) -> list[tuple[str, int, str]]:
 FAMILY = ModelFamily(
     name="nemotron_h",
     architectures={"NemotronHForCausalLM": "NemotronHConfig"},
+    demo=("nemotron-h",),
     presets={
         # Mamba, attention, MoE (4 ReLU² experts + 1 shared), dense MLP.
         "nemotron-h": dict(

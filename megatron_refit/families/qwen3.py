@@ -10,6 +10,7 @@ _MOE = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 FAMILY = ModelFamily(
     name="qwen3",
     architectures={"Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"},
+    demo=("qwen3", "qwen3-moe"),
     presets={
         "qwen3": dict(TINY, architectures=["Qwen3ForCausalLM"]),
         "qwen3-moe": dict(TINY, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=32, num_experts=4,

@@ -19,10 +19,11 @@ from ..gen_layout import GenLayout
 from .harness import RunSpec, _hf_config, evaluate, run
 from .cli import USER_ERRORS
 from .launch import SpawnError
+from ..families import FAMILIES, PRESETS
 from ..layout import TrainLayout
 
-MODELS = ["qwen3", "qwen3-moe", "llama3", "llama3-tied", "deepseek-v3", "nemotron-h"]
-MOE_MODELS = ("qwen3-moe", "deepseek-v3", "nemotron-h")
+MODELS = [name for family in FAMILIES for name in family.demo]
+MOE_MODELS = tuple(name for name in MODELS if PRESETS[name].get("num_experts") or PRESETS[name].get("n_routed_experts"))
 
 LOGIT_TOLERANCE = {"float32": 1e-5}
 """Logits must match the Megatron forward this closely; in bf16 two implementations of the
