@@ -8,8 +8,8 @@ per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views 
 tensors (non-gated experts: ``experts.up_proj [E, I, H]``). The family table renames state-dict
 names to checkpoint names (Nemotron-H: ``model.*`` -> ``backbone.*``) and lists tensors that
 refits move as segments (Mamba ``in_proj#z`` …: row ranges of the parameter). Persistent
-buffers that checkpoints carry (DeepSeek's router ``e_score_correction_bias``) are targets too. A tied ``lm_head`` is not a target (it is
-the embedding).
+buffers that checkpoints carry (DeepSeek's router ``e_score_correction_bias``) are targets
+too. A tied ``lm_head`` is not a target (it is the embedding).
 
 With ``fp8=True`` the quantised weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
 quantisation) into staging buffers, and ``finalize()`` dequantises them into the model: the
