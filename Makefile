@@ -3,28 +3,40 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
+SGLANG_VENV ?= .venv-sglang
+# SKIP_SGLANG=1 skips the SGLang-engine tests (they need a 6 GB venv of their own).
+SKIP_SGLANG ?= 0
 
-.PHONY: setup setup-vllm setup-slurm test test-main test-vllm demo docs lint clean
+.PHONY: setup setup-vllm setup-sglang setup-slurm test test-main test-vllm test-sglang demo docs lint clean
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
 setup-vllm: setup
 	@VLLM_VENV=$(VLLM_VENV) scripts/setup_vllm_venv.sh
 
-# Both suites (the vLLM one unless SKIP_VLLM=1), timed after setup: the budget is 15 minutes.
-test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm)
+setup-sglang: setup
+	@SGLANG_VENV=$(SGLANG_VENV) scripts/setup_sglang_venv.sh
+
+# All suites (the vLLM one unless SKIP_VLLM=1, the SGLang one unless SKIP_SGLANG=1), timed
+# after setup: the budget is 15 minutes.
+test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
 	@start=$$(date +%s); rc=0; \
 	$(MAKE) --no-print-directory test-main || rc=$$?; \
 	if [ "$(SKIP_VLLM)" != 1 ]; then $(MAKE) --no-print-directory test-vllm || rc=$$?; fi; \
+	if [ "$(SKIP_SGLANG)" != 1 ]; then $(MAKE) --no-print-directory test-sglang || rc=$$?; fi; \
 	echo "make test: $$(( $$(date +%s) - start )) s of tests after setup (budget 900 s)"; exit $$rc
 
 test-main: setup
-	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm tests; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm --ignore=tests/sglang tests; rc=$$?; \
 	echo "make test-main: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-vllm: setup-vllm
 	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm; rc=$$?; \
 	echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-sglang: setup-sglang
+	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs tests/sglang; rc=$$?; \
+	echo "make test-sglang: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests.
 lint: setup
@@ -38,7 +50,7 @@ docs: setup
 	$(PY) scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache
 
 # Debian's slurm-wlm for tests/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
 setup-slurm:
