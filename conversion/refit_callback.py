@@ -23,6 +23,11 @@ script adds to refit the generation engine::
   half-gathered replica.
 - ``on_train_end``: release the refit group.
 
+With ``engines`` (SGLang: one control client per engine replica, from
+:mod:`megatron_refit.sglang_client`), train rank 0 also drives the engines around each of
+these calls: connect, then per refit pause / update / resume (``refit_engines``), close. (vLLM
+engines are driven by vLLM's weight-transfer API; the HF receiver by its own loop.)
+
 Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
 …) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
 ``state.tensorboard_logger`` / ``state.wandb_logger``, on the rank that holds them) at the
@@ -32,6 +37,7 @@ with them too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
@@ -87,7 +93,7 @@ class RefitCallback(Callback):
     """Refits the generation engine from Bridge's training loop (see the module docstring)."""
 
     def __init__(self, cfg: RefitConfig, bridge, *, hf_config=None, initial_refit: bool = True, offloader=None,
-                 on_report: Callable[[dict], None] | None = None):
+                 on_report: Callable[[dict], None] | None = None, engines: list | None = None):
         if not isinstance(cfg, RefitConfig):
             raise ValueError(f"RefitCallback takes the refit: section as a RefitConfig (load_training_yaml), "
                              f"got {type(cfg).__name__}")
@@ -99,6 +105,12 @@ class RefitCallback(Callback):
         self.initial_refit = initial_refit
         self.offloader = offloader
         self.on_report = on_report
+        if engines and cfg.backend != "sglang":
+            raise ValueError(f"RefitCallback(engines=...) drives SGLang engines (refit.backend: sglang), "
+                             f"but refit.backend is {cfg.backend!r}")
+        self.engines = list(engines or [])
+        """SGLang control clients, one per engine replica (used on train rank 0)."""
+        self.rank = 0
         self.sync = None
         """The :class:`~megatron_refit.integration.TrainerRefit` of this rank (after ``on_train_start``)."""
         self.last_report: RefitReport | None = None
@@ -119,12 +131,23 @@ class RefitCallback(Callback):
         if self.sync is not None:
             raise RuntimeError("RefitCallback: on_train_start twice; one callback serves one training run")
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.sync = trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
-                                  offloader=self.offloader, on_report=self.on_report)
+        self.rank = rank
+
+        def join():
+            return trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
+                                 offloader=self.offloader, on_report=self.on_report)
+
+        if self.engines:
+            from megatron_refit.sglang_client import connect_engines
+
+            section = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
+            self.sync = connect_engines(join, self.engines, section, rank=rank, num_train=world)
+        else:
+            self.sync = join()
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
             step = context.state.train_state.step
-            self.last_report = self.sync.refit(step)
+            self.last_report = self._refit(step)
             log_to_bridge(context.state, self.last_report.summary, step)
 
     def on_train_step_end(self, context) -> None:
@@ -137,10 +160,22 @@ class RefitCallback(Callback):
         if iteration % self.cfg.every_n_steps:
             return
         force_param_sync(context.model, context.optimizer)
-        self.last_report = self.sync.refit(iteration)
+        self.last_report = self._refit(iteration)
         log_to_bridge(context.state, self.last_report.summary, iteration)
+
+    def _refit(self, version: int) -> RefitReport:
+        if not self.engines:
+            return self.sync.refit(version)
+        from megatron_refit.sglang_client import refit_engines
+
+        return refit_engines(self.sync, self.engines, version, rank=self.rank)
 
     def on_train_end(self, context) -> None:
         if self.sync is not None:
-            self.sync.close()
-            self.sync = None
+            sync, self.sync = self.sync, None
+            if self.engines:
+                from megatron_refit.sglang_client import close_engines
+
+                close_engines(sync, self.engines, rank=self.rank)
+            else:
+                sync.close()

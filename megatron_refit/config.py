@@ -178,6 +178,9 @@ class RefitConfig:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         if self.backend == "hf" and self.gen_tp != 1:
             raise ValueError(f"refit.backend 'hf' holds whole tensors and needs gen_tp 1, got {self.gen_tp}")
+        if self.backend == "sglang" and self.engine_load != "in_place":
+            raise ValueError(f"refit.backend 'sglang' writes in place into SGLang's parameters (its weight loader "
+                             f"hook); engine_load must be 'in_place', got {self.engine_load!r}")
         if self.swap == "staged" and not (self.backend == "hf" or self.engine_load == "load_weights"):
             raise ValueError(f"refit.swap 'staged' with backend {self.backend!r} needs engine_load 'load_weights' "
                              f"(the engine loads its staging buffers under a pause), got {self.engine_load!r}")
@@ -193,6 +196,14 @@ class RefitConfig:
 
     def gen_layout(self) -> GenLayout:
         return GenLayout(tp=self.gen_tp, dp=self.gen_dp, expert_parallel=self.gen_expert_parallel)
+
+    @property
+    def gen_style(self) -> str:
+        """How the engine shards a tensor (:func:`~megatron_refit.gen_layout.gen_targets`):
+        ``full`` for ``hf``; ``vllm`` for vLLM and SGLang, whose parallel layers (fused
+        ``qkv_proj`` / ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64)
+        shard alike (tests/sglang checks SGLang's real model classes against this plan)."""
+        return "full" if self.backend == "hf" else "vllm"
 
 
 def _check_type(key: str, value: Any, hint: Any) -> None:

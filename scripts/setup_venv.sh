@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 STAMP="$VENV/.setup-stamp"
-hash=$(cat pyproject.toml requirements/*.txt scripts/setup_venv.sh | sha256sum | cut -d' ' -f1)
+hash=$(cat pyproject.toml requirements/megatron.txt requirements/mamba.txt scripts/setup_venv.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$hash" ]; then
   exit 0
 fi

@@ -41,7 +41,8 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
     cfg = hf_config("qwen3")
     built = build_model(cfg, layout, dtype=torch.bfloat16)
     built, optimizer = distributed_optimizer(built, lr=1e-2, overlap=overlap)
-    callback = RefitCallback.from_config(refit, built.bridge)
+    engines = [_EngineClient(), _EngineClient()] if refit.backend == "sglang" else None
+    callback = RefitCallback.from_config(refit, built.bridge, engines=engines)
     manager = CallbackManager()
     manager.add(callback)
     # what the callback reads of GlobalState; Bridge's TensorBoard writer lives on the last rank only
@@ -76,7 +77,28 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
         state.train_state.step += 1
     manager.fire("on_train_end", context())
     return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None,
-                start=start if rank == 0 else None, scalars=writer.scalars if writer else None)
+                start=start if rank == 0 else None, scalars=writer.scalars if writer else None,
+                engine_calls=[e.calls for e in engines] if engines else None)
+
+
+class _EngineClient:
+    """Records the control calls an SGLang client gets (the engine here is an HF receiver
+    with a loop of its own; tests/sglang runs the real SGLang side)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def connect(self, refit, *, num_train, replica=0):
+        self.calls.append(("connect", refit["backend"], num_train, replica))
+
+    def refit(self, version, *, full=False):
+        self.calls.append(("refit", version))
+
+    def resume(self, version):
+        self.calls.append(("resume", version))
+
+    def close(self):
+        self.calls.append(("close",))
 
 
 class _Writer:
@@ -108,11 +130,11 @@ def _rank(rank, world, port, refit, tp, overlap, skipped, versions, megatron_por
         return _train(rank, 2, refit, tp, overlap, skipped, megatron_port)
     return _gen(refit, versions, num_train=2)
 
-def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
+def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, backend: str = "hf"):
     from megatron_refit.config import RefitConfig
 
     refit_port, megatron_port = free_ports(2)
-    refit = RefitConfig(enabled=True, backend="hf", port=refit_port, bucket_mb=0.25, timeout_s=120,
+    refit = RefitConfig(enabled=True, backend=backend, port=refit_port, bucket_mb=0.25, timeout_s=120,
                         every_n_steps=every)
     versions = [0] + [v for v in range(1, ITERATIONS + 1) if v % every == 0 and v not in skipped]  # 0: the start
     out = run_spawned(_rank, 3, refit, tp, overlap, set(skipped), versions, megatron_port, timeout_s=300)
@@ -132,6 +154,12 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
             assert sum(t["steps"][step["iteration"] - 1]["sent"] for t in train) == \
                 gen["refits"][step["iteration"]]["minimal"]
     assert train[0]["skipped"] == list(skipped) and all(t["closed"] for t in train)
+    if backend == "sglang":  # train rank 0 drove both engine replicas around every refit; rank 1 none
+        assert train[1]["engine_calls"] == [[], []]
+        for replica, calls in enumerate(train[0]["engine_calls"]):
+            assert calls == [("connect", "sglang", 2, replica), *[c for v in versions for c in (("refit", v),
+                                                                                               ("resume", v))],
+                             ("close",)]
     losses = [s["loss"] for s in train[-1]["steps"]]
     assert len(set(losses)) == len(losses)  # real optimizer steps changed the weights
     # every refit's flat group metrics reached the training run's writer (last rank) at its iteration
@@ -148,8 +176,9 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1):
 
 def test_callback_refits_from_ddp_and_distributed_optimizer_at_tp2_skipping_an_iteration():
     """Bit-exact at every refit; a skipped iteration sends nothing (the generation rank
-    expects exactly the other versions)."""
-    train = _run(tp=2, skipped=(3,))
+    expects exactly the other versions). With ``refit.backend: sglang`` and ``engines``,
+    train rank 0 drives every replica's control client around each refit."""
+    train = _run(tp=2, skipped=(3,), backend="sglang")  # the HF receiver stands for the engine (gen_tp 1)
     assert all(s["pending"] == 0 for t in train for s in t["steps"])  # without overlap: gathered in step()
 
 

@@ -188,7 +188,7 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
                        num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
                        vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
-    style = "full" if refit.backend == "hf" else "vllm"
+    style = refit.gen_style
     targets = params
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
         train_specs = _quantised(train_specs)

@@ -6,24 +6,19 @@ SGLang's CPU engine needs an ``sgl_kernel`` built from source against a CPU torc
 ``sglang.test.layer_ut_utils``, which itself needs ``datasets``), :func:`build_model` builds
 the model through SGLang's own ``ModelConfig`` and dummy loader (``get_model_loader`` →
 ``DummyModelLoader.load_model``: the model class from its registry, random weights,
-post-load), and :func:`refit_loader` is a custom weight loader (``--custom-weight-loader``)
-that runs megatron_refit's receiver inside the worker, driven through SGLang's
-``update_weights_from_tensor``.
+post-load), and :mod:`.engine_standins` drive SGLang's weight-update path in the worker as
+an ``Engine`` or HTTP server would, with megatron_refit's custom weight loader
+(:data:`~megatron_refit.receivers.sglang.LOADER`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import torch
 
-LOADER = "tests.sglang.sglang_cpu.refit_loader"
-"""Import path of :func:`refit_loader`: the ``custom_weight_loader`` server argument and the
-``load_format`` of ``update_weights_from_tensor`` calls."""
-PREFIX = "megatron_refit."
-"""Names of the control messages :func:`refit_loader` takes: ``PREFIX + op + ":" + JSON``."""
+from megatron_refit.receivers.sglang import LOADER
 
 
 def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str) -> None:
@@ -93,81 +88,3 @@ def weight_updater(model: torch.nn.Module, model_dir: str):
                          model_config=ModelConfig(model_dir, dtype="float32"),
                          custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: model,
                          update_model_fields=absent, recapture_cuda_graph=absent, get_model_runner=absent)
-
-
-# -- megatron_refit in the TP worker ---------------------------------------------------------
-
-
-def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0):
-    """Join the refit group as this TP rank of engine ``replica`` and build the plan: an
-    :class:`~megatron_refit.receivers.engine.EngineReceiver` over ``model``'s own
-    parameters (in place), SGLang's post-load hook after every refit."""
-    from sglang.srt.runtime_context import get_parallel
-
-    from megatron_refit.config import RefitConfig
-    from megatron_refit.hf_model import hf_param_table, model_shape
-    from megatron_refit.integration import engine_refit
-    from megatron_refit.receivers.engine import EngineReceiver, sglang_post_load
-
-    cfg = RefitConfig.from_dict({"enabled": True, "backend": "sglang", **refit})
-    hf_config = model.config
-    dtype = next(model.parameters()).dtype
-    gen_index = replica * cfg.gen_tp + get_parallel().tp_rank
-    backend = EngineReceiver.for_model(model, hf_param_table(hf_config, dtype), cfg.gen_layout(),
-                                       model_shape(hf_config), gen_index=gen_index,
-                                       post_load=sglang_post_load(model))
-    return engine_refit(cfg, backend, gen_index=gen_index, num_train=num_train)
-
-
-def _control(op: str, **args) -> list[tuple[str, torch.Tensor]]:
-    # the message is the name; the tensor is empty: it pickles without shared memory (no file
-    # descriptor to pass), so the payload also travels base64 in an HTTP request
-    return [(f"{PREFIX}{op}:{json.dumps(args)}", torch.empty(0, dtype=torch.uint8))]
-
-
-def connect_tensors(refit: dict, *, num_train: int, replica: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of the ``update_weights_from_tensor`` call that makes every TP
-    worker of engine ``replica`` join the refit group (``refit``: the refit section)."""
-    return _control("connect", refit=refit, num_train=num_train, replica=replica)
-
-
-def refit_tensors(version: int, full: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of the ``update_weights_from_tensor`` call for refit ``version``."""
-    return _control("refit", version=version, full=full)
-
-
-def close_tensors() -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of the call that leaves the refit group."""
-    return _control("close")
-
-
-def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """SGLang custom weight loader: ``WeightUpdater.update_weights_from_tensor`` calls it in
-    every TP worker with the model and the (deserialised) named tensors. These are control
-    messages (:func:`connect_tensors`, :func:`refit_tensors`, :func:`close_tensors`); the
-    weights themselves come over the refit group, straight into the model's parameters.
-
-    It never raises: an exception out of a weight loader ends SGLang's scheduler process
-    (``run_scheduler_process``: "Scheduler hit an exception", SIGQUIT to the server), and a
-    TP worker that left the call early would leave the others in its closing barrier. A
-    failed refit is logged and kept in ``model.megatron_refit_error`` (None after a call that
-    succeeded); the weights' state is the receiver's (``stale`` once bytes moved), and every
-    train rank's ``refit`` raises."""
-    model.megatron_refit_error = None
-    for name, _ in named_tensors:
-        op, _, args = name.removeprefix(PREFIX).partition(":")
-        try:
-            if not name.startswith(PREFIX) or op not in ("connect", "refit", "close"):
-                raise ValueError(f"{name!r} is no megatron_refit control message ({PREFIX}connect / refit / close)")
-            args = json.loads(args)
-            if op == "connect":
-                model._megatron_refit = engine_refit_for(model, args["refit"], num_train=args["num_train"],
-                                                         replica=args["replica"])
-            elif op == "refit":
-                model._megatron_refit.receive(args["version"], full=args["full"])
-            else:
-                model._megatron_refit.close()
-                del model._megatron_refit
-        except Exception as exc:  # noqa: BLE001 -- see the docstring: raising would end the engine
-            logging.getLogger(__name__).exception("megatron_refit %s failed", op)
-            model.megatron_refit_error = f"{type(exc).__name__}: {exc}"

@@ -5,12 +5,13 @@ The engine side is SGLang's own as far as it runs without an engine on CPU
 builds ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` through SGLang's ``ModelConfig`` and
 dummy loader, and receives with an ``EngineReceiver`` writing in place into that model's
 fused parameters (``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
-vocab rows), either directly or inside SGLang's real weight-update path: the scheduler's
-``SchedulerWeightUpdaterManager`` (begin / ``update_weights_from_tensor`` / end, with the
-per-rank serialised payloads ``Engine.update_weights_from_tensor`` sends) and the model
-runner's ``WeightUpdater``, whose custom weight loader (``sglang_cpu.refit_loader``) runs the
-refit in the TP worker. A full ``Engine`` does not start on CPU from the registry's wheels
-(its CPU path needs an ``sgl_kernel`` built from source).
+vocab rows), either directly or inside SGLang's real weight-update path: the trainer's
+control client (``megatron_refit.sglang_client``) over an ``Engine``'s methods or HTTP
+(:mod:`.engine_standins`), the scheduler's ``SchedulerWeightUpdaterManager`` (sessions,
+per-rank payloads) and the model runner's ``WeightUpdater``, whose custom weight loader
+(``megatron_refit.receivers.sglang.refit_loader``) runs the refit in the TP worker. A full
+``Engine`` does not start on CPU from the registry's wheels (its CPU path needs an
+``sgl_kernel`` built from source).
 
 The train side is Megatron-Bridge's real local shards: train TP2 ranks built through Bridge
 in the Megatron environment (``tests/vllm/bridge_shards.py``) saved their pieces and
@@ -49,11 +50,15 @@ AFTER_REFUSED = 3
 # (case, Bridge model, how the engine receives: "direct" or through SGLang's "updater")
 CASES = {
     2: [("qwen3", "qwen3", "direct"), ("qwen3-moe", "qwen3-moe", "direct"),
-        ("qwen3-moe-updater", "qwen3-moe", "updater")],
+        ("qwen3-moe-http", "qwen3-moe", "http")],
     1: [("qwen3", "qwen3", "direct"), ("qwen3-moe", "qwen3-moe", "direct"),
-        ("qwen3-updater", "qwen3", "updater")],
+        ("qwen3-engine", "qwen3", "engine")],
 }
-"""Per generation TP size: TP2 is one engine of 2 ranks, TP1 two independent engines."""
+"""Per generation TP size: TP2 is one engine of 2 ranks, TP1 two independent engines. How
+the engine receives: ``direct`` (our receiver over SGLang's model), or the trainer's
+control client (``megatron_refit.sglang_client``) driving SGLang's weight-update path with
+our custom weight loader, over an ``Engine``'s methods (``engine``) or HTTP (``http``)."""
+SESSION = ["begin", "update", "end"]
 
 
 def _ports(count: int) -> list[int]:
@@ -84,91 +89,15 @@ def _refit_section(tp: int, port: int) -> dict:
 # -- the generation ranks ------------------------------------------------------------
 
 
-class _Scheduler:
-    """What ``SchedulerWeightUpdaterManager`` asks of the scheduler: the weight version."""
-
-    def __init__(self):
-        self.weight_versions = []
-
-    def record_weight_version_change(self, new_version):
-        self.weight_versions.append(new_version)
-
-
-def _scheduler_updater(model, model_dir: str):
-    """The scheduler's weight-update manager over a TP worker whose model runner holds
-    ``model`` and SGLang's ``WeightUpdater`` (no KV cache to flush: no requests here)."""
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-    from sglang.srt.managers.tp_worker import TpModelWorker
-
-    from .sglang_cpu import weight_updater
-
-    class Runner:
-        def __init__(self):
-            self.model, self.weight_updater = model, weight_updater(model, model_dir)
-
-    class Worker:
-        deserialize_own_rank = TpModelWorker.deserialize_own_rank  # SGLang's: this rank's payload
-
-        def __init__(self):
-            self.model_runner = Runner()
-
-        def weight_update_runners(self):
-            return [("target", self.model_runner)]
-
-    return SchedulerWeightUpdaterManager(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=None,
-                                         flush_cache=lambda empty_cache=True: True,
-                                         is_fully_idle=lambda ignore_waiting=False: True, scheduler=_Scheduler())
-
-
-def _update_session(manager, named_tensors, tp: int, weight_version: str | None = None) -> None:
-    """What ``Engine.begin_weight_update`` / ``update_weights_from_tensor(named_tensors,
-    load_format=LOADER)`` / ``end_weight_update`` make each TP worker's scheduler run."""
-    from sglang.srt.managers.io_struct import (
-        BeginWeightUpdateReqInput,
-        EndWeightUpdateReqInput,
-        UpdateWeightsFromTensorReqInput,
-    )
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    from .sglang_cpu import LOADER
-
-    # one payload per TP rank, pickled as the client process pickles it: with torch's own
-    # tensor reduction. Here the client shares the worker's process, where SGLang replaced
-    # it on the first deserialisation (monkey_patch_torch_reductions, for CUDA IPC: it raises
-    # IndexError on a CPU tensor).
-    from torch.multiprocessing import reductions
-
-    patched = reductions.reduce_tensor
-    reductions.reduce_tensor = getattr(reductions, "_reduce_tensor_original", patched)
-    reductions.init_reductions()
-    try:
-        payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(tp)]
-    finally:
-        reductions.reduce_tensor = patched
-        reductions.init_reductions()
-    for call, req in ((manager.begin_weight_update, BeginWeightUpdateReqInput()),
-                      (manager.update_weights_from_tensor,
-                       UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=LOADER,
-                                                       weight_version=weight_version)),
-                      (manager.end_weight_update, EndWeightUpdateReqInput())):
-        out = call(req)
-        if not out.success:
-            raise RuntimeError(f"SGLang {call.__name__}: {out.message}")
-
-
 def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
-    from .sglang_cpu import (
-        build_model,
-        close_tensors,
-        connect_tensors,
-        engine_refit_for,
-        init_sglang,
-        refit_tensors,
-        write_model_dir,
-    )
+    from megatron_refit.receivers.sglang import engine_refit_for, refit_state
+    from megatron_refit.sglang_client import EngineClient, HTTPClient
+
+    from .engine_standins import RankEngine, scheduler_updater, serve_http
+    from .sglang_cpu import build_model, init_sglang, write_model_dir
 
     gen = rank - NUM_TRAIN
     replica, tp_rank = divmod(gen, tp)
@@ -196,22 +125,32 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
             results[case] = dict(checks=[check(v, sync.receive(v).as_dict()) for v in VERSIONS])
             sync.close()
             continue
-        manager = _scheduler_updater(model, dirs[case])
-        _update_session(manager, connect_tensors(refit, num_train=NUM_TRAIN, replica=replica), tp)
+        manager = scheduler_updater(model, dirs[case])
+        if path == "engine":
+            engine = RankEngine(manager, tp)
+            client, calls, server = EngineClient(engine), engine.calls, None
+        else:
+            url, calls, server = serve_http(manager)
+            client = HTTPClient(url, tp=tp, timeout=120)
+        client.connect(refit, num_train=NUM_TRAIN, replica=replica)
         sync = model._megatron_refit
         checks = []
         for version in VERSIONS:
-            _update_session(manager, refit_tensors(version), tp, weight_version=str(version))
+            client.refit(version)
+            client.resume(version)  # (rank 0 of the trainer resumes once every train rank's refit returned)
             checks.append(check(version))
         # a refit this worker refuses (a version it holds already): the loader must not raise
-        # into SGLang's scheduler; the weights stay as they were; the next refit works
-        _update_session(manager, refit_tensors(VERSIONS[-1]), tp)
-        refused = dict(error=model.megatron_refit_error, state=sync.state)
-        _update_session(manager, refit_tensors(AFTER_REFUSED), tp, weight_version=str(AFTER_REFUSED))
+        # into SGLang's scheduler; the weights stay as they were; the engine stays paused
+        client.refit(VERSIONS[-1])
+        refused = refit_state(model)
+        client.refit(AFTER_REFUSED)
+        client.resume(AFTER_REFUSED)
         checks.append(check(VERSIONS[-1]))  # the trainer's weights did not change
-        _update_session(manager, close_tensors(), tp)
-        results[case] = dict(checks=checks, refused=refused, weight_versions=manager.scheduler.weight_versions,
-                             closed=not hasattr(model, "_megatron_refit"))
+        client.close()
+        if server is not None:
+            server.shutdown()
+        results[case] = dict(checks=checks, refused=refused, calls=calls, closed=refit_state(model),
+                             weight_versions=manager.scheduler.weight_versions)
     return results
 
 
@@ -238,7 +177,7 @@ def _train(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
                 for piece, (_, tensor) in zip(pieces, load(bridge_dir, name, version, rank)["weights"]):
                     piece.data = tensor
             reports.append(sync.refit(version).as_dict())
-        if path == "updater":
+        if path != "direct":
             try:
                 sync.refit(AFTER_REFUSED)
             except RefitAbortedError as exc:
@@ -315,17 +254,21 @@ def test_sglang_refit_independent_engines_at_gen_tp1(case, spawned):
     assert received[0] == received[1] > 0
 
 
-@pytest.mark.parametrize("tp,case", [(2, "qwen3-moe-updater"), (1, "qwen3-updater")])
-def test_sglang_weight_updater_runs_the_refit(tp, case, spawned):
-    """Through SGLang's scheduler and ``WeightUpdater``: ``update_weights_from_tensor`` with
-    our custom weight loader joins the refit group, receives each version (a refused one
-    leaves the weights and the engine as they were), closes it."""
+@pytest.mark.parametrize("tp,case", [(2, "qwen3-moe-http"), (1, "qwen3-engine")])
+def test_sglang_weight_update_path_runs_the_refit(tp, case, spawned):
+    """The trainer's control client through SGLang's scheduler and ``WeightUpdater``
+    (``update_weights_from_tensor`` with our custom weight loader, over HTTP at TP2 and an
+    Engine's methods at TP1): joins the refit group, pauses, receives each version, resumes;
+    a refused refit leaves the weights as they were and the engine paused; closes."""
     out = spawned(tp)
     _check_case(out, case)
     for r in out[:NUM_TRAIN]:
         assert "failed their checks" in r[case]["refused"]
+    step = lambda v: ["pause:retract", *SESSION, f"version:{v}", "continue"]  # noqa: E731
     for r in out[NUM_TRAIN:]:
         assert "does not advance past 2" in r[case]["refused"]["error"]
-        assert r[case]["refused"]["state"] == "ready"
-        assert r[case]["weight_versions"] == [None, "1", "2", None, str(AFTER_REFUSED), None]
-        assert r[case]["closed"]
+        assert r[case]["refused"]["state"] == "ready" and r[case]["refused"]["weights_version"] == 2
+        assert r[case]["calls"] == [*SESSION, *step(1), *step(2), "pause:retract", *SESSION, *step(AFTER_REFUSED),
+                                    *SESSION]
+        assert r[case]["weight_versions"] == [None] * 6  # set by resume, once the refit succeeded
+        assert r[case]["closed"] == dict(connected=False, state=None, weights_version=None, error=None)
