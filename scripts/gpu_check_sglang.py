@@ -23,33 +23,33 @@ local connection. After each of 3 refits:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Client, Listener
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
-             vocab_size=1024, num_hidden_layers=2)
-MOE_SHAPE = dict(moe_intermediate_size=256)
-MODELS = ("qwen3", "qwen3-moe")
-PROMPT = [list(range(5, 21)), list(range(100, 116))]
-STEPS_PER_REFIT, REFITS, NEW_TOKENS = 5, 3, 8
-AUTH = b"megatron-refit-gpu-check"
+from gpu_engine_check import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPT,
+    REFITS,
+    ControllerConnection,
+    hf_greedy,
+    main,
+    save_export,
+    serve_trainer,
+    summary,
+    tiny_config,
+    train_model,
+    train_steps,
+)
+
 PROBE = "gpu_check_sglang.probe_loader"
 """The probe's import path in the engine's workers (``scripts/`` on their ``PYTHONPATH``)."""
-
-
-def _config(model: str):
-    from conversion.hf_configs import hf_config
-
-    return hf_config(model, **SHAPE, **(MOE_SHAPE if "moe" in model else {}))
 
 
 # -- the probe (in the engine's TP worker) ------------------------------------------------
@@ -84,16 +84,6 @@ def probe_loader(model, named_tensors) -> None:
 
 # -- the controller (SGLang environment) --------------------------------------------------
 
-def _hf_greedy(export: dict, cfg) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    model.load_state_dict(export, strict=False)
-    out = model.generate(torch.tensor(PROMPT).cuda(), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[:, len(PROMPT[0]):].tolist()
-
-
 def _check(engine, cfg, export_path: str, workdir: str) -> dict:
     import torch
     from safetensors.torch import load_file
@@ -110,7 +100,7 @@ def _check(engine, cfg, export_path: str, workdir: str) -> dict:
     outs = engine.generate(input_ids=PROMPT, sampling_params=dict(temperature=0.0, max_new_tokens=NEW_TOKENS,
                                                                   ignore_eos=True))
     engine_tokens = [list(o["output_ids"]) for o in outs]
-    hf_tokens = _hf_greedy(load_file(export_path), cfg)
+    hf_tokens = hf_greedy(load_file(export_path), cfg)
     return dict(**probe, tokens_match=engine_tokens == hf_tokens, engine_tokens=engine_tokens, hf_tokens=hf_tokens)
 
 
@@ -123,7 +113,7 @@ def controller(args, model: str) -> dict:
     from megatron_refit.sglang_client import EngineClient
 
     workdir = tempfile.mkdtemp(prefix="gpu_check_sglang_")
-    cfg = _config(model)
+    cfg = tiny_config(model)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(workdir)
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts"), os.environ.get("PYTHONPATH", "")])
@@ -131,90 +121,44 @@ def controller(args, model: str) -> dict:
                            mem_fraction_static=0.3, disable_cuda_graph=True, context_length=128,
                            custom_weight_loader=[LOADER, PROBE])
     client = EngineClient(engine)
-    listener = Listener(("127.0.0.1", 0), authkey=AUTH)
-    trainer = subprocess.Popen([args.trainer_python, os.path.abspath(__file__), "--trainer", model, workdir,
-                                str(listener.address[1])], cwd=ROOT)
-    phases: dict[str, list[float]] = {}
-    checks = []
-    with listener.accept() as conn:
-        while True:
-            method, payload = conn.recv()
-            if method == "done":
-                conn.send(("ok", None))
-                result = payload
-                break
-            t0 = time.perf_counter()
-            try:
-                answer = (_check(engine, cfg, payload[0][0], workdir) if method == "check"
-                          else getattr(client, method)(*payload[0], **payload[1]))
-                conn.send(("ok", answer))
-            except Exception as exc:  # noqa: BLE001 -- handed to the trainer, which raises it
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-            phases.setdefault(method, []).append(time.perf_counter() - t0)
-            if method == "check":
-                checks.append(answer)
-    trainer.wait(timeout=300)
+
+    def answer(method, payload):
+        if method == "check":
+            return _check(engine, cfg, payload, workdir)
+        args, kwargs = payload
+        return getattr(client, method)(*args, **kwargs)
+
+    run = serve_trainer(__file__, args.trainer_python, model, workdir, answer)
     engine.shutdown()
-    return dict(ok=trainer.returncode == 0 and len(checks) == REFITS and all(c["tokens_match"] for c in checks),
-                bit_exact=all(c["bit_exact"] for c in checks), gpu=torch.cuda.get_device_name(), checks=checks,
-                control_plane_seconds=phases, trainer=result)
+    return summary(run)
 
 
 # -- the trainer (Megatron environment) ---------------------------------------------------
 
-class _ControllerClient:
+class _ControllerClient(ControllerConnection):
     """An SGLang control client whose calls run on the controller's ``EngineClient``."""
 
-    def __init__(self, port: int):
-        import threading
-
-        self._conn, self._lock = Client(("127.0.0.1", port), authkey=AUTH), threading.Lock()
-
-    def call(self, method: str, *args, **kwargs):
-        with self._lock:
-            self._conn.send((method, (args, kwargs)))
-            status, answer = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine {method}: {answer}")
-        return answer
-
     def connect(self, refit, *, num_train, replica=0):
-        self.call("connect", refit, num_train=num_train, replica=replica)
+        self.call("connect", ((refit,), dict(num_train=num_train, replica=replica)))
 
     def refit(self, version, *, full=False):
-        self.call("refit", version, full=full)
+        self.call("refit", ((version,), dict(full=full)))
 
     def resume(self, version):
-        self.call("resume", version)
+        self.call("resume", ((version,), {}))
 
     def close(self):
-        self.call("close")
+        self.call("close", ((), {}))
 
 
 def trainer(model: str, workdir: str, port: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.train_step import train_step
     from megatron_refit.config import RefitConfig
     from megatron_refit.integration import trainer_refit
-    from megatron_refit.layout import TrainLayout
     from megatron_refit.sglang_client import close_engines, connect_engines, refit_engines
     from megatron_refit.tools.launch import free_port
 
     client = _ControllerClient(port)
-    torch.cuda.set_device(0)
-    init_gloo(0, 1, free_port())
-    init_model_parallel(TrainLayout())
-    cfg = _config(model)
-    built = build_model(cfg, TrainLayout(), dtype=torch.bfloat16)
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1234)
-    for chunk in built.model:
-        chunk.cuda()
-    optimizer = torch.optim.Adam([p for c in built.model for p in c.parameters()], lr=1e-2)
+    built, optimizer, cfg = train_model(model)
     section = {"enabled": True, "backend": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
     clients = [client]
@@ -222,38 +166,14 @@ def trainer(model: str, workdir: str, port: int) -> None:
                            clients, section, rank=0, num_train=1)
     reports = []
     for version in range(1, REFITS + 1):
-        for _ in range(STEPS_PER_REFIT):
-            train_step(built, optimizer, torch.tensor(PROMPT))
+        train_steps(built, optimizer)
         t0 = time.perf_counter()
         report = refit_engines(sync, clients, version, rank=0)
         reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
-        path = os.path.join(workdir, f"export_v{version}.safetensors")
-        save_file({n: t.detach().cpu().contiguous() for n, t in built.bridge.export_hf_weights(
-            built.model, cpu=True, show_progress=False)}, path)
-        client.call("check", path)
+        client.call("check", save_export(built, workdir, version))
     close_engines(sync, clients, rank=0)
     client.call("done", reports)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check_sglang.json"))
-    parser.add_argument("--trainer-python", default=os.path.join(ROOT, ".venv", "bin", "python"),
-                        help="Python of the Megatron environment (default: .venv)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--trainer", nargs=3, metavar=("MODEL", "WORKDIR", "PORT"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.trainer:
-        trainer(args.trainer[0], args.trainer[1], int(args.trainer[2]))
-        return 0
-    result = {model: controller(args, model) for model in args.models}
-    result["ok"] = all(r["ok"] for r in result.values())
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result))
-    return 0 if result["ok"] else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, __file__, "gpu_check_sglang", controller, trainer))

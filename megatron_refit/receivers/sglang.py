@@ -74,7 +74,9 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
             raise ValueError(f"refit.gen_tp={cfg.gen_tp}, but this SGLang engine runs tp_size={parallel.tp_size}")
         tp_rank = parallel.tp_rank
     hf_config = model.config
-    dtype = next(model.parameters()).dtype
+    # the dtype the model computes in: its first floating-point parameter wider than a byte
+    # (an FP8 engine's embedding and norms, not its quantised weights)
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
     params = hf_param_table(hf_config, dtype)
     if cfg.trainer_quantize_fp8:
         from ..fp8 import fp8_param_table

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import re
 import queue
+import random
 import socket
 import time
 import traceback
@@ -31,18 +32,39 @@ class SpawnError(RuntimeError):
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (all sockets are held open until all are chosen: ports
-    picked one at a time can repeat)."""
+    """``count`` distinct free ports, below the kernel's ephemeral range where it is known:
+    a port from that range, free when chosen, can be taken by an outgoing connection (gloo's
+    pair connections, made by thousands in a test run) before the rendezvous binds it
+    (``EADDRINUSE``). All sockets are held until all are chosen (ports picked one at a time
+    could repeat)."""
+    low = _ephemeral_low()
     socks = []
     try:
-        for _ in range(count):
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", _RNG.randrange(max(1024, low - 10000), low) if low else 0))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+_RNG = random.SystemRandom()  # not the random module's state: tests seed that
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), if it leaves room below."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if low > 2048 else None
 
 
 def free_port() -> int:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,27 +57,6 @@ the engine receives: ``direct`` (our receiver over SGLang's model), or the train
 control client (``megatron_refit.sglang_client``) driving SGLang's weight-update path with
 our custom weight loader, over an ``Engine``'s methods (``engine``) or HTTP (``http``)."""
 SESSION = ["begin", "update", "end"]
-
-
-def _ports(count: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range. ``free_ports`` hands out ephemeral
-    ports, and the gloo connections made before a later case's rendezvous can take one
-    meanwhile (seen here: the refit store failing with EADDRINUSE)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return free_ports(count)
-    ports: set[int] = set()
-    while len(ports) < count:
-        port = random.randrange(max(1024, low - 10000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.add(port)
-    return sorted(ports)
 
 
 def _refit_section(tp: int, port: int) -> dict:
@@ -215,7 +192,7 @@ def spawned(bridge_dir, tmp_path_factory):
     def get(tp: int):
         if tp not in cache:
             cases = CASES[tp]
-            ports = _ports(NUM_GEN // tp + len(cases))  # SGLang's groups (one per engine), refit groups
+            ports = free_ports(NUM_GEN // tp + len(cases))  # SGLang's groups (one per engine), refit groups
             cache[tp] = run_spawned(_rank, NUM_TRAIN + NUM_GEN, tp, ports[: NUM_GEN // tp], ports[NUM_GEN // tp:],
                                     bridge_dir, str(tmp_path_factory.mktemp(f"sglang-tp{tp}")), cases,
                                     timeout_s=300)
