@@ -181,6 +181,9 @@ class RefitConfig:
         if self.backend == "sglang" and self.engine_load != "in_place":
             raise ValueError(f"refit.backend 'sglang' writes in place into SGLang's parameters (its weight loader "
                              f"hook); engine_load must be 'in_place', got {self.engine_load!r}")
+        if self.backend == "sglang" and self.swap != "in_place":
+            raise ValueError(f"refit.swap {self.swap!r} is not offered for backend 'sglang' (its weight loader writes "
+                             "in place under SGLang's pause); use swap: in_place")
         if self.swap == "staged" and not (self.backend == "hf" or self.engine_load == "load_weights"):
             raise ValueError(f"refit.swap 'staged' with backend {self.backend!r} needs engine_load 'load_weights' "
                              f"(the engine loads its staging buffers under a pause), got {self.engine_load!r}")

@@ -136,3 +136,5 @@ def test_backend_sglang_plans_the_engine_layout_and_writes_in_place():
     assert RefitConfig(backend="hf").gen_style == "full"
     with pytest.raises(ValueError, match="engine_load must be 'in_place', got 'load_weights'"):
         RefitConfig(backend="sglang", engine_load="load_weights")
+    with pytest.raises(ValueError, match="refit.swap 'staged' is not offered for backend 'sglang'"):
+        RefitConfig(backend="sglang", swap="staged")
