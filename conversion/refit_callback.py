@@ -140,8 +140,7 @@ class RefitCallback(Callback):
         if self.engines:
             from megatron_refit.sglang_client import connect_engines
 
-            section = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
-            self.sync = connect_engines(join, self.engines, section, rank=rank, num_train=world)
+            self.sync = connect_engines(join, self.engines, dataclasses.asdict(self.cfg), rank=rank, num_train=world)
         else:
             self.sync = join()
         if self.initial_refit:

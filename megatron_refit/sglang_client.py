@@ -77,8 +77,8 @@ def _check_pause_mode(mode: str) -> str:
 
 
 def _checked(what: str, out) -> None:
-    """SGLang's ``(success, message)`` answer of a weight-update call."""
-    success, message = (out if isinstance(out, tuple) else (getattr(out, "success", out), getattr(out, "message", "")))
+    """SGLang's ``(success, message)`` answer of an ``Engine`` weight-update call."""
+    success, message = out
     if not success:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
@@ -203,13 +203,6 @@ class HTTPClient:
         self._session(close_message(), flush_cache=False)
 
 
-def _on_all(clients: list, call) -> list:
-    """``call(replica, client)`` on every client at once; the exceptions, in replica order."""
-    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-        futures = [pool.submit(call, i, c) for i, c in enumerate(clients)]
-    return [f.exception() for f in futures]
-
-
 def connect_engines(trainer_connect, clients: list, refit: dict, *, rank: int, num_train: int):
     """Every train rank: join the refit group (``trainer_connect()``, e.g. a ``trainer_refit``
     call, returns the trainer's refit), while rank 0 connects every engine replica (replica
@@ -226,8 +219,7 @@ def refit_engines(trainer, clients: list, version: int, *, rank: int, full: bool
     report = _with_engines(lambda: trainer.refit(version, full=full), clients if rank == 0 else [],
                            lambda i, c: c.refit(version, full=full), f"refit {version}")
     if rank == 0:  # the trainer's refit returned on every rank only if every engine rank received
-        errors = _on_all(clients, lambda i, c: c.resume(version))
-        _raise_first(errors, f"resume after refit {version}")
+        _with_engines(lambda: None, clients, lambda i, c: c.resume(version), f"resume after refit {version}")
     return report
 
 
@@ -237,6 +229,8 @@ def close_engines(trainer, clients: list, *, rank: int) -> None:
 
 
 def _with_engines(local, clients: list, engine_call, what: str):
+    """``local()`` here while ``engine_call(replica, client)`` runs for every client on a
+    thread; ``local``'s error first, then the first replica's."""
     if not clients:
         return local()
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:

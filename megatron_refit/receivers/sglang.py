@@ -54,16 +54,15 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     ``replica`` and build the plan: an :class:`~.engine.EngineReceiver` writing in place into
     ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
     ``refit:`` section; its ``backend`` must be ``sglang`` (the default here)."""
-    from ..config import RefitConfig
     from ..hf_model import hf_param_table, model_shape
     from ..integration import engine_refit
+    from ..weight_transfer.payload import refit_section
     from .engine import EngineReceiver, sglang_post_load
 
-    backend = refit.get("backend", "sglang")
-    if backend != "sglang":
-        raise ValueError(f"refit.backend is {backend!r}, but this is SGLang's megatron_refit weight loader "
+    cfg = refit_section({"backend": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
+    if cfg.backend != "sglang":
+        raise ValueError(f"refit.backend is {cfg.backend!r}, but this is SGLang's megatron_refit weight loader "
                          "(set backend: sglang)")
-    cfg = RefitConfig.from_dict({"enabled": True, **refit, "backend": "sglang"})
     if not 0 <= replica < cfg.gen_dp:
         raise ValueError(f"replica must be in [0, gen_dp={cfg.gen_dp}), got {replica}")
     if tp_rank is None:

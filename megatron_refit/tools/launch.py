@@ -39,11 +39,13 @@ def free_ports(count: int) -> list[int]:
     could repeat)."""
     low = _ephemeral_low()
     socks = []
+    tries = 0
     try:
         while len(socks) < count:
+            tries += 1
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.bind(("127.0.0.1", _RNG.randrange(max(1024, low - 10000), low) if low else 0))
+            try:  # the kernel's pick after 100 taken ones
+                s.bind(("127.0.0.1", _RNG.randrange(max(1024, low - 10000), low) if low and tries <= 100 else 0))
             except OSError:
                 s.close()
                 continue
