@@ -1,19 +1,21 @@
 """Per-bucket digests: the integrity check every refit runs (``verify``, on by default).
 
-A bucket's digest is bound to where it belongs: its seed hashes the refit version, the
-sending and receiving refit ranks, the bucket's index in the pair's plan, its length and
-the plan itself. Over the bucket's bytes, read as little-endian 64-bit words (bytes
-``[8i, 8i+8)``; a last partial word zero-padded) and cut into at most :data:`MAX_CHUNKS`
-chunks::
+A bucket's digest is bound to where it belongs: its seed hashes the sending and receiving
+refit ranks, the bucket's index in the pair's plan, its length and the plan itself; the
+refit version enters through ``t(v)``. Over the bucket's bytes, read as little-endian
+64-bit words (bytes ``[8i, 8i+8)``; a last partial word zero-padded) and cut into at most
+:data:`MAX_CHUNKS` chunks::
 
-    digest = h(seed) + sum_k m_k(seed) * S_k        (mod 2**64)
+    digest = h(seed) + c(seed) * t(version) + sum_k m_k(seed) * S_k        (mod 2**64)
 
-where ``S_k`` is the wrapping sum of chunk ``k``'s words and ``m_k`` an odd multiplier drawn
-from the seed. A changed word changes its chunk's sum; chunks out of order, or a bucket
-delivered to the wrong place or version, change the multipliers; all-zero bytes leave
-``h(seed)``, never 0, so a zeroed bucket with a zeroed digest is caught too. Integer sums
-wrap identically in any order, so a GPU sender and a CPU receiver agree, whatever the
-buffers' alignment.
+where ``S_k`` is the wrapping sum of chunk ``k``'s words, ``m_k`` an odd multiplier drawn
+from the seed, ``c`` odd and ``t`` a bijection of the version (splitmix64). A changed word
+changes its chunk's sum; chunks out of order, or a bucket delivered to the wrong place,
+change the multipliers; a bucket of another version that is consistent with its own
+digest differs by ``c * (t(v) - t(v'))``, never 0 mod 2**64 (``c`` is odd); all-zero bytes
+leave ``h + c * t``, so a zeroed bucket with a zeroed digest is caught too. Everything but
+``t`` is computed once per plan (:class:`Digester`). Integer sums wrap identically in any
+order, so a GPU sender and a CPU receiver agree, whatever the buffers' alignment.
 
 Modes (``verify``):
 
@@ -143,25 +145,55 @@ def chunk_sums(buf: torch.Tensor, mode: str) -> torch.Tensor:
     return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
-def digests(sums: list[torch.Tensor], seeds: list[int]) -> torch.Tensor:
-    """The digests (int64 tensor, one per bucket, on the sums' device) of buckets given their
-    :func:`chunk_sums` and seeds: a few vectorised operations for all of them at once."""
-    if not sums:
-        return torch.zeros(0, dtype=torch.int64)
-    device = sums[0].device
-    counts = torch.tensor([t.numel() for t in sums], device=device)
-    flat = torch.cat(sums)
-    per_chunk = lambda values: torch.tensor(values, dtype=torch.int64, device=device).repeat_interleave(counts)  # noqa: E731
-    a = per_chunk([_signed(_splitmix(seed ^ 0xA5A5A5A5A5A5A5A5)) for seed in seeds])
-    b = per_chunk([_signed(_splitmix(seed ^ 0x5A5A5A5A5A5A5A5A)) for seed in seeds])
-    first = per_chunk((torch.cumsum(counts, 0) - counts).tolist())
-    ks = torch.arange(flat.numel(), dtype=torch.int64, device=device) - first
-    multipliers = (ks * a + b) | 1  # wraps mod 2**64: odd, distinct per chunk
-    bucket = torch.arange(len(sums), device=device).repeat_interleave(counts)
-    out = torch.zeros(len(sums), dtype=torch.int64, device=device).index_add_(0, bucket, flat * multipliers)
-    return out + torch.tensor([_signed(_splitmix(seed)) for seed in seeds], dtype=torch.int64, device=device)
+def chunk_count(nbytes: int, mode: str) -> int:
+    """How many chunk sums :func:`chunk_sums` returns for a bucket of ``nbytes``."""
+    cw = chunk_words(nbytes, mode)
+    words = nbytes // 8
+    count = -(-words // cw)
+    return count + 1 if nbytes > words * 8 or not count else count
 
 
-def digest(buf: torch.Tensor, seed: int, mode: str = "sampled") -> int:
-    """The digest of one flat uint8 buffer under ``seed``."""
-    return int(digests([chunk_sums(buf, mode)], [seed])[0])
+class Digester:
+    """The digest constants of a sequence of buckets (one sender-receiver pair's, in plan
+    order) given their version-free seeds and sizes, computed once per plan. Per refit the
+    digests of all of them take a few vectorised operations over their chunk sums, however
+    many buckets there are."""
+
+    def __init__(self, seeds: list[int], nbytes: list[int], mode: str):
+        self.counts = [chunk_count(n, mode) for n in nbytes]
+        multipliers = []
+        for seed, count in zip(seeds, self.counts):
+            a, b = _splitmix(seed ^ 0xA5A5A5A5A5A5A5A5), _splitmix(seed ^ 0x5A5A5A5A5A5A5A5A)
+            multipliers += [_signed((k * a + b) | 1) for k in range(count)]  # odd, distinct per chunk
+        self._constants = (multipliers, [_signed(_splitmix(seed)) for seed in seeds],
+                           [_signed(_splitmix(seed ^ 0x3C3C3C3C3C3C3C3C) | 1) for seed in seeds])
+        self._on: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = str(device)
+        if key not in self._on:
+            multipliers, h, c = (torch.tensor(v, dtype=torch.int64, device=device) for v in self._constants)
+            bucket = torch.arange(len(self.counts), device=device).repeat_interleave(
+                torch.tensor(self.counts, dtype=torch.int64, device=device))
+            self._on[key] = (multipliers, bucket, h, c)
+        return self._on[key]
+
+    def __call__(self, sums: list[torch.Tensor], version: int) -> torch.Tensor:
+        """The digests (int64, one per bucket, on the sums' device) in refit ``version`` of
+        the buckets whose :func:`chunk_sums` are ``sums``, in the order given at construction."""
+        if len(sums) != len(self.counts):
+            raise ValueError(f"digests of {len(sums)} buckets asked of a digester of {len(self.counts)}")
+        device = sums[0].device if sums else torch.device("cpu")
+        multipliers, bucket, h, c = self._tensors(device)
+        out = h + c * _signed(_splitmix(version ^ 0xC3C3C3C3C3C3C3C3))  # wraps mod 2**64
+        if not sums:
+            return out
+        flat = torch.cat(sums) if len(sums) > 1 else sums[0]
+        if flat.numel() != multipliers.numel():
+            raise ValueError(f"{flat.numel()} chunk sums for buckets of {multipliers.numel()} chunks")
+        return out.index_add_(0, bucket, flat * multipliers)
+
+
+def digest(buf: torch.Tensor, seed: int, version: int, mode: str = "sampled") -> int:
+    """The digest of one flat uint8 buffer under ``seed`` in refit ``version``."""
+    return int(Digester([seed], [buf.numel()], mode)([chunk_sums(buf, mode)], version)[0])

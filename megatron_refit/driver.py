@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from .buckets import pack_bucket
-from .checksum import chunk_sums, digests
+from .checksum import chunk_sums
 from .delta import DeltaSender, word_size
 from .endpoint import (  # noqa: F401  (re-exported with the other refit errors)
     DIGEST_TAG,
@@ -159,7 +159,8 @@ class Refitter(Endpoint):
                 cache[name] = tensor
             return cache[name]
 
-        sums: dict[int, list] = {}  # receiver -> [(seed, chunk sums)] in plan order
+        sums: dict[int, list] = {}  # receiver -> chunk sums of its buckets in plan order
+        digesters = self._pair_digesters(buckets, self.plan.global_dst) if self.verify != "off" else {}
         left = Counter(self.plan.global_dst(b) for b in buckets)  # buckets still to post, per receiver
         digest_sends: list = []
 
@@ -170,10 +171,10 @@ class Refitter(Endpoint):
                 return
             t0 = time.perf_counter()
             dst = self.plan.global_dst(bucket)
-            sums.setdefault(dst, []).append((self._seed(version, bucket), chunk_sums(data, self.verify)))
+            sums.setdefault(dst, []).append(chunk_sums(data, self.verify))
             left[dst] -= 1
             if not left[dst]:
-                values = digests([s for _, s in sums[dst]], [seed for seed, _ in sums[dst]])
+                values = digesters[dst](sums[dst], version)
                 digest_sends.append(self.group.send_small(values, dst, DIGEST_TAG))
             report.seconds["verify"] += time.perf_counter() - t0
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .buckets import contiguous_bytes
-from .checksum import bucket_seed, check_mode
+from .checksum import Digester, bucket_seed, check_mode
 from .delta import check_mode as check_delta_mode
 from .plan import RefitPlan
 from .report import RefitReport, report_values, summarize
@@ -141,8 +141,9 @@ class Endpoint:
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
         rank uses the same plan."""
         self.version: int | None = None
-        self._seed_bases: dict[tuple[int, int, int], int] = {}
-        """The version-free part of each bucket's digest seed under this plan (see :meth:`_seed`)."""
+        self._digesters: dict[int, Digester] | None = None
+        """Per peer: the digest constants of this rank's buckets with it under this plan (see
+        :meth:`_pair_digesters`)."""
 
     def _local_specs(self) -> list[ShardSpec]:
         raise NotImplementedError
@@ -190,7 +191,7 @@ class Endpoint:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
         self._plan_id = int(prints["plan"][:15], 16)
-        self._seed_bases = {}
+        self._digesters = None
         return plan
 
     def _local_rank(self) -> tuple[str, int]:
@@ -251,14 +252,18 @@ class Endpoint:
         if self.version is not None and version <= self.version:
             raise ValueError(f"refit version {version} does not advance past {self.version}")
 
-    def _seed(self, version: int, bucket) -> int:
-        """The digest seed of ``bucket`` in refit ``version`` (see :mod:`megatron_refit.checksum`)."""
-        key = (bucket.src_rank, bucket.dst_rank, bucket.index)
-        base = self._seed_bases.get(key)
-        if base is None:
-            base = self._seed_bases[key] = bucket_seed(
-                self.plan.global_src(bucket), self.plan.global_dst(bucket), bucket.index, bucket.nbytes, self._plan_id)
-        return bucket_seed(base, version)
+    def _pair_digesters(self, buckets, peer_of: Callable) -> dict[int, Digester]:
+        """Per peer (``peer_of(bucket)``): the digest constants of this rank's ``buckets``
+        with it, in plan order, built once per plan (see :mod:`megatron_refit.checksum`)."""
+        if self._digesters is None:
+            by_peer: dict[int, list] = {}
+            for bucket in buckets:
+                by_peer.setdefault(peer_of(bucket), []).append(bucket)
+            self._digesters = {
+                peer: Digester([bucket_seed(self.plan.global_src(b), self.plan.global_dst(b), b.index, b.nbytes,
+                                            self._plan_id) for b in mine], [b.nbytes for b in mine], self.verify)
+                for peer, mine in by_peer.items()}
+        return self._digesters
 
     def _summarize(self, report: RefitReport, failed: bool = False) -> list[int]:
         """The end of every refit, on every rank: one control message with each rank's

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .buckets import repack_bucket, unpack_bucket
-from .checksum import chunk_sums, digests
+from .checksum import chunk_sums
 from .delta import RAW, apply, word_size
 from .endpoint import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
 from .plan_checks import ITEMSIZE
@@ -96,7 +96,8 @@ class Receiver(Endpoint):
                              bytes_minimal=self.plan.bytes_minimal, delta=use_delta)
         buckets = self.plan.buckets_to(self.gen_index)
         report.bytes_full = sum(b.payload_bytes for b in buckets)
-        received: dict[int, list] = {}  # sender -> [(bucket, seed, chunk sums)] in plan order
+        received: dict[int, list] = {}  # sender -> [(bucket, chunk sums)] in plan order
+        digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
         left = Counter(self.plan.global_src(b) for b in buckets)  # buckets still to come, per sender
         computed: dict[int, torch.Tensor] = {}  # sender -> digests of what arrived
         sent = {}  # sender -> its digest message, posted before the first bucket
@@ -111,12 +112,10 @@ class Receiver(Endpoint):
             t0 = time.perf_counter()
             for bucket, buf in unchecked:
                 src = self.plan.global_src(bucket)
-                received.setdefault(src, []).append((bucket, self._seed(version, bucket),
-                                                     chunk_sums(buf, self.verify)))
+                received.setdefault(src, []).append((bucket, chunk_sums(buf, self.verify)))
                 left[src] -= 1
                 if not left[src]:
-                    items = received[src]
-                    computed[src] = digests([s for _, _, s in items], [seed for _, seed, _ in items]).cpu()
+                    computed[src] = digesters[src]([s for _, s in received[src]], version).cpu()
             unchecked.clear()
             report.seconds["verify"] += time.perf_counter() - t0
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.checksum import FULL_BELOW, bucket_seed, check_mode, digest, extra_bytes
+from megatron_refit.checksum import FULL_BELOW, Digester, bucket_seed, check_mode, chunk_sums, digest, extra_bytes
 
-SEED = bucket_seed(3, 0, 2, 5, 1 << 20, 11)
+SEED = bucket_seed(0, 2, 5, 1 << 20, 11)  # sender, receiver, index, length, plan
+V = 3  # the refit version
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -20,33 +21,64 @@ def test_digest_depends_on_the_bytes_not_on_their_address(mode, n):
     x = _bytes(n)
     shifted = torch.empty(n + 3, dtype=torch.uint8)
     shifted[3:] = x  # the same bytes at an address that is not 8-byte aligned
-    assert digest(x, SEED, mode) == digest(shifted[3:], SEED, mode)
+    assert digest(x, SEED, V, mode) == digest(shifted[3:], SEED, V, mode)
 
 
 @pytest.mark.parametrize("mode", ["sampled", "full"])
 def test_digest_catches_zeroed_stale_and_misrouted_buckets(mode):
     x = _bytes(4 << 20)
-    want = digest(x, SEED, mode)
-    assert digest(torch.zeros_like(x), SEED, mode) != want
-    assert digest(torch.zeros_like(x), SEED, mode) != 0  # a zeroed digest message does not match zeros either
-    assert digest(x[: -4096], SEED, mode) != want  # truncated
-    assert digest(_bytes(4 << 20, seed=1), SEED, mode) != want  # other bytes (another bucket's)
-    for other in ((4, 0, 2, 5), (3, 1, 2, 5), (3, 0, 3, 5), (3, 0, 2, 6)):  # version, sender, receiver, index
-        assert digest(x, bucket_seed(*other, 1 << 20, 11), mode) != want
+    want = digest(x, SEED, V, mode)
+    assert digest(torch.zeros_like(x), SEED, V, mode) != want
+    assert digest(torch.zeros_like(x), SEED, V, mode) != 0  # a zeroed digest message does not match zeros either
+    assert digest(x[: -4096], SEED, V, mode) != want  # truncated
+    assert digest(_bytes(4 << 20, seed=1), SEED, V, mode) != want  # other bytes (another bucket's)
+    for other in ((1, 2, 5), (0, 3, 5), (0, 2, 6)):  # sender, receiver, index
+        assert digest(x, bucket_seed(*other, 1 << 20, 11), V, mode) != want
+    assert digest(x, bucket_seed(0, 2, 5, 1 << 20, 12), V, mode) != want  # another plan
+    assert all(digest(x, SEED, v, mode) != want for v in (0, 1, 2, 4, 5, 1 << 40))  # another version
     swapped = x.clone()
     swapped[: 1 << 20], swapped[1 << 20: 2 << 20] = x[1 << 20: 2 << 20], x[: 1 << 20]
-    assert digest(swapped, SEED, mode) != want  # two chunks in each other's place
+    assert digest(swapped, SEED, V, mode) != want  # two chunks in each other's place
+
+
+def test_a_stale_bucket_that_matches_its_own_digest_never_passes():
+    """A bucket and digest both of another version differ from this version's digest of
+    the same bytes by c * (t(v) - t(v')): an odd c times a non-zero difference, non-zero
+    mod 2**64 whatever the bytes and seeds (no probability involved)."""
+    for seed in (SEED, 0, 1, (1 << 64) - 1):
+        for v in range(8):
+            bucket = Digester([seed], [0], "sampled")
+            empty = [torch.zeros(1, dtype=torch.int64)]
+            assert len({int(bucket(empty, w)[0]) - int(bucket(empty, v)[0]) for w in range(8) if w != v}) == 7
+            assert 0 not in {int(bucket(empty, w)[0]) - int(bucket(empty, v)[0]) for w in range(8) if w != v}
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_a_digester_of_several_buckets_gives_each_its_own_digest(mode):
+    """One digester per sender-receiver pair: its digests are those of each bucket alone,
+    and it refuses sums that do not fit its buckets."""
+    sizes = [0, 5, FULL_BELOW + 13, (3 << 20) + 8, 1001]
+    bufs = [_bytes(n, seed=i) for i, n in enumerate(sizes)]
+    seeds = [bucket_seed(0, 2, i, n, 11) for i, n in enumerate(sizes)]
+    pair = Digester(seeds, sizes, mode)
+    got = pair([chunk_sums(b, mode) for b in bufs], V).tolist()
+    assert got == [digest(b, s, V, mode) for b, s in zip(bufs, seeds)]
+    with pytest.raises(ValueError, match="digests of 4 buckets asked of a digester of 5"):
+        pair([chunk_sums(b, mode) for b in bufs[:4]], V)
+    with pytest.raises(ValueError, match="chunk sums for buckets of"):
+        pair([chunk_sums(b, mode) for b in bufs[:4]] + [chunk_sums(bufs[2], mode)], V)
+    assert Digester([], [], mode)([], V).numel() == 0
 
 
 def test_full_mode_catches_any_flipped_byte_sampled_mode_the_bytes_it_reads():
     x = _bytes(2 << 20)
     for position in (0, 4095, 4096, 524287, 500_000, (2 << 20) - 1):
-        assert digest(_flip(x, position), SEED, "full") != digest(x, SEED, "full"), position
-    sampled = {position: digest(_flip(x, position), SEED, "sampled") != digest(x, SEED, "sampled")
+        assert digest(_flip(x, position), SEED, V, "full") != digest(x, SEED, V, "full"), position
+    sampled = {position: digest(_flip(x, position), SEED, V, "sampled") != digest(x, SEED, V, "sampled")
                for position in (0, 4095, 4096, 524287, 524288)}
     assert sampled == {0: True, 4095: True, 4096: False, 524287: False, 524288: True}  # 4 KiB of every 512 KiB
     small = _bytes(FULL_BELOW - 8)
-    assert digest(_flip(small, 100_000), SEED, "sampled") != digest(small, SEED, "sampled")  # small: every byte
+    assert digest(_flip(small, 100_000), SEED, V, "sampled") != digest(small, SEED, V, "sampled")  # small: every byte
 
 
 def _flip(x: torch.Tensor, position: int) -> torch.Tensor:
@@ -67,7 +99,7 @@ def test_sampled_sums_follow_the_definition_on_views_with_offsets():
     """Each chunk sums the first SAMPLE_WORDS words of each of its whole blocks, a trailing
     partial block entirely, and the partial last word on its own (zero-padded), also for
     a view that starts inside its storage (a direct bucket of a larger tensor)."""
-    from megatron_refit.checksum import BLOCK_WORDS, SAMPLE_WORDS, chunk_sums
+    from megatron_refit.checksum import BLOCK_WORDS, SAMPLE_WORDS
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-(1 << 63), (1 << 63) - 1, (5 * BLOCK_WORDS,), dtype=torch.int64, generator=g).view(torch.uint8)
