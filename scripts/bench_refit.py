@@ -7,7 +7,8 @@
     pre-allocated buffer of exactly that pair's bytes, same group, same pattern;
 (d) ours with the integrity check off (``verify="off"``): ``verify_overhead`` is (a) / (d),
     the cost of the bucket digests that every refit runs by default (``--verify``: which
-    check (a) runs, ``sampled`` by default);
+    check (a) runs, ``sampled`` by default): the median over back-to-back pairs, each
+    repetition's own and :data:`VERIFY_PAIRS` more per repetition;
 (e) delta vs full refits at lr 1e-6 and 1e-5 (``refit.delta``; the model in bf16 with fp32
     master copies, :mod:`bench_delta`), on the first layout (``--no-delta`` skips it).
 
@@ -32,6 +33,10 @@ from megatron_refit.tools.cli import check_layout, reports_user_errors
 from megatron_refit.tools.harness import RunSpec
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
+VERIFY_PAIRS = 2
+"""Extra back-to-back (a) / (d) pairs per repetition, in alternating order, for
+``verify_overhead``: the check costs a few percent and this machine drifts more than that
+between repetitions, so one pair per repetition leaves its median ±2–4 % from run to run."""
 BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
 
 
@@ -133,20 +138,31 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
 
     from megatron_refit.tools.progress import Bar
 
-    times = {"ours": [], "gather_broadcast": [], "floor": [], "ours_unverified": []}
+    times = {"ours": [], "gather_broadcast": [], "floor": [], "ours_unverified": [], "pairs_on": [],
+             "pairs_off": []}
     rounds = range(1, reps + 2)  # the first round is the warm-up
+    per_round = 1 + VERIFY_PAIRS  # versions of ours / ours unverified per round
     for v in Bar(rounds, desc=f"bench gen TP{spec.gen.tp}xDP{spec.gen.dp}") if rank == 0 else rounds:
         # ours, ours unverified and the floor back to back (this machine's speed drifts over
         # seconds), in rotating order so that none always runs first
-        runs = [("ours", lambda: run_ours(v)), ("ours_unverified", lambda: run_ours(v, unverified)),
+        version = v * per_round
+        runs = [("ours", lambda: run_ours(version)), ("ours_unverified", lambda: run_ours(version, unverified)),
                 ("floor", floor)]
         got = {}
         for key, fn in runs[v % 3:] + runs[: v % 3]:
             got[key] = _timed(fn, group)
         got["gather_broadcast"] = _timed(lambda: run_peers(v), group)
+        pairs = {"pairs_on": [], "pairs_off": []}
+        for i in range(VERIFY_PAIRS):  # (a) and (d) once more each, alternating which goes first
+            version = v * per_round + 1 + i
+            both = [("pairs_on", lambda: run_ours(version)), ("pairs_off", lambda: run_ours(version, unverified))]
+            for key, fn in both[(v + i) % 2:] + both[: (v + i) % 2]:
+                pairs[key].append(_timed(fn, group))
         if v > 1:
             for key, seconds in got.items():
                 times[key].append(seconds)
+            for key, seconds in pairs.items():
+                times[key] += seconds
     num_params = sum(math.prod(s.global_shape) for s in full_specs)
     from megatron_refit.checksum import extra_bytes
 
@@ -160,7 +176,8 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
                 verify_extra_bytes=max((extra_bytes(b.nbytes, verify) for b in plan.buckets), default=0),
                 max_bucket_bytes=max((b.nbytes for b in plan.buckets), default=0),
                 peer_bytes=peers.plan.bytes_sent, role="train" if is_train else "gen",
-                driver_cpu=_driver_cpu(group, lambda v: run_ours(v, unverified), first_version=reps + 2, reps=reps))
+                driver_cpu=_driver_cpu(group, lambda v: run_ours(v, unverified), first_version=(reps + 2) * per_round,
+                                       reps=reps))
 
 
 def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
@@ -196,11 +213,16 @@ def run_bench(spec: RunSpec, reps: int, verify: str = "sampled", with_delta: boo
     for key in ("ours", "gather_broadcast", "floor", "ours_unverified"):
         per_rep[key] = [max(r["times"][key][i] for r in out) for i in range(reps)]
         seconds[key] = statistics.median(per_rep[key])
+    pairs = [[max(r["times"][key][i] for r in out) for i in range(reps * VERIFY_PAIRS)]
+             for key in ("pairs_on", "pairs_off")]
     return dict(
         seconds=seconds,
-        # the median of each repetition's on / off ratio (both measured back to back): this
-        # machine's speed drifts more between repetitions than the check costs
-        verify_overhead=statistics.median(a / b for a, b in zip(per_rep["ours"], per_rep["ours_unverified"])),
+        # the median on / off ratio of pairs measured back to back (each repetition's own
+        # and VERIFY_PAIRS more): this machine's speed drifts more between repetitions than
+        # the check costs
+        verify_overhead=statistics.median(
+            [a / b for a, b in zip(per_rep["ours"], per_rep["ours_unverified"])] + [a / b for a, b in zip(*pairs)]),
+        verify_pairs=reps * (1 + VERIFY_PAIRS),
         verify_extra_bytes_per_bucket=max(r["verify_extra_bytes"] for r in out),
         max_bucket_bytes=max(r["max_bucket_bytes"] for r in out),
         driver_cpu_ms={role: round(1e3 * max(r["driver_cpu"] for r in out if r["role"] == role), 1)
@@ -286,6 +308,7 @@ def main(argv=None) -> int:
         seconds=s,
         verify=args.verify,
         verify_overhead=head["verify_overhead"],
+        verify_pairs=head["verify_pairs"],
         verify_extra_bytes_per_bucket=head["verify_extra_bytes_per_bucket"],
         driver_cpu_ms=head["driver_cpu_ms"],
         model_params=head["model_params"],
@@ -295,7 +318,8 @@ def main(argv=None) -> int:
         result["p3_speedup_vs_gather"] >= 2.0
     for r in rows:
         print(f"{r['layout']}: integrity check (verify {args.verify}) {r['seconds']['ours']:.3f} s against "
-              f"{r['seconds']['ours_unverified']:.3f} s off: verify_overhead {r['verify_overhead']:.3f}; "
+              f"{r['seconds']['ours_unverified']:.3f} s off: verify_overhead {r['verify_overhead']:.3f} "
+              f"(median of {r['verify_pairs']} pairs); "
               f"peak extra memory {r['verify_extra_bytes_per_bucket']:,} bytes per bucket (largest bucket "
               f"{r['max_bucket_bytes']:,} bytes)")
     for r in rows:
