@@ -25,7 +25,7 @@ Modes (``verify``):
   a large bucket, a page at a time (shorter strided samples cost a page walk each all the
   same): a zeroed, truncated, stale, swapped or misrouted bucket is caught; a corruption
   confined to unsampled bytes is not. On the project's 2-core CPU benchmark the check
-  costs 2–5 % of a refit (median 3.6 %; 1/32 cost 7–10 %); see BENCHMARKS.md.
+  costs 1.5–4 % of a refit (1/32 cost 7–10 %); see BENCHMARKS.md.
 - ``"full"``: every word; one reading pass per side (a reduction, ~3x faster than a copy on
   a CPU, but on gloo the wire itself runs at copy speed: ~40 % longer refits on the
   project's CPU benchmark; on GPUs a small fraction of an NCCL transfer).
