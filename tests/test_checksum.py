@@ -115,3 +115,18 @@ def test_sampled_sums_follow_the_definition_on_views_with_offsets():
             tail[: n % 8] = buf[n // 8 * 8:]
             want.append(tail.view(torch.int64)[0])
         assert torch.equal(chunk_sums(buf, "sampled"), torch.stack(want)), (start, n)
+
+
+def test_digest_follows_the_formula_in_python_integers():
+    """digest = h + c * t(v) + sum_k m_k * S_k (mod 2**64), recomputed with Python ints from
+    the module's definition of each constant (see the module docstring)."""
+    from megatron_refit.checksum import _splitmix
+
+    mask = (1 << 64) - 1
+    x = _bytes((3 << 20) + 5)
+    sums = [int(s) & mask for s in chunk_sums(x, "sampled").tolist()]
+    a, b = _splitmix(SEED ^ 0xA5A5A5A5A5A5A5A5), _splitmix(SEED ^ 0x5A5A5A5A5A5A5A5A)
+    c = _splitmix(SEED ^ 0x3C3C3C3C3C3C3C3C) | 1
+    want = _splitmix(SEED) + c * _splitmix(V ^ 0xC3C3C3C3C3C3C3C3)
+    want += sum(((k * a + b) | 1) * s for k, s in enumerate(sums))
+    assert digest(x, SEED, V, "sampled") & mask == want & mask
