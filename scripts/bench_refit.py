@@ -33,11 +33,11 @@ from megatron_refit.tools.cli import check_layout, reports_user_errors
 from megatron_refit.tools.harness import RunSpec
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
+BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
 VERIFY_PAIRS = 2
 """Extra back-to-back (a) / (d) pairs per repetition, in alternating order, for
 ``verify_overhead``: the check costs a few percent and this machine drifts more than that
 between repetitions, so one pair per repetition leaves its median ±2–4 % from run to run."""
-BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
 
 
 class _FullBuffers:
