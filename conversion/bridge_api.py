@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .te_shim import import_bridge
+from conversion.te_shim import import_bridge
 
 import_bridge()
 from megatron.bridge.models.conversion import model_bridge as _model_bridge_module  # noqa: E402

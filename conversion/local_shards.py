@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit import families
-from megatron_refit.spec import Box, ShardSpec, box_along, full_box
+from megatron_refit.plan.spec import Box, ShardSpec, box_along, full_box
 
-from . import bridge_api
-from .te_shim import import_bridge
+from conversion import bridge_api
+from conversion.te_shim import import_bridge
 
 import_bridge()
 from megatron.bridge.models.conversion import param_mapping as pm  # noqa: E402

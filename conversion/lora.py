@@ -12,10 +12,10 @@ The merged weight Bridge exports is ``base + (alpha / rank) * (B @ A)``, in floa
 
 from __future__ import annotations
 
-from megatron_refit.spec import box_along
+from megatron_refit.plan.spec import box_along
 
-from . import bridge_api
-from .local_shards import (
+from conversion import bridge_api
+from conversion.local_shards import (
     LocalShard,
     LocalSplitError,
     _mapping_kind,
@@ -33,7 +33,7 @@ def apply_lora(model: list, *, dim: int, alpha: int, targets=TARGETS) -> list:
     import megatron.bridge.peft.utils as peft_utils
     from megatron.bridge.peft.lora import LoRA
 
-    from .te_shim import te_available
+    from conversion.te_shim import te_available
 
     if not te_available():
         # Without TE, megatron.core.extensions.transformer_engine still imports and Bridge sets
@@ -54,7 +54,7 @@ def adapter_shards(bridge, model: list, hf_config) -> list[LocalShard]:
 
 
 def _shard(name: str, shape: tuple, box, get, meg_name: str, pp_stage: int, release=None) -> LocalShard:
-    from megatron_refit.spec import ShardSpec
+    from megatron_refit.plan.spec import ShardSpec
 
     spec = ShardSpec(name=name, global_shape=tuple(shape), dtype=str(get().dtype).removeprefix("torch."), box=box,
                      pp_stage=pp_stage)

@@ -5,7 +5,7 @@
 ``selective_scan_cuda`` and ``causal_conv1d_cuda`` at module level and fail. Megatron only
 needs the import to succeed (``megatron.core.ssm.mamba_mixer`` sets ``HAVE_MAMBA_SSM`` from
 it); the kernels themselves are CUDA / Triton-only and never run on CPU: the CPU forward is
-:func:`conversion.nemotron_h_build.mixer_forward_cpu`.
+:func:`conversion.testing.nemotron_h_build.mixer_forward_cpu`.
 
 :func:`install` puts an empty stand-in module into ``sys.modules`` for each compiled
 extension that is missing, before Megatron is imported (:func:`conversion.te_shim.import_bridge`

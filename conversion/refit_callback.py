@@ -24,7 +24,7 @@ script adds to refit the generation engine::
 - ``on_train_end``: release the refit group.
 
 With ``engines`` (SGLang: one control client per engine replica, from
-:mod:`megatron_refit.sglang_client`), train rank 0 also drives the engines around each of
+:mod:`megatron_refit.engines.sglang.client`), train rank 0 also drives the engines around each of
 these calls: connect, then per refit pause / update / resume (``refit_engines``), close. (vLLM
 engines are driven by vLLM's weight-transfer API; the HF receiver by its own loop.)
 
@@ -41,9 +41,9 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.report import RefitReport
+from megatron_refit.endpoint.report import RefitReport
 
-from .te_shim import import_bridge
+from conversion.te_shim import import_bridge
 
 import_bridge()
 from megatron.bridge.training.callbacks import Callback  # noqa: E402
@@ -80,7 +80,7 @@ def force_param_sync(model: list, optimizer=None) -> None:
     chunks = [c for c in model if getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)]
     if not chunks:
         return
-    from .megatron_optim import cuda_calls_on_cpu
+    from conversion.cpu_shim import cuda_calls_on_cpu
 
     with cuda_calls_on_cpu():
         if optimizer is not None and hasattr(optimizer, "prepare_model_params_for_param_sync"):
@@ -112,7 +112,7 @@ class RefitCallback(Callback):
         """SGLang control clients, one per engine replica (used on train rank 0)."""
         self.rank = 0
         self.sync = None
-        """The :class:`~megatron_refit.integration.TrainerRefit` of this rank (after ``on_train_start``)."""
+        """The :class:`~megatron_refit.refit.TrainerRefit` of this rank (after ``on_train_start``)."""
         self.last_report: RefitReport | None = None
         self.skipped: list[int] = []
         """Iterations that were skipped (and not refitted)."""
@@ -126,7 +126,7 @@ class RefitCallback(Callback):
     def on_train_start(self, context) -> None:
         import torch.distributed as dist
 
-        from megatron_refit.integration import trainer_refit
+        from conversion.refit import trainer_refit
 
         if self.sync is not None:
             raise RuntimeError("RefitCallback: on_train_start twice; one callback serves one training run")
@@ -138,7 +138,7 @@ class RefitCallback(Callback):
                                  offloader=self.offloader, on_report=self.on_report)
 
         if self.engines:
-            from megatron_refit.sglang_client import connect_engines
+            from megatron_refit.engines.sglang.client import connect_engines
 
             self.sync = connect_engines(join, self.engines, dataclasses.asdict(self.cfg), rank=rank, num_train=world)
         else:
@@ -165,7 +165,7 @@ class RefitCallback(Callback):
     def _refit(self, version: int) -> RefitReport:
         if not self.engines:
             return self.sync.refit(version)
-        from megatron_refit.sglang_client import refit_engines
+        from megatron_refit.engines.sglang.client import refit_engines
 
         return refit_engines(self.sync, self.engines, version, rank=self.rank)
 
@@ -173,7 +173,7 @@ class RefitCallback(Callback):
         if self.sync is not None:
             sync, self.sync = self.sync, None
             if self.engines:
-                from megatron_refit.sglang_client import close_engines
+                from megatron_refit.engines.sglang.client import close_engines
 
                 close_engines(sync, self.engines, rank=self.rank)
             else:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, scale_box, weight_name
-from megatron_refit.spec import ShardSpec
+from megatron_refit.endpoint.fp8 import FP8_DTYPE
+from megatron_refit.plan.fp8_layout import SCALE_SUFFIX, scale_box, weight_name
+from megatron_refit.plan.spec import ShardSpec
 
-from .te_shim import import_bridge
+from conversion.te_shim import import_bridge
 
 import_bridge()
-from .bridge_api import SuffixMapping, model_bridge_of  # noqa: E402
+from conversion.bridge_api import SuffixMapping, model_bridge_of  # noqa: E402
 
 
 def blockwise_fp8_metadata(tensor) -> dict | None:
@@ -71,7 +72,7 @@ def pass_through_tasks(model_bridge, tasks: list) -> list:
 
 def enumerate_te_fp8_shards(bridge, model: list, hf_config) -> list:
     """This rank's local shards with Float8Blockwise weights passed through (data + scales)."""
-    from .local_shards import enumerate_local_shards, local_conversion_tasks
+    from conversion.local_shards import enumerate_local_shards, local_conversion_tasks
 
     tasks = pass_through_tasks(model_bridge_of(bridge), local_conversion_tasks(bridge, model, hf_config))
     shards = enumerate_local_shards(bridge, model, hf_config, tasks=tasks)

@@ -90,7 +90,7 @@ def _drop_stand_in() -> None:
 def import_bridge() -> types.ModuleType:
     """Import and return ``megatron.bridge``, with the TE stand-in only when TE is absent (and
     mamba_ssm's stand-in CUDA extensions when they were not built: :mod:`conversion.mamba_shim`)."""
-    from . import mamba_shim
+    from conversion import mamba_shim
 
     mamba_shim.install()  # before Megatron's mamba_mixer is imported (megatron.bridge imports it)
     if "megatron.bridge" in sys.modules or te_available():

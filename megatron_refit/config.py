@@ -13,11 +13,11 @@ import dataclasses
 import math
 import typing
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_refit.gen_layout import GenLayout
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
 
 MODES = ("disaggregated", "colocated")
 BACKENDS = ("vllm", "sglang", "hf")
@@ -118,7 +118,7 @@ class RefitConfig:
     tensors that fit (embedding and the first layers) are staged, and the refit writes the
     rest in place under the pause, which then starts when the first of them is written."""
     model: str | None = None
-    """Preset of ``conversion.hf_configs.PRESETS`` that the dry run and the cost model build
+    """Preset of ``conversion.testing.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""
     train_dp: int | None = None
     """Trainer data-parallel size for the dry run (at launch it follows from the world
@@ -202,7 +202,7 @@ class RefitConfig:
 
     @property
     def gen_style(self) -> str:
-        """How the engine shards a tensor (:func:`~megatron_refit.gen_layout.gen_targets`):
+        """How the engine shards a tensor (:func:`~megatron_refit.plan.gen_layout.gen_targets`):
         ``full`` for ``hf``; ``vllm`` for vLLM and SGLang, whose parallel layers (fused
         ``qkv_proj`` / ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64)
         shard alike (tests/sglang checks SGLang's real model classes against this plan)."""
@@ -313,3 +313,17 @@ def train_layout(bridge_config: dict[str, Any], refit: RefitConfig) -> TrainLayo
         experts = sizes.get("ep", 1) * sizes.get("etp", 1)
         dp = experts // math.gcd(sizes.get("tp", 1), experts)
     return TrainLayout(dp=dp, **sizes)
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def refit_section(value: Any, where: str) -> RefitConfig:
+    """``value`` (a ``refit:`` mapping or a ``RefitConfig``) as a validated, enabled config."""
+    if isinstance(value, RefitConfig):
+        value = asdict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}.refit must be the refit: config section as a mapping, got {type(value).__name__}")
+    return RefitConfig.from_dict({**value, "enabled": True})

@@ -1,5 +1,14 @@
-"""The refit group's error types (raised by :mod:`megatron_refit.transport` and
-:mod:`megatron_refit.transport.rendezvous`; see docs/troubleshooting.md)."""
+"""Every error type the runtime raises on purpose, in one place (docs/troubleshooting.md has
+a row for each message). Imports nothing: every layer raises them.
+
+- the plan: :class:`PlanError` (``prepare()``: train and engine pieces do not match);
+- the transport: :class:`RefitTransportError`, :class:`RefitTimeoutError`,
+  :class:`RefitProtocolError`, :class:`WireError`;
+- the endpoints: :class:`RefitAbortedError`, :class:`RefitCorruptionError`,
+  :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`.
+
+Bad arguments and config values are plain ``ValueError``s naming the value.
+"""
 
 
 class RefitTransportError(RuntimeError):
@@ -14,3 +23,28 @@ class RefitTimeoutError(RefitTransportError):
 class RefitProtocolError(RuntimeError):
     """Refit ranks are in different calls (or run different protocol versions): raised on
     every rank of the exchange, naming each side's call; no weight byte moved."""
+
+
+class PlanError(ValueError):
+    """The train and gen ShardSpecs cannot be matched; the message names the parameter."""
+
+
+class WireError(ValueError):
+    """Bytes from a peer that are not refit metadata."""
+
+
+class RefitAbortedError(RuntimeError):
+    """Another refit rank failed its own checks at the start of a refit; nothing moved."""
+
+
+class RefitCorruptionError(ValueError):
+    """A bucket's digest did not match (``verify``): its bytes changed in flight, or it was
+    delivered to the wrong place or version. Names the parameters."""
+
+
+class StaleWeightsError(RuntimeError):
+    """The engine's weights are not those of a complete refit."""
+
+
+class NonFiniteWeightsError(ValueError):
+    """``check_finite``: a trainer piece holds NaN or Inf; nothing was sent."""

@@ -29,8 +29,9 @@ def _timed(fn, group) -> float:
 def delta_rank(group, spec, cfg, shards, reps: int) -> dict:
     """On every rank of the benchmark's group (``shards``: a train rank's local shards, None
     on generation ranks). Returns per learning rate the seconds, bytes and density."""
-    from megatron_refit.driver import Receiver, Refitter, TensorPiece
-    from megatron_refit.spec import ShardSpec
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter, TensorPiece
+    from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.tools.harness import make_gen_backend
 
     T = spec.num_train

@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit import _timed, check_args, layout_parser  # noqa: E402
 
-from megatron_refit.gen_layout import GenLayout  # noqa: E402
+from megatron_refit.plan.gen_layout import GenLayout  # noqa: E402
 from megatron_refit.tools.cli import check_layout, reports_user_errors  # noqa: E402
 from megatron_refit.tools.harness import RunSpec  # noqa: E402
-from megatron_refit.layout import TrainLayout  # noqa: E402
+from megatron_refit.plan.layout import TrainLayout  # noqa: E402
 
 # Qwen3-shaped, ~150M parameters, every TP2 shard edge on the 128 grid; a small vocabulary
 # so that the linear weights carry the bytes, as in large models.
@@ -32,8 +32,9 @@ FP8_BENCH_SHAPE = dict(hidden=1024, layers=12, heads=8, kv_heads=4, head_dim=128
 
 
 def bench_rank(rank, world, port, spec: RunSpec, reps: int):
-    from megatron_refit.driver import Receiver, Refitter
-    from megatron_refit.fp8_pieces import quantise_pieces
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
+    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
     from megatron_refit.tools.harness import _hf_config, make_gen_backend
     from megatron_refit.transport import RefitGroup
 
@@ -44,7 +45,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     is_train = rank < spec.num_train
     endpoints = {}
     if is_train:
-        from conversion.build import build_model, init_gloo, init_model_parallel
+        from conversion.testing.build import build_model, init_gloo, init_model_parallel
         from conversion.local_shards import enumerate_local_shards
 
         init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=600)

@@ -22,7 +22,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-WINDOW = 16  # megatron_refit.endpoint.MAX_DIRECT_IN_FLIGHT
+WINDOW = 16  # megatron_refit.endpoint.base.MAX_DIRECT_IN_FLIGHT
 
 
 def _rank(rank: int, world: int, port: int, mb: int, messages: int, reps: int) -> dict:

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from megatron_refit.gen_layout import GenLayout
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import check_layout, reports_user_errors
 from megatron_refit.tools.harness import RunSpec
 
@@ -66,9 +66,10 @@ def _timed(fn, group) -> float:
 
 
 def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False):
-    from megatron_refit.driver import Receiver, Refitter, TensorPiece
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter, TensorPiece
     from megatron_refit.tools.harness import _hf_config, make_gen_backend
-    from megatron_refit.spec import ShardSpec, full_box
+    from megatron_refit.plan.spec import ShardSpec, full_box
     from megatron_refit.transport import RefitGroup
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
@@ -78,7 +79,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
     kw = dict(num_train=T, num_gen=G, bucket_bytes=spec.bucket_bytes)
     is_train = rank < T
     if is_train:
-        from conversion.build import build_model, init_gloo, init_model_parallel
+        from conversion.testing.build import build_model, init_gloo, init_model_parallel
         from conversion.local_shards import enumerate_local_shards
 
         init_gloo(rank, T, spec.megatron_port, timeout_s=600)
@@ -164,7 +165,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
             for key, seconds in pairs.items():
                 times[key] += seconds
     num_params = sum(math.prod(s.global_shape) for s in full_specs)
-    from megatron_refit.checksum import extra_bytes
+    from megatron_refit.endpoint.integrity import extra_bytes
 
     delta = None
     if with_delta:  # (e) delta vs full at small learning rates, bf16 with fp32 masters (scripts/bench_delta.py)

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from megatron_refit.gen_layout import GenLayout
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import check_layout, reports_user_errors
 from megatron_refit.tools.harness import RunSpec
 
@@ -38,9 +38,9 @@ PROMPT = torch.arange(8).view(1, 8)
 
 
 def _train(rank, spec: RunSpec, cfg, refit_cfg):
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.train_step import train_step
-    from megatron_refit.integration import trainer_refit
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import train_step
+    from conversion.refit import trainer_refit
     from megatron_refit.tools.harness import tokens_for
 
     init_gloo(rank, spec.num_train, spec.megatron_port)
@@ -61,7 +61,7 @@ def _train(rank, spec: RunSpec, cfg, refit_cfg):
 
 
 def _generate(backend, stop: threading.Event, passes: list) -> None:
-    from megatron_refit.receivers.base import StaleWeightsError
+    from megatron_refit.errors import StaleWeightsError
 
     while not stop.is_set():
         start = time.perf_counter()
@@ -74,7 +74,7 @@ def _generate(backend, stop: threading.Event, passes: list) -> None:
 
 
 def _gen(spec: RunSpec, cfg, refit_cfg):
-    from megatron_refit.integration import engine_refit
+    from megatron_refit.refit import engine_refit
     from megatron_refit.tools.harness import make_gen_backend
 
     backend = make_gen_backend(spec, cfg, 0)
@@ -100,7 +100,7 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
         thread.join()
     sync.close()
     # every pass against a forward of exactly the weights of the version it was tagged with
-    from megatron_refit.receivers.hf import HFReceiver
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     reference = HFReceiver(backend.model.__class__(backend.model.config).eval())
     expected = {}

@@ -40,7 +40,7 @@ Unknown keys, values of the wrong type and bad values raise a `ValueError` that 
 ignored by training (a warning says so); the dry run still reads them.
 
 Who reads what: the training loop's calls `trainer_refit` / `engine_refit`
-([quickstart.md](quickstart.md), `megatron_refit.integration`) read every field but `model`
+([quickstart.md](quickstart.md), `megatron_refit.refit`) read every field but `model`
 and `train_dp`; the dry run and the cost model read `model`, `train_dp`, `gen_*`,
 `backend`, `mode`, `bucket_mb` and `trainer_quantize_fp8`. `backend` tells the dry run
 which engine layout to plan for; at run time the engine side passes its receiver object.

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from bench_refit import BENCH_SHAPE  # scripts/: the benchmark's model shape
-from megatron_refit.gen_layout import GenLayout
+from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.tools.harness import RunSpec, evaluate, run
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.layout import TrainLayout
 
 
 def _sync(device: str) -> None:
@@ -53,7 +53,7 @@ def _median_seconds(fn, device: str, reps: int = 10) -> float:
 
 
 def check_fp8(device: str) -> dict:
-    from megatron_refit.fp8 import quantize_blockwise
+    from megatron_refit.endpoint.fp8 import quantize_blockwise
 
     g = torch.Generator().manual_seed(0)
     cases = []

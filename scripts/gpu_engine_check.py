@@ -30,7 +30,7 @@ AUTH = b"megatron-refit-gpu-check"
 
 
 def tiny_config(model: str):
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
 
     return hf_config(model, **SHAPE, **(MOE_SHAPE if "moe" in model else {}))
 
@@ -98,8 +98,8 @@ def train_model(model: str):
     hf_config)``."""
     import torch
 
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from megatron_refit.layout import TrainLayout
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.tools.launch import free_port
 
     torch.cuda.set_device(0)
@@ -119,7 +119,7 @@ def train_model(model: str):
 def train_steps(built, optimizer) -> None:
     import torch
 
-    from conversion.train_step import train_step
+    from conversion.testing.train_step import train_step
 
     for _ in range(STEPS_PER_REFIT):
         train_step(built, optimizer, torch.tensor(PROMPT))

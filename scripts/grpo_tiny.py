@@ -87,10 +87,10 @@ def _rank(rank, world, port, args):
 
 
 def _train(rank, args, cfg):
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.megatron_optim import distributed_optimizer
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.megatron_optim import distributed_optimizer
     from conversion.refit_callback import RefitCallback
-    from conversion.train_step import forward_logits, train_step
+    from conversion.testing.train_step import forward_logits, train_step
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
     from megatron_refit.tools.progress import Bar
 
@@ -135,8 +135,8 @@ def _train(rank, args, cfg):
 
 
 def _generate(rank, args, cfg):
-    from megatron_refit.integration import engine_refit
-    from megatron_refit.receivers.hf import HFReceiver
+    from megatron_refit.refit import engine_refit
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     num_train = args.spec.num_train
     backend = HFReceiver.from_config(cfg)
@@ -171,7 +171,7 @@ def _from_config(path: str, port: int, overrides: list[str]):
     from dataclasses import replace
 
     from megatron_refit.config import load_training_yaml, train_layout
-    from megatron_refit.gen_layout import GenLayout
+    from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.tools.harness import RunSpec
 
     bridge_config, refit = load_training_yaml(path, overrides)

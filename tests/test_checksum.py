@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.checksum import FULL_BELOW, Digester, bucket_seed, check_mode, chunk_sums, digest, extra_bytes
+from megatron_refit.endpoint.integrity import (FULL_BELOW, Digester, bucket_seed, check_mode, chunk_sums, digest,
+                                               extra_bytes)
 
 SEED = bucket_seed(0, 2, 5, 1 << 20, 11)  # sender, receiver, index, length, plan
 V = 3  # the refit version
@@ -99,7 +100,7 @@ def test_sampled_sums_follow_the_definition_on_views_with_offsets():
     """Each chunk sums the first SAMPLE_WORDS words of each of its whole blocks, a trailing
     partial block entirely, and the partial last word on its own (zero-padded), also for
     a view that starts inside its storage (a direct bucket of a larger tensor)."""
-    from megatron_refit.checksum import BLOCK_WORDS, SAMPLE_WORDS
+    from megatron_refit.endpoint.integrity import BLOCK_WORDS, SAMPLE_WORDS
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-(1 << 63), (1 << 63) - 1, (5 * BLOCK_WORDS,), dtype=torch.int64, generator=g).view(torch.uint8)
@@ -120,7 +121,7 @@ def test_sampled_sums_follow_the_definition_on_views_with_offsets():
 def test_digest_follows_the_formula_in_python_integers():
     """digest = h + c * t(v) + sum_k m_k * S_k (mod 2**64), recomputed with Python ints from
     the module's definition of each constant (see the module docstring)."""
-    from megatron_refit.checksum import _splitmix
+    from megatron_refit.endpoint.integrity import _splitmix
 
     mask = (1 << 64) - 1
     x = _bytes((3 << 20) + 5)

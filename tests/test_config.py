@@ -15,7 +15,7 @@ from megatron_refit.config import (
     split_refit_section,
     train_layout,
 )
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.layout import TrainLayout
 
 
 def test_enabled_only_gives_defaults():

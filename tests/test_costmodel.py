@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from megatron_refit.cost import Cluster, placement, predict
+from megatron_refit.plan.cost import Cluster, placement, predict
 from megatron_refit.tools.costmodel import pair_bytes
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.plan import RefitPlan, SenderPlan, gen_classes
-from megatron_refit.spec import ShardSpec
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.senders import SenderPlan, gen_classes
+from megatron_refit.plan.spec import ShardSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = Cluster(gpus_per_node=8, nvlink_gbps=450.0, nic_gbps=50.0, copy_gbps=1500.0, efficiency=0.8,
@@ -100,7 +101,7 @@ def test_command_line_on_a_shipped_config():
 
 
 def test_delta_prediction_scales_the_bytes_by_the_encoding_and_adds_the_compare_pass():
-    from megatron_refit.cost import delta_fraction, delta_prediction
+    from megatron_refit.plan.cost import delta_fraction, delta_prediction
 
     assert delta_fraction(0.0) == 0.0 and delta_fraction(1.0) == 1.0
     assert delta_fraction(0.03) == pytest.approx(0.03 * 6 / 2)  # indices + values: 6 bytes per changed bf16
@@ -131,7 +132,7 @@ def test_command_line_predicts_a_delta_refit():
 
 
 def test_staged_swap_pause_is_a_device_copy_of_the_generation_rank_bytes():
-    from megatron_refit.cost import swap_pause
+    from megatron_refit.plan.cost import swap_pause
 
     cluster = Cluster()
     assert swap_pause(60 * 10**9, cluster) == pytest.approx(60e9 / (1500e9 * 0.8))  # vLLM: staging -> params

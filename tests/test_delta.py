@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.delta import BITMASK, INDICES, RAW, DeltaSender, encode, pack_bits, sizes, unpack_bits
-from megatron_refit.driver import TensorPiece
-from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.endpoint.delta import BITMASK, INDICES, RAW, DeltaSender, encode, pack_bits, sizes, unpack_bits
+from megatron_refit.endpoint.sender import TensorPiece
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 from megatron_refit.tools.launch import run_spawned
 
 # -- encodings ---------------------------------------------------------------------------
@@ -20,7 +20,7 @@ from megatron_refit.tools.launch import run_spawned
 @pytest.mark.parametrize("changed", [0, 1, 37, 400, 4096])
 def test_encode_then_apply_restores_the_new_bytes(word, changed, path):
     """Both implementations (numpy for host buckets, torch for device ones, run here on CPU)."""
-    from megatron_refit import delta
+    from megatron_refit.endpoint import delta
 
     encode_fn = (lambda n, o, w: delta._encode_host(n.numpy(), o.numpy(), w)) if path == "host" else \
         delta._encode_torch
@@ -119,7 +119,8 @@ class _Store:
 def _delta_rank(rank, world, port, mode, schedule, bucket_bytes):
     """``schedule``: (lr, event) per refit; events: "" or "fail-gen" (the last generation
     rank's post-load fails at that refit: it misses the version)."""
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
@@ -226,8 +227,8 @@ E2E = [  # (id, RunSpec fields)
 
 
 def _spec(fields):
-    from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.layout import TrainLayout
+    from megatron_refit.plan.gen_layout import GenLayout
+    from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.tools.harness import RunSpec
 
     fields = dict(fields)

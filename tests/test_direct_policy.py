@@ -10,10 +10,11 @@ import pytest
 
 from megatron_refit.tools import dryrun
 from megatron_refit.config import RefitConfig
-from megatron_refit.driver import Receiver, Refitter
-from megatron_refit.endpoint import GLOO_DIRECT_BYTES, resolve_direct_bytes
-from megatron_refit.gen_layout import ModelShape, gen_target_specs
-from megatron_refit.plan import RefitPlan
+from megatron_refit.endpoint.receiver import Receiver
+from megatron_refit.endpoint.sender import Refitter
+from megatron_refit.endpoint.base import GLOO_DIRECT_BYTES, resolve_direct_bytes
+from megatron_refit.plan.gen_layout import ModelShape, gen_target_specs
+from megatron_refit.plan.refit_plan import RefitPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +75,7 @@ def _shipped_plan(config: str, backend: str) -> tuple[RefitPlan, int]:
 def test_nccl_default_sends_what_the_cost_model_charges():
     """Qwen3-30B-A3B, EP8xPP2 -> vLLM TP8xDP2, 512 MiB buckets, 301,872 transfers: with the
     NCCL default every pair's transfers fill ceil(bytes / bucket) buckets, the cost model's
-    count (``megatron_refit.cost.predict``); with the gloo default (1 MiB) the same plan takes
+    count (``megatron_refit.plan.cost.predict``); with the gloo default (1 MiB) the same plan takes
     6x as many messages."""
     nccl, bucket = _shipped_plan("qwen3-30b-a3b", "nccl")
     assert bucket == 512 << 20

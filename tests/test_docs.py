@@ -223,11 +223,11 @@ def test_engine_guide_snippets_parse_and_their_megatron_refit_imports_resolve():
         tree = ast.parse(block)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module.startswith("megatron_refit") and \
-                    node.module not in ("megatron_refit.weight_transfer.worker", "megatron_refit.weight_transfer.info"):
+                    node.module not in ("megatron_refit.engines.vllm.worker", "megatron_refit.engines.vllm.info"):
                 module = importlib.import_module(node.module)
                 missing = [a.name for a in node.names if not hasattr(module, a.name)]
                 assert not missing, f"{node.module} has no {missing}"
-    from megatron_refit.weight_transfer.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     inspect.signature(MegatronRefitTrainerEngine.trainer_init).bind(
         MegatronRefitTrainerInitInfo(refit={}, num_train=1, rank=0), client=None, source=None)

@@ -8,9 +8,9 @@ import zlib
 import pytest
 import torch
 
-from megatron_refit.driver import TensorPiece
+from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.tools.launch import SpawnError, run_spawned
-from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,8 @@ class _Store:
 
 
 def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
@@ -191,7 +192,8 @@ class _Failing(_Store):
 def _agreement_rank(rank, world, port):
     """Per-refit agreement: a refit where train and generation ranks use different plans, one
     where a generation rank's own check fails, then a good one on the same group."""
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)

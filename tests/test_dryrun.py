@@ -13,22 +13,23 @@ import sys
 
 import pytest
 
-from megatron_refit.tools.derive import (
+from conversion.testing.derive import (
     derive_all_ranks,
     load_specs,
     representative_ranks,
     save_specs,
 )
-from megatron_refit.gen_layout import (
+from megatron_refit.plan.gen_layout import (
     GenLayout,
     ModelShape,
     gen_target_classes,
     gen_target_specs,
 )
 from megatron_refit.tools.launch import run_spawned
-from megatron_refit.layout import TrainLayout
-from megatron_refit.plan import RefitPlan, SenderPlan, gen_classes
-from megatron_refit.spec import ShardSpec
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.senders import SenderPlan, gen_classes
+from megatron_refit.plan.spec import ShardSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -44,8 +45,8 @@ DERIVE_CASES = [
 
 
 def _every_rank(rank, world_size, port, cases):
-    from conversion.hf_configs import hf_config
-    from conversion.meta import rank_shard_specs
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.meta import rank_shard_specs
 
     out = []
     for model, overrides, layout in cases:
@@ -148,7 +149,7 @@ EXPECTED_PARAMS = {  # published totals
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[os.path.basename(c)[:-5] for c in CONFIGS])
 def test_dry_run_of_shipped_config(config):
-    from conversion.hf_configs import PRESETS
+    from conversion.testing.hf_configs import PRESETS
     from megatron_refit.tools.dryrun import load_config
 
     name = os.path.basename(config)[:-5]

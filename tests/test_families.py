@@ -16,17 +16,13 @@ import re
 import pytest
 import torch
 
-from megatron_refit.gen_layout import (
-    GenLayout,
-    ModelShape,
-    gen_target_specs,
-    param_role,
-)
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.roles import param_role
 from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.tools.launch import run_spawned
-from megatron_refit.layout import TrainLayout
-from megatron_refit.receivers.vllm_layout import expected_storage, fused_layout
-from megatron_refit.spec import intersect
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.engines.vllm.layout import expected_storage, fused_layout
+from megatron_refit.plan.spec import intersect
 from tests import workers
 
 VOCAB = 250
@@ -108,8 +104,8 @@ def _fake_world_specs(rank, world_size, port):
     built on the meta device in a fake process group (one process)."""
     import time
 
-    from conversion.hf_configs import hf_config
-    from conversion.meta import peak_rss_mb, rank_shard_specs
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.meta import peak_rss_mb, rank_shard_specs
 
     layout = TrainLayout(pp=16, ep=16, dp=16, first_stage_layers=3, last_stage_layers=2)
     cfg = hf_config("deepseek-v3-671b")
@@ -123,14 +119,14 @@ def _fake_world_specs(rank, world_size, port):
 
 def _bf16_dtypes():
     """dtype per HF name of a bf16 DeepSeek-V3 (meta, TP2xEP2 rank 0)."""
-    from conversion.build import (
+    from conversion.testing.build import (
         build_model,
         destroy_model_parallel,
         init_model_parallel,
     )
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import enumerate_local_shards
-    from conversion.meta import fake_world
+    from conversion.testing.meta import fake_world
 
     layout = TrainLayout(tp=2, ep=2)
     cfg = hf_config("deepseek-v3")
@@ -147,8 +143,8 @@ def _bf16_dtypes():
 def test_bf16_router_bias_stays_float32_on_both_ends(fake_world_specs):
     """Megatron's router keeps expert_bias in float32 (and restores it on every forward);
     transformers and vLLM hold e_score_correction_bias in float32 too."""
-    from conversion.hf_configs import hf_config
-    from megatron_refit.receivers.hf import HFReceiver
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     train = fake_world_specs[4]
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -295,8 +291,8 @@ def test_uneven_pipeline_stages():
 
 
 def test_presets_and_unsupported_family():
-    from conversion.families import family
-    from conversion.hf_configs import hf_config, num_routed_experts
+    from conversion.testing.families import family
+    from conversion.testing.hf_configs import hf_config, num_routed_experts
 
     assert hf_config("llama3").tie_word_embeddings is False and hf_config("llama3-tied").tie_word_embeddings
     full = hf_config("deepseek-v3-671b")

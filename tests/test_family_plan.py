@@ -15,15 +15,17 @@ import re
 import pytest
 from hypothesis import given, settings
 
-from megatron_refit.tools.derive import derive_all_ranks, load_specs
+from conversion.testing.derive import derive_all_ranks, load_specs
 from megatron_refit.tools.dryrun import _quantised, load_config, num_experts
-from megatron_refit.family_plan import FamilyPlan
-from megatron_refit.fp8_layout import fp8_param_table
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_targets
-from megatron_refit.plan import PlanError, RefitPlan, SenderPlan, gen_classes
-from megatron_refit.plan_checks import ITEMSIZE, index_specs
-from megatron_refit.senders import targets_of
-from megatron_refit.spec import ShardSpec, intersect
+from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.plan.fp8_layout import fp8_param_table
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_targets
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.senders import SenderPlan, gen_classes
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.checks import ITEMSIZE, index_specs
+from megatron_refit.plan.senders import targets_of
+from megatron_refit.plan.spec import ShardSpec, intersect
 from tests.test_plan_properties import SETTINGS, problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,7 +48,7 @@ def test_spawn_error_innermost_reads_the_rank_traceback():
     from megatron_refit.tools.launch import SpawnError
 
     err = SpawnError("rank 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
-                     "megatron_refit.plan.PlanError: gen rank 2 holds nothing\n")
+                     "megatron_refit.plan.refit_plan.PlanError: gen rank 2 holds nothing\n")
     assert err.innermost == ("PlanError", "gen rank 2 holds nothing")
     assert SpawnError("rank 3 died with exit code -9").innermost is None
 

@@ -7,17 +7,9 @@ import math
 import pytest
 import torch
 
-from megatron_refit.fp8 import (
-    FP8_DTYPE,
-    dequantize_blockwise,
-    fp8_param_table,
-    fp8_specs,
-    is_quantised,
-    quantize_blockwise,
-    scale_box,
-    scale_shape,
-)
-from megatron_refit.spec import ShardSpec
+from megatron_refit.endpoint.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantised, scale_box, scale_shape
+from megatron_refit.plan.spec import ShardSpec
 
 SHAPES = [1, 127, 128, 129, 300]
 BLOCKS = [(128, 128), (1, 128)]

@@ -10,13 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_refit.buckets import replay
-from megatron_refit.driver import TensorPiece
-from megatron_refit.fp8 import BLOCK, fp8_param_table, fp8_specs, quantize_blockwise
-from megatron_refit.fp8_pieces import quantise_pieces
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.plan import RefitPlan
-from megatron_refit.spec import Box, ShardSpec, full_box
+from megatron_refit.endpoint.bytes import replay
+from megatron_refit.endpoint.sender import TensorPiece
+from megatron_refit.plan.fp8_layout import BLOCK, fp8_param_table, fp8_specs
+from megatron_refit.endpoint.fp8 import quantize_blockwise
+from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.spec import Box, ShardSpec, full_box
 
 pytestmark = pytest.mark.reliability
 
@@ -116,7 +117,7 @@ def test_fp8_pieces_are_released_and_requantised():
 
 
 def test_bf16_trainer_into_fp8_engine_is_refused_with_a_hint():
-    from megatron_refit.plan import PlanError
+    from megatron_refit.errors import PlanError
 
     table = {NAMES[0]: ((256, 256), "bfloat16")}
     model = ModelShape(num_attention_heads=2, num_kv_heads=2, vocab_size=128)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.gen_layout import GenLayout
+from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.tools.harness import RunSpec, evaluate, run
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.layout import TrainLayout
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
 import pytest
 
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs, param_role
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.roles import param_role
 
 HIDDEN, HEAD_DIM, FFN = 16, 4, 24
 MODEL = ModelShape(num_attention_heads=8, num_kv_heads=2, vocab_size=200, num_experts=4)

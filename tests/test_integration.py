@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.integration import engine_refit
+from megatron_refit.refit import engine_refit
 
 ROOT = Path(__file__).resolve().parent.parent
 ON = RefitConfig(enabled=True, backend="hf", port=1)  # port 1: a rendezvous there would fail, not hang

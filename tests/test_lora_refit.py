@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.gen_layout import GenLayout
+from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.tools.harness import RunSpec, evaluate, run
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.layout import TrainLayout
 
 RANK = 4
 
 
 @pytest.mark.slow
 def test_lora_refit_sends_adapters_only_after_the_first():
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
 
     spec = RunSpec(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=3, lora_rank=RANK,
                    bucket_bytes=64 << 10)
@@ -37,8 +37,8 @@ def test_lora_refit_sends_adapters_only_after_the_first():
 def test_lora_receiver_refuses_adapters_without_base():
     from transformers import Qwen3Config
 
-    from megatron_refit.receivers.hf import HFReceiver
-    from megatron_refit.receivers.lora import LoraReceiver
+    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.endpoint.lora import LoraReceiver
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.slow
 def _enumerate_full_size(rank, world_size, port):
     import time
 
-    from conversion.hf_configs import hf_config
-    from conversion.meta import all_rank_shard_specs, peak_rss_mb
-    from megatron_refit.layout import TrainLayout
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.meta import all_rank_shard_specs, peak_rss_mb
+    from megatron_refit.plan.layout import TrainLayout
 
     start = time.perf_counter()
     specs = all_rank_shard_specs(hf_config("qwen3-30b-a3b"), TrainLayout(tp=4, pp=2, ep=8, dp=2))

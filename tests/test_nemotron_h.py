@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.tools.launch import run_spawned
-from megatron_refit.layout import TrainLayout
+from megatron_refit.plan.layout import TrainLayout
 
 NEMOTRON_MAPPINGS = {  # Megatron name -> (Bridge mapping type, HF checkpoint name)
     "decoder.layers.0.mixer.in_proj.weight": ("MambaInProjMapping", "backbone.layers.0.mixer.in_proj.weight"),
@@ -53,10 +53,10 @@ NEMOTRON_LOCAL = [
 def _nemotron_mapping_level(rank, world_size, port):
     from types import SimpleNamespace
 
-    from conversion.build import destroy_model_parallel, init_model_parallel
-    from conversion.hf_configs import hf_config
+    from conversion.testing.build import destroy_model_parallel, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import LocalSplitError, task_shards
-    from conversion.meta import fake_world
+    from conversion.testing.meta import fake_world
     from conversion.te_shim import import_bridge
 
     import_bridge()

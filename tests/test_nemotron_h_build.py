@@ -1,4 +1,4 @@
-"""Nemotron-H (Mamba, attention, ReLU² MoE, MLP) built on CPU through ``conversion.build``:
+"""Nemotron-H (Mamba, attention, ReLU² MoE, MLP) built on CPU through ``conversion.testing.build``:
 gloo TP1 and TP2, and the meta device in a fake world (TP2, TP2xEP2).
 
 One spawn of two gloo ranks: TP1 (x DP2) builds with seeded weights of realistic scale and
@@ -65,11 +65,12 @@ def _shapes(built):
 def _nemotron_h_worker(rank, world_size, port, ckpt_dir):
     import safetensors.torch
 
-    from conversion.build import build_model, cpu_forward, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
-    from conversion.meta import fake_world
-    from conversion.train_step import forward_logits, train_step
-    from megatron_refit.layout import TrainLayout
+    from conversion.testing.build import (build_model, cpu_forward, destroy_model_parallel, init_gloo,
+                                          init_model_parallel)
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.meta import fake_world
+    from conversion.testing.train_step import forward_logits, train_step
+    from megatron_refit.plan.layout import TrainLayout
 
     cfg = hf_config("nemotron-h")
     tokens = _tokens(cfg.vocab_size)
@@ -119,7 +120,7 @@ def _hf_logits(export, tokens, *, time_step_min=0.0):
     ``time_step_min`` (Megatron has none) off by default."""
     import transformers
 
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
 
     model = transformers.NemotronHForCausalLM(hf_config("nemotron-h")).eval()
     state, experts = {}, {}
@@ -174,7 +175,7 @@ def test_export_round_trips_through_load_at_tp2(ranks):
 
 
 def test_forward_matches_transformers_tp1_and_tp2(ranks):
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
 
     tokens = _tokens(hf_config("nemotron-h").vocab_size)
     reference = _hf_logits(ranks[0]["export_tp1"], tokens)

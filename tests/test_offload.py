@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.offload import ParamOffloader
+from megatron_refit.endpoint.offload import ParamOffloader
 
 
 def test_offload_round_trip():

@@ -3,11 +3,12 @@ import random
 import pytest
 import torch
 
-from megatron_refit.buckets import pack_bucket, replay, unpack_bucket
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.packing import ALIGN
-from megatron_refit.plan import PlanError, RefitPlan
-from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.endpoint.bytes import pack_bucket, replay, unpack_bucket
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.buckets import ALIGN
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 
 HIDDEN, HEAD_DIM, FFN, VOCAB = 8, 2, 12, 100
 MODEL = ModelShape(num_attention_heads=4, num_kv_heads=2, vocab_size=VOCAB)
@@ -298,7 +299,7 @@ def test_local_plan_refuses_other_ranks_buckets():
 
 
 def test_disagreeing_ranks_are_named_the_same_everywhere():
-    from megatron_refit.endpoint import _disagreeing
+    from megatron_refit.endpoint.base import _disagreeing
 
     plan = RefitPlan.build(train_specs(), gen_specs(2))  # 4 train ranks (0-3), 2 gen ranks (4, 5)
     whole = plan.fingerprints()

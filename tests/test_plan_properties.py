@@ -8,9 +8,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_refit.buckets import replay
-from megatron_refit.plan import PlanError, RefitPlan
-from megatron_refit.spec import Box, ShardSpec, full_box
+from megatron_refit.endpoint.bytes import replay
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.spec import Box, ShardSpec, full_box
 
 pytestmark = pytest.mark.reliability
 

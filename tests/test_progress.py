@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_refit.tools.progress import Bar, on_terminal
-from megatron_refit.report import RefitReport
+from megatron_refit.endpoint.report import RefitReport
 
 
 class _Tty(io.StringIO):
@@ -49,8 +49,8 @@ def test_bar_waits_for_its_delay():
 
 
 def test_refit_metrics_and_log_line(caplog):
-    from megatron_refit.endpoint import Endpoint
-    from megatron_refit.report import SUMMARY_KEYS, report_values, summarize
+    from megatron_refit.endpoint.base import Endpoint
+    from megatron_refit.endpoint.report import SUMMARY_KEYS, report_values, summarize
 
     report = RefitReport(version=7, role="gen", rank=3, bytes_received=3_000_000, bytes_wire=3_000_016,
                          bytes_minimal=6_000_000)

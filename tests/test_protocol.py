@@ -28,7 +28,8 @@ def _outcome(fn):
 
 
 def _endpoint(rank, world, port, check_finite=False):
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
@@ -184,7 +185,7 @@ def test_the_store_listens_only_on_the_configured_address():
 
 
 def test_nonfinite_counts_reads_every_dtype_in_slices():
-    from megatron_refit.finite import nonfinite_counts
+    from megatron_refit.endpoint.finite import nonfinite_counts
 
     w = torch.zeros(300, 7)
     w[299, 6], w[5, 0], w[100, 3] = float("nan"), float("-inf"), float("inf")
@@ -207,8 +208,9 @@ def _hf_realloc_rank(rank, world, port):
     """The engine re-allocates its parameters after prepare() (offload / reload, model.to):
     refit 2 must land in the live model, not in the storage prepare() saw; a parameter
     that changed dtype is refused by name before any byte moves."""
-    from megatron_refit.driver import Receiver, Refitter, TensorPiece
-    from megatron_refit.receivers.hf import HFReceiver
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter, TensorPiece
+    from megatron_refit.engines.hf.receiver import HFReceiver
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)

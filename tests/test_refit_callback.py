@@ -26,13 +26,13 @@ ITERATIONS = 4
 
 def _train(rank, world, refit, tp, overlap, skipped, port):
 
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
-    from conversion.megatron_optim import distributed_optimizer
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.megatron_optim import distributed_optimizer
     from conversion.refit_callback import RefitCallback
-    from conversion.train_step import train_step
+    from conversion.testing.train_step import train_step
     from megatron_refit.tools.harness import tokens_for
-    from megatron_refit.layout import TrainLayout
+    from megatron_refit.plan.layout import TrainLayout
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
 
     init_gloo(rank, world, port)
@@ -111,9 +111,9 @@ class _Writer:
         self.scalars.append((name, value, iteration))
 
 def _gen(refit, versions, num_train, device="cpu"):
-    from conversion.hf_configs import hf_config
-    from megatron_refit.integration import engine_refit
-    from megatron_refit.receivers.hf import HFReceiver
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.refit import engine_refit
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
     sync = engine_refit(refit, backend, gen_index=0, num_train=num_train, device=device)
@@ -211,10 +211,10 @@ PRETRAIN_ITERATIONS = 3
 def _pretrain_train(rank, num_train, yaml_path, megatron_port):
     import os
 
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
     from conversion.refit_callback import RefitCallback
     from conversion.te_shim import import_bridge
-    from conversion.tiny_pretrain import run_tiny_pretrain
+    from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
 
     import_bridge()

@@ -10,9 +10,9 @@ import zlib
 import pytest
 import torch
 
-from megatron_refit.driver import TensorPiece
+from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.tools.launch import SpawnError, run_spawned
-from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -97,12 +97,13 @@ def _train_pieces(rank, on_read=None, names=NAMES):
 
 
 def _rank(rank, world, port, scenario):
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group_cls = RefitGroup
     if scenario == "corrupt":
-        from megatron_refit.endpoint import DIGEST_TAG
+        from megatron_refit.endpoint.base import DIGEST_TAG
 
         class Corrupting(RefitGroup):
             """What travels of bucket 1 (what the sender's digest was computed over is untouched):
@@ -126,7 +127,7 @@ def _rank(rank, world, port, scenario):
                 return super().isend(buffer, peer, tag)
         group_cls = Corrupting
     if scenario in ("fingerprint-mismatch", "pair-mismatch") and rank == NUM_TRAIN + 1:
-        from megatron_refit.plan import RefitPlan
+        from megatron_refit.plan.refit_plan import RefitPlan
 
         # a rank whose plan differs (e.g. another package version): only its fingerprints show it,
         # all of them or those of one pair it is an end of
@@ -234,8 +235,8 @@ def test_verify_flag_must_agree():
 def test_hf_receiver_refuses_to_generate_while_stale():
     from transformers import Qwen3Config
 
-    from megatron_refit.driver import StaleWeightsError
-    from megatron_refit.receivers.hf import HFReceiver
+    from megatron_refit.errors import StaleWeightsError
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.driver import TensorPiece, adjacent_pieces
+from megatron_refit.endpoint.sender import TensorPiece
+from megatron_refit.endpoint.base import adjacent_pieces
 from megatron_refit.tools.launch import run_spawned
-from megatron_refit.plan import PlanError, RefitPlan
-from megatron_refit.spec import ShardSpec, box_along, full_box
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 
 SHAPE = (8, 4)  # float32: a half is 4 rows = 64 bytes, a multiple of ALIGN
 
@@ -123,7 +125,8 @@ class _Fused:
 
 
 def _rank(rank, world, port, sender_fused, receiver_fused):
-    from megatron_refit.driver import Receiver, Refitter
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)

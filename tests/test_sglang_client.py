@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from megatron_refit.receivers.sglang import LOADER, parse_message, refit_loader, refit_state
-from megatron_refit.sglang_client import (
+from megatron_refit.engines.sglang.loader import LOADER, parse_message, refit_loader, refit_state
+from megatron_refit.engines.sglang.client import (
     HTTPClient,
     close_engines,
     connect_message,

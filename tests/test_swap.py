@@ -19,8 +19,8 @@ SHAPE = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vo
 
 
 def _spec(swap, budget=None):
-    from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.layout import TrainLayout
+    from megatron_refit.plan.gen_layout import GenLayout
+    from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.tools.harness import RunSpec
 
     return RunSpec(model="qwen3", overrides=SHAPE, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=1), refits=5,
@@ -61,7 +61,7 @@ def test_in_place_generation_waits_for_the_whole_refit():
 def test_staged_receiver_keeps_serving_after_a_failed_refit_and_follows_a_reallocated_model():
     from transformers import Qwen3Config
 
-    from megatron_refit.receivers.staged import StagedHFReceiver
+    from megatron_refit.engines.hf.staged import StagedHFReceiver
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)

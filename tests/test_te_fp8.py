@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.fp8 import is_quantised, quantize_blockwise, scale_name
+from megatron_refit.plan.fp8_layout import is_quantised, scale_name
+from megatron_refit.endpoint.fp8 import quantize_blockwise
 from megatron_refit.tools.launch import run_spawned
 from tests import workers
 
@@ -46,7 +47,7 @@ def test_te_pass_through_equals_bridge_export_of_te_bytes():
 
 def test_te_shards_off_the_grid_or_without_scales_are_refused():
     from conversion.te_fp8 import check_fp8_specs
-    from megatron_refit.spec import ShardSpec
+    from megatron_refit.plan.spec import ShardSpec
 
     name = "model.layers.0.mlp.down_proj.weight"
     weight = ShardSpec(name=name, global_shape=(256, 320), dtype="float8_e4m3fn", box=((0, 256), (160, 320)))

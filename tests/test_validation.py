@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conversion.hf_configs import hf_config
-from conversion.validate import check_train_layout
-from megatron_refit.layout import TrainLayout
+from conversion.testing.hf_configs import hf_config
+from conversion.testing.validate import check_train_layout
+from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.transport import RefitGroup
 
 pytestmark = pytest.mark.reliability
@@ -45,7 +45,7 @@ def test_refit_group_arguments(kw, match):
 
 
 def test_endpoint_world_must_match_train_plus_gen():
-    from megatron_refit.driver import Refitter
+    from megatron_refit.endpoint.sender import Refitter
 
     class Group:
         rank, world_size = 0, 3

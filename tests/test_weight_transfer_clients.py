@@ -20,7 +20,7 @@ import pytest
 def test_weight_transfer_trainer_side_imports_without_vllm():
     code = ("import sys, importlib.util\n"
             "assert importlib.util.find_spec('vllm') is None, 'this check needs an environment without vLLM'\n"
-            "from megatron_refit.weight_transfer import trainer, clients, payload, plugin\n"
+            "from megatron_refit.engines.vllm import trainer, clients, payload, plugin\n"
             "assert not trainer.HAVE_VLLM and 'vllm' not in sys.modules\n"
             "info = trainer.MegatronRefitTrainerInitInfo(refit={'gen_tp': 2}, num_train=2, rank=0)\n"
             "assert info.is_sender and info.config.gen_tp == 2 and info.backend == 'megatron_refit'\n")
@@ -29,7 +29,7 @@ def test_weight_transfer_trainer_side_imports_without_vllm():
 
 
 def test_weight_transfer_trainer_init_info_names_the_bad_field():
-    from megatron_refit.weight_transfer.trainer import MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerInitInfo
 
     with pytest.raises(ValueError, match=r"init_info\.rank 2 outside 0\.\.1"):
         MegatronRefitTrainerInitInfo(refit={}, num_train=2, rank=2)
@@ -52,7 +52,7 @@ class _RecordingLLM:
 
 
 def test_weight_transfer_llm_client_resets_the_prefix_cache_after_each_update():
-    from megatron_refit.weight_transfer.clients import LLMClient
+    from megatron_refit.engines.vllm.clients import LLMClient
 
     llm = _RecordingLLM()
     client = LLMClient(llm)
@@ -90,8 +90,8 @@ def server():
 
 
 def test_weight_transfer_http_client_pauses_generation_around_each_update(server):
-    from megatron_refit.weight_transfer.clients import HTTPClient
-    from megatron_refit.weight_transfer.payload import update_payload
+    from megatron_refit.engines.vllm.clients import HTTPClient
+    from megatron_refit.engines.vllm.payload import update_payload
 
     url, seen = server
     client = HTTPClient(url + "/", timeout=10)
@@ -123,7 +123,7 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
 
 
 def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
-    from megatron_refit.weight_transfer.clients import HTTPClient, ReplicaClients
+    from megatron_refit.engines.vllm.clients import HTTPClient, ReplicaClients
 
     url, seen = server
     ReplicaClients([HTTPClient(url), HTTPClient(url)]).init_weight_transfer_engine({"num_train": 1})
@@ -133,20 +133,20 @@ def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
 
 
 def _source_rank(rank, world, port):
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.lora import apply_lora
-    from megatron_refit.layout import TrainLayout
-    from megatron_refit.weight_transfer.trainer import LocalShardSource
+    from megatron_refit.plan.layout import TrainLayout
+    from conversion.refit import local_shard_source
 
     init_gloo(rank, world, port)
     init_model_parallel(TrainLayout())
     cfg = hf_config("qwen3")
     built = build_model(cfg, TrainLayout())
-    plain = LocalShardSource.from_bridge(built.bridge, built.model, cfg)
+    plain = local_shard_source(built.bridge, built.model, cfg)
     lora_model = apply_lora(build_model(cfg, TrainLayout()).model, dim=4, alpha=8)
-    lora = LocalShardSource.from_bridge(built.bridge, lora_model, cfg)
+    lora = local_shard_source(built.bridge, lora_model, cfg)
     return dict(plain=sorted(p.spec.name for p in plain.weights), expected=sorted(
         s.spec.name for s in enumerate_local_shards(built.bridge, built.model, cfg)),
         plain_lora=(plain.lora_rank, len(plain.adapters)), lora=(lora.lora_rank, lora.lora_alpha, len(lora.adapters)),

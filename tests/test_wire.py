@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_refit.transport import wire
-from megatron_refit.spec import ShardSpec, box_along
+from megatron_refit.plan.spec import ShardSpec, box_along
 
 
 def test_what_prepare_exchanges_round_trips():

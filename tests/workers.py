@@ -43,7 +43,7 @@ def forbid_collectives():
 
 
 def layout_from(kw):
-    from megatron_refit.layout import TrainLayout
+    from megatron_refit.plan.layout import TrainLayout
 
     return TrainLayout(**kw)
 
@@ -52,9 +52,9 @@ def enumerate_cases(rank, world_size, port, cases):
     """For each (model, layout kwargs, pad_vocab) case: this rank's real shards (cloned),
     its meta-device specs, and (rank 0) Bridge's full export. Layouts are re-initialised
     in the same processes, so one spawn covers several layouts."""
-    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.local_shards import enumerate_local_shards, group_experts
-    from conversion.hf_configs import hf_config, num_routed_experts
+    from conversion.testing.hf_configs import hf_config, num_routed_experts
 
     init_gloo(rank, world_size, port)
     results = []
@@ -137,8 +137,8 @@ def scale_inv_cases(rank, world_size, port, cases):
     sibling tasks (as ``build_export_fp8_tasks`` does) whose tensors are per-tile scales of
     the local weights, then compare our local scale pieces with Bridge's own gathered
     ``megatron_to_hf`` of those tasks."""
-    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
+    from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import task_shards  # imports megatron.bridge through the TE shim
     from megatron.bridge.models.conversion.model_bridge import WeightConversionTask, _HFNameSuffixMapping
 
@@ -183,7 +183,7 @@ def te_stand_in(weight: torch.Tensor):
     """A CPU stand-in with TE's ``get_metadata()`` of a Float8Blockwise weight (TE needs CUDA
     to create real ones): the local weight quantised in 128x128 blocks with power-of-two
     scales, scale columns zero-padded to a multiple of 4 as TE stores them."""
-    from megatron_refit.fp8 import quantize_blockwise
+    from megatron_refit.endpoint.fp8 import quantize_blockwise
 
     q, scale_inv = quantize_blockwise(weight.detach().float(), pow2_scales=True)
     padded = torch.zeros(scale_inv.shape[0], -(-scale_inv.shape[1] // 4) * 4)
@@ -200,8 +200,8 @@ def te_fp8_cases(rank, world_size, port, cases):
     (data as uint8 for gloo), plus Bridge's ordinary full export for the parent's check."""
     import dataclasses
 
-    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
+    from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import enumerate_local_shards, local_conversion_tasks
     from conversion.te_fp8 import check_fp8_specs, pass_through_tasks
 
@@ -234,8 +234,8 @@ def te_fp8_cases(rank, world_size, port, cases):
 def lora_cases(rank, world_size, port, cases):
     """LoRA adapters: our local adapter pieces vs Bridge's gathered adapter export, and the
     base pieces of the wrapped model vs Bridge's export of the model before wrapping."""
-    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.hf_configs import hf_config
+    from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.lora import adapter_shards, apply_lora
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from functools import cache
 
-from . import deepseek_v3, llama, nemotron_h, qwen3
-from .base import SEGMENT_MARK, ModelFamily
+from megatron_refit.families import deepseek_v3, llama, nemotron_h, qwen3
+from megatron_refit.families.base import SEGMENT_MARK, ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen3.FAMILY, llama.FAMILY, deepseek_v3.FAMILY, nemotron_h.FAMILY)
 

@@ -37,7 +37,7 @@ class ModelFamily:
     demo: tuple[str, ...]
     """The tiny presets (CPU: tests, ``python -m megatron_refit.demo --model``)."""
     roles: tuple[tuple[str, str], ...]
-    """``(role, regex)`` on HF names: how vLLM shards each parameter (see :mod:`megatron_refit.roles`).
+    """``(role, regex)`` on HF names: how vLLM shards each parameter (see :mod:`megatron_refit.plan.roles`).
     1-D parameters no rule names are replicated."""
     expert_prefix: str
     """Regex of the module path that holds routed experts ``<prefix>.<e>.`` (e.g. ``mlp\\.experts``)."""

@@ -1,10 +1,10 @@
 """DeepSeek-V3: MLA attention, dense first layers, routed + shared experts, sigmoid router
-with ``e_score_correction_bias``. Built on CPU by :mod:`conversion.deepseek_v3_build`."""
+with ``e_score_correction_bias``. Built on CPU by :mod:`conversion.testing.deepseek_v3_build`."""
 
 from __future__ import annotations
 
-from .base import ModelFamily
-from .hf_decoder import ENGINE_EXPERTS, ENGINE_FUSED, EXPERTS, ROLES, TINY, VOCAB
+from megatron_refit.families.base import ModelFamily
+from megatron_refit.families.hf_decoder import ENGINE_EXPERTS, ENGINE_FUSED, EXPERTS, ROLES, TINY, VOCAB
 
 # MLA: per-head up projections are column-parallel by heads; the low-rank down projections
 # (vLLM fuses them into ``fused_qkv_a_proj``) are replicated.
@@ -54,6 +54,6 @@ FAMILY = ModelFamily(
     engine_experts=ENGINE_EXPERTS,
     engine_fused=ENGINE_FUSED[:1] + _MLA_FUSED + ENGINE_FUSED[1:],
     vocab=VOCAB,
-    build="conversion.deepseek_v3_build",
+    build="conversion.testing.deepseek_v3_build",
     layout_checks=lambda cfg: _mla_checks(cfg) if getattr(cfg, "kv_lora_rank", None) else [],
 )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import ModelFamily
-from .hf_decoder import LAYOUT, TINY
+from megatron_refit.families.base import ModelFamily
+from megatron_refit.families.hf_decoder import LAYOUT, TINY
 
 FAMILY = ModelFamily(
     name="llama",

@@ -1,5 +1,5 @@
 """Nemotron-H: hybrid Mamba2 / attention / MoE with non-gated ReLU² experts, ``backbone.*``
-names. Built on CPU by :mod:`conversion.nemotron_h_build`.
+names. Built on CPU by :mod:`conversion.testing.nemotron_h_build`.
 
 Mamba's ``in_proj`` is [z, x, B, C, dt] and ``conv1d`` [x, B, C] along dim 0, each part
 sharded by heads / groups on its own: a tensor-parallel rank holds one box of each part
@@ -8,7 +8,7 @@ sharded by heads / groups on its own: a tensor-parallel rank holds one box of ea
 
 from __future__ import annotations
 
-from .base import ModelFamily
+from megatron_refit.families.base import ModelFamily
 
 _MIXER = r"(?:^|\.)mixer\."
 _EXPERT = _MIXER + r"experts\.\d+\."
@@ -98,6 +98,6 @@ FAMILY = ModelFamily(
         (r".*\.mixer\.conv1d\.(?:weight|bias)", ("x", "B", "C"), _conv1d),
     ),
     checkpoint_renames=((r"^model\.", "backbone."),),
-    build="conversion.nemotron_h_build",
+    build="conversion.testing.nemotron_h_build",
     layout_checks=_mamba_checks,
 )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import ModelFamily
-from .hf_decoder import LAYOUT, TINY
+from megatron_refit.families.base import ModelFamily
+from megatron_refit.families.hf_decoder import LAYOUT, TINY
 
 _MOE = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 

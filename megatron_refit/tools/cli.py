@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-from .launch import SpawnError
+from megatron_refit.tools.launch import SpawnError
 
 USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
 """Errors a rank raises on a bad layout or model (the message names the bad value)."""
@@ -43,8 +43,7 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
 
 def check_layout(spec) -> None:
     """``ValueError`` naming the bad value if ``spec``'s model does not divide by its train layout."""
-    from conversion.validate import check_train_layout
-
-    from .harness import _hf_config
+    from conversion.testing.validate import check_train_layout
+    from megatron_refit.tools.harness import _hf_config
 
     check_train_layout(_hf_config(spec), spec.train)

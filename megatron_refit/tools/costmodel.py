@@ -1,7 +1,7 @@
 """``python -m megatron_refit.costmodel --config configs/<model>.yaml [--json]``.
 
 Builds the config's plan as the dry run does (:mod:`megatron_refit.tools.dryrun`), places its
-ranks on a GPU cluster and predicts the refit seconds with :mod:`megatron_refit.cost`,
+ranks on a GPU cluster and predicts the refit seconds with :mod:`megatron_refit.plan.cost`,
 printed beside the published refit times of other systems for the same model.
 """
 
@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from megatron_refit.cost import Cluster, delta_fraction, delta_prediction, placement, predict, swap_pause
+from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.plan.cost import Cluster, delta_fraction, delta_prediction, placement, predict, swap_pause
+from megatron_refit.plan.senders import SenderPlan
 from megatron_refit.tools.dryrun import build
-from megatron_refit.family_plan import FamilyPlan
-from megatron_refit.plan import SenderPlan
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
     "qwen3-4b": [("NeMo-RL refit, earlier version (H100)", "not stated", 0.07, 0.07)],

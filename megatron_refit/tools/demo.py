@@ -15,12 +15,12 @@ import math
 import sys
 from dataclasses import replace
 
-from ..gen_layout import GenLayout
-from .harness import RunSpec, _hf_config, evaluate, run
-from .cli import USER_ERRORS
-from .launch import SpawnError
-from ..families import FAMILIES, PRESETS
-from ..layout import TrainLayout
+from megatron_refit.families import FAMILIES, PRESETS
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.tools.cli import USER_ERRORS
+from megatron_refit.tools.harness import RunSpec, _hf_config, evaluate, run
+from megatron_refit.tools.launch import SpawnError
 
 MODELS = [name for family in FAMILIES for name in family.demo]
 MOE_MODELS = tuple(name for name in MODELS if PRESETS[name].get("num_experts") or PRESETS[name].get("n_routed_experts"))
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         spec = spec_from_args(args)
-        from conversion.validate import check_train_layout
+        from conversion.testing.validate import check_train_layout
 
         check_train_layout(_hf_config(spec), spec.train)  # before any rank starts
     except ValueError as exc:

@@ -4,13 +4,13 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
 ``model:`` section, then builds the full-scale refit plan in one CPU process:
 
 1. *Enumeration* (cached per model + layout + dtype + package versions): the
-   representative train ranks (:func:`megatron_refit.tools.derive.representative_ranks`) are
-   built on the meta device in a child process (``python -m conversion.enumerate``; it
+   representative train ranks (:func:`conversion.testing.derive.representative_ranks`) are
+   built on the meta device in a child process (``python -m conversion.testing.enumerate``; it
    imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``.
 2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
-   compute every engine TP rank's targets (:func:`megatron_refit.gen_layout.gen_targets`),
-   validate and assign senders (:class:`megatron_refit.family_plan.FamilyPlan`: the senders,
-   bytes and transfers of the :class:`megatron_refit.plan.SenderPlan` that
+   compute every engine TP rank's targets (:func:`megatron_refit.plan.gen_layout.gen_targets`),
+   validate and assign senders (:class:`megatron_refit.plan.assignment.FamilyPlan`: the senders,
+   bytes and transfers of the :class:`megatron_refit.plan.refit_plan.SenderPlan` that
    ``RefitPlan.build`` expands into buckets, planned once per family of parameters that
    match box for box). This process imports neither Megatron nor torch.
 
@@ -32,13 +32,13 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
+from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
-from megatron_refit.tools.derive import CACHE_FORMAT, derive_all_ranks, load_specs
-from megatron_refit.fp8_layout import fp8_param_table, fp8_specs, is_quantised
-from megatron_refit.family_plan import FamilyPlan
-from megatron_refit.gen_layout import GenLayout, ModelShape, gen_targets
-from megatron_refit.layout import TrainLayout
-from megatron_refit.plan_checks import ITEMSIZE, gc_paused
+from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.plan.checks import ITEMSIZE, gc_paused
+from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantised
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
+from megatron_refit.plan.layout import TrainLayout
 
 VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
 """Packages whose versions key the enumeration cache."""
@@ -114,11 +114,11 @@ def cache_key(model: str, preset: dict, layout: TrainLayout, dtype: str) -> str:
 
 def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     """``(refit config, HF preset fields, train layout)``; ``ValueError`` naming bad input."""
-    from conversion.hf_configs import PRESETS  # plain data; imports nothing heavy
+    from conversion.testing.hf_configs import PRESETS  # plain data; imports nothing heavy
 
     rest, refit = load_training_yaml(path)
     if refit.model is None:
-        raise ValueError(f"{path}: refit.model must name a preset of conversion.hf_configs ({sorted(PRESETS)})")
+        raise ValueError(f"{path}: refit.model must name a preset of conversion.testing.hf_configs ({sorted(PRESETS)})")
     if refit.model not in PRESETS:
         raise ValueError(f"{path}: refit.model {refit.model!r} is not a preset; choose from {sorted(PRESETS)}")
     preset = PRESETS[refit.model]
@@ -126,7 +126,7 @@ def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     layout.stage_layers(preset["num_hidden_layers"])
     from types import SimpleNamespace
 
-    from conversion.validate import check_train_layout  # plain arithmetic on the preset's sizes
+    from conversion.testing.validate import check_train_layout  # plain arithmetic on the preset's sizes
 
     check_train_layout(SimpleNamespace(**preset), layout)  # here, not as a traceback of the enumeration
     return refit, preset, layout
@@ -149,7 +149,7 @@ def ensure_cache(path: str, model: str, layout: TrainLayout, key: str, dtype: st
     tmp = f"{path}.{os.getpid()}.tmp"
     layout_json = json.dumps({k: v for k, v in asdict(layout).items() if v is not None})
     try:
-        subprocess.run([sys.executable, "-m", "conversion.enumerate", "--model", model, "--layout", layout_json,
+        subprocess.run([sys.executable, "-m", "conversion.testing.enumerate", "--model", model, "--layout", layout_json,
                         "--dtype", dtype, "--key", key, "--out", tmp], check=True)
         os.replace(tmp, path)
     finally:

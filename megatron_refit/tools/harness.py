@@ -15,10 +15,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..fp8 import fp8_checkpoint, fp8_param_table
-from ..gen_layout import GenLayout
-from ..hf_model import hf_param_table, model_shape
-from ..layout import TrainLayout
+from megatron_refit.endpoint.fp8 import fp8_checkpoint
+from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+from megatron_refit.plan.fp8_layout import fp8_param_table
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
 
 SEQ, BATCH = 8, 2
 
@@ -108,7 +109,7 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
 def refit_config(spec: RunSpec, port: int):
     """The ``refit:`` config section this run corresponds to (the harness goes through the
     same integration calls as a training loop)."""
-    from ..config import RefitConfig
+    from megatron_refit.config import RefitConfig
 
     return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
                        backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
@@ -118,18 +119,17 @@ def refit_config(spec: RunSpec, port: int):
 
 
 def _hf_config(spec: RunSpec):
-    # transformers configs are importable on both sides; conversion.hf_configs is not Megatron.
-    from conversion.hf_configs import hf_config
+    # transformers configs are importable on both sides; conversion.testing.hf_configs is not Megatron.
+    from conversion.testing.hf_configs import hf_config
 
     return hf_config(spec.model, **spec.overrides)
 
 
 def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
-    from conversion.build import build_model, init_gloo, init_model_parallel
-    from conversion.train_step import forward_logits, train_step
-
-    from ..integration import trainer_refit
-    from .progress import Bar
+    from conversion.refit import trainer_refit
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import forward_logits, train_step
+    from megatron_refit.tools.progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
@@ -149,7 +149,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         # as Megatron trains in bf16: its DistributedOptimizer over fp32 main params, the bf16
         # params what the engine gets (a step below a bf16 ulp changes no element). Before the
         # refit enumerates: DDP moves the params into its buffers.
-        from conversion.megatron_optim import distributed_optimizer
+        from conversion.testing.megatron_optim import distributed_optimizer
 
         built, optimizer = distributed_optimizer(built, lr=spec.lr, clip_grad=0.0)
     params = [p for chunk in built.model for p in chunk.parameters()]
@@ -157,7 +157,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=spec.lr)
     offloader = None
     if spec.offload:
-        from ..offload import ParamOffloader
+        from megatron_refit.endpoint.offload import ParamOffloader
 
         offloader = ParamOffloader(params)
     versions = range(1, spec.refits + 1)
@@ -195,13 +195,13 @@ def _reference_weights(spec: RunSpec, built):
 
     if not spec.fp8:
         return contextlib.nullcontext()
-    from conversion.fp8_reference import fp8_weights
+    from conversion.testing.fp8_reference import fp8_weights
 
     return fp8_weights(built.model, built.config)
 
 
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
-    from ..integration import engine_refit
+    from megatron_refit.refit import engine_refit
 
     backend = make_gen_backend(spec, cfg, gen_index)
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
@@ -222,14 +222,14 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1:
-        from ..receivers.hf import HFReceiver
-        from ..receivers.staged import StagedHFReceiver
+        from megatron_refit.engines.hf.receiver import HFReceiver
+        from megatron_refit.engines.hf.staged import StagedHFReceiver
 
         if spec.swap == "staged":
             return StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
                                                 budget_bytes=spec.swap_budget_bytes)
         return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
-    from ..receivers.vllm_layout import VllmLayoutReceiver
+    from megatron_refit.engines.vllm.layout import VllmLayoutReceiver
 
     params = hf_param_table(cfg, dtype)
     if spec.fp8:
@@ -240,7 +240,7 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order).
     ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.tools.launch`)."""
-    from .launch import free_ports, run_spawned
+    from megatron_refit.tools.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)
@@ -251,7 +251,7 @@ def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
-    from ..receivers.vllm_layout import expected_storage
+    from megatron_refit.engines.vllm.layout import expected_storage
 
     train = [r for r in results if r["role"] == "train"]
     gens = [r for r in results if r["role"] == "gen"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import re
 import queue
 import random
+import re
 import socket
 import time
 import traceback
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 
 class SpawnError(RuntimeError):
@@ -97,21 +97,21 @@ THIRD_PARTY_WARNINGS = (r"megatron\.", r"torch\.", r"transformers\.", r"modelopt
 """Modules whose warnings a quiet spawned rank drops (Apex / TE / absl fallbacks, deprecations:
 the same lines once per rank). Warnings of megatron_refit and conversion still show."""
 
-_QUIET = False
+QUIET_ENV = "REFIT_QUIET_LOGS"
+"""Set to ``1`` inside a rank spawned with ``quiet=True``: model builders (``conversion.testing``)
+read it to silence third-party chatter without importing this module."""
 
 
 def quiet() -> bool:
     """True inside a rank spawned with ``quiet=True`` (helpers silence third-party chatter)."""
-    return _QUIET
+    return os.environ.get(QUIET_ENV) == "1"
 
 
 def _entry(fn, rank, world_size, port, args, results, env):
-    global _QUIET
-    if env.pop("REFIT_QUIET_LOGS", "0") == "1":
+    if env.get(QUIET_ENV, "0") == "1":
         import logging
         import warnings
 
-        _QUIET = True
         logging.disable(logging.WARNING)  # Megatron/Bridge import chatter, once per rank
         for module in THIRD_PARTY_WARNINGS:  # PYTHONWARNINGS in env would come too late: set here
             warnings.filterwarnings("ignore", module=module)

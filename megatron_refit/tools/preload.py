@@ -12,7 +12,7 @@ shim, as every rank does). Their import-time warnings are dropped here, once.
 import logging
 import warnings
 
-from .launch import THIRD_PARTY_WARNINGS
+from megatron_refit.tools.launch import THIRD_PARTY_WARNINGS
 
 with warnings.catch_warnings():
     for _module in THIRD_PARTY_WARNINGS:
@@ -25,7 +25,7 @@ with warnings.catch_warnings():
         from conversion.te_shim import import_bridge
 
         import_bridge()
-        import megatron.core.parallel_state  # noqa: F401
         import megatron.bridge.models.conversion.model_bridge  # noqa: F401
+        import megatron.core.parallel_state  # noqa: F401
     finally:
         logging.disable(logging.NOTSET)

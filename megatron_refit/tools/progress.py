@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
 from collections.abc import Iterable, Iterator
+from typing import TextIO
 
 DELAY_S = 2.0
 """Seconds a loop runs before its bar appears."""

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
-from .base import Pending, Transport
-from .process_group import RefitGroup
+from megatron_refit.errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
+from megatron_refit.transport.base import Pending, Transport
+from megatron_refit.transport.process_group import RefitGroup
 
 __all__ = ["Transport", "Pending", "RefitGroup", "open_transport", "register_transport", "transport_names",
            "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]
@@ -64,7 +64,7 @@ def _p2p(backend: str) -> TransportFactory:
 
 
 def _ipc(*, host, port, rank, world_size, timeout_s, num_train, device):
-    from .ipc import IpcGroup
+    from megatron_refit.transport.ipc import IpcGroup
 
     control = RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend="gloo",
                                  timeout_s=timeout_s)

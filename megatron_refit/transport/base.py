@@ -3,7 +3,7 @@
 A transport connects every train and generation rank of one refit (refit ranks ``0 ..
 num_train-1`` train, then generation ranks) and offers point-to-point bucket messages,
 small control messages and a few control collectives, each wait bounded by ``timeout_s``.
-The driver (:mod:`megatron_refit.endpoint`, :mod:`megatron_refit.driver`) speaks only this
+The driver (:mod:`megatron_refit.endpoint.base`, :mod:`megatron_refit.endpoint.sender`) speaks only this
 interface; :mod:`megatron_refit.transport` registers the implementations by name.
 """
 

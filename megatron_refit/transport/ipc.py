@@ -17,8 +17,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from .base import Pending, Transport
-from .process_group import RefitGroup
+from megatron_refit.transport.base import Pending, Transport
+from megatron_refit.transport.process_group import RefitGroup
 
 
 @dataclass

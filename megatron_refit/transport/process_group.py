@@ -24,11 +24,10 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
-from . import wire
-from .base import Pending, Transport
-from .rendezvous import join, open_store
-
+from megatron_refit.errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
+from megatron_refit.transport import wire
+from megatron_refit.transport.base import Pending, Transport
+from megatron_refit.transport.rendezvous import join, open_store
 
 MAGIC = 0x52_46_49_54_0003
 """First word of every control header: "RFIT" and the protocol version."""

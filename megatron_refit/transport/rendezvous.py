@@ -16,7 +16,7 @@ import socket
 
 import torch.distributed as dist
 
-from ..errors import RefitTransportError
+from megatron_refit.errors import RefitTransportError
 
 PREFIX = "megatron_refit_join/"
 

@@ -11,7 +11,7 @@ tag   Python                          JSON
 t     tuple                           ``{"t": [items]}``
 d     dict (any plain keys)           ``{"d": [[key, value], ...]}``
 b     bytes                           ``{"b": "<base64>"}``
-s     :class:`~megatron_refit.spec.ShardSpec`  ``{"s": [name, shape, dtype, box, pp_stage, is_expert]}``
+s     :class:`~megatron_refit.plan.spec.ShardSpec`  ``{"s": [name, shape, dtype, box, pp_stage, is_expert]}``
 x     CPU tensor                      ``{"x": [dtype, shape, "<base64>"]}``
 ====  ==============================  =========================================
 
@@ -25,11 +25,8 @@ import json
 
 import torch
 
-from ..spec import ShardSpec
-
-
-class WireError(ValueError):
-    """Bytes from a peer that are not refit metadata."""
+from megatron_refit.errors import WireError
+from megatron_refit.plan.spec import ShardSpec
 
 
 def dumps(obj) -> bytes:

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from megatron_refit.fp8 import fp8_checkpoint
+from megatron_refit.endpoint.fp8 import fp8_checkpoint
 from megatron_refit.tools.launch import free_ports, run_spawned
 
 # find_spec, not importorskip: the spawned ranks import this module too, and the train
@@ -52,8 +52,8 @@ def _bf16_tensors(model_name: str, seed: int) -> tuple[dict, object]:
     """The trainer's full weights under checkpoint names, bfloat16 (HF's init, seeded)."""
     from transformers import AutoModelForCausalLM
 
-    from conversion.hf_configs import hf_config
-    from megatron_refit.receivers.hf import HFReceiver
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     cfg = hf_config(model_name, **ALIGNED)
     torch.manual_seed(seed)
@@ -66,9 +66,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(rank, world, refit_ports):
-    from megatron_refit.driver import Refitter, TensorPiece
-    from megatron_refit.fp8_pieces import quantise_pieces
-    from megatron_refit.spec import ShardSpec, box_along, full_box
+    from megatron_refit.endpoint.sender import Refitter, TensorPiece
+    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+    from megatron_refit.plan.spec import ShardSpec, box_along, full_box
     from megatron_refit.transport import RefitGroup
 
     out = {}
@@ -98,8 +98,8 @@ def _train(rank, world, refit_ports):
 
 
 def _gen(rank, world, sglang_port, refit_ports, workdir):
-    from conversion.hf_configs import hf_config
-    from megatron_refit.receivers.sglang import engine_refit_for
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.sglang.loader import engine_refit_for
 
     from .sglang_cpu import init_sglang
     from .sglang_fp8 import build_fp8_model, write_fp8_model_dir

@@ -34,19 +34,19 @@ vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split
 
 def model_config(name: str):
     """The HF config of ``name`` (a preset, or a :data:`VARIANTS` entry)."""
-    from conversion.hf_configs import hf_config
+    from conversion.testing.hf_configs import hf_config
 
     base, overrides, _ = VARIANTS.get(name, (name, {}, None))
     return hf_config(base, **overrides)
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], versions: int, lora: int):
-    from conversion.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
+    from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.lora import apply_lora
-    from conversion.train_step import train_step
+    from conversion.testing.train_step import train_step
     from megatron_refit.tools.harness import tokens_for
-    from megatron_refit.integration import local_pieces
-    from megatron_refit.layout import TrainLayout
+    from conversion.refit import local_pieces
+    from megatron_refit.plan.layout import TrainLayout
 
     init_gloo(rank, world, port)
     for name in models:

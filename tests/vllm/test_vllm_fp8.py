@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from megatron_refit.fp8 import fp8_checkpoint
+from megatron_refit.endpoint.fp8 import fp8_checkpoint
 from megatron_refit.tools.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
@@ -29,8 +29,8 @@ pytest.importorskip("vllm")
 def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
-    from conversion.hf_configs import hf_config
-    from megatron_refit.receivers.hf import HFReceiver
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.hf.receiver import HFReceiver
 
     cfg = hf_config(model_name, **overrides)
     torch.manual_seed(seed)
@@ -109,13 +109,14 @@ def _quant_config(cfg) -> dict:
 
 
 def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
-    from megatron_refit.driver import Receiver, Refitter, TensorPiece
-    from megatron_refit.fp8 import fp8_param_table
-    from megatron_refit.fp8_pieces import quantise_pieces
-    from megatron_refit.gen_layout import GenLayout
-    from megatron_refit.hf_model import model_shape
-    from megatron_refit.receivers.engine import EngineReceiver
-    from megatron_refit.spec import ShardSpec, box_along, full_box
+    from megatron_refit.endpoint.receiver import Receiver
+    from megatron_refit.endpoint.sender import Refitter, TensorPiece
+    from megatron_refit.plan.fp8_layout import fp8_param_table
+    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+    from megatron_refit.plan.gen_layout import GenLayout
+    from megatron_refit.engines.checkpoint import model_shape
+    from megatron_refit.engines.vllm.live import EngineReceiver
+    from megatron_refit.plan.spec import ShardSpec, box_along, full_box
     from megatron_refit.transport import RefitGroup
 
     num_train = 2

@@ -125,7 +125,7 @@ class _Engine:
         load_general_plugins()
         self.case, self.bridge_name, self.bridge_dir = case, bridge_name, bridge_dir
         from bridge_shards import model_config
-        from megatron_refit.hf_model import model_shape
+        from megatron_refit.engines.checkpoint import model_shape
 
         model_name = bridge_name.partition("+")[0]
         self.moe = model_shape(model_config(model_name)).num_experts > 0
@@ -256,7 +256,7 @@ class _QueueClient:
 
 
 def _pieces(saved: list):
-    from megatron_refit.driver import TensorPiece
+    from megatron_refit.endpoint.sender import TensorPiece
 
     return [TensorPiece(spec, tensor) for spec, tensor in saved]
 
@@ -267,8 +267,8 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     from vllm.plugins import load_general_plugins
 
     from bridge_shards import load
-    from megatron_refit.weight_transfer.clients import ReplicaClients
-    from megatron_refit.weight_transfer.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.clients import ReplicaClients
+    from megatron_refit.engines.vllm.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
 
     load_general_plugins()
     gens = list(range(world - NUM_TRAIN))
@@ -445,12 +445,12 @@ def test_weight_transfer_backend_is_found_by_name_after_plugin_loading(engine):
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from megatron_refit.weight_transfer.plugin import register
-    from megatron_refit.weight_transfer.trainer import MegatronRefitTrainerEngine
-    from megatron_refit.weight_transfer.worker import MegatronRefitEngine
+    from megatron_refit.engines.vllm.plugin import register
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine
+    from megatron_refit.engines.vllm.worker import MegatronRefitEngine
 
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "megatron_refit"] == [
-        "megatron_refit.weight_transfer.plugin:register"]
+        "megatron_refit.engines.vllm.plugin:register"]
     assert type(engine) is MegatronRefitEngine and engine.state == "stale"
     assert WeightTransferTrainerFactory._registry["megatron_refit"]() is MegatronRefitTrainerEngine
     register()  # vLLM may load plugins again: no "already registered"
@@ -494,7 +494,7 @@ def test_weight_transfer_phases_out_of_order_are_refused(engine):
 def test_weight_transfer_trainer_refuses_a_source_without_local_shards():
     from vllm.distributed.weight_transfer import ModuleSource
 
-    from megatron_refit.weight_transfer.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     info = MegatronRefitTrainerInitInfo(refit={}, num_train=1, rank=0)
     with pytest.raises(ValueError, match="pass a LocalShardSource"):

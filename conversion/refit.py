@@ -1,0 +1,56 @@
+"""The train-rank entry points over a Megatron model built through Megatron-Bridge.
+
+:func:`trainer_refit` enumerates this rank's HF-named local shards (Bridge's conversion
+tasks, no gather; LoRA adapters of Bridge PEFT wrappers too) and joins the refit
+(:func:`megatron_refit.refit.trainer_refit_from_pieces`); :func:`local_shard_source` gives
+the same pieces as the vLLM trainer engine's ``WeightSource``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.refit import TrainerRefit, check_enabled, trainer_refit_from_pieces
+
+
+def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
+                  on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
+    """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
+    join the refit group and build the plan. ``model``: the Megatron model chunks, their
+    parameters on the device (call this before offloading them; pass the ``offloader`` so
+    each refit loads them back); LoRA adapters (Bridge PEFT) on it are found and synced per
+    ``cfg.lora_sync``."""
+    check_enabled(cfg, num_train)
+    pieces, adapters = local_pieces(bridge, model, hf_config)
+    device = next(p for chunk in model for p in chunk.parameters()).device
+    return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
+                                     offloader=offloader, on_report=on_report)
+
+
+def local_pieces(bridge, model, hf_config) -> tuple[list, list]:
+    """``(weights, LoRA adapters)``: this train rank's HF-named local shards of Megatron model
+    chunks built through Bridge (adapters empty without Bridge PEFT wrappers). Needs Megatron."""
+    from conversion.local_shards import enumerate_local_shards
+
+    pieces = enumerate_local_shards(bridge, model, hf_config)
+    adapters = []
+    if any(hasattr(m, "adapter") and hasattr(m, "to_wrap") for chunk in model for m in chunk.modules()):
+        from conversion.lora import adapter_shards  # Bridge PEFT LoRALinear wrappers
+
+        adapters = adapter_shards(bridge, model, hf_config)
+    return pieces, adapters
+
+
+def local_shard_source(bridge, model: list, hf_config):
+    """This rank's local shards of Megatron model chunks built through Megatron-Bridge as the
+    vLLM trainer engine's :class:`~megatron_refit.engines.vllm.trainer.LocalShardSource`
+    (LoRA adapters of Bridge PEFT wrappers included, with their rank and alpha)."""
+    from megatron_refit.engines.vllm.trainer import LocalShardSource
+
+    weights, adapters = local_pieces(bridge, model, hf_config)
+    wrapped = [m.adapter for chunk in model for m in chunk.modules() if hasattr(m, "adapter")
+               and hasattr(m, "to_wrap")]
+    rank, alpha = (wrapped[0].dim, wrapped[0].alpha) if wrapped else (0, 0.0)
+    device = next(p for chunk in model for p in chunk.parameters()).device
+    return LocalShardSource(weights, adapters, lora_rank=rank, lora_alpha=alpha, device=device)

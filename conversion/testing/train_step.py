@@ -1,0 +1,170 @@
+"""A real training step and a reference forward for the CPU harness (any TP/PP/EP).
+
+Pipeline stages run in order, exchanging activations and gradients over the PP group with
+plain send/recv (one microbatch, one model chunk). Every
+rank feeds the same tokens, so data-parallel replicas stay identical without a gradient
+all-reduce. The model runs in eval mode: dropout is off in these models anyway, and MoE
+with TP refuses train mode without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from conversion.testing.build import BuiltModel, cpu_forward
+
+
+def _inputs(tokens: torch.Tensor):
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril().logical_not()
+    mask = causal.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+    return position_ids, mask
+
+
+def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
+    """This stage's forward. Returns ``(output, stage_input)``; activations travel
+    between stages over the PP group (Megatron's own schedules assume CUDA)."""
+    from megatron.core import parallel_state as ps
+
+    model = built.model[0]
+    model.eval()
+    tokens = tokens.to(next(model.parameters()).device)  # a model moved to a GPU computes there
+    position_ids, mask = _inputs(tokens)
+    stage_input = None
+    if not ps.is_pipeline_first_stage():
+        stage_input = torch.empty(tokens.shape[1], tokens.shape[0], built.config.hidden_size,
+                                  dtype=built.config.params_dtype, device=tokens.device)
+        torch.distributed.recv(stage_input, ps.get_pipeline_model_parallel_prev_rank())
+        stage_input.requires_grad_(torch.is_grad_enabled())
+    from megatron.core.utils import get_attr_wrapped_model
+
+    get_attr_wrapped_model(model, "set_input_tensor")(stage_input)  # through a DDP wrapper too
+    with cpu_forward():
+        output = model(tokens, position_ids, mask, labels=tokens if labels else None)
+    if not ps.is_pipeline_last_stage():
+        torch.distributed.send(output.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+    return output, stage_input
+
+
+def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+    """Forward + backward + one optimizer step: a ``torch.optim`` optimizer over bare chunks,
+    or Megatron's (:func:`~conversion.testing.megatron_optim.distributed_optimizer`: DDP-wrapped chunks,
+    Megatron's ``finalize_model_grads``). The loss is Megatron's next-token loss on
+    ``tokens``, or ``loss_fn(full-vocab logits [batch, seq, vocab])`` (e.g. a policy-gradient
+    loss; the logits are gathered over TP with autograd). Returns the loss on the last
+    pipeline stage, None elsewhere."""
+    from conversion.cpu_shim import cuda_calls_on_cpu
+    from conversion.testing.megatron_optim import is_megatron_optimizer
+
+    if len(built.model) != 1:
+        raise ValueError("train_step supports one model chunk (no virtual pipeline)")
+
+    if is_megatron_optimizer(optimizer):  # DDP-wrapped chunks and Megatron's optimizer
+        with cuda_calls_on_cpu():
+            return _step(built, optimizer, tokens, loss_fn, megatron=True)
+    return _step(built, optimizer, tokens, loss_fn, megatron=False)
+
+
+def _step(built: BuiltModel, optimizer, tokens: torch.Tensor, loss_fn, *, megatron: bool) -> float | None:
+    from megatron.core import parallel_state as ps
+
+    if megatron:
+        for chunk in built.model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    output, stage_input = _pipeline_forward(built, tokens, labels=loss_fn is None)
+    loss = None
+    with cpu_forward():
+        if ps.is_pipeline_last_stage():
+            loss = output.float().mean() if loss_fn is None else loss_fn(_full_logits(built, output))
+            loss.backward()
+        else:
+            grad = torch.empty_like(output)
+            torch.distributed.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            output.backward(grad)
+    if stage_input is not None:
+        torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+    if megatron:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(built.model)  # Megatron's: DP reduce-scatter, TP-replicated grads
+        optimizer.step()
+    else:
+        _finalize_grads(built)
+        optimizer.step()
+    _update_expert_bias(built)
+    return float(loss.detach()) if loss is not None else None
+
+
+def _finalize_grads(built: BuiltModel) -> None:
+    """The gradient reductions of Megatron's ``finalize_model_grads`` (no DDP wrapper here),
+    so that every replica applies one identical update:
+
+    - average over the data-parallel group (expert params: the expert-data-parallel group);
+    - QK layernorms: sum over TP (each TP rank normalises only its own heads);
+    - other TP-replicated params (norms, router): average over TP. Megatron gets the same
+      effect from sequence parallelism, which MoE+TP training requires; without it the
+      MoE dispatch sums in a rank-dependent order and replicas drift by an ulp."""
+    from megatron.core import parallel_state as ps
+
+    dense_dp = ps.get_data_parallel_group()
+    expert_dp = ps.get_expert_data_parallel_group()
+    tp = ps.get_tensor_model_parallel_group()
+    for chunk in built.model:
+        for name, param in chunk.named_parameters():
+            if param.grad is None:
+                continue
+            dp = dense_dp if getattr(param, "allreduce", True) else expert_dp
+            if dp.size() > 1:
+                torch.distributed.all_reduce(param.grad, group=dp)
+                param.grad /= dp.size()
+            if tp.size() > 1 and not getattr(param, "tensor_model_parallel", False) and dp is dense_dp:
+                torch.distributed.all_reduce(param.grad, group=tp)
+                if not ("q_layernorm" in name or "k_layernorm" in name):
+                    param.grad /= tp.size()
+
+
+@torch.no_grad()
+def _update_expert_bias(built: BuiltModel) -> None:
+    """The aux-loss-free router bias update of Megatron's ``finalize_model_grads``
+    (DeepSeek-V3's ``e_score_correction_bias``): ``bias += rate * sign(mean - tokens)`` from
+    the tokens routed in this step. Megatron's ``_update_router_expert_bias`` skips modules
+    in eval mode, which this step runs in (see the module docstring), so its loop is done
+    here with Megatron's ``get_updated_expert_bias``."""
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = [m for chunk in built.model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    tokens = torch.stack([r.local_tokens_per_expert for r in routers])
+    bias = torch.stack([r.expert_bias for r in routers])
+    updated = get_updated_expert_bias(tokens, bias, built.config.moe_router_bias_update_rate)
+    for router, new_bias in zip(routers, updated, strict=True):
+        router.expert_bias.copy_(new_bias)
+        router.local_tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab logits ``[batch, seq, vocab]`` on the last pipeline stage (None elsewhere);
+    HF vocab (Megatron's padding rows dropped)."""
+    from megatron.core import parallel_state as ps
+
+    output, _ = _pipeline_forward(built, tokens, labels=False)
+    if not ps.is_pipeline_last_stage():
+        return None
+    with cpu_forward():
+        return _full_logits(built, output).float().cpu().clone()
+
+
+def _full_logits(built: BuiltModel, output: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits gathered over TP (autograd-aware), Megatron's padding rows dropped."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(output)[..., : built.hf_config.vocab_size]

@@ -1,0 +1,39 @@
+"""Check a trainer layout against a model config before anything is built or started."""
+
+from __future__ import annotations
+
+from megatron_refit.families import of_config
+from megatron_refit.plan.layout import TrainLayout
+
+from conversion.testing.hf_configs import num_routed_experts
+
+
+def check_train_layout(hf_config, layout: TrainLayout) -> None:
+    """``ValueError`` naming the first size that the layout does not divide."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    checks = [
+        ("num_attention_heads", heads, "tp", layout.tp),
+        ("num_key_value_heads", kv, "tp", layout.tp),
+        ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
+        ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
+    ]
+    if layout.first_stage_layers is None and layout.last_stage_layers is None:
+        checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
+    else:
+        layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
+    family_checks = of_config(hf_config).layout_checks(hf_config)  # e.g. MLA ranks, Mamba heads and groups
+    checks += [(field, size, axis, getattr(layout, axis)) for field, size, axis in family_checks]
+    experts = num_routed_experts(hf_config)
+    if experts:
+        checks += [
+            ("num_experts", experts, "ep", layout.ep),
+            ("moe_intermediate_size", hf_config.moe_intermediate_size, "etp", layout.etp),
+        ]
+    elif layout.ep > 1 or layout.etp > 1:
+        raise ValueError(f"layout {layout.describe()} has expert parallelism but the model has no experts")
+    for field, size, axis, parallel in checks:
+        if size % parallel:
+            raise ValueError(
+                f"model {field}={size} is not divisible by train {axis}={parallel} (layout {layout.describe()})"
+            )

@@ -1,0 +1,349 @@
+"""The part of a refit endpoint both sides share (see :mod:`megatron_refit.endpoint.sender`).
+
+``prepare()`` gathers every rank's pieces, builds and validates the plan and checks that
+all ranks built the same one; ``_agree_on_version`` is the per-refit handshake; ``_run``
+posts buckets in the plan's order and retires them in the same order, at most two packed
+buckets (the two staging buffers) and ``MAX_DIRECT_IN_FLIGHT`` direct ones outstanding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+import torch
+
+from megatron_refit.endpoint.bytes import contiguous_bytes
+from megatron_refit.endpoint.delta import check_mode as check_delta_mode
+from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
+from megatron_refit.endpoint.report import RefitReport, report_values, summarize
+from megatron_refit.errors import RefitAbortedError
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.spec import ShardSpec
+from megatron_refit.transport import Transport
+
+logger = logging.getLogger("megatron_refit")
+
+MAX_DIRECT_IN_FLIGHT = 16
+
+DIGEST_TAG = 1 << 30
+"""Message tag of a pair's bucket digests (bucket messages use the bucket's index)."""
+DELTA_TAG = 1 << 29
+"""Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
+
+
+def delta_tag(index: int) -> int:
+    if not 0 <= index < DELTA_TAG:
+        raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
+    return DELTA_TAG + index
+
+
+GLOO_DIRECT_BYTES = 1 << 20
+"""``direct_bytes="auto"`` on gloo: on CPU a packing copy costs about as much as moving the
+bytes, so every transfer of at least 1 MiB skips it."""
+
+
+def resolve_direct_bytes(direct_bytes: int | str | None, backend: str, bucket_bytes: int) -> int | None:
+    """The size from which a transfer skips packing (None: none does).
+
+    ``"auto"``: :data:`GLOO_DIRECT_BYTES` on gloo; one bucket (``bucket_bytes``) on NCCL, where
+    a device copy runs ~30x faster than a 400 Gb/s NIC (~3x faster than NVLink) but every
+    message costs ~20 us, so a model's many mid-size pieces (one expert's slice, one layer's
+    projection) travel packed, a few full buckets per peer, as :mod:`megatron_refit.plan.cost`
+    counts them."""
+    if direct_bytes == "auto":
+        return GLOO_DIRECT_BYTES if backend == "gloo" else bucket_bytes
+    if direct_bytes is not None and (isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
+                                     or direct_bytes < 1):
+        raise ValueError(f"direct_bytes must be a positive int, 'auto' or None, got {direct_bytes!r}")
+    return direct_bytes
+
+
+def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
+    """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
+    :meth:`~megatron_refit.plan.refit_plan.RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
+    is not the most common one, and both ends of any (train rank, gen rank) pair that they
+    hold differently (one end alone cannot tell which of them is wrong)."""
+    common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
+    bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
+    pairs = set()
+    for rank, theirs in enumerate(prints):
+        for pair in theirs:
+            if pair == "plan":
+                continue
+            if not (isinstance(pair, tuple) and len(pair) == 2 and 0 <= pair[0] < len(plan.train_global)
+                    and 0 <= pair[1] < len(plan.gen_global)):
+                bad.add(rank)  # a pair of ranks this plan does not have
+                continue
+            pairs.add(pair)
+    for src, dst in pairs:
+        ends = (plan.train_global[src], plan.gen_global[dst])
+        if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
+            bad.update(ends)
+    return sorted(bad)
+
+
+def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
+    ``a`` ends."""
+    starts, ends = {}, {}
+    for name, t in tensors.items():
+        if t.is_contiguous() and t.numel():
+            storage = t.untyped_storage().data_ptr()
+            starts[storage, t.data_ptr()] = name
+            ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
+    return [(a, starts[end]) for a, end in ends.items() if end in starts]
+
+
+
+class Endpoint:
+    """What both sides share: the plan agreement, the version handshake, and the bucket
+    loop with a bounded window. :class:`~megatron_refit.endpoint.sender.Refitter` and
+    :class:`~megatron_refit.endpoint.sender.Receiver` add what each side does per bucket."""
+
+    role: str
+
+    def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
+                 direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None,
+                 delta: str = "off"):
+        if group.world_size != num_train + num_gen:
+            raise ValueError(
+                f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
+                f"= {num_train + num_gen}"
+            )
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.group = group
+        self.on_report = on_report
+        """Called on every rank with each refit's group metrics, one flat dict of scalars
+        (:func:`~megatron_refit.endpoint.report.summarize`; e.g. ``wandb.log`` on the rank that logs)."""
+        self.num_train = num_train
+        self.num_gen = num_gen
+        self.bucket_bytes = bucket_bytes
+        self.delta = check_delta_mode(delta)
+        """``refit.delta``: ``off``, ``on`` or ``auto`` (see :mod:`megatron_refit.endpoint.delta`)."""
+        self.verify = check_mode(verify)
+        """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
+        :mod:`megatron_refit.endpoint.integrity`)."""
+        direct_bytes = resolve_direct_bytes(direct_bytes, group.backend, bucket_bytes)
+        if not group.direct_ok:
+            direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
+        self.direct_bytes = direct_bytes
+        """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
+        self.plan: RefitPlan | None = None
+        self._plan_id = 0
+        """The plan's shared fingerprint as an int: the per-refit handshake checks that every
+        rank uses the same plan."""
+        self.version: int | None = None
+        self._digesters: dict[int, Digester] | None = None
+        """Per peer: the digest constants of this rank's buckets with it under this plan (see
+        :meth:`_pair_digesters`)."""
+
+    def _local_specs(self) -> list[ShardSpec]:
+        raise NotImplementedError
+
+    def _local_adjacent(self) -> list[tuple[str, str]]:
+        """Pairs ``(a, b)`` of this rank's pieces where ``b`` starts in memory where ``a`` ends."""
+        return []
+
+    def prepare(self) -> RefitPlan:
+        self._begin("prepare")
+        adjacent = self._local_adjacent() if self.direct_bytes is not None else []
+        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent,
+                self.delta)
+        gathered = self.group.all_gather_unique(mine, "prepare")  # DP replicas' pieces travel once
+        roles = [g[0] for g in gathered]
+        expected = ["train"] * self.num_train + ["gen"] * self.num_gen
+        if roles != expected:
+            raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
+        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 6)):
+            values = [g[index] for g in gathered]
+            if len(set(values)) != 1:
+                raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
+        train_specs = {i: g[1] for i, g in enumerate(gathered[: self.num_train])}
+        gen_specs = {i: g[1] for i, g in enumerate(gathered[self.num_train:])}
+        plan = RefitPlan.build(
+            train_specs,
+            gen_specs,
+            bucket_bytes=self.bucket_bytes,
+            direct_bytes=self.direct_bytes,
+            train_rank_ids=list(range(self.num_train)),
+            gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
+            train_adjacent={i: g[5] for i, g in enumerate(gathered[: self.num_train])},
+            gen_adjacent={i: g[5] for i, g in enumerate(gathered[self.num_train:])},
+            local=self._local_rank(),
+        )
+        if plan.unused_train_params:
+            names = sorted(plan.unused_train_params)
+            raise ValueError(
+                f"the trainer produces {len(names)} HF parameters that no generation rank holds "
+                f"(the receiver does not know them), e.g. {names[:5]}"
+            )
+        prints = plan.fingerprints()
+        bad = _disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
+        if bad:
+            raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
+        self.plan = plan
+        self._plan_id = int(prints["plan"][:15], 16)
+        self._digesters = None
+        return plan
+
+    def _local_rank(self) -> tuple[str, int]:
+        """This rank in the plan: each endpoint expands only its own transfers and buckets."""
+        if self.role == "train":
+            return ("train", self.group.rank)
+        return ("gen", self.group.rank - self.num_train)
+
+    def _delta_base(self) -> int:
+        """The version a delta refit would start from on this rank (-1: none): the trainer's
+        copies of what it last sent, the engine's weights."""
+        return -1
+
+    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> bool:
+        """The per-refit handshake, before any byte moves: every rank shows its version, the
+        plan it uses, whether its own checks (``preflight``, e.g. a receiver re-resolving
+        its engine's parameters) passed, and the version a delta would start from. A rank whose
+        checks failed raises its own error; every other rank raises :class:`RefitAbortedError`
+        naming it, so no rank is left waiting. True if this refit is a delta: every rank holds
+        the same previous version (a receiver that missed one, restarted or is stale makes
+        it a full refit, decided on every rank alike)."""
+        if self.plan is None:
+            raise RuntimeError("call prepare() before the first refit")
+        self._begin(f"refit {version}")
+        error: BaseException | None = None
+        try:
+            self._check_version(version)
+            if preflight is not None:
+                preflight()
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            error = exc
+        shown = version if error is None else -1
+        base = self._delta_base() if self.delta != "off" and error is None else -1
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base])
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(rows) if row[1]]
+        if failed:
+            raise RefitAbortedError(f"refit {version}: refit rank(s) {failed} failed their checks before any byte "
+                                    f"moved (their own errors say why); this rank sent and received nothing")
+        versions = [row[0] for row in rows]
+        if any(v != version for v in versions):
+            raise ValueError(f"refit ranks disagree on the version: {versions}")
+        plans = sorted({row[2] for row in rows})
+        if len(plans) != 1:
+            by_plan = {p: [r for r, row in enumerate(rows) if row[2] == p] for p in plans}
+            raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
+                             f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
+                             f"the engine expects a full refit")
+        return rows[0][3] >= 0 and all(row[3] == rows[0][3] for row in rows)
+
+    def _begin(self, phase: str) -> None:
+        self.group.begin(phase)
+
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"refit version {version} does not advance past {self.version}")
+
+    def _pair_digesters(self, buckets, peer_of: Callable) -> dict[int, Digester]:
+        """Per peer (``peer_of(bucket)``): the digest constants of this rank's ``buckets``
+        with it, in plan order, built once per plan (see :mod:`megatron_refit.endpoint.integrity`)."""
+        if self._digesters is None:
+            by_peer: dict[int, list] = {}
+            for bucket in buckets:
+                by_peer.setdefault(peer_of(bucket), []).append(bucket)
+            self._digesters = {
+                peer: Digester([bucket_seed(self.plan.global_src(b), self.plan.global_dst(b), b.index, b.nbytes,
+                                            self._plan_id) for b in mine], [b.nbytes for b in mine], self.verify)
+                for peer, mine in by_peer.items()}
+        return self._digesters
+
+    def _summarize(self, report: RefitReport, failed: bool = False) -> list[int]:
+        """The end of every refit, on every rank: one control message with each rank's
+        bytes, seconds and whether it applied the refit; fills ``report.summary`` (the same
+        flat dict on every rank) and returns the refit ranks that failed."""
+        rows = self.group.exchange("report", report_values(report, failed))
+        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal)
+        return [rank for rank, row in enumerate(rows) if row[0]]
+
+    def _emit(self, report: RefitReport) -> None:
+        """One structured log line per refit and rank (its detail), the group summary on
+        refit rank 0, and the optional callback with the summary."""
+        logger.info("refit %s", json.dumps(report.as_dict(), sort_keys=True))
+        if self.group.rank == 0 and report.summary:
+            logger.info("refit summary %s", json.dumps(report.summary, sort_keys=True))
+        if self.on_report is not None:
+            self.on_report(report.summary)
+
+    def _route(self, report: RefitReport, direct: bool) -> None:
+        route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
+        report.routes[route] += 1
+
+    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
+        """Post buckets in order and retire them in the same order (FIFO). At most two
+        packed buckets are in flight (they occupy the two staging buffers); direct buckets
+        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
+        width = max((b.nbytes for b in buckets), default=0)
+        count = min(2, len(buckets))
+        slots = self.group.staging(count, width) if self.group.shares_buffers else [
+            torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
+        free = list(range(len(slots)))
+        in_flight: deque = deque()
+        direct_in_flight = 0
+
+        def retire_oldest():
+            nonlocal direct_in_flight
+            bucket, pending, slot = in_flight.popleft()
+            self._retire((bucket, pending), retire, report)
+            if slot is None:
+                direct_in_flight -= 1
+            else:
+                free.append(slot)
+
+        for bucket in buckets:
+            while not free or direct_in_flight >= MAX_DIRECT_IN_FLIGHT:
+                retire_oldest()
+            slot = free.pop(0)
+            pending = post(bucket, slots[slot][:bucket.nbytes])
+            if pending.direct:
+                free.insert(0, slot)
+                slot = None
+                direct_in_flight += 1
+            in_flight.append((bucket, pending, slot))
+        while in_flight:
+            retire_oldest()
+
+    def _retire(self, item, retire, report) -> None:
+        bucket, pending = item
+        start = time.perf_counter()
+        self.group.wait(pending)
+        report.seconds["transfer"] += time.perf_counter() - start
+        retire(bucket, pending)
+        self.group.release(pending)  # colocated: hand the shared buffer back
+
+    def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
+        """The bucket's bytes as one flat view of this side's memory, when it can skip packing:
+        one item whose slice is contiguous, or items that lie back to back in one storage
+        exactly as they sit in the bucket (a run: see :func:`megatron_refit.plan.buckets._units`).
+        Each side decides for itself; the bytes on the wire are the same either way."""
+        if not self.group.direct_ok:
+            return None
+        first, offset = None, 0
+        for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)
+            transfer = item.transfer
+            view = contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
+            if view is None:
+                return None
+            if item.offset != offset:
+                return None
+            if first is None:
+                first = view
+            elif (view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                  or view.data_ptr() - first.data_ptr() != offset):
+                return None
+            offset += view.numel()
+        return first if len(bucket.items) == 1 else first.as_strided((offset,), (1,))

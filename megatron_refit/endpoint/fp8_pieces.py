@@ -1,0 +1,79 @@
+"""Trainer-side FP8: turn a rank's high-precision pieces into FP8 weight + ``scale_inv`` pieces.
+
+Each quantised weight piece (by role, :func:`megatron_refit.endpoint.fp8.is_quantised`) becomes two
+pieces, quantised once per refit on first use and dropped when the driver releases them
+(after their last bucket left), so at most the in-flight window of FP8 copies exists at a
+time. Every other piece passes through unchanged. The 128 rule is checked here, when the
+pieces are built, before ``prepare()`` starts any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_refit.endpoint.fp8 import quantize_blockwise
+from megatron_refit.plan.fp8_layout import fp8_specs, is_quantised
+from megatron_refit.plan.spec import ShardSpec
+
+
+class _Quantised:
+    """One weight piece, quantised lazily; shared by its weight and scale pieces."""
+
+    def __init__(self, piece, pow2_scales: bool):
+        self.piece = piece
+        self.pow2_scales = pow2_scales
+        self._parts: list[torch.Tensor | None] | None = None
+
+    def part(self, index: int) -> torch.Tensor:
+        if self._parts is None or self._parts[index] is None:
+            with torch.no_grad():
+                self._parts = list(quantize_blockwise(self.piece.tensor().detach(), pow2_scales=self.pow2_scales))
+        return self._parts[index]
+
+    def drop(self, index: int) -> None:
+        if self._parts is None:
+            return
+        self._parts[index] = None
+        if all(p is None for p in self._parts):
+            self._parts = None
+            release = getattr(self.piece, "release", None)
+            if release is not None:
+                release()
+
+
+@dataclass
+class Fp8Piece:
+    """The FP8 data (``index`` 0) or ``scale_inv`` (``index`` 1) of a quantised weight."""
+
+    spec: ShardSpec
+    source: _Quantised
+    index: int
+
+    def tensor(self) -> torch.Tensor:
+        return self.source.part(self.index)
+
+    def release(self) -> None:
+        self.source.drop(self.index)
+
+
+def quantise_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
+    """``pieces`` with every quantised weight replaced by its FP8 weight and scale pieces.
+
+    Raises ``ValueError`` (naming parameter, dim and boundary) for a piece whose box edge is
+    not on the 128-element block grid.
+    """
+    out = []
+    for piece in pieces:
+        spec = piece.spec
+        if not is_quantised(spec.name, spec.global_shape):
+            out.append(piece)
+            continue
+        if spec.dtype == "float8_e4m3fn":
+            raise ValueError(f"{spec.name}: already FP8 (Transformer Engine params): use pass-through, "
+                             "not trainer-side quantisation")
+        weight, scale = fp8_specs(spec)
+        source = _Quantised(piece, pow2_scales)
+        out += [Fp8Piece(weight, source, 0), Fp8Piece(scale, source, 1)]
+    return out

@@ -1,0 +1,214 @@
+"""The generation side of a refit: :class:`Receiver` writes this rank's pieces into the
+engine's storage (a :class:`~megatron_refit.endpoint.storage.ReceiverBackend`) and keeps its
+``stale → updating → ready`` state; see :mod:`megatron_refit.endpoint.sender` for the protocol."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from megatron_refit.endpoint.base import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
+from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
+from megatron_refit.endpoint.delta import RAW, apply, word_size
+from megatron_refit.endpoint.integrity import chunk_sums
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.storage import ExpectsVersion, ReceiverBackend, RefreshesTargets, TracksState
+from megatron_refit.errors import RefitCorruptionError
+from megatron_refit.plan.checks import ITEMSIZE
+from megatron_refit.plan.spec import ShardSpec
+from megatron_refit.transport import Transport
+
+
+class Receiver(Endpoint):
+    """Generation side: receives this rank's pieces into ``backend`` storage."""
+
+    role = "gen"
+
+    def __init__(self, group: Transport, backend: ReceiverBackend, *, num_train: int, num_gen: int,
+                 bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
+                 on_report: Callable[[dict], None] | None = None, delta: str = "off"):
+        super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta)
+        if group.rank < num_train:
+            raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
+        self.backend = backend
+        self.gen_index = group.rank - num_train
+        self.state = "stale"
+        self.weights_version: int | None = None
+        """Version of the last complete refit (None before the first)."""
+        self._moved = False
+        """The engine re-allocated its parameters since the last refit: the next is a full one."""
+        self._set_state("stale")
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if isinstance(self.backend, TracksState):
+            self.backend.set_state(state, self.weights_version)
+
+    def _local_specs(self) -> list[ShardSpec]:
+        return list(self.backend.target_specs())
+
+    def _local_adjacent(self) -> list[tuple[str, str]]:
+        # from the engine storage's addresses (it stays put between refits)
+        return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
+
+    def _delta_base(self) -> int:
+        # the engine's own version (a LoRA engine's two receivers share it), while it is ready
+        version = getattr(self.backend, "weights_version", self.weights_version)
+        if self.state != "ready" or self._moved or version is None or not getattr(self.backend, "holds_sent_bytes",
+                                                                                   False):
+            return -1
+        return version
+
+    def _refresh_targets(self) -> None:
+        self._moved = False
+        if not isinstance(self.backend, RefreshesTargets):
+            return
+        try:
+            self._moved = bool(self.backend.refresh_targets())
+        except BaseException:
+            self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
+            raise
+
+    def receive(self, version: int) -> RefitReport:
+        """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
+        engine must not serve them) and the error propagates; the next complete refit
+        restores ``ready``."""
+        use_delta = self._agree_on_version(version, self._refresh_targets)
+        if isinstance(self.backend, ExpectsVersion):  # a staged engine tags the swap with it
+            self.backend.expect_version(version)
+        self._set_state("updating")
+        try:
+            report = self._receive(version, use_delta)
+        except BaseException:
+            self._set_state("stale")
+            raise
+        self.weights_version = version
+        self._set_state("ready")
+        self._emit(report)
+        return report
+
+    def _receive(self, version: int, use_delta: bool = False) -> RefitReport:
+        start = time.perf_counter()
+        report = RefitReport(version=version, role="gen", rank=self.group.rank,
+                             bytes_minimal=self.plan.bytes_minimal, delta=use_delta)
+        buckets = self.plan.buckets_to(self.gen_index)
+        report.bytes_full = sum(b.payload_bytes for b in buckets)
+        received: dict[int, list] = {}  # sender -> [(bucket, chunk sums)] in plan order
+        digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
+        left = Counter(self.plan.global_src(b) for b in buckets)  # buckets still to come, per sender
+        computed: dict[int, torch.Tensor] = {}  # sender -> digests of what arrived
+        sent = {}  # sender -> its digest message, posted before the first bucket
+        if self.verify != "off":
+            sent = {src: self.group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
+                    for src, n in left.items()}
+        codes = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
+        scratch = []
+        unchecked = []  # buckets in engine storage whose digest pass waits until the next bucket is posted
+
+        def check_arrived():
+            t0 = time.perf_counter()
+            for bucket, buf in unchecked:
+                src = self.plan.global_src(bucket)
+                received.setdefault(src, []).append((bucket, chunk_sums(buf, self.verify)))
+                left[src] -= 1
+                if not left[src]:
+                    computed[src] = digesters[src]([s for _, s in received[src]], version).cpu()
+            unchecked.clear()
+            report.seconds["verify"] += time.perf_counter() - t0
+
+        def post(bucket, buf):
+            encoding, size = RAW, 0
+            if use_delta:
+                header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), self.plan.global_src(bucket),
+                                               delta_tag(bucket.index))
+                self.group.wait(header)
+                encoding, size = codes[bucket.src_rank, bucket.index] = header.buffer.cpu().tolist()
+            if encoding != RAW:  # the changed elements only, into staging
+                self._route(report, False)
+                return self.group.irecv(buf[:size], self.plan.global_src(bucket), bucket.index)
+            direct = self._direct_view(bucket, self.backend.buffer, "dst")
+            self._route(report, direct is not None)
+            if direct is not None:  # straight into engine storage
+                pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
+                pending.direct = True
+                return pending
+            return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
+
+        def retire(bucket, pending):
+            buf = pending.buffer
+            encoding, size = codes.get((bucket.src_rank, bucket.index), (RAW, 0))
+            report.bytes_received += bucket.payload_bytes if encoding == RAW else size
+            report.bytes_wire += buf.numel()
+            if encoding != RAW:  # onto the previous version's bytes, in engine storage
+                t0 = time.perf_counter()
+                buf = self._apply_delta(bucket, encoding, buf[:size], scratch)
+                report.seconds["load"] += time.perf_counter() - t0
+            if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
+                unchecked.append((bucket, buf))
+                if not (pending.direct and encoding == RAW):  # a staging or scratch buffer, reused next
+                    check_arrived()
+            if pending.direct or encoding != RAW:  # already in engine storage
+                return
+            t0 = time.perf_counter()
+            unpack_bucket(bucket, buf, self.backend.buffer)
+            report.seconds["load"] += time.perf_counter() - t0
+
+        with torch.no_grad():
+            self._run(buckets, post, retire, report)
+            check_arrived()
+            try:
+                self._check_and_finalize(version, sent, computed, received, report)
+            except Exception:
+                try:  # every byte arrived: the group is intact, tell the trainer this rank failed
+                    self._summarize(report, failed=True)
+                except Exception:  # noqa: BLE001 -- this rank's own error is the one to raise
+                    pass
+                raise
+        self.version = version
+        report.seconds["total"] = time.perf_counter() - start
+        self._summarize(report)
+        return report
+
+    def _apply_delta(self, bucket, encoding: int, payload: torch.Tensor, scratch: list) -> torch.Tensor:
+        """The bucket's new bytes: the previous version's (engine storage) with the changed
+        words written over, back into engine storage. Returns them (for the digests)."""
+        word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
+        target = self._direct_view(bucket, self.backend.buffer, "dst")
+        if target is not None:  # contiguous in engine storage: in place
+            apply(target, encoding, payload, word)
+            return target
+        if not scratch or scratch[0].numel() < bucket.nbytes:
+            scratch[:] = [torch.empty(bucket.nbytes, dtype=torch.uint8, device=payload.device)]
+        target = scratch[0][: bucket.nbytes].zero_()  # padding as the sender packed it: zeros
+        repack_bucket(bucket, self.backend.buffer, out=target)
+        apply(target, encoding, payload, word)
+        unpack_bucket(bucket, target, self.backend.buffer)
+        return target
+
+    def _check_and_finalize(self, version: int, sent: dict, computed: dict, received: dict,
+                            report: RefitReport) -> None:
+        """Compare the digests each sender computed with what arrived, then run the
+        engine's post-load step."""
+        if self.verify != "off":
+            t0 = time.perf_counter()
+            corrupted = []
+            for src, pending in sent.items():
+                self.group.wait(pending)
+                mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
+                corrupted += [received[src][i][0] for i in mismatch]
+            report.seconds["verify"] += time.perf_counter() - t0
+            if corrupted:
+                names = sorted({item.transfer.name for b in corrupted for item in b.items})
+                sources = sorted({self.plan.global_src(b) for b in corrupted})
+                raise RefitCorruptionError(
+                    f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
+                    f"{sources} (bytes changed in flight, or misrouted); parameters "
+                    f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+                )
+        t0 = time.perf_counter()
+        self.backend.finalize()
+        report.seconds["load"] += time.perf_counter() - t0

@@ -1,0 +1,101 @@
+"""The receiver protocol: what a generation engine gives :class:`~megatron_refit.endpoint.sender.Receiver`,
+the weight states it goes through, and the errors a receiver raises.
+
+A receiver backend holds the engine's storage for this generation rank's pieces
+(:class:`ReceiverBackend`). The driver moves it through ``stale → updating → ready`` (back
+to ``stale`` on any failure) and tells it each change; :class:`WeightsState` is the guard
+every receiver in this package keeps, so an engine can refuse to serve weights that are not
+those of a complete refit. Nothing here imports the driver, a transport or Megatron.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megatron_refit.errors import StaleWeightsError
+from megatron_refit.plan.spec import ShardSpec
+
+STATES = ("stale", "updating", "ready")
+"""``stale``: not the weights of a complete refit (before the first, or after a failed one);
+``updating``: a refit is writing into them; ``ready``: the weights of refit ``weights_version``."""
+
+
+class ReceiverBackend(Protocol):
+    """What a generation engine provides to :class:`~megatron_refit.endpoint.sender.Receiver`."""
+
+    def target_specs(self) -> list[ShardSpec]:
+        """The pieces of HF tensors this generation rank holds (HF names, global boxes)."""
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Engine storage for the piece ``name``, shaped like its box (written in place)."""
+
+    def finalize(self) -> None:
+        """Post-load step, once all pieces of a refit are in."""
+
+
+@runtime_checkable
+class TracksState(Protocol):
+    """Optional: told every state change (``stale`` → ``updating`` → ``ready``, or back to
+    ``stale`` on failure), so the engine can refuse to serve half-updated weights."""
+
+    def set_state(self, state: str, version: int | None) -> None: ...
+
+
+@runtime_checkable
+class RefreshesTargets(Protocol):
+    """Optional: called at the start of every refit, before any byte moves. A backend over a
+    live engine checks that the storage it writes into is still the engine's (re-resolving
+    it if the engine re-allocated its parameters; True then, and that refit is a full one,
+    never a delta) and raises if it cannot be; every rank then ends the refit with an error
+    (``RefitAbortedError``)."""
+
+    def refresh_targets(self) -> bool | None: ...
+
+
+@runtime_checkable
+class ExpectsVersion(Protocol):
+    """Optional: told the version a refit will deliver before its bytes move (a staged
+    receiver makes it live, tagged with that version, at the swap)."""
+
+    def expect_version(self, version: int) -> None: ...
+
+
+_LOCKS = threading.Lock()
+
+
+class WeightsState:
+    """The stale / updating / ready guard of a receiver (see :data:`STATES`), and the lock
+    its engine holds while a forward pass reads the weights (:attr:`serving`)."""
+
+    holds_sent_bytes: bool = True
+    """The storage keeps exactly the bytes the last refit wrote (no post-load step transforms
+    them in place): a delta refit (``refit.delta``) can start from it. A backend without this
+    attribute is assumed not to, and always gets full refits."""
+    state: str = "stale"
+    weights_version: int | None = None
+    """Version of the last complete refit (None before the first)."""
+
+    def set_state(self, state: str, version: int | None) -> None:
+        if state not in STATES:
+            raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
+        with self.serving:  # a forward pass under way finishes on the weights it started with
+            self.state, self.weights_version = state, version
+
+    @property
+    def serving(self) -> threading.Lock:
+        """Held by every forward pass over the weights and by a staged swap: no forward pass
+        sees two versions."""
+        lock = self.__dict__.get("_serving")
+        if lock is None:
+            with _LOCKS:
+                lock = self.__dict__.setdefault("_serving", threading.Lock())
+        return lock
+
+    def require_ready(self, what: str) -> None:
+        """``StaleWeightsError`` unless the weights are those of a complete refit."""
+        if self.state != "ready":
+            raise StaleWeightsError(f"{what}: weights are {self.state} (last complete refit: "
+                                    f"{self.weights_version}); refusing to serve until a refit completes")

@@ -1,0 +1,169 @@
+"""Hugging Face transformers receiver (the CPU reference engine, generation TP = 1).
+
+Holds a transformers model built from the same config and writes every received piece in
+place into its parameters. Checkpoint names map onto the model's storage: most are the
+model's own parameter names; routed experts, which transformers 5 keeps fused per layer
+(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), receive the
+per-expert checkpoint names ``experts.<e>.{gate,up,down}_proj.weight`` as views into those
+tensors (non-gated experts: ``experts.up_proj [E, I, H]``). The family table renames state-dict
+names to checkpoint names (Nemotron-H: ``model.*`` -> ``backbone.*``) and lists tensors that
+refits move as segments (Mamba ``in_proj#z`` …: row ranges of the parameter). Persistent
+buffers that checkpoints carry (DeepSeek's router ``e_score_correction_bias``) are targets
+too. A tied ``lm_head`` is not a target (it is the embedding).
+
+With ``fp8=True`` the quantised weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
+quantisation) into staging buffers, and ``finalize()`` dequantises them into the model: the
+CPU reference for what an FP8 engine computes with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_refit import families
+from megatron_refit.endpoint.fp8 import FP8_DTYPE, dequantize_blockwise
+from megatron_refit.endpoint.storage import WeightsState
+from megatron_refit.plan.fp8_layout import fp8_specs, is_quantised, scale_name, scale_shape
+from megatron_refit.plan.spec import ShardSpec, full_box
+
+
+def join_segments(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``<name>#<segment>`` tensors concatenated back into ``<name>`` (dim 0, in order)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, t in tensors.items():
+        base, segment = families.split_segment(name)
+        if segment is None:
+            out[name] = t
+        else:
+            parts.setdefault(base, []).append(t)
+            out.setdefault(base, None)
+    for base, ts in parts.items():
+        out[base] = torch.cat(ts)
+    return out
+
+
+class HFReceiver(WeightsState):
+    """Receiver backend over a transformers causal LM (all pieces whole: gen TP 1)."""
+
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
+        self.model = model
+        # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
+        # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
+        # does; from_config does not) stay float32, as the trainer sends them.
+        keep_fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        for name, buf in model.named_buffers():
+            if any(key in name.split(".") for key in keep_fp32):
+                buf.data = buf.data.float()
+        self._views = self._live_views()
+        self.rebinds = 0
+        """Targets re-resolved because the model re-allocated their storage (see :meth:`refresh_targets`)."""
+        self._staged: dict[str, torch.Tensor] = {}
+        """FP8 mode: received FP8 data and scales, by checkpoint name."""
+        if fp8:
+            for name, view in self._views.items():
+                if is_quantised(name, tuple(view.shape)):
+                    self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE, device=view.device)
+                    self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32,
+                                                                 device=view.device)
+
+    def _live_views(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the model's storage for it, from the model as it is now (or from
+        ``params``, tensors under the model's state-dict names)."""
+        views: dict[str, torch.Tensor] = {}
+        params = self.model.state_dict(keep_vars=True) if params is None else params
+        config = self.model.config
+        tied = getattr(config, "tie_word_embeddings", False)
+        for model_name, param in params.items():
+            if tied and model_name == "lm_head.weight":
+                continue
+            name = families.checkpoint_name(model_name, config)
+            if name.endswith(".experts.gate_up_proj"):
+                prefix = name.removesuffix(".gate_up_proj")
+                half = param.shape[1] // 2
+                for e in range(param.shape[0]):
+                    views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :half]
+                    views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, half:]
+            elif name.endswith((".experts.down_proj", ".experts.up_proj")):  # up alone: non-gated experts
+                prefix, proj = name.rsplit(".", 1)
+                for e in range(param.shape[0]):
+                    views[f"{prefix}.{e}.{proj}.weight"] = param.data[e]
+            elif (segments := families.segment_rows(name, config)) is not None:
+                start = 0
+                for segment, rows in segments:
+                    views[families.segment_name(name, segment)] = param.data.narrow(0, start, rows)
+                    start += rows
+                if start != param.shape[0]:
+                    raise ValueError(f"HF receiver: {name} has {param.shape[0]} rows, its segments "
+                                     f"{dict(segments)} add up to {start}")
+            else:
+                views[name] = param.data
+        return views
+
+    def refresh_targets(self) -> bool:
+        """Before every refit (the receiver calls it): follow parameters the model re-allocated
+        since ``prepare()`` (``model.to(...)``, offload / reload), so bytes land in the live
+        model (True if any moved); a target whose shape or dtype changed is refused by name
+        before any byte moves."""
+        live = self._live_views()
+        for name, old in self._views.items():
+            new = live.get(name)
+            if new is None or new.shape != old.shape or new.dtype != old.dtype:
+                now = "gone" if new is None else f"{tuple(new.shape)} {new.dtype}"
+                raise ValueError(f"HF receiver: model parameter {name} changed since prepare() "
+                                 f"({tuple(old.shape)} {old.dtype} -> {now}); prepare a new refit plan")
+        moved = sum(live[name].data_ptr() != old.data_ptr() for name, old in self._views.items())
+        if moved:
+            self._views = {name: live[name] for name in self._views}
+            self.rebinds += moved
+        return bool(moved)
+
+    @classmethod
+    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
+                    device: str | torch.device = "cpu", **kwargs) -> HFReceiver:
+        """A receiver over a fresh model of ``hf_config``; ``kwargs`` go to the class (e.g. a
+        staged receiver's ``budget_bytes``)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
+        model.eval()
+        return cls(model, fp8=fp8, **kwargs)
+
+    def target_specs(self) -> list[ShardSpec]:
+        out = []
+        for name, t in self._views.items():
+            spec = ShardSpec(name=name, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                             box=full_box(tuple(t.shape)))
+            out += fp8_specs(spec) if name in self._staged else [spec]
+        return out
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._staged[name] if name in self._staged else self._views[name]
+
+    def finalize(self) -> None:
+        for name, view in self._views.items():
+            if name in self._staged:
+                view.copy_(dequantize_blockwise(self._staged[name], self._staged[scale_name(name)], dtype=view.dtype))
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """Received weights under checkpoint (per-expert) names; FP8 mode: quantised weights
+        as received (FP8 data and ``weight_scale_inv``)."""
+        with self.serving:  # one version, also while a staged swap may run in another thread
+            out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}
+            out.update({name: t.clone() for name, t in self._staged.items()})
+        return join_segments(out)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits of the received model. Refuses unless the last refit completed:
+        the engine never serves half-updated weights."""
+        return self.step(tokens)[0]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One forward pass: the logits and the version of the weights that produced them
+        (the pass holds :attr:`serving`, so a swap waits for it and it sees one version)."""
+        with self.serving:
+            self.require_ready("HF receiver")
+            device = next(self.model.parameters()).device
+            return self.model(tokens.to(device)).logits.float().cpu(), self.weights_version

@@ -1,0 +1,249 @@
+"""The trainer's side of a refit into SGLang engines (SGLang 0.5.23): the control calls.
+
+Each engine replica runs with ``custom_weight_loader=[LOADER]``
+(:mod:`megatron_refit.engines.sglang.loader`); every call here is one weight-update session of
+SGLang's own API: ``begin_weight_update`` → ``update_weights_from_tensor(<control message>,
+load_format=LOADER)`` → ``end_weight_update``. The weights themselves travel over the refit
+group, from every train rank's local shards to the TP workers that need them.
+
+- :class:`EngineClient` over an offline ``sglang.Engine`` in this process;
+- :class:`HTTPClient` over ``sglang serve`` (``POST /begin_weight_update`` …; the control
+  message travels base64 in the body, as ``MultiprocessingSerializer`` writes it);
+- :func:`refit_engines`: what every train rank calls per step: its own side of the refit,
+  while rank 0 drives every replica's update on threads (an update call returns only when the
+  workers have received, and they receive only while the train ranks send).
+
+Around each refit the engine is paused (``retract``: running requests go back to the queue
+and are recomputed with the new weights) and its cache flushed; after a failed refit it stays
+paused (its weights are no complete version) and the next complete refit resumes it. Imports
+without SGLang: a control message is an empty tensor pickled with torch's own reduction.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+
+from megatron_refit.engines.sglang.loader import LOADER, PREFIX
+
+PAUSE_MODES = ("retract", "abort")
+"""SGLang's pause modes a refit can use: ``retract`` requeues running requests (recomputed
+after the refit), ``abort`` ends them. (``in_place`` keeps their KV cache from the old
+weights and makes SGLang refuse the flush: not offered.)"""
+
+
+def control_message(op: str, **args: Any) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` of one control message: the message is the name, the tensor
+    empty (it pickles without shared memory, so it also travels in an HTTP body)."""
+    return [(f"{PREFIX}{op}:{json.dumps(args)}", torch.empty(0, dtype=torch.uint8))]
+
+
+def connect_message(refit: dict, *, num_train: int, replica: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Makes every TP worker of engine ``replica`` join the refit group (``refit``: the
+    ``refit:`` section as a mapping)."""
+    return control_message("connect", refit=dict(refit), num_train=num_train, replica=replica)
+
+
+def refit_message(version: int, full: bool = False) -> list[tuple[str, torch.Tensor]]:
+    return control_message("refit", version=version, full=full)
+
+
+def close_message() -> list[tuple[str, torch.Tensor]]:
+    return control_message("close")
+
+
+def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """``named_tensors`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)``
+    writes them (``ForkingPickler``, base64): one TP rank's entry of an HTTP body."""
+    buf = io.BytesIO()
+    with torch_reductions():
+        ForkingPickler(buf).dump(named_tensors)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _check_pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
+def _checked(what: str, out) -> None:
+    """SGLang's ``(success, message)`` answer of an ``Engine`` weight-update call."""
+    success, message = out
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+@contextlib.contextmanager
+def torch_reductions():
+    """Torch's own tensor pickling for the duration. Where SGLang patched it in this process
+    (``monkey_patch_torch_reductions``, run by ``sglang.srt.weight_sync.utils`` and in its TP
+    workers, for CUDA IPC across devices), pickling any CPU tensor fails (``IndexError``)."""
+    from torch.multiprocessing import reductions
+
+    original = getattr(reductions, "_reduce_tensor_original", None)
+    if original is None or reductions.reduce_tensor is original:
+        yield
+        return
+    patched = reductions.reduce_tensor
+    reductions.reduce_tensor = original
+    reductions.init_reductions()
+    try:
+        yield
+    finally:
+        reductions.reduce_tensor = patched
+        reductions.init_reductions()
+
+
+class EngineClient:
+    """Control calls over an ``sglang.Engine`` in this process (its methods block)."""
+
+    def __init__(self, engine, *, pause_mode: str = "retract") -> None:
+        self.engine = engine
+        self.pause_mode = _check_pause_mode(pause_mode)
+
+    def _session(self, named_tensors, *, flush_cache: bool) -> None:
+        _checked("begin_weight_update", self.engine.begin_weight_update())
+        try:
+            with torch_reductions():  # the Engine pickles the message here, one copy per TP rank
+                out = self.engine.update_weights_from_tensor(named_tensors, load_format=LOADER,
+                                                             flush_cache=flush_cache)
+            _checked("update_weights_from_tensor", out)
+        finally:
+            _checked("end_weight_update", self.engine.end_weight_update())
+
+    def _tokenizer_call(self, method: str, req) -> None:
+        # sglang.Engine has no pause / continue / weight-version methods in 0.5.23: its
+        # tokenizer manager's, as the HTTP routes call them
+        self.engine.loop.run_until_complete(getattr(self.engine.tokenizer_manager, method)(req))
+
+    def connect(self, refit: dict, *, num_train: int, replica: int = 0) -> None:
+        self._session(connect_message(refit, num_train=num_train, replica=replica), flush_cache=False)
+
+    def refit(self, version: int, *, full: bool = False) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        self._tokenizer_call("pause_generation", PauseGenerationReqInput(mode=self.pause_mode))
+        self._session(refit_message(version, full), flush_cache=True)
+
+    def resume(self, version: int) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput, UpdateWeightVersionReqInput
+
+        self._tokenizer_call("update_weight_version",
+                             UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False))
+        self._tokenizer_call("continue_generation", ContinueGenerationReqInput())
+
+    def close(self) -> None:
+        self._session(close_message(), flush_cache=False)
+
+
+class HTTPClient:
+    """Control calls over ``sglang serve`` at ``base_url`` (standard library only). ``tp``:
+    the server's TP size (one serialised payload per TP rank)."""
+
+    def __init__(self, base_url: str, *, tp: int, timeout: float = 600, pause_mode: str = "retract",
+                 api_key: str | None = None) -> None:
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be a positive int (the server's TP size), got {tp!r}")
+        self.base_url = base_url.rstrip("/")
+        self.tp = tp
+        self.timeout = timeout
+        self.pause_mode = _check_pause_mode(pause_mode)
+        self.api_key = api_key
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(f"{self.base_url}/{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"SGLang server {self.base_url}: POST /{path} answered {exc.code}: {detail}") from exc
+        try:
+            out = json.loads(answer or b"{}")
+        except ValueError:
+            return
+        if isinstance(out, dict) and out.get("success") is False:
+            raise RuntimeError(f"SGLang server {self.base_url}: POST /{path} failed: {out.get('message')}")
+
+    def _session(self, named_tensors, *, flush_cache: bool) -> None:
+        payload = serialize(named_tensors)
+        self._post("begin_weight_update", {"selector": "all"})
+        try:
+            self._post("update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp,
+                                                      "load_format": LOADER, "flush_cache": flush_cache})
+        finally:
+            self._post("end_weight_update", {})
+
+    def connect(self, refit: dict, *, num_train: int, replica: int = 0) -> None:
+        self._session(connect_message(refit, num_train=num_train, replica=replica), flush_cache=False)
+
+    def refit(self, version: int, *, full: bool = False) -> None:
+        self._post("pause_generation", {"mode": self.pause_mode})
+        self._session(refit_message(version, full), flush_cache=True)
+
+    def resume(self, version: int) -> None:
+        self._post("update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        self._post("continue_generation", {})
+
+    def close(self) -> None:
+        self._session(close_message(), flush_cache=False)
+
+
+def connect_engines(trainer_connect, clients: list, refit: dict, *, rank: int, num_train: int):
+    """Every train rank: join the refit group (``trainer_connect()``, e.g. a ``trainer_refit``
+    call, returns the trainer's refit), while rank 0 connects every engine replica (replica
+    ``i`` = ``clients[i]``). Returns the trainer's refit."""
+    return _with_engines(trainer_connect, clients if rank == 0 else [],
+                         lambda i, c: c.connect(refit, num_train=num_train, replica=i), "connect")
+
+
+def refit_engines(trainer, clients: list, version: int, *, rank: int, full: bool = False):
+    """Every train rank, every step: ``trainer.refit(version)`` while rank 0 pauses every
+    engine replica and runs its update; the engines resume (tagged ``version``) only when the
+    whole refit succeeded. Returns the trainer's report; raises the first error (the trainer's
+    own first: it names the failed rank and parameter)."""
+    report = _with_engines(lambda: trainer.refit(version, full=full), clients if rank == 0 else [],
+                           lambda i, c: c.refit(version, full=full), f"refit {version}")
+    if rank == 0:  # the trainer's refit returned on every rank only if every engine rank received
+        _with_engines(lambda: None, clients, lambda i, c: c.resume(version), f"resume after refit {version}")
+    return report
+
+
+def close_engines(trainer, clients: list, *, rank: int) -> None:
+    """Every train rank: leave the refit group while rank 0 closes every replica's side."""
+    _with_engines(trainer.close, clients if rank == 0 else [], lambda i, c: c.close(), "close")
+
+
+def _with_engines(local, clients: list, engine_call, what: str):
+    """``local()`` here while ``engine_call(replica, client)`` runs for every client on a
+    thread; ``local``'s error first, then the first replica's."""
+    if not clients:
+        return local()
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        futures = [pool.submit(engine_call, i, c) for i, c in enumerate(clients)]
+        try:
+            out = local()
+        finally:
+            errors = [f.exception() for f in futures]
+    _raise_first(errors, what)
+    return out
+
+
+def _raise_first(errors: list, what: str) -> None:
+    for replica, exc in enumerate(errors):
+        if exc is not None:
+            raise RuntimeError(f"SGLang engine replica {replica}: {what}: {exc}") from exc

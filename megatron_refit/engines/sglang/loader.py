@@ -1,0 +1,148 @@
+"""megatron_refit inside every TP worker of a running SGLang engine (SGLang 0.5.23).
+
+The hook is SGLang's own **custom weight loader**: an engine started with
+``custom_weight_loader=[LOADER]`` (``--custom-weight-loader`` on ``sglang serve``) calls
+:func:`refit_loader` in every TP worker, on its scheduler thread and with the live model, for
+each ``update_weights_from_tensor(named_tensors, load_format=LOADER)`` of a weight-update
+session (``begin_weight_update`` … ``end_weight_update``). The named tensors carry only small
+control messages (:mod:`megatron_refit.engines.sglang.client` builds them): ``connect`` joins the
+refit group and builds the plan (an :class:`~megatron_refit.engines.vllm.live.EngineReceiver` over the model's own
+fused parameters: ``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
+vocabulary rows), ``refit`` receives one version in place over the refit group (NCCL or
+gloo: no weight byte passes through SGLang's control plane), ``close`` leaves the group.
+
+SGLang's distributed path (``update_weights_from_distributed``) broadcasts every full tensor
+from trainer rank 0 to every TP rank; here each TP rank receives exactly its own pieces from
+the train ranks that hold them.
+
+This module imports without Megatron and without SGLang (SGLang's runtime context is read
+at ``connect``, inside the worker).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+
+LOADER = "megatron_refit.engines.sglang.loader.refit_loader"
+"""Import path of :func:`refit_loader`: the engine's ``custom_weight_loader`` entry and the
+``load_format`` of every ``update_weights_from_tensor`` call that drives a refit."""
+PREFIX = "megatron_refit."
+"""A control message is one named tensor named ``PREFIX + op + ":" + JSON`` (an empty tensor)."""
+OPS = ("connect", "refit", "close")
+
+log = logging.getLogger(__name__)
+
+
+def parse_message(name: str) -> tuple[str, dict]:
+    """``(op, args)`` of a control message's name; ``ValueError`` naming a name that is none."""
+    op, sep, args = name.removeprefix(PREFIX).partition(":")
+    if not name.startswith(PREFIX) or not sep or op not in OPS:
+        raise ValueError(f"{name[:200]!r} is no megatron_refit control message "
+                         f"(expected {PREFIX}<op>:<json> with op one of {list(OPS)})")
+    parsed = json.loads(args)
+    if not isinstance(parsed, dict):
+        raise ValueError(f"megatron_refit control message {op!r}: arguments must be a JSON object, got {args[:200]!r}")
+    return op, parsed
+
+
+def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
+                     tp_rank: int | None = None):
+    """Join the refit group as TP rank ``tp_rank`` (default: this worker's) of engine
+    ``replica`` and build the plan: an :class:`~megatron_refit.engines.vllm.live.EngineReceiver` writing in place into
+    ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
+    ``refit:`` section; its ``backend`` must be ``sglang`` (the default here)."""
+    from megatron_refit.config import refit_section
+    from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+    from megatron_refit.engines.vllm.live import EngineReceiver
+    from megatron_refit.refit import engine_refit
+
+    cfg = refit_section({"backend": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
+    if cfg.backend != "sglang":
+        raise ValueError(f"refit.backend is {cfg.backend!r}, but this is SGLang's megatron_refit weight loader "
+                         "(set backend: sglang)")
+    if not 0 <= replica < cfg.gen_dp:
+        raise ValueError(f"replica must be in [0, gen_dp={cfg.gen_dp}), got {replica}")
+    if tp_rank is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if parallel.tp_size != cfg.gen_tp:
+            raise ValueError(f"refit.gen_tp={cfg.gen_tp}, but this SGLang engine runs tp_size={parallel.tp_size}")
+        tp_rank = parallel.tp_rank
+    hf_config = model.config
+    # the dtype the model computes in: its first floating-point parameter wider than a byte
+    # (an FP8 engine's embedding and norms, not its quantised weights)
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
+    params = hf_param_table(hf_config, dtype)
+    if cfg.trainer_quantize_fp8:
+        from megatron_refit.plan.fp8_layout import fp8_param_table
+
+        params = fp8_param_table(params)
+    gen_index = replica * cfg.gen_tp + tp_rank
+    backend = EngineReceiver.for_model(model, params, cfg.gen_layout(), model_shape(hf_config),
+                                       gen_index=gen_index, post_load=sglang_post_load(model))
+    return engine_refit(cfg, backend, gen_index=gen_index, num_train=num_train,
+                        device=next(model.parameters()).device)
+
+
+def sglang_post_load(model) -> Callable[[], None]:
+    """SGLang's post-load hook: models that define ``post_load_weights`` (e.g. DeepSeek's
+    MLA absorb) recompute derived tensors there; others need nothing."""
+
+    def run() -> None:
+        hook = getattr(model, "post_load_weights", None)
+        if hook is not None:
+            hook()
+
+    return run
+
+
+def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang custom weight loader (``WeightUpdater.update_weights_from_tensor`` calls it in
+    every TP worker with the live model and this rank's deserialised named tensors): runs the
+    control messages in order. The refit group lives on the model (``model._megatron_refit``)
+    from ``connect`` to ``close``.
+
+    It never raises: SGLang does not catch a custom loader's exception, which would end the
+    scheduler process ("Scheduler hit an exception", SIGQUIT to the server) and leave the
+    other TP workers in the call's closing barrier. A failure is logged and kept in
+    ``model.megatron_refit_error`` (``None`` after a call that succeeded); the weights' state
+    is the receiver's (``stale`` once bytes moved, ``ready`` at the old version when it refused
+    before), and every train rank's ``refit`` raises: the trainer is the source of truth."""
+    model.megatron_refit_error = None
+    for name, _ in named_tensors:
+        op = "?"
+        try:
+            op, args = parse_message(name)
+            if op == "connect":
+                if getattr(model, "_megatron_refit", None) is not None:
+                    raise RuntimeError("this engine is connected to a refit group already; close it first")
+                model._megatron_refit = engine_refit_for(model, args["refit"], num_train=args["num_train"],
+                                                         replica=args.get("replica", 0))
+            else:
+                sync = getattr(model, "_megatron_refit", None)
+                if sync is None:
+                    raise RuntimeError(f"megatron_refit {op}: this engine never connected to a refit group "
+                                       "(send the connect message first)")
+                if op == "refit":
+                    sync.receive(args["version"], full=args.get("full", False))
+                else:
+                    model._megatron_refit = None
+                    sync.close()
+        except Exception as exc:  # noqa: BLE001 -- see the docstring: raising would end the engine
+            log.exception("megatron_refit %s failed", op)
+            model.megatron_refit_error = f"{type(exc).__name__}: {exc}"
+            return
+
+
+def refit_state(model: torch.nn.Module) -> dict:
+    """What a TP worker's model says about its refits: the receiver's ``state`` and
+    ``weights_version`` (``None`` before ``connect``) and the last call's error."""
+    sync = getattr(model, "_megatron_refit", None)
+    return dict(connected=sync is not None, state=getattr(sync, "state", None),
+                weights_version=None if sync is None else sync.full.weights_version,
+                error=getattr(model, "megatron_refit_error", None))

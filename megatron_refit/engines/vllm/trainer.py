@@ -1,0 +1,209 @@
+"""The trainer side of the ``megatron_refit`` vLLM weight-transfer backend.
+
+vLLM's contract (``TrainerWeightTransferEngine``): ``trainer_init(init_info, client=...,
+source=...)`` and ``send_weights()`` are called on **every** train rank; rank 0 drives the
+engine's control plane through ``client`` (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``). Unlike vLLM's own
+backends, where rank 0 is the only sender, every train rank here sends its own local
+shards straight to the engine ranks that need them; rank 0 runs the engine's blocking
+``update_weights`` call in a thread while all train ranks send, as vLLM's NCCL backend does.
+
+``LocalShardSource`` is the ``WeightSource``: a train rank's HF-named local shards (Bridge's
+conversion tasks, no gather). Shard boxes of fused QKV heads, gated MLP halves, padded
+vocabularies and expert slices are not ``Shard``/``Replicate`` placements, so it offers
+neither ``iter_full`` (a gather) nor ``iter_local``: vLLM's own engines refuse it with their
+own error, and this engine reads its pieces.
+
+This module imports without vLLM: Megatron training environments often lack it (its
+transformers pins differ). With vLLM importable, the classes derive from vLLM's
+(``TrainerInitInfo``, ``WeightSource``, ``TrainerWeightTransferEngine``) and the plugin
+registers the engine in ``WeightTransferTrainerFactory``; without it they keep the same
+methods, called directly (``MegatronRefitTrainerEngine.trainer_init``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+
+from megatron_refit.config import RefitConfig, check_int, refit_section
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.engines.vllm import BACKEND
+from megatron_refit.engines.vllm.payload import init_payload, update_payload
+from megatron_refit.refit import trainer_refit_from_pieces
+
+try:  # vLLM's trainer-side contract, where the trainer's environment has vLLM
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo as _InitInfoBase
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.base import WeightSource as _SourceBase
+
+    HAVE_VLLM = True
+except ImportError:  # the same methods without vLLM's base classes (see the module docstring)
+    _InitInfoBase = _SourceBase = object
+    HAVE_VLLM = False
+
+
+@dataclass(kw_only=True)
+class MegatronRefitTrainerInitInfo(_InitInfoBase):
+    """``trainer_init`` argument (every train rank passes its own ``rank``; rank 0 drives the
+    engine's control plane, every rank sends its shards)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    refit: Any
+    """The ``refit:`` section (a mapping or a ``RefitConfig``), as the engine gets it."""
+    num_train: int
+    """Train ranks that send (the trainer's world size)."""
+    rank: int
+    """This train rank (``0..num_train-1``)."""
+    config: RefitConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.config = refit_section(self.refit, "init_info")
+        check_int("init_info.num_train", self.num_train, minimum=1)
+        check_int("init_info.rank", self.rank, minimum=0)
+        if self.rank >= self.num_train:
+            raise ValueError(f"init_info.rank {self.rank} outside 0..{self.num_train - 1} (num_train={self.num_train})")
+
+    @property
+    def is_sender(self) -> bool:
+        """Rank 0 drives the engine's control plane (every rank sends bytes)."""
+        return self.rank == 0
+
+
+class LocalShardSource(_SourceBase):
+    """This train rank's local pieces (``spec`` + ``tensor()``): weights and LoRA adapters."""
+
+    def __init__(self, weights: list, adapters: list = (), *, lora_rank: int = 0, lora_alpha: float = 0.0,
+                 device: str | torch.device | None = None):
+        self.weights = list(weights)
+        self.adapters = list(adapters)
+        if self.adapters and lora_rank < 1:
+            raise ValueError(f"LocalShardSource has {len(self.adapters)} LoRA adapter pieces but lora_rank "
+                             f"{lora_rank!r}: pass the adapters' rank and alpha")
+        self.lora_rank = lora_rank if self.adapters else 0
+        self.lora_alpha = lora_alpha if self.adapters else 0.0
+        if device is None and self.weights:
+            device = self.weights[0].tensor().device
+            release = getattr(self.weights[0], "release", None)  # drop a copy tensor() made (a QKV split)
+            if release is not None:
+                release()
+        self.device = torch.device(device or "cpu")
+
+    @cached_property
+    def metadata(self) -> list:
+        """vLLM's ``ParamMeta`` of every HF parameter, with the train ranks that hold a piece of
+        it (a collective over the trainer's default process group when there is one).
+        Placements are left unset: see the module docstring."""
+        import torch.distributed as dist
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        mine = sorted({(p.spec.name, p.spec.dtype, p.spec.global_shape) for p in self.weights + self.adapters})
+        if dist.is_available() and dist.is_initialized():
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        owners: dict[tuple, list[int]] = {}
+        for rank, entries in enumerate(gathered):
+            for entry in entries:
+                owners.setdefault(entry, []).append(rank)
+        return [ParamMeta(name, getattr(torch, dtype), shape, owners=tuple(ranks))
+                for (name, dtype, shape), ranks in sorted(owners.items())]
+
+
+def _concurrently(rpc: Callable[[], None], local: Callable[[], object], timeout_s: float):
+    """Run the engine RPC ``rpc`` in a thread while this rank runs ``local`` (both sides of a
+    collective must be inside it at once); surface the RPC's error. On a local failure the
+    RPC thread is not waited for: its engine is blocked in the same collective and ends on
+    its own timeout; if the RPC had already failed, its error is the one raised."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(rpc)
+    try:
+        result = local()
+    except BaseException as exc:
+        cause = future.exception() if future.done() else None
+        if cause is not None:  # the engine failed first: that is the error to report
+            raise cause from exc
+        raise
+    finally:
+        pool.shutdown(wait=False)
+    future.result(timeout=timeout_s)
+    return result
+
+
+_EngineBase = TrainerWeightTransferEngine[MegatronRefitTrainerInitInfo] if HAVE_VLLM else object
+
+
+class MegatronRefitTrainerEngine(_EngineBase):
+    """vLLM trainer-side engine of the ``megatron_refit`` backend (see the module docstring)."""
+
+    init_info_cls = MegatronRefitTrainerInitInfo
+
+    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, sync,
+                 timeout_s: float) -> None:
+        # what vLLM's base __init__ sets, set here so that the class works without vLLM too
+        self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
+        self.timeout_s = timeout_s
+        self.sync = sync
+        """The prepared :class:`~megatron_refit.refit.TrainerRefit` of this rank."""
+        self.version: int | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: MegatronRefitTrainerInitInfo, *, client, source=None):
+        """Join the refit group and build the plan with the engine; rank 0 initialises the
+        engine's side through ``client`` meanwhile. Every train rank calls it."""
+        if not isinstance(source, LocalShardSource):
+            raise ValueError(f"the megatron_refit trainer engine sends local shards: pass a LocalShardSource "
+                             f"(e.g. conversion.refit.local_shard_source(bridge, model, hf_config)), got "
+                             f"{type(source).__name__}")
+        cfg = init_info.config
+
+        def connect():
+            return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
+                                             num_train=init_info.num_train, device=source.device)
+
+        if init_info.is_sender:
+            payload = init_payload(cfg, num_train=init_info.num_train, lora_rank=source.lora_rank,
+                                   lora_alpha=source.lora_alpha)
+            sync = _concurrently(lambda: client.init_weight_transfer_engine(payload), connect, cfg.timeout_s)
+        else:
+            sync = connect()
+        return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, sync=sync,
+                   timeout_s=cfg.timeout_s)
+
+    def send_weights(self, version: int | None = None, *, full: bool = False) -> RefitReport:
+        """One refit: every train rank sends its pieces; rank 0 drives ``start_weight_update``,
+        ``update_weights`` (concurrently with the sends) and ``finish_weight_update`` (with
+        the version as vLLM's weight version). ``version``: the training step (default: one
+        past the last); ``full``: resend base weights under LoRA adapter sync (e.g. after the
+        engine slept at level 2). Every train rank calls it with the same arguments."""
+        if version is None:
+            version = 1 if self.version is None else self.version + 1
+        if not self.is_sender:
+            report = self.sync.refit(version, full=full)
+        else:
+            update = update_payload(version, full=self.sync.is_full(full))
+            self.client.start_weight_update()
+            report = _concurrently(lambda: self.client.update_weights(update),
+                                   lambda: self.sync.refit(version, full=full), self.timeout_s)
+            self.client.finish_weight_update(str(version))
+        self.version = version
+        return report
+
+    def shutdown(self) -> None:
+        """Release the refit group; rank 0 also releases the engine's side (when the client
+        offers ``shutdown_weight_transfer_engine``)."""
+        if self.sync is None:
+            return
+        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if self.is_sender and release is not None:
+            _concurrently(release, self.sync.close, self.timeout_s)
+        else:
+            self.sync.close()
+        self.sync = None

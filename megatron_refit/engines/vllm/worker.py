@@ -1,0 +1,242 @@
+"""The ``megatron_refit`` weight-transfer engine that runs in every vLLM worker.
+
+vLLM creates it (``WeightTransferEngineFactory``, after our ``vllm.general_plugins`` entry
+point registered it) when the engine's ``weight_transfer_config.backend`` is
+``"megatron_refit"``, and drives it through its four phases:
+
+- ``init_transfer_engine``: join the refit group as generation rank
+  ``replica * tp + tp_rank`` (from vLLM's own parallel state), build this rank's targets from
+  the live model's parameters and its HF config, and ``prepare()`` the plan with the train
+  ranks (collective: every train rank and every worker at once).
+- ``start_weight_update``: mark the weights ``updating`` (``load_weights`` mode: vLLM's
+  layerwise reload restores checkpoint-format parameters).
+- ``update_weights`` / ``receive_weights``: receive one refit version; every train rank
+  sends this rank exactly its pieces (no gather, no broadcast).
+- ``finish_weight_update``: vLLM's post-load step (``process_weights_after_loading``: FP8,
+  MoE kernel formats), then ``ready``.
+
+Before any byte of a refit moves the receiver re-checks that the parameters it writes are
+still the model's: storage the engine re-allocated (reload, sleep/wake, ``model.to``) is
+re-resolved, a parameter that changed shape or dtype is refused by name on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from megatron_refit import families
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+from megatron_refit.engines.vllm.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
+from megatron_refit.engines.vllm.live import EngineReceiver
+from megatron_refit.plan.fp8_layout import fp8_param_table
+from megatron_refit.plan.gen_layout import gen_target_specs
+from megatron_refit.plan.spec import ShardSpec
+from megatron_refit.refit import engine_refit
+
+logger = logging.getLogger("megatron_refit")
+
+
+class StagedPieces:
+    """Receiver backend of ``load_weights`` mode: one staging tensor per piece; ``finalize``
+    feeds each piece to the model's own ``load_weights`` as its HF tensor (the piece in its
+    box, zeros elsewhere: vLLM's loaders read only this rank's part, which is the box)."""
+
+    holds_sent_bytes = True
+    """The staging tensors keep what the last refit wrote: delta refits start from them."""
+
+    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device, *,
+                 deferred: bool = False):
+        self.deferred = deferred
+        """``refit.swap: staged``: ``finalize`` leaves the refit in staging; :meth:`load` (in
+        ``finish_weight_update``, under the engine's pause) makes it live."""
+        self.model = model
+        self._pieces = pieces
+        self._staged = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device) for p in pieces}
+
+    def target_specs(self) -> list[ShardSpec]:
+        return list(self._pieces)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._staged[name]
+
+    def finalize(self) -> None:
+        if not self.deferred:
+            self.load()
+
+    @torch.no_grad()
+    def load(self) -> None:
+        """Segments of one HF tensor (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that
+        tensor, at once: vLLM's loaders for it write every segment of this rank's rows."""
+        segmented: dict[str, dict[str, ShardSpec]] = {}
+        for piece in self._pieces:
+            base, segment = families.split_segment(piece.name)
+            if segment is not None:
+                segmented.setdefault(base, {})[segment] = piece
+                continue
+            staged = self._staged[piece.name]
+            whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
+            whole[tuple(slice(a, b) for a, b in piece.box)] = staged
+            self.model.load_weights([(piece.name, whole)])
+        for base, members in segmented.items():
+            order = families.segment_order(base)
+            first = members[order[0]]
+            rows = sum(members[s].global_shape[0] for s in order)
+            whole = torch.zeros((rows, *first.global_shape[1:]), dtype=self._staged[first.name].dtype,
+                                device=self._staged[first.name].device)
+            start = 0
+            for segment in order:
+                piece = members[segment]
+                (r0, r1), *rest = piece.box
+                whole[(slice(start + r0, start + r1), *(slice(a, b) for a, b in rest))] = self._staged[piece.name]
+                start += piece.global_shape[0]
+            self.model.load_weights([(base, whole)])
+
+
+class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRefitUpdateInfo]):
+    """vLLM worker side of a megatron_refit refit (see the module docstring)."""
+
+    init_info_cls = MegatronRefitInitInfo
+    update_info_cls = MegatronRefitUpdateInfo
+    supports_draft_weight_update = False  # targets are the main model's parameters
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.sync = None
+        self.gen_index: int | None = None
+        self.state = "stale"
+        """``stale`` (no complete refit, or the last one failed), ``updating`` (between
+        ``start_weight_update`` and ``finish_weight_update``), ``ready``."""
+        self.weights_version: int | None = None
+        """Version of the last refit that finished (``ready``)."""
+        self.last_report: RefitReport | None = None
+        self._received: int | None = None
+        self._in_update = False
+        self._mode = "in_place"
+        self._staged_swap = False
+        self._backend = None
+
+    # -- phase 1 --------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: MegatronRefitInitInfo) -> None:
+        if self.sync is not None:
+            raise RuntimeError("megatron_refit: init_weight_transfer_engine called twice; call "
+                               "shutdown_weight_transfer_engine first")
+        cfg = init_info.config
+        self.gen_index = self._gen_index(init_info)
+        hf_config = self.model_config.hf_config
+        params = hf_param_table(hf_config, self.model_config.dtype)
+        if cfg.trainer_quantize_fp8:
+            params = fp8_param_table(params)
+        shape = model_shape(hf_config)
+        self._mode = cfg.engine_load
+        self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
+        if self._mode == "in_place":
+            backend = EngineReceiver.for_model(self.model, params, cfg.gen_layout(), shape, gen_index=self.gen_index)
+        else:
+            pieces = gen_target_specs(params, cfg.gen_layout(), shape, style="vllm")[self.gen_index]
+            backend = StagedPieces(self.model, pieces, self.device, deferred=self._staged_swap)
+        self._backend = backend
+        lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
+        self.sync = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
+                                 device=self.device, lora=lora)
+        self.state = "stale"
+
+    def _gen_index(self, info: MegatronRefitInitInfo) -> int:
+        """``replica * tp + tp_rank`` from vLLM's parallel state; ``ValueError`` naming the field
+        where the trainer's ``refit:`` section and this engine disagree."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        cfg, pc = info.config, self.parallel_config
+        if cfg.backend != "vllm":
+            raise ValueError(f"init_info.refit.backend is {cfg.backend!r}, but this is vLLM's megatron_refit engine")
+        if pc.tensor_parallel_size != cfg.gen_tp:
+            raise ValueError(f"init_info.refit.gen_tp={cfg.gen_tp}, but this vLLM engine runs "
+                             f"tensor_parallel_size={pc.tensor_parallel_size}")
+        if pc.pipeline_parallel_size != 1:
+            raise ValueError(f"megatron_refit needs vLLM pipeline_parallel_size 1, got {pc.pipeline_parallel_size}")
+        if bool(pc.enable_expert_parallel) != cfg.gen_expert_parallel:
+            raise ValueError(f"init_info.refit.gen_expert_parallel={cfg.gen_expert_parallel}, but this vLLM engine "
+                             f"runs enable_expert_parallel={pc.enable_expert_parallel}")
+        if info.replica is not None:
+            if pc.data_parallel_size > 1:
+                raise ValueError(f"init_info.replica={info.replica} is for independent engines; this one runs vLLM "
+                                 f"data_parallel_size={pc.data_parallel_size} and takes its replica from vLLM")
+            replica = info.replica
+        else:
+            replica = pc.data_parallel_index
+            if pc.data_parallel_size > 1 and model_shape(self.model_config.hf_config).num_experts:
+                raise ValueError(f"vLLM data_parallel_size={pc.data_parallel_size} shards MoE experts over every "
+                                 "data-parallel rank, a layout megatron_refit does not plan for: run one engine per "
+                                 "replica (data_parallel_size 1) and set init_info.replica")
+        if replica >= cfg.gen_dp:
+            raise ValueError(f"engine replica {replica} outside init_info.refit.gen_dp={cfg.gen_dp}")
+        return replica * cfg.gen_tp + get_tensor_model_parallel_rank()
+
+    def _check_initialised(self, what: str) -> None:
+        if self.sync is None:
+            raise RuntimeError(f"megatron_refit: {what} before init_weight_transfer_engine")
+
+    # -- phases 2 to 4 --------------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        self._check_initialised("start_weight_update")
+        self._received = None
+        self._in_update = True
+        if self._staged_swap:  # the model keeps serving: the refit lands in staging only
+            return
+        self.state = "updating"
+        if self._mode == "load_weights":
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        info = self.parse_update_info(update_info)
+        self.receive_weights(info)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: MegatronRefitUpdateInfo) -> None:
+        self._check_initialised("update_weights")
+        if not self._in_update:
+            raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update")
+        try:
+            self.last_report = self.sync.receive(update_info.version, full=update_info.full)
+        except BaseException:
+            if not self._staged_swap:  # staged: only the staging was written, the model serves on
+                self.state = "stale"
+            raise
+        self._received = update_info.version
+
+    def finish_weight_update(self) -> None:
+        self._check_initialised("finish_weight_update")
+        self._in_update = False
+        if self._received is None:
+            if not self._staged_swap:
+                self.state = "stale"
+            raise RuntimeError("megatron_refit: finish_weight_update without a completed update_weights since "
+                               "start_weight_update: the engine's weights are not a complete refit")
+        if self._staged_swap:  # the swap, under the engine's pause: staging loaded through vLLM's loaders
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.state = "updating"
+            initialize_layerwise_reload(self.model)
+            self._backend.load()
+        if self._mode == "load_weights":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+        else:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            process_weights_after_loading(self.model, self.model_config, self.device)
+        self.weights_version, self._received = self._received, None
+        self.state = "ready"
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+            self.state = "stale"

@@ -1,0 +1,183 @@
+"""A transport cost model of one refit on a GPU cluster (pure math).
+
+Input: the bytes every (train rank, gen rank) pair exchanges, from the plan. Every rank is
+one GPU; GPU ``g`` of the cluster sits on node ``g // gpus_per_node``. A transfer between
+two GPUs of one node goes over NVLink, between nodes over the sender's and the receiver's
+NIC (one per GPU, as on H100 nodes with 8x 400 Gb/s), and within one GPU (colocated
+trainer and engine) it is a device copy. Links run in parallel and in both directions, so
+each GPU's time is the slowest of its five loads (NIC out, NIC in, NVLink out, NVLink in,
+device copy), each divided by its bandwidth, plus a fixed cost per message it handles;
+the refit takes as long as the slowest GPU. Not modelled: the fabric's core (assumed
+non-blocking), the engine's post-load step, and the trainer-side conversions (pack,
+FP8 quantisation), which run at HBM speed on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Bandwidths per GPU and per direction, in GB/s (10^9 bytes)."""
+
+    gpus_per_node: int = 8
+    """GPUs per node (NVLink domain)."""
+    nvlink_gbps: float = 450.0
+    """H100 SXM NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction (nominal)."""
+    nic_gbps: float = 50.0
+    """One 400 Gb/s NIC (InfiniBand NDR / RoCE) per GPU = 50 GB/s per direction (nominal)."""
+    copy_gbps: float = 1500.0
+    """Device-to-device copy within one GPU (H100 HBM3 3.35 TB/s, read + write)."""
+    efficiency: float = 0.8
+    """Fraction of the nominal bandwidths that NCCL point-to-point transfers reach."""
+    latency_s: float = 20e-6
+    """Fixed cost per message (launch + rendezvous), charged to both of its ends."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nvlink_gbps", "nic_gbps", "copy_gbps", "efficiency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
+        if self.efficiency > 1 or self.latency_s < 0:
+            raise ValueError(f"Cluster: efficiency must be in (0, 1] and latency_s >= 0, got "
+                             f"{self.efficiency!r}, {self.latency_s!r}")
+
+
+def mask_bytes(words: int) -> int:
+    """A delta's bitmask: one bit per word, padded to a multiple of 8 bytes (the values after
+    it stay aligned for any word size)."""
+    return -(-words // 64) * 8
+
+
+def encoding_sizes(words: int, changed: float, word: int) -> tuple[float, float, float]:
+    """Bytes of a bucket of ``words`` words (``word`` bytes each) sent raw, as the changed
+    words' int32 indices + values, or as a bitmask (padded to 8 bytes) + values
+    (:mod:`megatron_refit.endpoint.delta` sends the smallest)."""
+    return words * word, changed * (4 + word), mask_bytes(words) + changed * word
+
+
+def delta_fraction(density: float, word: int = 2) -> float:
+    """Bytes of a delta refit as a fraction of a full one when ``density`` of the words
+    (``word`` bytes each: 2 for bf16) changed, for large buckets."""
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"delta density must be in [0, 1], got {density!r}")
+    words = 1 << 30
+    raw, *delta = encoding_sizes(words, density * words, word)
+    return min(raw, *delta) / raw
+
+
+def delta_prediction(pair_bytes: dict[tuple[int, int], int], train_gpu: list[int], gen_gpu: list[int],
+                     cluster: Cluster, *, bucket_bytes: int, density: float, word: int = 2) -> Prediction:
+    """:func:`predict` for a delta refit at ``density``: every pair's bytes scaled by
+    :func:`delta_fraction`, plus each GPU's compare / apply pass over its full bytes at
+    device-copy bandwidth (the sender reads the new bytes and its copy; the receiver writes
+    the changed words in place)."""
+    fraction = delta_fraction(density, word)
+    scaled = {pair: math.ceil(nbytes * fraction) for pair, nbytes in pair_bytes.items()}
+    base = predict(scaled, train_gpu, gen_gpu, cluster, bucket_bytes=bucket_bytes)
+    full: dict[int, int] = defaultdict(int)
+    for (src, dst), nbytes in pair_bytes.items():
+        full[train_gpu[src]] += 2 * nbytes  # new bytes and the copy, read
+        full[gen_gpu[dst]] += math.ceil(nbytes * fraction)
+    per_gpu = {gpu: base.per_gpu.get(gpu, 0.0) + full[gpu] / (cluster.copy_gbps * cluster.efficiency * GB)
+               for gpu in set(base.per_gpu) | set(full)}
+    slowest = max(per_gpu, key=per_gpu.get)
+    return Prediction(seconds=per_gpu[slowest], bottleneck=f"{base.bottleneck}; compare pass on GPU {slowest}",
+                      per_gpu=per_gpu)
+
+
+def swap_pause(gen_bytes: int, cluster: Cluster, *, copy: bool = True) -> float:
+    """Seconds a staged refit (``refit.swap: staged``) pauses generation on a generation rank
+    holding ``gen_bytes``: a device copy from staging into the engine's parameters (vLLM,
+    whose parameters must stay put), or nothing measurable for a pointer swap (``copy=False``).
+    An in-place refit pauses for its whole transfer instead."""
+    return gen_bytes / (cluster.copy_gbps * cluster.efficiency * GB) if copy else 0.0
+
+
+def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tuple[list[int], list[int]]:
+    """Cluster GPU of each train rank and of each gen rank.
+
+    ``disaggregated``: train ranks on GPUs ``0..T-1``, gen ranks on the next whole node
+    onwards (no node shared). ``colocated``: gen rank ``i`` on train rank ``i``'s GPU.
+    """
+    if mode == "disaggregated":
+        first_gen = math.ceil(num_train / gpus_per_node) * gpus_per_node
+        return list(range(num_train)), [first_gen + i for i in range(num_gen)]
+    if mode == "colocated":
+        if num_train != num_gen:
+            raise ValueError(f"colocated placement needs as many gen ranks as train ranks, "
+                             f"got {num_gen} and {num_train}")
+        return list(range(num_train)), list(range(num_gen))
+    raise ValueError(f"unknown placement mode {mode!r}; expected 'disaggregated' or 'colocated'")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    seconds: float
+    """Predicted refit seconds (the slowest GPU)."""
+    bottleneck: str
+    """The load that sets ``seconds``, e.g. ``"nic in of gen rank 3 (GPU 19, node 2)"``."""
+    per_gpu: dict[int, float]
+    """Predicted seconds of each GPU."""
+
+
+def predict(
+    pair_bytes: dict[tuple[int, int], int],
+    train_gpu: list[int],
+    gen_gpu: list[int],
+    cluster: Cluster,
+    *,
+    bucket_bytes: int,
+) -> Prediction:
+    """Refit seconds for ``pair_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
+
+    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the driver sends
+    on NCCL with its default ``direct_bytes`` (one bucket; see
+    :func:`megatron_refit.endpoint.base.resolve_direct_bytes`), where transfers smaller than a
+    bucket are packed together.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    loads: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    messages: dict[int, int] = defaultdict(int)
+    for (src, dst), nbytes in pair_bytes.items():
+        if nbytes == 0:
+            continue
+        a, b = train_gpu[src], gen_gpu[dst]
+        if a == b:
+            loads[a]["device copy"] += nbytes
+        elif a // cluster.gpus_per_node == b // cluster.gpus_per_node:
+            loads[a]["nvlink out"] += nbytes
+            loads[b]["nvlink in"] += nbytes
+        else:
+            loads[a]["nic out"] += nbytes
+            loads[b]["nic in"] += nbytes
+        count = -(-nbytes // bucket_bytes)
+        messages[a] += count
+        messages[b] += count if a != b else 0
+    bandwidth = {
+        "nic out": cluster.nic_gbps, "nic in": cluster.nic_gbps,
+        "nvlink out": cluster.nvlink_gbps, "nvlink in": cluster.nvlink_gbps,
+        "device copy": cluster.copy_gbps,
+    }
+    per_gpu: dict[int, float] = {}
+    worst = (0.0, "nothing to send")
+    for gpu in sorted(set(loads) | set(messages)):
+        link, seconds = max(((link, nbytes / (bandwidth[link] * cluster.efficiency * GB))
+                             for link, nbytes in loads[gpu].items()), key=lambda item: item[1], default=("", 0.0))
+        total = seconds + messages[gpu] * cluster.latency_s
+        per_gpu[gpu] = total
+        if total > worst[0]:
+            what = _describe(gpu, train_gpu, gen_gpu, cluster.gpus_per_node)
+            worst = (total, f"{link} of {what}: {loads[gpu][link] / GB:.2f} GB, {messages[gpu]} messages")
+    return Prediction(seconds=worst[0], bottleneck=worst[1], per_gpu=per_gpu)
+
+
+def _describe(gpu: int, train_gpu: list[int], gen_gpu: list[int], gpus_per_node: int) -> str:
+    roles = [f"train rank {train_gpu.index(gpu)}"] if gpu in train_gpu else []
+    roles += [f"gen rank {gen_gpu.index(gpu)}"] if gpu in gen_gpu else []
+    return f"{' / '.join(roles)} (GPU {gpu}, node {gpu // gpus_per_node})"
