@@ -45,7 +45,7 @@ class LocalShard:
     """Returns the piece, shaped like ``spec.shape``, from the *current* parameter values
     (a view where the layout allows, else one copy of this rank's part)."""
     release: Callable[[], None] | None = None
-    """Drops any copy ``get`` made (QKV split); the driver calls it after each refit."""
+    """Drops any copy ``get`` made (QKV split); the endpoint calls it after each refit."""
     follows: str | None = None
     """HF name of the piece this one starts right after in memory (up after gate of one
     fused weight; k after q, v after k of one QKV split): such runs can leave as one message."""
@@ -93,7 +93,7 @@ def enumerate_local_shards(bridge, model: list, hf_config, tasks: list | None = 
     return shards
 
 
-def _mapping_kind(mapping, module) -> str:
+def mapping_kind(mapping, module) -> str:
     """'column' | 'row' | 'replicated', by Bridge's own detection for AutoMapping."""
     if isinstance(mapping, pm.ColumnParallelMapping):
         return "column"
@@ -154,7 +154,7 @@ def task_shards(task, *, vocab_size: int, hf_config=None) -> list[LocalShard]:
     if hf_config is not None and (segments := families.segment_rows(str(mapping.hf_param), hf_config)) is not None:
         return segment_shards(shard, str(mapping.hf_param), segments, weight, tp_size, tp_rank)
 
-    kind = _mapping_kind(mapping, module)
+    kind = mapping_kind(mapping, module)
     hf_name = str(mapping.hf_param)
     local_shape = tuple(weight.shape)
     if kind == "replicated" or tp_size == 1 or (kind == "row" and weight.ndim == 1):

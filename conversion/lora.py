@@ -18,7 +18,7 @@ from conversion import bridge_api
 from conversion.local_shards import (
     LocalShard,
     LocalSplitError,
-    _mapping_kind,
+    mapping_kind,
     local_conversion_tasks,
     pm,
     qkv_local_pieces,
@@ -73,7 +73,7 @@ def _task_adapter_shards(task, adapter) -> list[LocalShard]:
     if isinstance(mapping, (pm.QKVMapping, pm.GatedMLPMapping)):
         kind = "column"
     else:
-        kind = _mapping_kind(mapping, task.megatron_module)
+        kind = mapping_kind(mapping, task.megatron_module)
     if kind == "column":  # A split along the rank, B rows like the base weight
         a_shape = (a.shape[0] * tp, a.shape[1])
         a_box = box_along(a_shape, 0, rank * a.shape[0], (rank + 1) * a.shape[0])

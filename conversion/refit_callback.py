@@ -23,10 +23,13 @@ script adds to refit the generation engine::
   half-gathered replica.
 - ``on_train_end``: release the refit group.
 
-With ``engines`` (SGLang: one control client per engine replica, from
-:mod:`megatron_refit.engines.sglang.client`), train rank 0 also drives the engines around each of
-these calls: connect, then per refit pause / update / resume (``refit_engines``), close. (vLLM
-engines are driven by vLLM's weight-transfer API; the HF receiver by its own loop.)
+Each of these calls goes through the engine's control
+(:func:`megatron_refit.engines.base.engine_control` for ``refit.engine``): with ``engines``
+(control clients, one per engine replica: SGLang's, from
+:mod:`megatron_refit.engines.sglang.client`), train rank 0 also drives the engines around
+each call (SGLang: connect, then per refit pause / update / resume, close); without, the
+trainer's call runs alone (vLLM engines are driven by vLLM's weight-transfer API, the HF
+receiver by its own loop).
 
 Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
 …) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
@@ -41,6 +44,7 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.engines.base import engine_control
 from megatron_refit.endpoint.report import RefitReport
 
 from conversion.te_shim import import_bridge
@@ -105,11 +109,10 @@ class RefitCallback(Callback):
         self.initial_refit = initial_refit
         self.offloader = offloader
         self.on_report = on_report
-        if engines and cfg.backend != "sglang":
-            raise ValueError(f"RefitCallback(engines=...) drives SGLang engines (refit.backend: sglang), "
-                             f"but refit.backend is {cfg.backend!r}")
         self.engines = list(engines or [])
-        """SGLang control clients, one per engine replica (used on train rank 0)."""
+        """Control clients, one per engine replica (used on train rank 0)."""
+        self.control = engine_control(dataclasses.asdict(cfg), self.engines)
+        """The engine's control (:class:`~megatron_refit.engines.base.EngineControl`)."""
         self.rank = 0
         self.sync = None
         """The :class:`~megatron_refit.refit.TrainerRefit` of this rank (after ``on_train_start``)."""
@@ -137,12 +140,7 @@ class RefitCallback(Callback):
             return trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
                                  offloader=self.offloader, on_report=self.on_report)
 
-        if self.engines:
-            from megatron_refit.engines.sglang.client import connect_engines
-
-            self.sync = connect_engines(join, self.engines, dataclasses.asdict(self.cfg), rank=rank, num_train=world)
-        else:
-            self.sync = join()
+        self.sync = self.control.connect(join, rank=rank, num_train=world)
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
             step = context.state.train_state.step
@@ -163,18 +161,9 @@ class RefitCallback(Callback):
         log_to_bridge(context.state, self.last_report.summary, iteration)
 
     def _refit(self, version: int) -> RefitReport:
-        if not self.engines:
-            return self.sync.refit(version)
-        from megatron_refit.engines.sglang.client import refit_engines
-
-        return refit_engines(self.sync, self.engines, version, rank=self.rank)
+        return self.control.refit(self.sync, version, rank=self.rank)
 
     def on_train_end(self, context) -> None:
         if self.sync is not None:
             sync, self.sync = self.sync, None
-            if self.engines:
-                from megatron_refit.engines.sglang.client import close_engines
-
-                close_engines(sync, self.engines, rank=self.rank)
-            else:
-                sync.close()
+            self.control.close(sync, rank=self.rank)

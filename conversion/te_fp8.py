@@ -5,12 +5,12 @@ A Megatron param trained with ``fp8_param`` and the blockwise recipe is a TE
 ``_rowwise_scale_inv`` (float32, ``(ceil(M/128), round_up_4(ceil(K/128)))``). As Bridge's
 ``build_export_fp8_tasks`` does, each such task becomes a data task (the bytes viewed as
 ``float8_e4m3fn``) plus a ``*_scale_inv`` sibling through ``_HFNameSuffixMapping``, with the
-scale padding trimmed. Nothing is dequantised or re-quantised: the engine receives TE's own
+scale padding trimmed. Nothing is dequantized or re-quantized: the engine receives TE's own
 bytes and scales.
 
 Differences from Bridge, on purpose: tasks are this rank's only (no PP all-gather of FP8
 flags), and the trimmed scale is a *view* (``narrow``), not a copy, so the local shard stays
-bound to TE's buffers, which the optimizer step re-quantises in place.
+bound to TE's buffers, which the optimizer step re-quantizes in place.
 """
 
 from __future__ import annotations

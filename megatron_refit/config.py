@@ -16,11 +16,13 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_refit.engines.registry import engine_named
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 
 MODES = ("disaggregated", "colocated")
-BACKENDS = ("vllm", "sglang", "hf")
+RENAMED = {"backend": "engine"}
+"""Keys of earlier releases: refused, naming the key that replaced them."""
 LORA_SYNC = ("auto", "adapters", "merged", "full")
 VERIFY = ("off", "sampled", "full")
 ENGINE_LOAD = ("in_place", "load_weights")
@@ -37,9 +39,14 @@ class RefitConfig:
     mode: str = "disaggregated"
     """``disaggregated``: trainer and engine on separate GPUs, buffers move over NCCL (gloo
     on CPU). ``colocated``: both share the GPUs; buffers are handed over by IPC handles."""
-    backend: str = "vllm"
+    engine: str = "vllm"
     """Generation engine on the receiving side: ``vllm``, ``sglang`` or ``hf`` (Hugging Face
-    transformers, CPU reference at gen TP 1)."""
+    transformers, CPU reference at gen TP 1), or another registered with
+    ``megatron_refit.engines.registry.register_engine``. (Formerly ``backend``.)"""
+    transport: str = "auto"
+    """How bucket bytes travel: ``auto`` (``ipc`` when ``mode: colocated``, else ``nccl`` between
+    GPUs and ``gloo`` on CPU) or a transport registered with
+    ``megatron_refit.transport.register_transport`` (built in: ``gloo``, ``nccl``, ``ipc``)."""
     gen_tp: int = 1
     """Tensor-parallel size of one engine replica."""
     gen_dp: int = 1
@@ -61,7 +68,7 @@ class RefitConfig:
     ~20 us: mid-size pieces such as one expert's slice travel packed, a few full buckets
     per peer)."""
     trainer_quantize_fp8: bool = False
-    """Quantise bf16 weights on the trainer to 128x128-block ``float8_e4m3fn`` plus fp32
+    """Quantize bf16 weights on the trainer to 128x128-block ``float8_e4m3fn`` plus fp32
     ``weight_scale_inv`` before sending (for an FP8 engine fed from a bf16 trainer)."""
     lora_sync: str = "auto"
     """What a refit sends when the policy trains LoRA adapters (Bridge PEFT). ``adapters``:
@@ -71,7 +78,7 @@ class RefitConfig:
     every refit. ``auto``: ``adapters``. ``merged`` (trainer-side merge, for engines that
     cannot merge) is not implemented and is refused when adapters are present."""
     engine_load: str = "in_place"
-    """How the vLLM backend (``megatron_refit`` weight transfer) writes what it receives.
+    """How the engine writes what it receives (vLLM: the ``megatron_refit`` weight-transfer backend).
     ``in_place``: straight into the engine's own parameters, then the engine's post-load step
     re-runs on them (no extra memory; needs parameters that keep the checkpoint's shape and
     dtype after post-load, which is checked). ``load_weights``: into staging buffers, then
@@ -111,7 +118,7 @@ class RefitConfig:
     under a pause makes it live at once: no forward pass sees two versions, every output is
     tagged with the version that produced it, and a failed refit leaves the previous version
     serving. Costs one more copy of the weights on each generation rank. The HF receiver
-    swaps storage pointers; with ``backend: vllm`` it needs ``engine_load: load_weights``
+    swaps storage pointers; with ``engine: vllm`` it needs ``engine_load: load_weights``
     (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
@@ -132,6 +139,9 @@ class RefitConfig:
         if not isinstance(d, dict):
             raise ValueError(f"refit: expected a mapping, got {type(d).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
+        for old, new in RENAMED.items():
+            if old in d:
+                raise ValueError(f"refit.{old} is now refit.{new}: write {new}: {d[old]}")
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
@@ -162,7 +172,10 @@ class RefitConfig:
             value = getattr(self, name)
             if value is not None and value > 0 and not low <= value <= high:
                 raise ValueError(f"refit.{name} must be between {low:g} and {high:g}, got {value!r}")
-        for name, allowed in (("mode", MODES), ("backend", BACKENDS), ("lora_sync", LORA_SYNC),
+        engine = engine_named(self.engine)
+        if not self.transport:
+            raise ValueError("refit.transport must be 'auto' or a registered transport's name, got ''")
+        for name, allowed in (("mode", MODES), ("lora_sync", LORA_SYNC),
                               ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
                               ("swap", SWAP)):
             value = getattr(self, name)
@@ -176,17 +189,7 @@ class RefitConfig:
             raise ValueError(f"refit.swap_budget_mb must be >= 0 or null, got {self.swap_budget_mb!r}")
         if self.port > 65535:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
-        if self.backend == "hf" and self.gen_tp != 1:
-            raise ValueError(f"refit.backend 'hf' holds whole tensors and needs gen_tp 1, got {self.gen_tp}")
-        if self.backend == "sglang" and self.engine_load != "in_place":
-            raise ValueError(f"refit.backend 'sglang' writes in place into SGLang's parameters (its weight loader "
-                             f"hook); engine_load must be 'in_place', got {self.engine_load!r}")
-        if self.backend == "sglang" and self.swap != "in_place":
-            raise ValueError(f"refit.swap {self.swap!r} is not offered for backend 'sglang' (its weight loader writes "
-                             "in place under SGLang's pause); use swap: in_place")
-        if self.swap == "staged" and not (self.backend == "hf" or self.engine_load == "load_weights"):
-            raise ValueError(f"refit.swap 'staged' with backend {self.backend!r} needs engine_load 'load_weights' "
-                             f"(the engine loads its staging buffers under a pause), got {self.engine_load!r}")
+        engine.check(gen_tp=self.gen_tp, engine_load=self.engine_load, swap=self.swap)
 
     @property
     def bucket_bytes(self) -> int:
@@ -194,7 +197,7 @@ class RefitConfig:
 
     @property
     def direct_bytes(self) -> int | str:
-        """``direct_mb`` in bytes, or ``"auto"`` (the driver picks by transport backend)."""
+        """``direct_mb`` in bytes, or ``"auto"`` (the transport picks)."""
         return "auto" if self.direct_mb is None else max(1, int(self.direct_mb * (1 << 20)))
 
     def gen_layout(self) -> GenLayout:
@@ -203,10 +206,11 @@ class RefitConfig:
     @property
     def gen_style(self) -> str:
         """How the engine shards a tensor (:func:`~megatron_refit.plan.gen_layout.gen_targets`):
-        ``full`` for ``hf``; ``vllm`` for vLLM and SGLang, whose parallel layers (fused
-        ``qkv_proj`` / ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64)
-        shard alike (tests/sglang checks SGLang's real model classes against this plan)."""
-        return "full" if self.backend == "hf" else "vllm"
+        the engine's :attr:`~megatron_refit.engines.registry.Engine.layout`: ``full`` for ``hf``;
+        ``vllm`` for vLLM and SGLang, whose parallel layers (fused ``qkv_proj`` /
+        ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64) shard alike
+        (tests/sglang checks SGLang's real model classes against this plan)."""
+        return engine_named(self.engine).layout
 
 
 def _check_type(key: str, value: Any, hint: Any) -> None:

@@ -10,8 +10,9 @@ shards, then calls :func:`trainer_refit_from_pieces`)::
         train_step(...)
         sync.refit(step)                                           # after every optimizer step
 
-Generation ranks hold a receiver backend (vLLM, SGLang, HF) and call
-``engine_refit(refit_cfg, backend, gen_index=i, num_train=...)`` then ``receive(step)``.
+Generation ranks hold the engine's storage (vLLM, SGLang, HF: a
+:class:`~megatron_refit.endpoint.storage.Storage`) and call
+``engine_refit(refit_cfg, storage, gen_index=i, num_train=...)`` then ``receive(step)``.
 Both sides build the same plan once (in the constructor) and move only the bytes each
 generation rank needs. With LoRA adapters on the trainer, the first refit (and any refit
 called with ``full=True``, e.g. after the engine dropped its weights) moves base weights
@@ -29,20 +30,18 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
-from megatron_refit.transport import open_transport
+from megatron_refit.transport import open_transport, transport_name
 
 
 def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device):
-    """The refit group of this rank: NCCL between GPUs, gloo on CPU; colocated: bucket bytes
-    through shared buffers (CUDA IPC / shared memory), control messages over gloo."""
+    """The refit group of this rank over ``refit.transport`` (``auto``: NCCL between GPUs,
+    gloo on CPU; colocated: bucket bytes through shared buffers (CUDA IPC / shared memory),
+    control messages over gloo)."""
     world = num_train + cfg.gen_tp * cfg.gen_dp
     if not 0 <= refit_rank < world:
         raise ValueError(f"refit rank {refit_rank} outside the refit world of {world} "
                          f"(num_train={num_train} + gen_tp*gen_dp={cfg.gen_tp * cfg.gen_dp})")
-    if cfg.mode == "colocated":
-        name = "ipc"
-    else:
-        name = "nccl" if device.type == "cuda" else "gloo"
+    name = transport_name(cfg.transport, colocated=cfg.mode == "colocated", device=device)
     return open_transport(name, host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world,
                           timeout_s=cfg.timeout_s, num_train=num_train, device=device)
 
@@ -112,7 +111,7 @@ class TrainerRefit(_Sync):
 class EngineRefit(_Sync):
     """Generation side of the refit (one per generation rank)."""
 
-    def __init__(self, group, backend, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
+    def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta)
@@ -121,14 +120,14 @@ class EngineRefit(_Sync):
         if lora is not None:
             from megatron_refit.endpoint.lora import LoraReceiver
 
-            merge = LoraReceiver(backend, rank=lora[0], alpha=lora[1])
+            merge = LoraReceiver(storage, rank=lora[0], alpha=lora[1])
             self.full = Receiver(group, merge.full(), **kw)
             self.plan = self.full.prepare()
             if cfg.lora_sync != "full":
                 self.adapters = Receiver(group, merge.adapters(), **kw)
                 self.adapters.prepare()
         else:
-            self.full = Receiver(group, backend, **kw)
+            self.full = Receiver(group, storage, **kw)
             self.plan = self.full.prepare()
         self._last = self.full
 
@@ -158,19 +157,19 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
     if cfg.trainer_quantize_fp8:
         if adapters:
             raise ValueError("refit.trainer_quantize_fp8 with LoRA adapters: adapters are sent in the training "
-                             "dtype and merged on the engine; quantise after merging there instead")
-        from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+                             "dtype and merged on the engine; quantize after merging there instead")
+        from megatron_refit.endpoint.fp8_pieces import quantize_pieces
 
-        pieces = quantise_pieces(pieces)
+        pieces = quantize_pieces(pieces)
     group = connect(cfg, refit_rank=rank, num_train=num_train, device=torch.device(device))
     return TrainerRefit(group, pieces, adapters, cfg, num_train=num_train, offloader=offloader, on_report=on_report)
 
 
-def engine_refit(cfg: RefitConfig, backend, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",
+def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",
                  lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None) -> EngineRefit:
     """Join the refit group as generation rank ``gen_index`` (``0..gen_tp*gen_dp-1``) with a
-    receiver ``backend`` (``target_specs`` / ``buffer`` / ``finalize``) and build the plan.
+    the engine's ``storage`` (``target_specs`` / ``buffer`` / ``finalize``) and build the plan.
     ``lora=(rank, alpha)``: the trainer sends LoRA adapters, merged here into the weights."""
     check_enabled(cfg, num_train)
     num_gen = cfg.gen_tp * cfg.gen_dp
@@ -179,4 +178,4 @@ def engine_refit(cfg: RefitConfig, backend, *, gen_index: int, num_train: int, d
     if lora is not None:
         _check_lora_sync(cfg)
     group = connect(cfg, refit_rank=num_train + gen_index, num_train=num_train, device=torch.device(device))
-    return EngineRefit(group, backend, cfg, num_train=num_train, lora=lora, on_report=on_report)
+    return EngineRefit(group, storage, cfg, num_train=num_train, lora=lora, on_report=on_report)

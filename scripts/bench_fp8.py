@@ -1,7 +1,7 @@
 """FP8 vs bf16 refit, side by side in one run: same processes, model, layout and plan code.
 
 Train ranks hold a bf16 Megatron model; (a) refits it as bf16, (b) with trainer-side
-128×128 FP8 quantisation (quantising is inside the timed refit). Generation ranks hold
+128×128 FP8 quantization (quantizing is inside the timed refit). Generation ranks hold
 vLLM-layout storage (bf16, resp. FP8 weights + scale tiles). Warm-up, then ``--reps``
 repetitions, medians of the slowest rank. Reports seconds, bytes and seconds per byte;
 ``--json`` last line: ``{"ok", "bytes_ratio", "time_per_byte_ratio", "seconds", "bytes",
@@ -34,12 +34,12 @@ FP8_BENCH_SHAPE = dict(hidden=1024, layers=12, heads=8, kv_heads=4, head_dim=128
 def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
-    from megatron_refit.tools.harness import _hf_config, make_gen_backend
+    from megatron_refit.endpoint.fp8_pieces import quantize_pieces
+    from megatron_refit.tools.harness import hf_config_for, make_gen_backend
     from megatron_refit.transport import RefitGroup
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
-    cfg = _hf_config(spec)
+    cfg = hf_config_for(spec)
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
     kw = dict(num_train=spec.num_train, num_gen=spec.num_gen, bucket_bytes=spec.bucket_bytes)
     is_train = rank < spec.num_train
@@ -53,7 +53,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
         built = build_model(cfg, spec.train, dtype=torch.bfloat16)
         shards = enumerate_local_shards(built.bridge, built.model, cfg)
         endpoints["bf16"] = Refitter(group, shards, **kw)
-        endpoints["fp8"] = Refitter(group, quantise_pieces(shards), **kw)
+        endpoints["fp8"] = Refitter(group, quantize_pieces(shards), **kw)
     else:
         gen_index = rank - spec.num_train
         endpoints["bf16"] = Receiver(group, make_gen_backend(replace(spec, fp8=""), cfg, gen_index), **kw)

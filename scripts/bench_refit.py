@@ -68,12 +68,12 @@ def _timed(fn, group) -> float:
 def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
-    from megatron_refit.tools.harness import _hf_config, make_gen_backend
+    from megatron_refit.tools.harness import hf_config_for, make_gen_backend
     from megatron_refit.plan.spec import ShardSpec, full_box
     from megatron_refit.transport import RefitGroup
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
-    cfg = _hf_config(spec)
+    cfg = hf_config_for(spec)
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
     T, G = spec.num_train, spec.num_gen
     kw = dict(num_train=T, num_gen=G, bucket_bytes=spec.bucket_bytes)

@@ -120,10 +120,10 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
 
 
 def swap_rank(rank, world, port, spec: RunSpec):
-    from megatron_refit.tools.harness import _hf_config, refit_config
+    from megatron_refit.tools.harness import hf_config_for, refit_config
 
     torch.manual_seed(0)
-    cfg = _hf_config(spec)
+    cfg = hf_config_for(spec)
     refit_cfg = refit_config(spec, port)
     return _train(rank, spec, cfg, refit_cfg) if rank < spec.num_train else _gen(spec, cfg, refit_cfg)
 

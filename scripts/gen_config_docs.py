@@ -42,8 +42,8 @@ ignored by training (a warning says so); the dry run still reads them.
 Who reads what: the training loop's calls `trainer_refit` / `engine_refit`
 ([quickstart.md](quickstart.md), `megatron_refit.refit`) read every field but `model`
 and `train_dp`; the dry run and the cost model read `model`, `train_dp`, `gen_*`,
-`backend`, `mode`, `bucket_mb` and `trainer_quantize_fp8`. `backend` tells the dry run
-which engine layout to plan for; at run time the engine side passes its receiver object.
+`engine`, `mode`, `bucket_mb` and `trainer_quantize_fp8`. `engine` tells the dry run
+which engine layout to plan for; at run time the engine side passes its storage.
 `lora_sync`: `auto` and `adapters` send the adapters after the first refit, merged by the
 engine's receiver ([guide-lora.md](guide-lora.md)); `full` resends everything every step;
 `merged` (trainer-side merge) is refused as not implemented.

@@ -1,6 +1,6 @@
 """Checks that need an NVIDIA GPU (run by hand on a GPU machine; never in CI).
 
-1. ``fp8``: blockwise FP8 quantisation on the GPU equals the CPU reference bit for bit
+1. ``fp8``: blockwise FP8 quantization on the GPU equals the CPU reference bit for bit
    (data and ``weight_scale_inv``), and its throughput against a plain bf16 copy.
 2. ``colocated``: refits with trainer (Megatron, via Bridge) and engine (HF transformers
    or vLLM-layout storage) on the same GPU, bucket bytes through CUDA IPC staging buffers;

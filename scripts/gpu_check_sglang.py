@@ -159,7 +159,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
 
     client = _ControllerClient(port)
     built, optimizer, cfg = train_model(model)
-    section = {"enabled": True, "backend": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
+    section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
     clients = [client]
     sync = connect_engines(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),

@@ -78,9 +78,9 @@ def policy_loss(logits, sequences, prompt_len, old_logprobs, adv, clip=0.2) -> t
 
 
 def _rank(rank, world, port, args):
-    from megatron_refit.tools.harness import _hf_config
+    from megatron_refit.tools.harness import hf_config_for
 
-    cfg = _hf_config(args.spec)
+    cfg = hf_config_for(args.spec)
     if rank < args.spec.num_train:
         return _train(rank, args, cfg)
     return _generate(rank, args, cfg)
@@ -177,9 +177,9 @@ def _from_config(path: str, port: int, overrides: list[str]):
     bridge_config, refit = load_training_yaml(path, overrides)
     if not refit.enabled:
         raise SystemExit(f"error: {path}: refit.enabled is false; this example checks every refit, turn it on")
-    if refit.backend != "hf" or refit.gen_tp * refit.gen_dp != 1:
-        raise SystemExit(f"error: {path}: this example runs one Hugging Face generation rank (backend hf, gen_tp 1, "
-                         f"gen_dp 1), got backend {refit.backend!r}, gen_tp {refit.gen_tp}, gen_dp {refit.gen_dp}")
+    if refit.engine != "hf" or refit.gen_tp * refit.gen_dp != 1:
+        raise SystemExit(f"error: {path}: this example runs one Hugging Face generation rank (engine hf, gen_tp 1, "
+                         f"gen_dp 1), got engine {refit.engine!r}, gen_tp {refit.gen_tp}, gen_dp {refit.gen_dp}")
     layout = train_layout(bridge_config, refit)
     spec = RunSpec(model="qwen3", overrides=MODEL, train=layout, gen=GenLayout(tp=1, dp=1))
     return spec, replace(refit, host="127.0.0.1", port=port)

@@ -21,7 +21,7 @@ from megatron_refit.plan.layout import TrainLayout
 def test_enabled_only_gives_defaults():
     config = RefitConfig.from_dict({"enabled": True})
     assert config == RefitConfig(enabled=True)
-    assert (config.mode, config.backend, config.gen_tp, config.gen_dp, config.lora_sync) == (
+    assert (config.mode, config.engine, config.gen_tp, config.gen_dp, config.lora_sync) == (
         "disaggregated", "vllm", 1, 1, "auto")
     assert config.bucket_bytes == 64 << 20
     assert RefitConfig.from_dict(None).enabled is False
@@ -32,7 +32,7 @@ def test_enabled_only_gives_defaults():
     [
         ({"enabled": True, "bucket_size": 4}, r"unknown key\(s\) \['bucket_size'\]"),
         ({"mode": "shared"}, r"refit.mode: 'shared' is not one of \['disaggregated', 'colocated'\]"),
-        ({"backend": "trtllm"}, r"refit.backend: 'trtllm'"),
+        ({"engine": "trtllm"}, r"refit.engine: 'trtllm'"),
         ({"lora_sync": "delta"}, r"refit.lora_sync: 'delta'"),
         ({"enabled": "yes"}, r"refit.enabled: expected bool, got 'yes'"),
         ({"gen_tp": 2.0}, r"refit.gen_tp: expected int, got 2.0"),
@@ -42,7 +42,7 @@ def test_enabled_only_gives_defaults():
         ({"gen_tp": -1}, r"refit.gen_tp must be positive, got -1"),
         ({"timeout_s": 0.0}, r"refit.timeout_s must be positive"),
         ({"port": 70000}, r"refit.port must be at most 65535"),
-        ({"backend": "hf", "gen_tp": 2}, r"backend 'hf' .* needs gen_tp 1"),
+        ({"engine": "hf", "gen_tp": 2}, r"engine 'hf' .* needs gen_tp 1"),
         ({"model": 3}, r"refit.model: expected str or null, got 3"),
         ([1, 2], r"refit: expected a mapping, got list"),
     ],

@@ -1,4 +1,4 @@
-"""Which transfers skip packing (``direct_bytes``): per transport backend by default, and on a
+"""Which transfers skip packing (``direct_bytes``): each transport's own default, and on a
 shipped MoE config the NCCL default sends as many messages as the cost model charges."""
 
 from __future__ import annotations
@@ -12,31 +12,52 @@ from megatron_refit.tools import dryrun
 from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.sender import Refitter
-from megatron_refit.endpoint.base import GLOO_DIRECT_BYTES, resolve_direct_bytes
+import torch
+
+from megatron_refit.endpoint.base import resolve_direct_bytes
 from megatron_refit.plan.gen_layout import ModelShape, gen_target_specs
 from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.transport import RefitGroup
+from megatron_refit.transport.ipc import IpcGroup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_auto_picks_by_backend():
-    assert resolve_direct_bytes("auto", "gloo", 64 << 20) == GLOO_DIRECT_BYTES == 1 << 20
-    assert resolve_direct_bytes("auto", "nccl", 64 << 20) == 64 << 20
-    assert resolve_direct_bytes(4096, "nccl", 64 << 20) == 4096
-    assert resolve_direct_bytes(None, "gloo", 64 << 20) is None
+def _group(device: str, rank: int = 0) -> RefitGroup:
+    """A RefitGroup's policy without a process group: what its buffers' device decides."""
+    group = object.__new__(RefitGroup)
+    group.device, group.rank, group.world_size = torch.device(device), rank, 2
+    return group
+
+
+def _ipc(device: str) -> IpcGroup:
+    return IpcGroup(_group(device), num_train=1)
+
+
+def test_auto_is_each_transports_own():
+    gloo, nccl = _group("cpu"), _group("cuda")
+    assert resolve_direct_bytes("auto", gloo, 64 << 20) == RefitGroup.HOST_DIRECT_BYTES == 1 << 20
+    assert resolve_direct_bytes("auto", nccl, 64 << 20) == 64 << 20
+    assert resolve_direct_bytes(4096, nccl, 64 << 20) == 4096
+    assert resolve_direct_bytes(None, gloo, 64 << 20) is None
+    for device in ("cpu", "cuda"):  # colocated: every item through the shared buffers
+        assert resolve_direct_bytes("auto", _ipc(device), 64 << 20) is None
+        assert resolve_direct_bytes(4096, _ipc(device), 64 << 20) is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "big", True])
-def test_bad_direct_bytes_is_named(bad):
+@pytest.mark.parametrize("device", ["cpu", "ipc"])
+def test_bad_direct_bytes_is_named(bad, device):
+    group = _ipc("cpu") if device == "ipc" else _group(device)
     with pytest.raises(ValueError, match=f"direct_bytes must be a positive int, 'auto' or None, got {bad!r}"):
-        resolve_direct_bytes(bad, "gloo", 1 << 20)
+        resolve_direct_bytes(bad, group, 1 << 20)
 
 
 def test_endpoints_resolve_before_any_collective():
     # constructors only: no group call is made before prepare()
-    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl", direct_ok=True)
+    nccl = _group("cuda")
     assert Refitter(nccl, [], num_train=1, num_gen=1, bucket_bytes=8 << 20).direct_bytes == 8 << 20
-    gloo = SimpleNamespace(world_size=2, rank=1, backend="gloo", direct_ok=True)
+    gloo = _group("cpu", rank=1)
     backend = SimpleNamespace(target_specs=lambda: [], buffer=None, finalize=None)
     assert Receiver(gloo, backend, num_train=1, num_gen=1, bucket_bytes=8 << 20).direct_bytes == 1 << 20
     assert Receiver(gloo, backend, num_train=1, num_gen=1, bucket_bytes=8 << 20, direct_bytes=None).direct_bytes \
@@ -67,7 +88,7 @@ def _shipped_plan(config: str, backend: str) -> tuple[RefitPlan, int]:
                        vocab_size=preset["vocab_size"], num_experts=dryrun.num_experts(preset))
     gen_specs = gen_target_specs(params, run.gen, model, style="vllm")
     bucket = refit.bucket_bytes
-    direct = resolve_direct_bytes(refit.direct_bytes, backend, bucket)
+    direct = resolve_direct_bytes(refit.direct_bytes, _group("cuda" if backend == "nccl" else "cpu"), bucket)
     return RefitPlan.build(train_specs, gen_specs, bucket_bytes=bucket, direct_bytes=direct), bucket
 
 

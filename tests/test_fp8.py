@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
-from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantised, scale_box, scale_shape
+from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized, scale_box, scale_shape
 from megatron_refit.plan.spec import ShardSpec
 
 SHAPES = [1, 127, 128, 129, 300]
@@ -69,7 +69,7 @@ def test_edge_values():
     x[128:, 128:] = torch.full((128, 128), 1e-45)  # float32 subnormal: scale would be inf
     q, s = quantize_blockwise(x)
     assert torch.all(q[:128, :128].float() == 0) and s[0, 0] == 1.0  # zero block
-    assert q[:128, 128:].float().max() == 448.0  # the block max quantises to +448
+    assert q[:128, 128:].float().max() == 448.0  # the block max quantizes to +448
     assert q[:128, 128:].float().min() == pytest.approx(-3.0 * 448.0 / 7.0, rel=0.07)
     assert torch.all(q[128:, :128].float() == 448.0)
     assert s[1, 1] == 1.0 / torch.finfo(torch.float32).max  # inf scale → float32 max
@@ -96,14 +96,14 @@ def test_dequantize_round_trip_error(pow2):
         for j in range(2):
             tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
             assert (back[tile] - x[tile]).abs().max() <= x[tile].abs().max() * 2**-4 * (2 if pow2 else 1)
-    if pow2:  # power-of-two scales make quantise ∘ dequantise idempotent
+    if pow2:  # power-of-two scales make quantize ∘ dequantize idempotent
         again = quantize_blockwise(back, pow2_scales=True)
         assert torch.equal(_bits(dequantize_blockwise(*again)), _bits(back))
 
 
 @pytest.mark.parametrize("start,stop,aligned", [(0, 128, True), (128, 300, True), (128, 256, True),
                                                 (0, 129, False), (64, 192, False)])
-def test_quantising_a_shard_equals_slicing_iff_aligned(start, stop, aligned):
+def test_quantizing_a_shard_equals_slicing_iff_aligned(start, stop, aligned):
     w = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
     q, s = quantize_blockwise(w)
     sq, ss = quantize_blockwise(w[start:stop])
@@ -123,7 +123,7 @@ def test_dequantize_rejects_bad_input():
 
 
 def test_selection_by_role():
-    quantised = [
+    quantized = [
         "model.layers.0.self_attn.q_proj.weight",
         "model.layers.0.self_attn.k_proj.weight",
         "model.layers.0.self_attn.o_proj.weight",
@@ -141,10 +141,10 @@ def test_selection_by_role():
         "model.layers.0.input_layernorm.weight",
         "model.layers.0.self_attn.q_norm.weight",
     ]
-    for name in quantised:
-        assert is_quantised(name, (256, 256)), name
+    for name in quantized:
+        assert is_quantized(name, (256, 256)), name
     for name in kept:
-        assert not is_quantised(name, (256, 256) if "norm" not in name and "bias" not in name else (256,)), name
+        assert not is_quantized(name, (256, 256) if "norm" not in name and "bias" not in name else (256,)), name
 
 
 def test_fp8_specs_and_scale_boxes():

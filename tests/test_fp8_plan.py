@@ -1,5 +1,5 @@
-"""FP8 tiles through the plan: random 128-aligned train and gen tilings of quantised weights;
-replaying the plan on trainer-quantised pieces reproduces quantising the full tensor."""
+"""FP8 tiles through the plan: random 128-aligned train and gen tilings of quantized weights;
+replaying the plan on trainer-quantized pieces reproduces quantizing the full tensor."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from megatron_refit.endpoint.bytes import replay
 from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.plan.fp8_layout import BLOCK, fp8_param_table, fp8_specs
 from megatron_refit.endpoint.fp8 import quantize_blockwise
-from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+from megatron_refit.endpoint.fp8_pieces import quantize_pieces
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.refit_plan import RefitPlan
 from megatron_refit.plan.spec import Box, ShardSpec, full_box
@@ -64,9 +64,9 @@ def problems(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-def test_plan_on_quantised_pieces_equals_quantising_the_full_tensor(problem):
+def test_plan_on_quantized_pieces_equals_quantizing_the_full_tensor(problem):
     train, gen, full, bucket_bytes = problem
-    pieces = {rank: quantise_pieces(ps) for rank, ps in train.items()}
+    pieces = {rank: quantize_pieces(ps) for rank, ps in train.items()}
     plan = RefitPlan.build({r: [p.spec for p in ps] for r, ps in pieces.items()}, gen, bucket_bytes=bucket_bytes)
     got = replay(plan, {r: {p.spec.name: p.tensor() for p in ps} for r, ps in pieces.items()})
     for rank, specs in gen.items():
@@ -83,7 +83,7 @@ def test_train_shard_off_the_128_grid_is_refused(box, dim, edge):
     spec = ShardSpec(name=NAMES[0], global_shape=(256, 256), dtype="bfloat16", box=box)
     piece = TensorPiece(spec, torch.zeros(spec.shape))
     with pytest.raises(ValueError, match=rf"{NAMES[0]}: shard boundary {edge} in dim {dim} \(size 256\)"):
-        quantise_pieces([piece])
+        quantize_pieces([piece])
 
 
 def test_gen_shard_off_the_128_grid_is_refused():
@@ -96,7 +96,7 @@ def test_gen_shard_off_the_128_grid_is_refused():
     assert [s.box for s in ok[1]] == [full_box((256, 320)), full_box((2, 3))]
 
 
-def test_fp8_pieces_are_released_and_requantised():
+def test_fp8_pieces_are_released_and_requantized():
     spec = ShardSpec(name=NAMES[0], global_shape=(256, 128), dtype="float32", box=full_box((256, 128)))
     released = []
 
@@ -105,14 +105,14 @@ def test_fp8_pieces_are_released_and_requantised():
             released.append(True)
 
     data = torch.randn(256, 128)
-    weight, scale = quantise_pieces([Piece(spec, data)])
+    weight, scale = quantize_pieces([Piece(spec, data)])
     q1 = weight.tensor()
     weight.release()
     assert not released  # the scale part is still held
     assert scale.tensor() is scale.tensor()
     scale.release()
     assert released == [True]  # both parts gone: the source piece is released too
-    data.copy_(torch.randn(256, 128))  # the next refit quantises the new values
+    data.copy_(torch.randn(256, 128))  # the next refit quantizes the new values
     assert not torch.equal(_bits(weight.tensor()), _bits(q1))
 
 

@@ -1,6 +1,6 @@
-"""Trainer-side FP8 refit end to end (gloo): what the gen side receives equals quantising
+"""Trainer-side FP8 refit end to end (gloo): what the gen side receives equals quantizing
 Bridge's full export, bit for bit, at train TP1 / TP2 / TP2×EP2 into gen TP1×DP2 (HF
-receiver, dequantised; logits against the Megatron forward with the same FP8 weights) and
+receiver, dequantized; logits against the Megatron forward with the same FP8 weights) and
 gen TP2 (vLLM layout with fused FP8 weight and scale tiles). MoE experts into vLLM's fused
 w13/w2 FP8 tiles: tests/vllm/test_vllm_fp8.py (real vLLM)."""
 
@@ -15,7 +15,7 @@ from megatron_refit.plan.layout import TrainLayout
 pytestmark = pytest.mark.slow
 
 ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
-"""Every train and gen shard edge of the quantised weights on the 128 grid."""
+"""Every train and gen shard edge of the quantized weights on the 128 grid."""
 
 CASES = [
     ("qwen3", TrainLayout(), GenLayout(tp=2)),

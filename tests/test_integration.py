@@ -16,19 +16,19 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.refit import engine_refit
 
 ROOT = Path(__file__).resolve().parent.parent
-ON = RefitConfig(enabled=True, backend="hf", port=1)  # port 1: a rendezvous there would fail, not hang
+ON = RefitConfig(enabled=True, engine="hf", port=1)  # port 1: a rendezvous there would fail, not hang
 
 
 @pytest.mark.parametrize("cfg,kw,message", [
     (RefitConfig(), dict(gen_index=0, num_train=1), "refit.enabled is false"),
     (ON, dict(gen_index=1, num_train=1), r"gen_index 1 outside 0..0 \(gen_tp=1, gen_dp=1\)"),
     (ON, dict(gen_index=0, num_train=0), "num_train must be a positive int, got 0"),
-    (RefitConfig(enabled=True, backend="hf", lora_sync="merged", port=1), dict(gen_index=0, num_train=1, lora=(4, 8)),
+    (RefitConfig(enabled=True, engine="hf", lora_sync="merged", port=1), dict(gen_index=0, num_train=1, lora=(4, 8)),
      "refit.lora_sync 'merged' .* is not implemented"),
 ])
 def test_engine_refit_refuses_bad_arguments_before_connecting(cfg, kw, message):
     with pytest.raises(ValueError, match=message):
-        engine_refit(cfg, backend=None, **kw)
+        engine_refit(cfg, storage=None, **kw)
 
 
 def test_grpo_example_refuses_a_config_with_refit_off(tmp_path):

@@ -41,7 +41,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
     cfg = hf_config("qwen3")
     built = build_model(cfg, layout, dtype=torch.bfloat16)
     built, optimizer = distributed_optimizer(built, lr=1e-2, overlap=overlap)
-    engines = [_EngineClient(), _EngineClient()] if refit.backend == "sglang" else None
+    engines = [_EngineClient(), _EngineClient()] if refit.engine == "sglang" else None
     callback = RefitCallback.from_config(refit, built.bridge, engines=engines)
     manager = CallbackManager()
     manager.add(callback)
@@ -89,7 +89,7 @@ class _EngineClient:
         self.calls = []
 
     def connect(self, refit, *, num_train, replica=0):
-        self.calls.append(("connect", refit["backend"], num_train, replica))
+        self.calls.append(("connect", refit["engine"], num_train, replica))
 
     def refit(self, version, *, full=False):
         self.calls.append(("refit", version))
@@ -130,11 +130,11 @@ def _rank(rank, world, port, refit, tp, overlap, skipped, versions, megatron_por
         return _train(rank, 2, refit, tp, overlap, skipped, megatron_port)
     return _gen(refit, versions, num_train=2)
 
-def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, backend: str = "hf"):
+def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, engine: str = "hf"):
     from megatron_refit.config import RefitConfig
 
     refit_port, megatron_port = free_ports(2)
-    refit = RefitConfig(enabled=True, backend=backend, port=refit_port, bucket_mb=0.25, timeout_s=120,
+    refit = RefitConfig(enabled=True, engine=engine, port=refit_port, bucket_mb=0.25, timeout_s=120,
                         every_n_steps=every)
     versions = [0] + [v for v in range(1, ITERATIONS + 1) if v % every == 0 and v not in skipped]  # 0: the start
     out = run_spawned(_rank, 3, refit, tp, overlap, set(skipped), versions, megatron_port, timeout_s=300)
@@ -154,7 +154,7 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, backend: st
             assert sum(t["steps"][step["iteration"] - 1]["sent"] for t in train) == \
                 gen["refits"][step["iteration"]]["minimal"]
     assert train[0]["skipped"] == list(skipped) and all(t["closed"] for t in train)
-    if backend == "sglang":  # train rank 0 drove both engine replicas around every refit; rank 1 none
+    if engine == "sglang":  # train rank 0 drove both engine replicas around every refit; rank 1 none
         assert train[1]["engine_calls"] == [[], []]
         for replica, calls in enumerate(train[0]["engine_calls"]):
             assert calls == [("connect", "sglang", 2, replica), *[c for v in versions for c in (("refit", v),
@@ -176,9 +176,9 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, backend: st
 
 def test_callback_refits_from_ddp_and_distributed_optimizer_at_tp2_skipping_an_iteration():
     """Bit-exact at every refit; a skipped iteration sends nothing (the generation rank
-    expects exactly the other versions). With ``refit.backend: sglang`` and ``engines``,
+    expects exactly the other versions). With ``refit.engine: sglang`` and ``engines``,
     train rank 0 drives every replica's control client around each refit."""
-    train = _run(tp=2, skipped=(3,), backend="sglang")  # the HF receiver stands for the engine (gen_tp 1)
+    train = _run(tp=2, skipped=(3,), engine="sglang")  # the HF receiver stands for the engine (gen_tp 1)
     assert all(s["pending"] == 0 for t in train for s in t["steps"])  # without overlap: gathered in step()
 
 
@@ -200,7 +200,7 @@ model:
   tensor_model_parallel_size: 1
 refit:
   enabled: true
-  backend: hf
+  engine: hf
   port: ${oc.env:TEST_REFIT_PORT}
   bucket_mb: 0.25
   timeout_s: 120

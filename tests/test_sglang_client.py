@@ -24,7 +24,7 @@ from megatron_refit.engines.sglang.client import (
 
 
 def test_control_messages_round_trip_through_the_wire_format():
-    refit = {"gen_tp": 2, "port": 29600, "backend": "sglang"}
+    refit = {"gen_tp": 2, "port": 29600, "engine": "sglang"}
     for message, op, args in ((connect_message(refit, num_train=4, replica=1), "connect",
                                {"refit": refit, "num_train": 4, "replica": 1}),
                               (refit_message(7, full=True), "refit", {"version": 7, "full": True})):
@@ -53,8 +53,8 @@ def test_the_loader_never_raises_into_the_engine():
     assert "no megatron_refit control message" in model.megatron_refit_error
     refit_loader(model, refit_message(1))
     assert "never connected" in model.megatron_refit_error
-    refit_loader(model, [("megatron_refit.connect:" + '{"refit": {"backend": "vllm"}, "num_train": 2}', empty)])
-    assert "refit.backend is 'vllm'" in model.megatron_refit_error
+    refit_loader(model, [("megatron_refit.connect:" + '{"refit": {"engine": "vllm"}, "num_train": 2}', empty)])
+    assert "refit.engine is 'vllm'" in model.megatron_refit_error
     assert refit_state(model) == dict(connected=False, state=None, weights_version=None,
                                       error=model.megatron_refit_error)
     refit_loader(model, [])
@@ -129,12 +129,12 @@ def test_a_failed_refit_leaves_every_engine_paused_and_names_the_cause():
     assert ("resume", 6) not in calls
 
 
-def test_backend_sglang_plans_the_engine_layout_and_writes_in_place():
+def test_engine_sglang_plans_the_engine_layout_and_writes_in_place():
     from megatron_refit.config import RefitConfig
 
-    assert RefitConfig(backend="sglang").gen_style == RefitConfig(backend="vllm").gen_style == "vllm"
-    assert RefitConfig(backend="hf").gen_style == "full"
+    assert RefitConfig(engine="sglang").gen_style == RefitConfig(engine="vllm").gen_style == "vllm"
+    assert RefitConfig(engine="hf").gen_style == "full"
     with pytest.raises(ValueError, match="engine_load must be 'in_place', got 'load_weights'"):
-        RefitConfig(backend="sglang", engine_load="load_weights")
-    with pytest.raises(ValueError, match="refit.swap 'staged' is not offered for backend 'sglang'"):
-        RefitConfig(backend="sglang", swap="staged")
+        RefitConfig(engine="sglang", engine_load="load_weights")
+    with pytest.raises(ValueError, match="refit.swap 'staged' is not offered for engine 'sglang'"):
+        RefitConfig(engine="sglang", swap="staged")

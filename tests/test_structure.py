@@ -1,17 +1,39 @@
-"""The package layout docs/architecture.md draws: no import cycles, the runtime imports no
-tooling, invariants raise errors (no ``assert``), transports behind a registry."""
+"""The layers docs/architecture.md draws, enforced: dependencies point one way (down the
+table below) over the whole graph, ``megatron_refit`` and ``conversion`` together, lazy imports
+included; no import cycles; the plan layer imports no torch; no private name crosses a module;
+invariants raise errors (no ``assert``); transports and engines behind registries."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_refit"
+FOLDERS = (PACKAGE, ROOT / "conversion")
 ENTRY_POINTS = {"megatron_refit.demo", "megatron_refit.dryrun", "megatron_refit.costmodel"}
 """``python -m megatron_refit.<name>``: thin shims over ``megatron_refit.tools``."""
+
+LAYERS = (
+    ("megatron_refit", "megatron_refit.errors", "megatron_refit.families", "megatron_refit.engines.registry"),
+    ("megatron_refit.plan",),
+    ("megatron_refit.config",),
+    ("megatron_refit.transport",),
+    ("megatron_refit.endpoint",),
+    ("megatron_refit.refit",),
+    ("megatron_refit.engines",),
+    ("conversion",),
+    ("conversion.testing",),
+    ("megatron_refit.tools", *sorted(ENTRY_POINTS)),
+)
+"""Bottom to top: a module imports modules of its own layer or of layers below, never above.
+A module belongs to the layer of the longest prefix that names it (``megatron_refit.engines``
+is the engines, except ``megatron_refit.engines.registry``, which every layer may ask). The
+runtime is everything below ``conversion.testing``: it never imports test builders or tools."""
 
 
 def _module(path: Path) -> str:
@@ -20,7 +42,7 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """megatron_refit modules ``path`` imports, at any depth (module level or inside a function)."""
+    """Project modules ``path`` imports, at any depth (module level or inside a function)."""
     module = _module(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
@@ -35,12 +57,26 @@ def _imports(path: Path) -> set[str]:
                 target = node.module or ""
             out.add(target)
             out |= {f"{target}.{a.name}" for a in node.names}  # `from pkg import module`
-    return {m for m in out if m.startswith("megatron_refit")}
+    return {m for m in out if m.split(".")[0] in ("megatron_refit", "conversion")}
+
+
+def _files() -> dict[str, Path]:
+    return {_module(p): p for folder in FOLDERS for p in folder.rglob("*.py")}
 
 
 def _graph() -> dict[str, set[str]]:
-    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    files = _files()
     return {m: {t for t in _imports(p) if t in files and t != m} for m, p in files.items()}
+
+
+def _layer(module: str) -> int:
+    best, layer = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, layer = len(prefix), index
+    assert layer is not None, module
+    return layer
 
 
 def test_no_import_cycles():
@@ -64,12 +100,66 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_runtime_imports_no_tooling():
+def test_dependencies_point_down_the_layers():
     graph = _graph()
-    runtime = [m for m in graph if not m.startswith("megatron_refit.tools") and m not in ENTRY_POINTS]
-    assert "megatron_refit.driver" in runtime and "megatron_refit.transport" in runtime
-    bad = {m: sorted(t for t in graph[m] if t.startswith("megatron_refit.tools")) for m in runtime}
+    assert len(graph) > 90 and "conversion.refit_callback" in graph and "megatron_refit.plan.spec" in graph
+    upward = sorted(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+                    for m, targets in graph.items() for t in targets
+                    if _layer(t) > _layer(m) and not m.startswith(t + "."))
+    assert not upward, upward
+
+
+def test_the_layer_check_catches_an_upward_import():
+    assert _layer("megatron_refit.endpoint.sender") < _layer("megatron_refit.engines.vllm.live")
+    assert _layer("megatron_refit.engines.registry") < _layer("megatron_refit.config")
+    assert _layer("conversion.refit_callback") < _layer("conversion.testing.build") < _layer("megatron_refit.tools")
+
+
+def test_runtime_imports_no_tooling_or_test_builders():
+    graph = _graph()
+    runtime = [m for m in graph if _layer(m) < _layer("conversion.testing")]
+    assert "megatron_refit.endpoint.sender" in runtime and "conversion.refit_callback" in runtime
+    bad = {m: sorted(t for t in graph[m] if t.startswith(("megatron_refit.tools", "conversion.testing")))
+           for m in runtime}
     assert not {m: t for m, t in bad.items() if t}
+
+
+def test_the_plan_layer_imports_no_torch():
+    modules = sorted(m for m in _files() if m.startswith("megatron_refit.plan"))
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
+            "assert not bad, bad[:5]")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_root_holds_the_entry_points_and_little_else():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 8, root
+    assert {"__init__.py", "config.py", "errors.py", "refit.py"} <= set(root)
+
+
+def test_no_private_name_crosses_a_module():
+    """``from x import _name`` or ``x._name`` on a project module, outside tests (Bridge's and
+    vLLM's private names are behind conversion/bridge_api.py; tests/test_bridge_api.py audits it)."""
+    files = _files()
+    found = []
+    for folder in (*FOLDERS, ROOT / "scripts"):
+        for path in folder.rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            modules = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+                    found += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+                    modules |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in files}
+                elif isinstance(node, ast.Import):
+                    modules |= {a.asname for a in node.names if a.asname and a.name in files}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                        node.value.id in modules and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not found, found
 
 
 def test_invariants_raise_errors_not_asserts():
@@ -106,6 +196,7 @@ def test_a_registered_transport_serves_a_refit_group():
     group = open_transport("gloo", host="127.0.0.1", port=port, rank=0, world_size=1, timeout_s=30, num_train=1)
     try:
         assert isinstance(group, RefitGroup) and group.backend == "gloo" and group.direct_ok
+        assert group.auto_direct_bytes(64 << 20) == 1 << 20  # host memory: 1 MiB goes direct
         from megatron_refit.transport.process_group import HEADER_VALUES
 
         assert group.exchange("message", [7]) == [[7] + [0] * (HEADER_VALUES - 1)]

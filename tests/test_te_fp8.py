@@ -2,7 +2,7 @@
 Float8Blockwise stand-ins (TE's ``get_metadata()`` layout: uint8 data, scale columns padded
 to a multiple of 4) in place of the linear weights of real tiny Megatron models. Our local
 FP8 data + trimmed ``weight_scale_inv`` pieces must equal Bridge's gathered export of the
-same tasks byte for byte, and — shards being on the 128 grid — quantising Bridge's full
+same tasks byte for byte, and — shards being on the 128 grid — quantizing Bridge's full
 export with TE's power-of-two scales."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.plan.fp8_layout import is_quantised, scale_name
+from megatron_refit.plan.fp8_layout import is_quantized, scale_name
 from megatron_refit.endpoint.fp8 import quantize_blockwise
 from megatron_refit.tools.launch import run_spawned
 from tests import workers
@@ -34,11 +34,11 @@ def test_te_pass_through_equals_bridge_export_of_te_bytes():
                 full = assembled.setdefault(spec.name, torch.zeros(spec.global_shape, dtype=tensor.dtype))
                 full[tuple(slice(a, b) for a, b in spec.box)] = tensor
         assert set(assembled) == set(bridge), set(assembled) ^ set(bridge)
-        quantised = [n for n in export if is_quantised(n, tuple(export[n].shape))]
-        assert quantised and all(assembled[n].dtype == torch.float8_e4m3fn for n in quantised)
+        quantized = [n for n in export if is_quantized(n, tuple(export[n].shape))]
+        assert quantized and all(assembled[n].dtype == torch.float8_e4m3fn for n in quantized)
         for name, tensor in assembled.items():
             assert torch.equal(_bytes(tensor), _bytes(bridge[name])), (model, name)
-        for name in quantised:
+        for name in quantized:
             q, s = quantize_blockwise(export[name], pow2_scales=True)
             assert torch.equal(_bytes(assembled[name]), _bytes(q)), (model, name)
             assert torch.equal(assembled[scale_name(name)], s), (model, name)

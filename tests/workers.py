@@ -181,7 +181,7 @@ TE_LINEAR = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "li
 
 def te_stand_in(weight: torch.Tensor):
     """A CPU stand-in with TE's ``get_metadata()`` of a Float8Blockwise weight (TE needs CUDA
-    to create real ones): the local weight quantised in 128x128 blocks with power-of-two
+    to create real ones): the local weight quantized in 128x128 blocks with power-of-two
     scales, scale columns zero-padded to a multiple of 4 as TE stores them."""
     from megatron_refit.endpoint.fp8 import quantize_blockwise
 

@@ -1,7 +1,7 @@
-"""Megatron forward with trainer-side FP8 weights (quantise then dequantise in place), the
+"""Megatron forward with trainer-side FP8 weights (quantize then dequantize in place), the
 reference that an FP8 engine's logits are compared against.
 
-Quantised Megatron params are the linear weights whose HF pieces trainer-side FP8 quantises
+Quantized Megatron params are the linear weights whose HF pieces trainer-side FP8 quantizes
 (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, experts included; not the
 router, embeddings, output layer or norms). Their 128×128 blocks in Megatron's local layout
 are the HF tensors' blocks when every HF piece edge is on the 128 grid (the plan enforces
@@ -22,7 +22,7 @@ LINEAR_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight"
 
 @contextlib.contextmanager
 def fp8_weights(model_chunks: list, config):
-    """Within the block, every quantised local weight holds ``dequantise(quantise(w))``."""
+    """Within the block, every quantized local weight holds ``dequantize(quantize(w))``."""
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
     if kv_channels % BLOCK:
         raise ValueError(f"kv_channels={kv_channels}: the FP8 reference forward needs whole {BLOCK}-row "

@@ -41,25 +41,17 @@ def delta_tag(index: int) -> int:
     return DELTA_TAG + index
 
 
-GLOO_DIRECT_BYTES = 1 << 20
-"""``direct_bytes="auto"`` on gloo: on CPU a packing copy costs about as much as moving the
-bytes, so every transfer of at least 1 MiB skips it."""
-
-
-def resolve_direct_bytes(direct_bytes: int | str | None, backend: str, bucket_bytes: int) -> int | None:
-    """The size from which a transfer skips packing (None: none does).
-
-    ``"auto"``: :data:`GLOO_DIRECT_BYTES` on gloo; one bucket (``bucket_bytes``) on NCCL, where
-    a device copy runs ~30x faster than a 400 Gb/s NIC (~3x faster than NVLink) but every
-    message costs ~20 us, so a model's many mid-size pieces (one expert's slice, one layer's
-    projection) travel packed, a few full buckets per peer, as :mod:`megatron_refit.plan.cost`
-    counts them."""
-    if direct_bytes == "auto":
-        return GLOO_DIRECT_BYTES if backend == "gloo" else bucket_bytes
-    if direct_bytes is not None and (isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int)
-                                     or direct_bytes < 1):
+def resolve_direct_bytes(direct_bytes: int | str | None, group: Transport, bucket_bytes: int) -> int | None:
+    """The size from which a transfer skips packing on ``group`` (None: none does): ``"auto"``
+    asks the transport (:meth:`~megatron_refit.transport.base.Transport.auto_direct_bytes`:
+    1 MiB on gloo, one bucket on NCCL); a transport that cannot send from the pieces' own
+    memory (``direct_ok`` false: colocated IPC) packs everything."""
+    if direct_bytes != "auto" and direct_bytes is not None and (
+            isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int) or direct_bytes < 1):
         raise ValueError(f"direct_bytes must be a positive int, 'auto' or None, got {direct_bytes!r}")
-    return direct_bytes
+    if not group.direct_ok:
+        return None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
+    return group.auto_direct_bytes(bucket_bytes) if direct_bytes == "auto" else direct_bytes
 
 
 def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
@@ -102,7 +94,7 @@ def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
 class Endpoint:
     """What both sides share: the plan agreement, the version handshake, and the bucket
     loop with a bounded window. :class:`~megatron_refit.endpoint.sender.Refitter` and
-    :class:`~megatron_refit.endpoint.sender.Receiver` add what each side does per bucket."""
+    :class:`~megatron_refit.endpoint.receiver.Receiver` add what each side does per bucket."""
 
     role: str
 
@@ -128,10 +120,7 @@ class Endpoint:
         self.verify = check_mode(verify)
         """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
         :mod:`megatron_refit.endpoint.integrity`)."""
-        direct_bytes = resolve_direct_bytes(direct_bytes, group.backend, bucket_bytes)
-        if not group.direct_ok:
-            direct_bytes = None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
-        self.direct_bytes = direct_bytes
+        self.direct_bytes = resolve_direct_bytes(direct_bytes, group, bucket_bytes)
         """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
         self.plan: RefitPlan | None = None
         self._plan_id = 0

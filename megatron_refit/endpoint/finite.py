@@ -2,7 +2,7 @@
 
 Run as the trainer's preflight in the per-refit handshake, so one rank's finding ends the
 refit on every rank before any byte moves. Opt-in: one pass over this rank's weights (and
-a piece whose ``tensor()`` derives a copy, e.g. the QKV split or FP8 quantisation, derives it
+a piece whose ``tensor()`` derives a copy, e.g. the QKV split or FP8 quantization, derives it
 here once more).
 """
 

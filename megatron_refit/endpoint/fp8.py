@@ -1,6 +1,6 @@
 """Blockwise FP8 reference math (pure torch, no distributed import).
 
-Format of DeepSeek-V3 / Hugging Face / vLLM block-quantised checkpoints: ``weight`` in
+Format of DeepSeek-V3 / Hugging Face / vLLM block-quantized checkpoints: ``weight`` in
 ``float8_e4m3fn`` with its logical shape ``[out, in]`` and ``weight_scale_inv`` in float32
 of shape ``[ceil(out / bm), ceil(in / bk)]`` (``bm × bk`` = 128×128 for weights, 1×128 for
 activation-style tiles). ``x ≈ q * scale_inv`` block by block.
@@ -11,7 +11,7 @@ becomes the largest float32; ``pow2_scales`` floors the scale to a power of two 
 Engine's default); ``q = cast(clamp(x * scale, -448, 448))`` (the clamp matters: torch's
 cast to e4m3fn does not saturate); ``scale_inv = 1 / scale``.
 
-Which parameters are quantised and how FP8 tensors map onto boxes lives in the torch-free
+Which parameters are quantized and how FP8 tensors map onto boxes lives in the torch-free
 :mod:`megatron_refit.plan.fp8_layout` (re-exported here).
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from megatron_refit.plan.fp8_layout import (
     BLOCK,
-    is_quantised,
+    is_quantized,
     scale_name,
     scale_shape,
 )
@@ -93,11 +93,11 @@ def dequantize_blockwise(
 
 
 def fp8_checkpoint(tensors: dict[str, torch.Tensor], *, pow2_scales: bool = False) -> dict[str, torch.Tensor]:
-    """Full HF tensors as an FP8 checkpoint: quantised weights as FP8 data + ``weight_scale_inv``,
+    """Full HF tensors as an FP8 checkpoint: quantized weights as FP8 data + ``weight_scale_inv``,
     the rest unchanged (what trainer-side FP8 must deliver, and what an FP8 engine loads)."""
     out = {}
     for name, tensor in tensors.items():
-        if is_quantised(name, tuple(tensor.shape)):
+        if is_quantized(name, tuple(tensor.shape)):
             out[name], out[scale_name(name)] = quantize_blockwise(tensor, pow2_scales=pow2_scales)
         else:
             out[name] = tensor

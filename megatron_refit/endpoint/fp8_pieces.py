@@ -1,7 +1,7 @@
 """Trainer-side FP8: turn a rank's high-precision pieces into FP8 weight + ``scale_inv`` pieces.
 
-Each quantised weight piece (by role, :func:`megatron_refit.endpoint.fp8.is_quantised`) becomes two
-pieces, quantised once per refit on first use and dropped when the driver releases them
+Each quantized weight piece (by role, :func:`megatron_refit.endpoint.fp8.is_quantized`) becomes two
+pieces, quantized once per refit on first use and dropped when the endpoint releases them
 (after their last bucket left), so at most the in-flight window of FP8 copies exists at a
 time. Every other piece passes through unchanged. The 128 rule is checked here, when the
 pieces are built, before ``prepare()`` starts any collective.
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_refit.endpoint.fp8 import quantize_blockwise
-from megatron_refit.plan.fp8_layout import fp8_specs, is_quantised
+from megatron_refit.plan.fp8_layout import fp8_specs, is_quantized
 from megatron_refit.plan.spec import ShardSpec
 
 
-class _Quantised:
-    """One weight piece, quantised lazily; shared by its weight and scale pieces."""
+class _Quantized:
+    """One weight piece, quantized lazily; shared by its weight and scale pieces."""
 
     def __init__(self, piece, pow2_scales: bool):
         self.piece = piece
@@ -45,10 +45,10 @@ class _Quantised:
 
 @dataclass
 class Fp8Piece:
-    """The FP8 data (``index`` 0) or ``scale_inv`` (``index`` 1) of a quantised weight."""
+    """The FP8 data (``index`` 0) or ``scale_inv`` (``index`` 1) of a quantized weight."""
 
     spec: ShardSpec
-    source: _Quantised
+    source: _Quantized
     index: int
 
     def tensor(self) -> torch.Tensor:
@@ -58,8 +58,8 @@ class Fp8Piece:
         self.source.drop(self.index)
 
 
-def quantise_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
-    """``pieces`` with every quantised weight replaced by its FP8 weight and scale pieces.
+def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
+    """``pieces`` with every quantized weight replaced by its FP8 weight and scale pieces.
 
     Raises ``ValueError`` (naming parameter, dim and boundary) for a piece whose box edge is
     not on the 128-element block grid.
@@ -67,13 +67,13 @@ def quantise_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
     out = []
     for piece in pieces:
         spec = piece.spec
-        if not is_quantised(spec.name, spec.global_shape):
+        if not is_quantized(spec.name, spec.global_shape):
             out.append(piece)
             continue
         if spec.dtype == "float8_e4m3fn":
             raise ValueError(f"{spec.name}: already FP8 (Transformer Engine params): use pass-through, "
-                             "not trainer-side quantisation")
+                             "not trainer-side quantization")
         weight, scale = fp8_specs(spec)
-        source = _Quantised(piece, pow2_scales)
+        source = _Quantized(piece, pow2_scales)
         out += [Fp8Piece(weight, source, 0), Fp8Piece(scale, source, 1)]
     return out

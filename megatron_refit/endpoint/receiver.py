@@ -1,5 +1,5 @@
 """The generation side of a refit: :class:`Receiver` writes this rank's pieces into the
-engine's storage (a :class:`~megatron_refit.endpoint.storage.ReceiverBackend`) and keeps its
+engine's storage (a :class:`~megatron_refit.endpoint.storage.Storage`) and keeps its
 ``stale → updating → ready`` state; see :mod:`megatron_refit.endpoint.sender` for the protocol."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, word_size
 from megatron_refit.endpoint.integrity import chunk_sums
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.storage import ExpectsVersion, ReceiverBackend, RefreshesTargets, TracksState
+from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
 from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
@@ -23,18 +23,18 @@ from megatron_refit.transport import Transport
 
 
 class Receiver(Endpoint):
-    """Generation side: receives this rank's pieces into ``backend`` storage."""
+    """Generation side: receives this rank's pieces into ``storage`` (the engine's memory)."""
 
     role = "gen"
 
-    def __init__(self, group: Transport, backend: ReceiverBackend, *, num_train: int, num_gen: int,
+    def __init__(self, group: Transport, storage: Storage, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, delta: str = "off"):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta)
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
-        self.backend = backend
+        self.storage = storage
         self.gen_index = group.rank - num_train
         self.state = "stale"
         self.weights_version: int | None = None
@@ -45,30 +45,30 @@ class Receiver(Endpoint):
 
     def _set_state(self, state: str) -> None:
         self.state = state
-        if isinstance(self.backend, TracksState):
-            self.backend.set_state(state, self.weights_version)
+        if isinstance(self.storage, TracksState):
+            self.storage.set_state(state, self.weights_version)
 
     def _local_specs(self) -> list[ShardSpec]:
-        return list(self.backend.target_specs())
+        return list(self.storage.target_specs())
 
     def _local_adjacent(self) -> list[tuple[str, str]]:
         # from the engine storage's addresses (it stays put between refits)
-        return adjacent_pieces({spec.name: self.backend.buffer(spec.name) for spec in self.backend.target_specs()})
+        return adjacent_pieces({spec.name: self.storage.buffer(spec.name) for spec in self.storage.target_specs()})
 
     def _delta_base(self) -> int:
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
-        version = getattr(self.backend, "weights_version", self.weights_version)
-        if self.state != "ready" or self._moved or version is None or not getattr(self.backend, "holds_sent_bytes",
+        version = getattr(self.storage, "weights_version", self.weights_version)
+        if self.state != "ready" or self._moved or version is None or not getattr(self.storage, "holds_sent_bytes",
                                                                                    False):
             return -1
         return version
 
     def _refresh_targets(self) -> None:
         self._moved = False
-        if not isinstance(self.backend, RefreshesTargets):
+        if not isinstance(self.storage, RefreshesTargets):
             return
         try:
-            self._moved = bool(self.backend.refresh_targets())
+            self._moved = bool(self.storage.refresh_targets())
         except BaseException:
             self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
             raise
@@ -78,8 +78,8 @@ class Receiver(Endpoint):
         engine must not serve them) and the error propagates; the next complete refit
         restores ``ready``."""
         use_delta = self._agree_on_version(version, self._refresh_targets)
-        if isinstance(self.backend, ExpectsVersion):  # a staged engine tags the swap with it
-            self.backend.expect_version(version)
+        if isinstance(self.storage, ExpectsVersion):  # a staged engine tags the swap with it
+            self.storage.expect_version(version)
         self._set_state("updating")
         try:
             report = self._receive(version, use_delta)
@@ -130,7 +130,7 @@ class Receiver(Endpoint):
             if encoding != RAW:  # the changed elements only, into staging
                 self._route(report, False)
                 return self.group.irecv(buf[:size], self.plan.global_src(bucket), bucket.index)
-            direct = self._direct_view(bucket, self.backend.buffer, "dst")
+            direct = self._direct_view(bucket, self.storage.buffer, "dst")
             self._route(report, direct is not None)
             if direct is not None:  # straight into engine storage
                 pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
@@ -154,7 +154,7 @@ class Receiver(Endpoint):
             if pending.direct or encoding != RAW:  # already in engine storage
                 return
             t0 = time.perf_counter()
-            unpack_bucket(bucket, buf, self.backend.buffer)
+            unpack_bucket(bucket, buf, self.storage.buffer)
             report.seconds["load"] += time.perf_counter() - t0
 
         with torch.no_grad():
@@ -177,16 +177,16 @@ class Receiver(Endpoint):
         """The bucket's new bytes: the previous version's (engine storage) with the changed
         words written over, back into engine storage. Returns them (for the digests)."""
         word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
-        target = self._direct_view(bucket, self.backend.buffer, "dst")
+        target = self._direct_view(bucket, self.storage.buffer, "dst")
         if target is not None:  # contiguous in engine storage: in place
             apply(target, encoding, payload, word)
             return target
         if not scratch or scratch[0].numel() < bucket.nbytes:
             scratch[:] = [torch.empty(bucket.nbytes, dtype=torch.uint8, device=payload.device)]
         target = scratch[0][: bucket.nbytes].zero_()  # padding as the sender packed it: zeros
-        repack_bucket(bucket, self.backend.buffer, out=target)
+        repack_bucket(bucket, self.storage.buffer, out=target)
         apply(target, encoding, payload, word)
-        unpack_bucket(bucket, target, self.backend.buffer)
+        unpack_bucket(bucket, target, self.storage.buffer)
         return target
 
     def _check_and_finalize(self, version: int, sent: dict, computed: dict, received: dict,
@@ -210,5 +210,5 @@ class Receiver(Endpoint):
                     f"{names[:8]}{' ...' if len(names) > 8 else ''}"
                 )
         t0 = time.perf_counter()
-        self.backend.finalize()
+        self.storage.finalize()
         report.seconds["load"] += time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Refit driver: ``Refitter`` on train ranks, ``Receiver`` on generation ranks.
+"""The train side of a refit, ``Refitter``; the generation side, ``Receiver``, is in
+:mod:`megatron_refit.endpoint.receiver`.
 
 ``prepare()`` (once): every rank contributes its pieces (train: the HF-named local shards
 it holds; generation: the pieces its engine needs), all build the same plan from the
@@ -182,7 +183,7 @@ class Refitter(Endpoint):
             return pending
 
         def retire(bucket, pending) -> None:
-            # a piece's last bucket has left: drop copies made for it (QKV split, FP8 quantisation)
+            # a piece's last bucket has left: drop copies made for it (QKV split, FP8 quantization)
             for item in bucket.items:
                 name = item.transfer.name
                 if last_use.get(name) == bucket.index:

@@ -1,11 +1,11 @@
-"""The receiver protocol: what a generation engine gives :class:`~megatron_refit.endpoint.sender.Receiver`,
-the weight states it goes through, and the errors a receiver raises.
+"""The storage protocol: what a generation engine gives :class:`~megatron_refit.endpoint.receiver.Receiver`
+(the memory its pieces land in), and the weight states it goes through.
 
-A receiver backend holds the engine's storage for this generation rank's pieces
-(:class:`ReceiverBackend`). The driver moves it through ``stale → updating → ready`` (back
+An engine's :class:`Storage` holds this generation rank's pieces (the engines under
+:mod:`megatron_refit.engines` implement it). The receiver moves it through ``stale → updating → ready`` (back
 to ``stale`` on any failure) and tells it each change; :class:`WeightsState` is the guard
 every receiver in this package keeps, so an engine can refuse to serve weights that are not
-those of a complete refit. Nothing here imports the driver, a transport or Megatron.
+those of a complete refit. Nothing here imports the endpoint, a transport or Megatron.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ STATES = ("stale", "updating", "ready")
 ``updating``: a refit is writing into them; ``ready``: the weights of refit ``weights_version``."""
 
 
-class ReceiverBackend(Protocol):
-    """What a generation engine provides to :class:`~megatron_refit.endpoint.sender.Receiver`."""
+class Storage(Protocol):
+    """What a generation engine provides to :class:`~megatron_refit.endpoint.receiver.Receiver`."""
 
     def target_specs(self) -> list[ShardSpec]:
         """The pieces of HF tensors this generation rank holds (HF names, global boxes)."""
@@ -46,7 +46,7 @@ class TracksState(Protocol):
 
 @runtime_checkable
 class RefreshesTargets(Protocol):
-    """Optional: called at the start of every refit, before any byte moves. A backend over a
+    """Optional: called at the start of every refit, before any byte moves. A storage over a
     live engine checks that the storage it writes into is still the engine's (re-resolving
     it if the engine re-allocated its parameters; True then, and that refit is a full one,
     never a delta) and raises if it cannot be; every rank then ends the refit with an error
@@ -72,7 +72,7 @@ class WeightsState:
 
     holds_sent_bytes: bool = True
     """The storage keeps exactly the bytes the last refit wrote (no post-load step transforms
-    them in place): a delta refit (``refit.delta``) can start from it. A backend without this
+    them in place): a delta refit (``refit.delta``) can start from it. A storage without this
     attribute is assumed not to, and always gets full refits."""
     state: str = "stale"
     weights_version: int | None = None

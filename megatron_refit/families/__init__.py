@@ -80,22 +80,6 @@ def segment_rows(name: str, hf_config) -> tuple[tuple[str, int], ...] | None:
     return None
 
 
-def split_segments(tensors: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """Whole HF tensors with their segments added as ``<name>#<segment>`` views (dim 0), given
-    every segment's global shape (``shapes``, refit names)."""
-    out = dict(tensors)
-    for name, t in tensors.items():
-        order = segment_order(name)
-        if order is None:
-            continue
-        start = 0
-        for segment in order:
-            rows = shapes[segment_name(name, segment)][0]
-            out[segment_name(name, segment)] = t.narrow(0, start, rows)
-            start += rows
-    return out
-
-
 def checkpoint_name(model_name: str, hf_config) -> str:
     """A transformers state-dict name as the checkpoint spells it."""
     for pattern, replacement in of_config(hf_config).checkpoint_renames:
@@ -167,4 +151,4 @@ def engine_aliases() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 __all__ = ["FAMILIES", "PRESETS", "ModelFamily", "by_architecture", "checkpoint_name", "classify", "engine_aliases",
            "engine_group", "engine_name", "expert_re", "of_config", "role_rules", "segment_name", "segment_order",
-           "segment_rows", "split_segment", "split_segments", "vocab_names"]
+           "segment_rows", "split_segment", "vocab_names"]

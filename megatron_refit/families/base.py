@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTISED_ROLES = frozenset({"q", "kv", "column", "expert_column", "row", "expert_row"})
-"""Default: the sharding roles of the linear weights trainer-side FP8 quantises (q/k/v/o and
+"""Default: the sharding roles of the linear weights trainer-side FP8 quantizes (q/k/v/o and
 gate/up/down, routed and shared experts included). Embeddings and lm_head (``vocab``), norms,
 the MoE router and biases keep their training dtype."""
 
@@ -72,7 +72,7 @@ class ModelFamily:
                                           ".experts.routed_experts.w2_weight_scale_inv")),
     )
     """``(suffix, spellings)``: the names under which vLLM model classes keep a parameter."""
-    quantised_roles: frozenset[str] = QUANTISED_ROLES
+    quantized_roles: frozenset[str] = QUANTISED_ROLES
     adapted_roles: frozenset[str] = ADAPTED_ROLES
     build: str | None = None
     """Module (Megatron side) with ``configure_provider(provider, *, meta)`` for a CPU build,

@@ -1,4 +1,4 @@
-"""Sender assignment by families of parameters (pure): the one implementation of who sends
+"""Sender assignment by groups of parameters (pure): the one implementation of who sends
 what. ``prepare()`` gets it through :class:`megatron_refit.plan.senders.SenderPlan` (which lists
 its pieces per gen class), the dry run and cost model use it as it is, without a piece per
 gen class and parameter.
@@ -6,7 +6,7 @@ gen class and parameter.
 A full-scale MoE plan has millions of (gen class, parameter) pieces (DeepSeek-V3 on vLLM
 TP32: 45 k parameters x 32 engine TP ranks) but few patterns: the routed experts of one
 projection share their global shape, dtype and train boxes (each box held by one rank) and
-have the same box on every gen class; only the train rank holding them differs. A *family*
+have the same box on every gen class; only the train rank holding them differs. A *group*
 is such a set of parameters: it is validated, intersected and sized once and keeps one
 tuple of holders per parameter. A parameter with a train box held by several ranks (DP
 replicas) has its senders water-filled piece by piece, by name, then class.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from operator import itemgetter
 
 from megatron_refit.errors import PlanError
-from megatron_refit.plan.buckets import Transfer, _numel
+from megatron_refit.plan.buckets import Transfer
+from megatron_refit.plan.spec import box_numel
 from megatron_refit.plan.checks import ITEMSIZE, check_target, check_tiling, gc_paused, index_specs
 from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.spec import Box, ShardSpec, intersect, relative
@@ -33,7 +34,7 @@ Item = tuple[str, str, Box, tuple[Piece, ...]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Family:
+class BoxGroup:
     """Parameters that match box for box on both sides; only their holders differ."""
 
     dtype: str
@@ -49,12 +50,12 @@ class Family:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FamilyPlan:
+class Assignment:
     """Validated sender assignment (see the module docstring)."""
 
     class_ranks: tuple[tuple[int, ...], ...]
     """Gen ranks of each class (identical pieces), in order of their first rank."""
-    families: tuple[Family, ...]
+    groups: tuple[BoxGroup, ...]
     replicated: tuple[tuple[Item, ...], ...]
     """Per class, the pieces of parameters with a train box held by several ranks."""
     train_bytes: tuple[int, ...]
@@ -63,13 +64,13 @@ class FamilyPlan:
     """Train parameters that no gen rank needs."""
 
     @classmethod
-    def build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> FamilyPlan:
+    def build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> Assignment:
         """Validate and assign senders; ``PlanError`` names the first bad parameter."""
         with gc_paused():
             return cls._build(train_specs, targets)
 
     @classmethod
-    def _build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> FamilyPlan:
+    def _build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> Assignment:
         ranks = targets.ranks
         num_gen = sum(map(len, ranks))
         ranks_seen = sorted(rank for class_ranks in ranks for rank in class_ranks)
@@ -103,48 +104,48 @@ class FamilyPlan:
             if len(boxes) == 1:  # the common case (whole experts under EP): inlined
                 (box, holders), = boxes.items()
                 if len(holders) == 1:
-                    members = builder.by_id.get((dtype, id(gen_boxes), id(box))) or builder.family(
+                    members = builder.by_id.get((dtype, id(gen_boxes), id(box))) or builder.group(
                         dtype, gen_boxes, boxes)
                     members.names.append(name)
                     members.holders.append((holders[0],))
                     load[holders[0]] += members.sent[0]
                     continue
             if all(len(holders) == 1 for holders in boxes.values()):
-                builder.family(dtype, gen_boxes, boxes).add(name, boxes, load)
+                builder.group(dtype, gen_boxes, boxes).add(name, boxes, load)
             else:
                 builder.add_replicated(name, dtype, gen_boxes, boxes)
-        return cls(class_ranks=ranks, families=builder.families(), replicated=builder.replicated_items(),
+        return cls(class_ranks=ranks, groups=builder.groups(), replicated=builder.replicated_items(),
                    train_bytes=tuple(load), unused_train_params=tuple(sorted(set(train_meta).difference(needed))))
 
     def gen_bytes(self) -> dict[int, int]:
         """Bytes each gen rank receives (= holds)."""
         per_class = [sum(piece[2] for *_, pieces in items for piece in pieces) for items in self.replicated]
-        for family in self.families:
-            for c, row in enumerate(family.nbytes):
-                per_class[c] += len(family.names) * sum(row)
+        for group in self.groups:
+            for c, row in enumerate(group.nbytes):
+                per_class[c] += len(group.names) * sum(row)
         out = {rank: per_class[c] for c, ranks in enumerate(self.class_ranks) for rank in ranks}
         return dict(sorted(out.items()))
 
     @property
     def num_transfers(self) -> int:
         per_class = [sum(len(pieces) for *_, pieces in items) for items in self.replicated]
-        for family in self.families:
-            for c, row in enumerate(family.nbytes):
-                per_class[c] += len(family.names) * sum(map(bool, row))
+        for group in self.groups:
+            for c, row in enumerate(group.nbytes):
+                per_class[c] += len(group.names) * sum(map(bool, row))
         return sum(len(ranks) * n for ranks, n in zip(self.class_ranks, per_class))
 
     def pair_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per (train rank, gen rank) pair."""
         counts = [[Counter(holders[i] for holders in f.holders) for i in range(len(f.train_boxes))]
-                  for f in self.families]  # names per holder of each train box
+                  for f in self.groups]  # names per holder of each train box
         out: dict[tuple[int, int], int] = defaultdict(int)
         for c, ranks in enumerate(self.class_ranks):
             by_senders: dict[tuple[int, ...], int] = defaultdict(int)
             for _, _, _, pieces in self.replicated[c]:
                 for _, senders, nbytes in pieces:
                     by_senders[senders] += nbytes
-            for family, per_box in zip(self.families, counts):
-                for nbytes, holders in zip(family.nbytes[c], per_box):
+            for group, per_box in zip(self.groups, counts):
+                for nbytes, holders in zip(group.nbytes[c], per_box):
                     if nbytes:
                         for holder, num in holders.items():
                             by_senders[holder,] += num * nbytes
@@ -156,7 +157,7 @@ class FamilyPlan:
     def items(self, c: int) -> list[Item]:
         """Class ``c``'s gen pieces and their senders, by name (what SenderPlan lists for it)."""
         out = list(self.replicated[c])
-        for f in self.families:
+        for f in self.groups:
             box, row = f.gen_boxes[c], f.nbytes[c]
             if box is None:
                 continue
@@ -182,12 +183,12 @@ class FamilyPlan:
 
 
 class _Builder:
-    """Accumulates families, replicated items and each train rank's load (``load``, in place)."""
+    """Accumulates groups, replicated items and each train rank's load (``load``, in place)."""
 
     def __init__(self, ranks: tuple[tuple[int, ...], ...], load: list[int]) -> None:
         self.copies = [len(r) for r in ranks]
         self.load = load
-        # Family keys number boxes by value, looked up by identity: the boxes of one (role,
+        # BoxGroup keys number boxes by value, looked up by identity: the boxes of one (role,
         # shape) are shared objects, and every box here stays alive meanwhile.
         self.ids: dict[int, int] = {}
         self.values: dict[tuple, int] = {}
@@ -207,11 +208,11 @@ class _Builder:
         numel = self.overlap.get(key)
         if numel is None:
             box = intersect(train_box, gen_box) if gen_box else train_box  # a 0-dim box is ()
-            numel = self.overlap[key] = 0 if box is None else _numel(box)
+            numel = self.overlap[key] = 0 if box is None else box_numel(box)
         return numel
 
-    def family(self, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> _Members:
-        """The family of a parameter whose every train box has one holder."""
+    def group(self, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> _Members:
+        """The group of a parameter whose every train box has one holder."""
         members = self.by_id.get(key := (dtype, id(gen_boxes), *map(id, boxes)))
         if members is None:  # equal boxes may be distinct objects (e.g. FP8 scale tiles): by value
             value_key = (dtype, self._number(gen_boxes), *map(self._number, boxes))
@@ -230,12 +231,12 @@ class _Builder:
                 nbytes.append((0,) * len(train_boxes))
                 continue
             row = tuple(self._numel(train_boxes[i], gen_box) * itemsize for i in order)
-            if sum(row) != _numel(gen_box) * itemsize:  # the tiling was checked: a bug if reached
+            if sum(row) != box_numel(gen_box) * itemsize:  # the tiling was checked: a bug if reached
                 raise PlanError(f"train boxes {train_boxes} do not cover gen box {gen_box} exactly")
             nbytes.append(row)
-        family = Family(dtype=dtype, train_boxes=tuple(train_boxes[i] for i in order), gen_boxes=gen_boxes,
+        group = BoxGroup(dtype=dtype, train_boxes=tuple(train_boxes[i] for i in order), gen_boxes=gen_boxes,
                         nbytes=tuple(nbytes), names=(), holders=())
-        return _Members(family, order, self.copies)
+        return _Members(group, order, self.copies)
 
     def add_replicated(self, name: str, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> None:
         """A parameter with a train box held by several ranks: SenderPlan's water-filling, class by class."""
@@ -276,25 +277,25 @@ class _Builder:
                 pieces.sort(key=itemgetter(0))
             self.replicated[c].append((name, dtype, gen_box, tuple(pieces)))
 
-    def families(self) -> tuple[Family, ...]:
-        return tuple(replace(m.family, names=tuple(m.names), holders=tuple(m.holders)) for m in self.members.values())
+    def groups(self) -> tuple[BoxGroup, ...]:
+        return tuple(replace(m.group, names=tuple(m.names), holders=tuple(m.holders)) for m in self.members.values())
 
     def replicated_items(self) -> tuple[tuple[Item, ...], ...]:
         return tuple(map(tuple, self.replicated))
 
 
 class _Members:
-    """The parameters of one family while the plan is built."""
+    """The parameters of one group while the plan is built."""
 
-    __slots__ = ("family", "order", "sent", "names", "holders")
+    __slots__ = ("group", "order", "sent", "names", "holders")
 
-    def __init__(self, family: Family, order: list[int], copies: list[int]) -> None:
-        self.family = family
+    def __init__(self, group: BoxGroup, order: list[int], copies: list[int]) -> None:
+        self.group = group
         self.order = order
-        """``family.train_boxes[i]`` is a parameter's ``order[i]``-th train box (in first-seen order)."""
+        """``group.train_boxes[i]`` is a parameter's ``order[i]``-th train box (in first-seen order)."""
         self.sent = [0] * len(order)
         """Bytes the holder of each train box (first-seen order) sends to all classes."""
-        for num, row in zip(copies, family.nbytes):
+        for num, row in zip(copies, group.nbytes):
             for i, k in enumerate(order):
                 self.sent[k] += row[i] * num
         self.names: list[str] = []

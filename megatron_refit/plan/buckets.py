@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_refit.plan.spec import Box, box_shape
+from megatron_refit.plan.spec import Box, box_numel, box_shape
 
 ALIGN = 16
 """Byte alignment of items in a bucket: a uint8 slice can be viewed as any dtype up to 16 bytes."""
-
-
-def _numel(box: Box) -> int:
-    return math.prod(stop - start for start, stop in box)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +77,7 @@ def _split(transfer: Transfer, dim: int, start: int, stop: int, itemsize: int) -
         dst_box=narrow(transfer.dst_box),
         global_box=global_box,
         dtype=transfer.dtype,
-        nbytes=_numel(global_box) * itemsize,
+        nbytes=box_numel(global_box) * itemsize,
     )
 
 
@@ -93,7 +88,7 @@ def _chunks(transfer: Transfer, bucket_bytes: int) -> list[Transfer]:
     dim = next((d for d, size in enumerate(shape) if size > 1), None)
     if transfer.nbytes <= bucket_bytes or dim is None:
         return [transfer]
-    itemsize = transfer.nbytes // _numel(transfer.global_box)
+    itemsize = transfer.nbytes // box_numel(transfer.global_box)
     rows = max(1, bucket_bytes // (transfer.nbytes // shape[dim]))
     return [_split(transfer, dim, start, min(start + rows, shape[dim]), itemsize)
             for start in range(0, shape[dim], rows)]
@@ -111,7 +106,7 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
 
     A transfer of at least ``direct_bytes``, and a run, gets buckets of its own (a transfer
     split into chunks of at most ``bucket_bytes``; a run's items back to back, no padding),
-    so the driver can send it straight from the sender's memory and receive it straight
+    so the endpoint can send it straight from the sender's memory and receive it straight
     into the engine's storage, without packing. The smaller transfers meanwhile keep filling
     one open bucket, so a few large ones between them do not scatter them over many
     small messages; it is closed once ``bucket_bytes`` of direct transfers went past it,
@@ -160,7 +155,7 @@ def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | No
             close()
             add(transfer)
             continue
-        itemsize = transfer.nbytes // _numel(transfer.global_box)
+        itemsize = transfer.nbytes // box_numel(transfer.global_box)
         row_bytes = transfer.nbytes // shape[dim]
         start = 0
         while start < shape[dim]:
@@ -212,7 +207,7 @@ def _units(pair: list[Transfer], bucket_bytes: int, direct_bytes: int | None, sr
     return units
 
 
-def _bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None,
+def bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None,
                src_next: Adjacency | None = None, dst_next: Adjacency | None = None,
                whole: Callable[[Transfer], bool] | None = None) -> list[Bucket]:
     """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box).

@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 
 from megatron_refit.errors import PlanError
-from megatron_refit.plan.buckets import _numel
+from megatron_refit.plan.spec import box_numel
 from megatron_refit.plan.spec import Box, ShardSpec, intersect
 
 ITEMSIZE = {
@@ -36,7 +36,7 @@ def check_dtype(name: str, dtype: str) -> None:
 
 def check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """Distinct train boxes must be pairwise disjoint and cover ``shape`` exactly."""
-    covered = sum(_numel(box) for box in boxes)
+    covered = sum(box_numel(box) for box in boxes)
     if covered != math.prod(shape):
         raise PlanError(
             f"{name}: train pieces cover {covered} elements, the global shape {shape} has {math.prod(shape)}"
@@ -87,7 +87,7 @@ def check_target(name: str, gen_shape: tuple[int, ...], gen_dtype: str, shape: t
     if gen_dtype != dtype:
         hint = ""
         if gen_dtype.startswith("float8") and not dtype.startswith("float8"):
-            hint = (": the engine loads block-FP8 weights; turn on trainer-side FP8 quantisation "
+            hint = (": the engine loads block-FP8 weights; turn on trainer-side FP8 quantization "
                     "(trainer_quantize_fp8) or serve the engine in the training dtype")
         raise PlanError(f"{name}: dtype {gen_dtype} on gen ranks, {dtype} on train ranks{hint}")
 

@@ -9,7 +9,7 @@ each GPU's time is the slowest of its five loads (NIC out, NIC in, NVLink out, N
 device copy), each divided by its bandwidth, plus a fixed cost per message it handles;
 the refit takes as long as the slowest GPU. Not modelled: the fabric's core (assumed
 non-blocking), the engine's post-load step, and the trainer-side conversions (pack,
-FP8 quantisation), which run at HBM speed on GPU.
+FP8 quantization), which run at HBM speed on GPU.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def predict(
 ) -> Prediction:
     """Refit seconds for ``pair_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
 
-    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the driver sends
+    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
     on NCCL with its default ``direct_bytes`` (one bucket; see
     :func:`megatron_refit.endpoint.base.resolve_direct_bytes`), where transfers smaller than a
     bucket are packed together.

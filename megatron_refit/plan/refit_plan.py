@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from megatron_refit.errors import PlanError
-from megatron_refit.plan.buckets import Bucket, Transfer, _bucketize
+from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.senders import SenderPlan, gen_classes
 from megatron_refit.plan.spec import ShardSpec, box_shape
@@ -139,7 +139,7 @@ class RefitPlan:
             shape = box_shape(t.global_box)
             return shape_of(0, t.src_rank, t.name) == shape == shape_of(1, t.dst_rank, t.name)
 
-        buckets = _bucketize(transfers, bucket_bytes, direct_bytes, src_next, dst_next, whole)
+        buckets = bucketize(transfers, bucket_bytes, direct_bytes, src_next, dst_next, whole)
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:

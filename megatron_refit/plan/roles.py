@@ -1,7 +1,7 @@
 """The role of each HF parameter in tensor-parallel sharding (pure): decided by the family
 tables' rules (:mod:`megatron_refit.families`) on the last components of its name.
 
-``gen_layout`` shards by role; trainer-side FP8 (:func:`megatron_refit.plan.fp8_layout.is_quantised`)
+``gen_layout`` shards by role; trainer-side FP8 (:func:`megatron_refit.plan.fp8_layout.is_quantized`)
 and the LoRA receiver (:func:`is_adapted`) select parameters by role, through the family whose
 rule named the parameter.
 """
@@ -28,11 +28,11 @@ def param_role(name: str, ndim: int) -> str:
     return _classify(name, ndim)[1]
 
 
-def is_quantised_role(name: str) -> bool:
-    """True if trainer-side FP8 quantises 2-D weight ``name`` in its family (``ValueError``
+def is_quantized_role(name: str) -> bool:
+    """True if trainer-side FP8 quantizes 2-D weight ``name`` in its family (``ValueError``
     for an unknown name)."""
     family, role = _classify(name, 2)
-    return role in family.quantised_roles
+    return role in family.quantized_roles
 
 
 def is_adapted(name: str) -> bool:

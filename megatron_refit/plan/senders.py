@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_refit.errors import PlanError
-from megatron_refit.plan.assignment import FamilyPlan, Piece
+from megatron_refit.plan.assignment import Assignment, Piece
 from megatron_refit.plan.buckets import Transfer
 from megatron_refit.plan.checks import gc_paused
 from megatron_refit.plan.gen_layout import GenTargets
@@ -35,7 +35,7 @@ class SenderPlan:
     """Validated sender assignment per class of identical gen ranks (pure).
 
     The compact form of a plan: what :meth:`RefitPlan.build` expands into transfers and
-    buckets. The assignment itself is :class:`megatron_refit.plan.assignment.FamilyPlan`'s, the
+    buckets. The assignment itself is :class:`megatron_refit.plan.assignment.Assignment`'s, the
     one the dry run plans with; this lists its pieces per class. Senders are balanced by
     water-filling: the D gen ranks of a class that need a train box held by h train ranks
     get it from the holders in order of (bytes assigned so far, rank), round robin, so each
@@ -59,11 +59,12 @@ class SenderPlan:
     @classmethod
     def _build(cls, train_specs: dict[int, list[ShardSpec]], classes: list[GenClass]) -> SenderPlan:
         classes = sorted(classes, key=lambda c: c[0][0] if c[0] else -1)
-        family = FamilyPlan.build(train_specs, targets_of(classes))
+        assignment = Assignment.build(train_specs, targets_of(classes))
         by_name = [{spec.name: spec for spec in specs} for _, specs in classes]
-        assigned = tuple((tuple(ranks), tuple((by_name[c][name], pieces) for name, _, _, pieces in family.items(c)))
+        assigned = tuple((tuple(ranks), tuple((by_name[c][name], pieces) for name, _, _, pieces in assignment.items(c)))
                          for c, (ranks, _) in enumerate(classes))
-        return cls(classes=assigned, train_bytes=family.train_bytes, unused_train_params=family.unused_train_params)
+        return cls(classes=assigned, train_bytes=assignment.train_bytes,
+                   unused_train_params=assignment.unused_train_params)
 
     def gen_bytes(self) -> dict[int, int]:
         """Bytes each gen rank receives (= holds)."""

@@ -68,6 +68,11 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
+def box_numel(box: Box) -> int:
+    """Elements in ``box``."""
+    return math.prod(stop - start for start, stop in box)
+
+
 def full_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, size) for size in shape)
 

@@ -44,6 +44,6 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
 def check_layout(spec) -> None:
     """``ValueError`` naming the bad value if ``spec``'s model does not divide by its train layout."""
     from conversion.testing.validate import check_train_layout
-    from megatron_refit.tools.harness import _hf_config
+    from megatron_refit.tools.harness import hf_config_for
 
-    check_train_layout(_hf_config(spec), spec.train)
+    check_train_layout(hf_config_for(spec), spec.train)

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import Cluster, delta_fraction, delta_prediction, placement, predict, swap_pause
 from megatron_refit.plan.senders import SenderPlan
 from megatron_refit.tools.dryrun import build
@@ -31,7 +31,7 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
 """Published refit seconds: (system, layout, low, high)."""
 
 
-def pair_bytes(senders: SenderPlan | FamilyPlan) -> dict[tuple[int, int], int]:
+def pair_bytes(senders: SenderPlan | Assignment) -> dict[tuple[int, int], int]:
     """Bytes per (train rank, gen rank) pair of a plan."""
     return senders.pair_bytes()
 

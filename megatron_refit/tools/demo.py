@@ -19,7 +19,7 @@ from megatron_refit.families import FAMILIES, PRESETS
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import USER_ERRORS
-from megatron_refit.tools.harness import RunSpec, _hf_config, evaluate, run
+from megatron_refit.tools.harness import RunSpec, hf_config_for, evaluate, run
 from megatron_refit.tools.launch import SpawnError
 
 MODELS = [name for family in FAMILIES for name in family.demo]
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "fp32", "bfloat16", "bf16"],
                    help="training dtype (default float32; bfloat16 with --fp8)")
     p.add_argument("--fp8", default=None, choices=["trainer", "te"],
-                   help="trainer: quantise linear weights to 128x128-block FP8 on the train ranks (also runs "
+                   help="trainer: quantize linear weights to 128x128-block FP8 on the train ranks (also runs "
                         "the same refit in bf16 and reports the byte ratio); te: Transformer Engine pass-through "
                         "(needs a GPU)")
     p.add_argument("--colocated", action="store_true",
@@ -105,7 +105,7 @@ def spec_from_args(args) -> RunSpec:
     if args.model not in MOE_MODELS and overrides["experts"]:
         raise ValueError(f"--experts needs an MoE model ({', '.join(MOE_MODELS)}), got --model {args.model}")
     if args.fp8 and args.model not in ("qwen3", "qwen3-moe"):
-        # The FP8 demo shape and the quantised-role rules are Qwen3's; MLA / Llama FP8 untried.
+        # The FP8 demo shape and the quantized-role rules are Qwen3's; MLA / Llama FP8 untried.
         raise ValueError(f"--fp8 is tried with --model qwen3 / qwen3-moe only, got --model {args.model}")
     if args.fp8 and all(v is None for v in overrides.values()):
         overrides.update(FP8_SHAPE)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         spec = spec_from_args(args)
         from conversion.testing.validate import check_train_layout
 
-        check_train_layout(_hf_config(spec), spec.train)  # before any rank starts
+        check_train_layout(hf_config_for(spec), spec.train)  # before any rank starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

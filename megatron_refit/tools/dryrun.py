@@ -9,7 +9,7 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
    imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``.
 2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
    compute every engine TP rank's targets (:func:`megatron_refit.plan.gen_layout.gen_targets`),
-   validate and assign senders (:class:`megatron_refit.plan.assignment.FamilyPlan`: the senders,
+   validate and assign senders (:class:`megatron_refit.plan.assignment.Assignment`: the senders,
    bytes and transfers of the :class:`megatron_refit.plan.refit_plan.SenderPlan` that
    ``RefitPlan.build`` expands into buckets, planned once per family of parameters that
    match box for box). This process imports neither Megatron nor torch.
@@ -34,9 +34,9 @@ from importlib import metadata
 
 from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
-from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
-from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantised
+from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
 
@@ -53,7 +53,7 @@ class DryRun:
     preset: dict
     train: TrainLayout
     gen: GenLayout
-    senders: FamilyPlan
+    senders: Assignment
     num_params: int
     plan_seconds: float
     """Wall seconds of the plan phase (cache load to sender assignment)."""
@@ -79,9 +79,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "build.py", "deepseek_v3_build.py", "enumerate.py",
-                       "families.py", "hf_configs.py", "local_shards.py", "mamba_shim.py", "meta.py",
-                       "nemotron_h_build.py", "te_shim.py", "validate.py")
+ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "local_shards.py", "mamba_shim.py", "te_shim.py",
+                       "testing/build.py", "testing/deepseek_v3_build.py", "testing/enumerate.py",
+                       "testing/families.py", "testing/hf_configs.py", "testing/meta.py",
+                       "testing/nemotron_h_build.py", "testing/validate.py")
 """The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
 helpers do not); the family tables (``megatron_refit/families/``) do too."""
 
@@ -96,11 +97,10 @@ def _enumeration_sources() -> str:
     tables = os.path.join(os.path.dirname(os.path.dirname(__file__)), "families")
     paths = [os.path.join(folder, name) for name in ENUMERATION_SOURCES]
     paths += sorted(os.path.join(tables, name) for name in os.listdir(tables) if name.endswith(".py"))
-    for path in paths:
+    for path in paths:  # a listed source that is gone is an error: the key would stop seeing it
         name = os.path.relpath(path, os.path.dirname(folder))
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+        with open(path, "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
     return digest.hexdigest()
 
 
@@ -170,7 +170,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
         train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
-        senders = FamilyPlan.build(train_specs, targets)
+        senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
@@ -191,19 +191,19 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     style = refit.gen_style
     targets = params
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
-        train_specs = _quantised(train_specs)
+        train_specs = _quantized(train_specs)
         targets = fp8_param_table(params)
     return train_specs, gen_targets(targets, gen, model, style=style), params
 
 
-def _quantised(train_specs: dict) -> dict:
+def _quantized(train_specs: dict) -> dict:
     """Train ranks' specs as trainer-side FP8 sends them (DP replicas share one list)."""
     done: dict[int, list] = {}
     out = {}
     for rank, specs in train_specs.items():
         if id(specs) not in done:
             done[id(specs)] = [q for s in specs
-                               for q in (fp8_specs(s) if is_quantised(s.name, s.global_shape) else (s,))]
+                               for q in (fp8_specs(s) if is_quantized(s.name, s.global_shape) else (s,))]
         out[rank] = done[id(specs)]
     return out
 
@@ -229,10 +229,10 @@ def summary_lines(run: DryRun) -> list[str]:
         f"config        {run.config_path}",
         f"model         {run.refit.model}: {run.num_params / 1e9:.2f}B parameters",
         f"train         {run.train.describe()} = {run.train.world_size} ranks",
-        f"gen           {run.refit.backend} TP{run.gen.tp}xDP{run.gen.dp}"
+        f"gen           {run.refit.engine} TP{run.gen.tp}xDP{run.gen.dp}"
         f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
         f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
-        f"{len(run.senders.class_ranks)}; parameter families: {len(run.senders.families)})",
+        f"{len(run.senders.class_ranks)}; parameter groups: {len(run.senders.groups)})",
         f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",

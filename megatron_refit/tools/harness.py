@@ -38,7 +38,7 @@ class RunSpec:
     """Return weights and logits for checking (off in benchmarks)."""
     timeout_s: float = 120.0
     fp8: str = ""
-    """``"trainer"``: trainer-side blockwise FP8 quantisation of the linear weights."""
+    """``"trainer"``: trainer-side blockwise FP8 quantization of the linear weights."""
     offload: bool = False
     """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
     colocated: bool = False
@@ -92,7 +92,7 @@ def tokens_for(version: int, vocab: int) -> torch.Tensor:
 
 
 def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
-    cfg = _hf_config(spec)
+    cfg = hf_config_for(spec)
     if spec.device == "cuda":
         torch.cuda.set_device(0)
     refit_cfg = refit_config(spec, port)
@@ -112,13 +112,13 @@ def refit_config(spec: RunSpec, port: int):
     from megatron_refit.config import RefitConfig
 
     return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
-                       backend="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
+                       engine="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap)
 
 
-def _hf_config(spec: RunSpec):
+def hf_config_for(spec: RunSpec):
     # transformers configs are importable on both sides; conversion.testing.hf_configs is not Megatron.
     from conversion.testing.hf_configs import hf_config
 
@@ -190,7 +190,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
 
 
 def _reference_weights(spec: RunSpec, built):
-    """The weights the engine computes with: FP8-rounded under trainer-side quantisation."""
+    """The weights the engine computes with: FP8-rounded under trainer-side quantization."""
     import contextlib
 
     if not spec.fp8:
@@ -255,7 +255,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
 
     train = [r for r in results if r["role"] == "train"]
     gens = [r for r in results if r["role"] == "gen"]
-    cfg = _hf_config(spec)
+    cfg = hf_config_for(spec)
     shape = model_shape(cfg)
     refits = []
     for i in range(spec.refits):

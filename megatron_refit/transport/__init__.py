@@ -1,6 +1,6 @@
 """Transports: how bucket bytes and control messages travel between refit ranks.
 
-:class:`~.base.Transport` is the interface the driver speaks. Implementations register
+:class:`~.base.Transport` is the interface the endpoint speaks. Implementations register
 under a name; :func:`open_transport` builds the one a refit uses:
 
 - ``"gloo"`` / ``"nccl"``: :class:`~.process_group.RefitGroup`, torch.distributed
@@ -8,69 +8,16 @@ under a name; :func:`open_transport` builds the one a refit uses:
 - ``"ipc"``: :class:`~.ipc.IpcGroup`, colocated: bucket bytes through staging buffers the
   peers map (CUDA IPC on a GPU, POSIX shared memory on CPU), control over gloo.
 
-:func:`register_transport` adds another (e.g. an RDMA engine) under a new name.
+:func:`register_transport` adds another (e.g. an RDMA engine) under a new name, which
+``refit.transport`` then selects (:mod:`~megatron_refit.transport.registry`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 from megatron_refit.errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
 from megatron_refit.transport.base import Pending, Transport
 from megatron_refit.transport.process_group import RefitGroup
+from megatron_refit.transport.registry import open_transport, register_transport, transport_name, transport_names
 
-__all__ = ["Transport", "Pending", "RefitGroup", "open_transport", "register_transport", "transport_names",
-           "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]
-
-TransportFactory = Callable[..., Transport]
-"""``factory(*, host, port, rank, world_size, timeout_s, num_train, device) -> Transport``."""
-
-_REGISTRY: dict[str, TransportFactory] = {}
-
-
-def register_transport(name: str, factory: TransportFactory) -> None:
-    """Make ``factory`` available as ``open_transport(name, ...)``; a taken name is refused."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"transport name must be a non-empty string, got {name!r}")
-    if name in _REGISTRY:
-        raise ValueError(f"transport {name!r} is already registered ({_REGISTRY[name]!r})")
-    _REGISTRY[name] = factory
-
-
-def transport_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def open_transport(name: str, *, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                   num_train: int, device: torch.device | str = "cpu") -> Transport:
-    """Join the refit group at ``host:port`` as refit rank ``rank`` over transport ``name``."""
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise ValueError(f"unknown transport {name!r}; registered: {transport_names()}")
-    group = factory(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                    num_train=num_train, device=torch.device(device))
-    if not isinstance(group, Transport):
-        raise TypeError(f"transport {name!r} returned a {type(group).__name__}, not a Transport")
-    return group
-
-
-def _p2p(backend: str) -> TransportFactory:
-    def factory(*, host, port, rank, world_size, timeout_s, num_train, device):
-        return RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
-                                  timeout_s=timeout_s)
-    return factory
-
-
-def _ipc(*, host, port, rank, world_size, timeout_s, num_train, device):
-    from megatron_refit.transport.ipc import IpcGroup
-
-    control = RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend="gloo",
-                                 timeout_s=timeout_s)
-    return IpcGroup(control, num_train=num_train, device=device)
-
-
-register_transport("gloo", _p2p("gloo"))
-register_transport("nccl", _p2p("nccl"))
-register_transport("ipc", _ipc)
+__all__ = ["Transport", "Pending", "RefitGroup", "open_transport", "register_transport", "transport_name",
+           "transport_names", "RefitProtocolError", "RefitTimeoutError", "RefitTransportError"]

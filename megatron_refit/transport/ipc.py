@@ -1,7 +1,7 @@
 """Colocated refit: trainer and engine share devices; bucket bytes go through shared buffers.
 
-``IpcGroup`` wraps a :class:`~megatron_refit.transport.RefitGroup` for the driver. Each train
-rank's two staging buffers (the driver's double buffer) live in memory the other processes
+``IpcGroup`` wraps a :class:`~megatron_refit.transport.RefitGroup` for the endpoint. Each train
+rank's two staging buffers (the endpoint's double buffer) live in memory the other processes
 map: CUDA IPC handles (``torch.multiprocessing``'s ``reduce_tensor``) on a GPU, POSIX shared
 memory on CPU. A sender packs a bucket into its buffer and sends a 24-byte control message
 (bucket, buffer, length) over the refit group; the receiver unpacks straight from the mapped
@@ -100,7 +100,7 @@ class IpcGroup(Transport):
     messages and collectives go over the :class:`RefitGroup` it wraps."""
 
     direct_ok = False
-    """The driver packs every item (only the staging buffers are shared)."""
+    """The endpoint packs every item (only the staging buffers are shared)."""
     shares_buffers = True
 
     def __init__(self, group: RefitGroup, *, num_train: int, device: torch.device | str | None = None):
@@ -140,7 +140,7 @@ class IpcGroup(Transport):
         self.group.begin(phase)
 
     def staging(self, count: int, width: int) -> list[torch.Tensor]:
-        """The driver's staging buffers; train ranks' are shared. Collective: every rank
+        """The endpoint's staging buffers; train ranks' are shared. Collective: every rank
         calls it once per refit (handles are exchanged when a train rank re-allocates)."""
         grown = self.rank < self.num_train and (len(self._own) < count or
                                                  any(b.tensor.numel() < width for b in self._own[:count]))

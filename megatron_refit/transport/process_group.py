@@ -49,6 +49,14 @@ class RefitGroup(Transport):
     """The refit process group over torch.distributed P2P: ranks ``0..num_train-1`` train,
     then generation ranks; gloo on CPU, NCCL between GPUs."""
 
+    HOST_DIRECT_BYTES = 1 << 20
+    """``direct_bytes="auto"`` where the bytes are in host memory (gloo): a packing copy costs
+    about as much as moving the bytes, so every transfer of at least 1 MiB skips it."""
+
+    def auto_direct_bytes(self, bucket_bytes: int) -> int | None:
+        """1 MiB in host memory (gloo), one bucket between GPUs (NCCL: see the base class)."""
+        return self.HOST_DIRECT_BYTES if self.device.type == "cpu" else bucket_bytes
+
     def __init__(self, pg, *, rank: int, world_size: int, backend: str, timeout_s: float, store=None):
         self._pg = pg
         self._store = store  # keep the rendezvous alive as long as the group

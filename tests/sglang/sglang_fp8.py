@@ -39,7 +39,7 @@ import torch
 
 def fp8_quant_config(hf_config) -> dict:
     """``quantization_config`` of a 128×128 block-FP8 checkpoint (DeepSeek-V3's format): the
-    MoE routers listed as not converted (SGLang's Qwen3-MoE builds its router unquantised anyway)."""
+    MoE routers listed as not converted (SGLang's Qwen3-MoE builds its router unquantized anyway)."""
     experts = getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0)
     routers = [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)] if experts else []
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
@@ -57,7 +57,7 @@ def write_fp8_model_dir(hf_config, model_dir: str) -> str:
 
 def build_fp8_model(model_dir: str) -> torch.nn.Module:
     """SGLang's block-FP8 model for ``model_dir`` on this TP rank (bfloat16 outside the
-    quantised layers), built by SGLang's dummy loader with its post-load steps."""
+    quantized layers), built by SGLang's dummy loader with its post-load steps."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig

@@ -1,18 +1,18 @@
 """Trainer-side FP8 into SGLang 0.5.23's real block-FP8 parameters (CPU, gloo).
 
-Two train ranks hold dim-0 halves of tiny 128-aligned models, quantise them to 128×128 FP8
-blocks (``quantise_pieces``) and refit one SGLang engine of two TP ranks built from an FP8
+Two train ranks hold dim-0 halves of tiny 128-aligned models, quantize them to 128×128 FP8
+blocks (``quantize_pieces``) and refit one SGLang engine of two TP ranks built from an FP8
 checkpoint config (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
 :mod:`.sglang_fp8`): ``weight`` float8_e4m3fn and ``weight_scale_inv`` go straight into
 SGLang's fused ``qkv_proj`` / ``gate_up_proj`` / ``w13_weight`` / ``w2_weight`` and their
-scale tiles (SGLang names them as vLLM does), with no re-quantisation. Reference: SGLang's
-own ``load_weights`` fed the FP8 checkpoint made by quantising the full tensors, on a second
+scale tiles (SGLang names them as vLLM does), with no re-quantization. Reference: SGLang's
+own ``load_weights`` fed the FP8 checkpoint made by quantizing the full tensors, on a second
 model instance on the same rank; both start NaN-filled, so every element must be written.
 
 SGLang's Qwen3-MoE makes every layer sparse (``sglang/srt/models/qwen3_moe.py`` 873-878,
 ``stage_facts``: ``is_layer_sparse = True``; ``mlp_only_layers`` is not read), so the dense
 ``gate_up_proj`` scale layout comes from a dense Qwen3 refit in the same spawn. Its router
-(``mlp.gate``) is built unquantised whatever the checkpoint says (``qwen3_moe.py`` 285-296:
+(``mlp.gate``) is built unquantized whatever the checkpoint says (``qwen3_moe.py`` 285-296:
 ``quant_config`` only for modelslim); the config lists it in ``modules_to_not_convert`` too.
 
 The models are built by SGLang's dummy loader with its post-load, which on this host keeps
@@ -41,7 +41,7 @@ GEN_TP = 2
 VERSIONS = {1: 11, 2: 22}
 """Refit version -> the seed of the trainer's weights."""
 ALIGNED = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
-"""Every quantised dim a multiple of 128 per train and generation rank (q 512, k/v 256,
+"""Every quantized dim a multiple of 128 per train and generation rank (q 512, k/v 256,
 MLP and expert intermediate 256: 128 rows per rank at TP2)."""
 MODELS = ["qwen3-moe", "qwen3"]
 """Qwen3-MoE: ``qkv_proj``, FusedMoE ``w13`` / ``w2`` and a bf16 router; Qwen3: ``gate_up_proj``."""
@@ -67,7 +67,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _train(rank, world, refit_ports):
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
-    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+    from megatron_refit.endpoint.fp8_pieces import quantize_pieces
     from megatron_refit.plan.spec import ShardSpec, box_along, full_box
     from megatron_refit.transport import RefitGroup
 
@@ -86,7 +86,7 @@ def _train(rank, world, refit_ports):
                     box = box_along(shape, 0, rank * n, (rank + 1) * n)
                 spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
                 pieces.append(TensorPiece(spec, t[tuple(slice(a, b) for a, b in box)]))
-            pieces = quantise_pieces(pieces)
+            pieces = quantize_pieces(pieces)
             if refitter is None:
                 refitter = Refitter(group, pieces, num_train=NUM_TRAIN, num_gen=GEN_TP, bucket_bytes=BUCKET_BYTES)
                 refitter.prepare()
@@ -115,10 +115,10 @@ def _gen(rank, world, sglang_port, refit_ports, workdir):
             for param in (*model.parameters(), *reference.parameters()):  # element unwritten stays NaN
                 param.fill_(float("nan"))
         # the shipped hook's connect: the plan from SGLang's own config, FP8 tables for the
-        # trainer-side quantisation (refit.trainer_quantize_fp8)
+        # trainer-side quantization (refit.trainer_quantize_fp8)
         sync = engine_refit_for(model, dict(gen_tp=GEN_TP, port=port, bucket_mb=BUCKET_BYTES / (1 << 20),
                                             timeout_s=120, trainer_quantize_fp8=True), num_train=NUM_TRAIN)
-        backend, receiver = sync.full.backend, sync
+        backend, receiver = sync.full.storage, sync
         checks = []
         for version, seed in VERSIONS.items():
             report = receiver.receive(version)
@@ -173,7 +173,7 @@ def test_fp8_refit_matches_sglang_fp8_checkpoint_load(model_name, spawned):
             assert check["nan"] == [], check["nan"][:5]  # ...and every element written (all started NaN)
             assert check["report"]["bytes_received"] > 0
             dtypes, received = check["dtypes"], check["received"]
-            # block-quantised in SGLang's fused parameters, received as FP8 data + tiles
+            # block-quantized in SGLang's fused parameters, received as FP8 data + tiles
             assert _dtypes(dtypes, "qkv_proj.weight") == _dtypes(dtypes, "o_proj.weight") == {"float8_e4m3fn"}
             assert _dtypes(dtypes, "weight_scale_inv") == {"float32"}
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -147,7 +147,7 @@ def _train(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
     for n, (case, name, path) in enumerate(cases):
         saved = load(bridge_dir, name, 1, rank)
         pieces = [TensorPiece(spec, tensor) for spec, tensor in saved["weights"]]
-        cfg = RefitConfig.from_dict({"enabled": True, "backend": "sglang", **_refit_section(tp, refit_ports[n])})
+        cfg = RefitConfig.from_dict({"enabled": True, "engine": "sglang", **_refit_section(tp, refit_ports[n])})
         sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         reports, refused = [], None
         for version in VERSIONS:

@@ -1,11 +1,11 @@
-"""Trainer-side FP8 into vLLM's real block-quantised parameters (CPU, gloo).
+"""Trainer-side FP8 into vLLM's real block-quantized parameters (CPU, gloo).
 
-Two train ranks hold dim-0 halves of a tiny 128-aligned model, quantise them to 128×128
-FP8 blocks (``quantise_pieces``) and refit vLLM ranks built from an FP8 checkpoint config
+Two train ranks hold dim-0 halves of a tiny 128-aligned model, quantize them to 128×128
+FP8 blocks (``quantize_pieces``) and refit vLLM ranks built from an FP8 checkpoint config
 (``quant_method: fp8``, ``weight_block_size: [128, 128]``): ``weight`` float8_e4m3fn and
 ``weight_scale_inv`` go straight into vLLM's fused ``qkv_proj`` / ``gate_up_proj`` /
-``w13`` / ``w2`` parameters and their scale tiles, with no re-quantisation. Reference:
-vLLM's own ``load_weights`` fed the FP8 checkpoint made by quantising the full tensors.
+``w13`` / ``w2`` parameters and their scale tiles, with no re-quantization. Reference:
+vLLM's own ``load_weights`` fed the FP8 checkpoint made by quantizing the full tensors.
 
 On CPU vLLM's block-FP8 linear kernel demands AMX (its ``is_supported`` is bypassed: only
 loading is exercised, never the matmul) and ``process_weights_after_loading`` needs vLLM's
@@ -112,7 +112,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
     from megatron_refit.plan.fp8_layout import fp8_param_table
-    from megatron_refit.endpoint.fp8_pieces import quantise_pieces
+    from megatron_refit.endpoint.fp8_pieces import quantize_pieces
     from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.engines.checkpoint import model_shape
     from megatron_refit.engines.vllm.live import EngineReceiver
@@ -135,7 +135,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
                     box = box_along(shape, 0, rank * n, (rank + 1) * n)
                 spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
                 pieces.append(TensorPiece(spec, t[tuple(slice(a, b) for a, b in box)]))
-            pieces = quantise_pieces(pieces)
+            pieces = quantize_pieces(pieces)
             if version == 1:
                 refitter = Refitter(group, pieces, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
                 refitter.prepare()
@@ -182,7 +182,7 @@ def test_fp8_refit_matches_vllm_fp8_checkpoint_load(model_name, gen_tp, tmp_path
     for gen in out[2:]:
         for item in gen:
             assert item["diff"] == [], item["diff"][:5]
-            assert any(n.endswith("qkv_proj.weight") for n in item["fp8"])  # block-quantised params...
+            assert any(n.endswith("qkv_proj.weight") for n in item["fp8"])  # block-quantized params...
             assert any(n.endswith("qkv_proj.weight_scale_inv") for n in item["scales"])  # ...with their tiles
             assert any(n.endswith("gate_up_proj.weight_scale_inv") for n in item["scales"])
             if "moe" in model_name:

@@ -169,7 +169,7 @@ class _Engine:
         return dict(names_equal=set(mine) == set(theirs), num_params=len(mine),
                     diff=sorted(n for n in mine if n in theirs and not torch.equal(mine[n].data, theirs[n].data)),
                     state=engine.state, weights_version=engine.weights_version,
-                    report=engine.last_report.as_dict(), rebinds=getattr(engine.sync.full.backend, "rebinds", None))
+                    report=engine.last_report.as_dict(), rebinds=getattr(engine.sync.full.storage, "rebinds", None))
 
     def reallocate(self, shrink: str | None = None) -> None:
         """What a reload or a wake-up does to the engine: fresh storage for every parameter

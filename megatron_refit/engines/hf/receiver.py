@@ -11,8 +11,8 @@ refits move as segments (Mamba ``in_proj#z`` …: row ranges of the parameter). 
 buffers that checkpoints carry (DeepSeek's router ``e_score_correction_bias``) are targets
 too. A tied ``lm_head`` is not a target (it is the embedding).
 
-With ``fp8=True`` the quantised weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
-quantisation) into staging buffers, and ``finalize()`` dequantises them into the model: the
+With ``fp8=True`` the quantized weights arrive as FP8 data + ``weight_scale_inv`` (trainer-side
+quantization) into staging buffers, and ``finalize()`` dequantizes them into the model: the
 CPU reference for what an FP8 engine computes with.
 """
 
@@ -23,24 +23,9 @@ import torch
 from megatron_refit import families
 from megatron_refit.endpoint.fp8 import FP8_DTYPE, dequantize_blockwise
 from megatron_refit.endpoint.storage import WeightsState
-from megatron_refit.plan.fp8_layout import fp8_specs, is_quantised, scale_name, scale_shape
+from megatron_refit.engines.segments import join_segments
+from megatron_refit.plan.fp8_layout import fp8_specs, is_quantized, scale_name, scale_shape
 from megatron_refit.plan.spec import ShardSpec, full_box
-
-
-def join_segments(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``<name>#<segment>`` tensors concatenated back into ``<name>`` (dim 0, in order)."""
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, list[torch.Tensor]] = {}
-    for name, t in tensors.items():
-        base, segment = families.split_segment(name)
-        if segment is None:
-            out[name] = t
-        else:
-            parts.setdefault(base, []).append(t)
-            out.setdefault(base, None)
-    for base, ts in parts.items():
-        out[base] = torch.cat(ts)
-    return out
 
 
 class HFReceiver(WeightsState):
@@ -62,7 +47,7 @@ class HFReceiver(WeightsState):
         """FP8 mode: received FP8 data and scales, by checkpoint name."""
         if fp8:
             for name, view in self._views.items():
-                if is_quantised(name, tuple(view.shape)):
+                if is_quantized(name, tuple(view.shape)):
                     self._staged[name] = torch.empty(view.shape, dtype=FP8_DTYPE, device=view.device)
                     self._staged[scale_name(name)] = torch.empty(scale_shape(tuple(view.shape)), dtype=torch.float32,
                                                                  device=view.device)
@@ -146,7 +131,7 @@ class HFReceiver(WeightsState):
                 view.copy_(dequantize_blockwise(self._staged[name], self._staged[scale_name(name)], dtype=view.dtype))
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """Received weights under checkpoint (per-expert) names; FP8 mode: quantised weights
+        """Received weights under checkpoint (per-expert) names; FP8 mode: quantized weights
         as received (FP8 data and ``weight_scale_inv``)."""
         with self.serving:  # one version, also while a staged swap may run in another thread
             out = {name: t.detach().clone() for name, t in self._views.items() if name not in self._staged}

@@ -123,7 +123,7 @@ class StagedHFReceiver(HFReceiver):
 
     @torch.no_grad()
     def finalize(self) -> None:
-        for name in self._staged:  # FP8 mode: dequantised into the shadow before the swap
+        for name in self._staged:  # FP8 mode: dequantized into the shadow before the swap
             if name in self._shadow_views:
                 view = self._shadow_views[name]
                 view.copy_(dequantize_blockwise(self._staged[name], self._staged[scale_name(name)], dtype=view.dtype))

@@ -203,6 +203,26 @@ class HTTPClient:
         self._session(close_message(), flush_cache=False)
 
 
+class SglangControl:
+    """The :class:`~megatron_refit.engines.base.EngineControl` of ``refit.engine: sglang`` over
+    control clients (:class:`EngineClient` / :class:`HTTPClient`, one per engine replica;
+    train rank 0 drives them, the other ranks ignore theirs): what ``RefitCallback(engines=...)``
+    calls. ``refit``: the ``refit:`` section as a mapping (sent to every engine at connect)."""
+
+    def __init__(self, clients: list, refit: dict) -> None:
+        self.clients = list(clients)
+        self.refit_section = dict(refit)
+
+    def connect(self, join, *, rank: int, num_train: int):
+        return connect_engines(join, self.clients, self.refit_section, rank=rank, num_train=num_train)
+
+    def refit(self, sync, version: int, *, rank: int, full: bool = False):
+        return refit_engines(sync, self.clients, version, rank=rank, full=full)
+
+    def close(self, sync, *, rank: int) -> None:
+        close_engines(sync, self.clients, rank=rank)
+
+
 def connect_engines(trainer_connect, clients: list, refit: dict, *, rank: int, num_train: int):
     """Every train rank: join the refit group (``trainer_connect()``, e.g. a ``trainer_refit``
     call, returns the trainer's refit), while rank 0 connects every engine replica (replica

@@ -54,16 +54,16 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     """Join the refit group as TP rank ``tp_rank`` (default: this worker's) of engine
     ``replica`` and build the plan: an :class:`~megatron_refit.engines.vllm.live.EngineReceiver` writing in place into
     ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
-    ``refit:`` section; its ``backend`` must be ``sglang`` (the default here)."""
+    ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
     from megatron_refit.engines.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.vllm.live import EngineReceiver
     from megatron_refit.refit import engine_refit
 
-    cfg = refit_section({"backend": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
-    if cfg.backend != "sglang":
-        raise ValueError(f"refit.backend is {cfg.backend!r}, but this is SGLang's megatron_refit weight loader "
-                         "(set backend: sglang)")
+    cfg = refit_section({"engine": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
+    if cfg.engine != "sglang":
+        raise ValueError(f"refit.engine is {cfg.engine!r}, but this is SGLang's megatron_refit weight loader "
+                         "(set engine: sglang)")
     if not 0 <= replica < cfg.gen_dp:
         raise ValueError(f"replica must be in [0, gen_dp={cfg.gen_dp}), got {replica}")
     if tp_rank is None:
@@ -75,7 +75,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
         tp_rank = parallel.tp_rank
     hf_config = model.config
     # the dtype the model computes in: its first floating-point parameter wider than a byte
-    # (an FP8 engine's embedding and norms, not its quantised weights)
+    # (an FP8 engine's embedding and norms, not its quantized weights)
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
     params = hf_param_table(hf_config, dtype)
     if cfg.trainer_quantize_fp8:

@@ -21,6 +21,7 @@ import torch
 
 from megatron_refit import families
 from megatron_refit.endpoint.storage import WeightsState
+from megatron_refit.engines.segments import split_segments
 from megatron_refit.plan.gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
 
@@ -158,7 +159,7 @@ def expected_storage(full: dict[str, torch.Tensor], pieces: list[ShardSpec], mod
     rows zero; segmented tensors split as the pieces' segments say)."""
     shapes, placements = fused_layout(pieces, model, tp)
     out = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
-    full = families.split_segments(full, {piece.name: piece.global_shape for piece in pieces})
+    full = split_segments(full, {piece.name: piece.global_shape for piece in pieces})
     for piece in pieces:
         place = placements[piece.name]
         value = full[piece.name][tuple(slice(a, b) for a, b in piece.box)]

@@ -58,7 +58,7 @@ class EngineReceiver(VllmLayoutReceiver):
         self._shapes = shapes
         self._post_load = post_load
         self.holds_sent_bytes = False
-        """An engine's post-load step may transform its parameters in place (quantise, repack):
+        """An engine's post-load step may transform its parameters in place (quantize, repack):
         no delta refits unless the caller knows they stay as written and sets this True."""
         self.rebinds = 0
         """How often :meth:`refresh_targets` found the engine's storage moved and re-resolved it."""

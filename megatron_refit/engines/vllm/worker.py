@@ -30,6 +30,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from megatron_refit import families
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.vllm.live import EngineReceiver
 from megatron_refit.plan.fp8_layout import fp8_param_table
@@ -71,29 +72,20 @@ class StagedPieces:
     def load(self) -> None:
         """Segments of one HF tensor (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that
         tensor, at once: vLLM's loaders for it write every segment of this rank's rows."""
-        segmented: dict[str, dict[str, ShardSpec]] = {}
+        tensors: dict[str, list[ShardSpec]] = {}  # HF tensor -> its pieces (segments: several)
         for piece in self._pieces:
-            base, segment = families.split_segment(piece.name)
-            if segment is not None:
-                segmented.setdefault(base, {})[segment] = piece
-                continue
-            staged = self._staged[piece.name]
-            whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
-            whole[tuple(slice(a, b) for a, b in piece.box)] = staged
-            self.model.load_weights([(piece.name, whole)])
-        for base, members in segmented.items():
-            order = families.segment_order(base)
-            first = members[order[0]]
-            rows = sum(members[s].global_shape[0] for s in order)
-            whole = torch.zeros((rows, *first.global_shape[1:]), dtype=self._staged[first.name].dtype,
-                                device=self._staged[first.name].device)
-            start = 0
-            for segment in order:
-                piece = members[segment]
-                (r0, r1), *rest = piece.box
-                whole[(slice(start + r0, start + r1), *(slice(a, b) for a, b in rest))] = self._staged[piece.name]
-                start += piece.global_shape[0]
-            self.model.load_weights([(base, whole)])
+            tensors.setdefault(families.split_segment(piece.name)[0], []).append(piece)
+        # unsegmented tensors first, then each segmented one as a whole
+        for _, pieces in sorted(tensors.items(), key=lambda item: families.segment_order(item[0]) is not None):
+            (name, whole), = join_segments({piece.name: self._whole(piece) for piece in pieces}).items()
+            self.model.load_weights([(name, whole)])
+
+    def _whole(self, piece: ShardSpec) -> torch.Tensor:
+        """This rank's box of ``piece`` in a zero tensor of its global shape."""
+        staged = self._staged[piece.name]
+        whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
+        whole[tuple(slice(a, b) for a, b in piece.box)] = staged
+        return whole
 
 
 class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRefitUpdateInfo]):
@@ -150,8 +142,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         from vllm.distributed import get_tensor_model_parallel_rank
 
         cfg, pc = info.config, self.parallel_config
-        if cfg.backend != "vllm":
-            raise ValueError(f"init_info.refit.backend is {cfg.backend!r}, but this is vLLM's megatron_refit engine")
+        if cfg.engine != "vllm":
+            raise ValueError(f"init_info.refit.engine is {cfg.engine!r}, but this is vLLM's megatron_refit engine")
         if pc.tensor_parallel_size != cfg.gen_tp:
             raise ValueError(f"init_info.refit.gen_tp={cfg.gen_tp}, but this vLLM engine runs "
                              f"tensor_parallel_size={pc.tensor_parallel_size}")

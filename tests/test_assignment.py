@@ -1,4 +1,4 @@
-"""FamilyPlan, the one sender assignment: planned from the dry run's compact engine targets
+"""Assignment, the one sender assignment: planned from the dry run's compact engine targets
 (``gen_targets``) it equals what ``prepare()`` plans from every gen rank's ShardSpecs
 (``gen_target_classes`` → ``SenderPlan`` / ``RefitPlan.build``), field for field, on reduced
 shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine TP and expert parallel); and it
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 
 from conversion.testing.derive import derive_all_ranks, load_specs
-from megatron_refit.tools.dryrun import _quantised, load_config, num_experts
-from megatron_refit.plan.assignment import FamilyPlan
+from megatron_refit.tools.dryrun import _quantized, load_config, num_experts
+from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_targets
 from megatron_refit.plan.refit_plan import RefitPlan
@@ -32,15 +32,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _assert_same(family: FamilyPlan, senders: SenderPlan) -> None:
-    assert family.class_ranks == tuple(ranks for ranks, _ in senders.classes)
+def _assert_same(assignment: Assignment, senders: SenderPlan) -> None:
+    assert assignment.class_ranks == tuple(ranks for ranks, _ in senders.classes)
     for c, (_, items) in enumerate(senders.classes):
-        assert family.items(c) == [(spec.name, spec.dtype, spec.box, pieces) for spec, pieces in items]
-    assert family.train_bytes == senders.train_bytes
-    assert family.unused_train_params == senders.unused_train_params
-    assert family.gen_bytes() == senders.gen_bytes()
-    assert family.num_transfers == senders.num_transfers
-    assert family.pair_bytes() == senders.pair_bytes()
+        assert assignment.items(c) == [(spec.name, spec.dtype, spec.box, pieces) for spec, pieces in items]
+    assert assignment.train_bytes == senders.train_bytes
+    assert assignment.unused_train_params == senders.unused_train_params
+    assert assignment.gen_bytes() == senders.gen_bytes()
+    assert assignment.num_transfers == senders.num_transfers
+    assert assignment.pair_bytes() == senders.pair_bytes()
 
 
 def _reduced(config: str, layers: set[int]):
@@ -77,27 +77,27 @@ REDUCED = [  # (config, layers kept, gen layout, trainer FP8)
 @pytest.mark.parametrize("config, layers, gen, fp8", REDUCED,
                          ids=[f"{c[:-5]}-L{min(layers)}-TP{g.tp}xDP{g.dp}{'-EP' * g.expert_parallel}{'-fp8' * q}"
                               for c, layers, g, q in REDUCED])
-def test_family_plan_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp8):
+def test_assignment_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp8):
     train, model = _reduced(config, layers)
     params = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
     if fp8:
-        train, params = _quantised(train), fp8_param_table(params)
+        train, params = _quantized(train), fp8_param_table(params)
     targets = gen_targets(params, gen, model)
-    family = FamilyPlan.build(train, targets)
-    assert len(family.families) < len(params) // 10  # the experts form a few families
+    assignment = Assignment.build(train, targets)
+    assert len(assignment.groups) < len(params) // 10  # the experts form a few groups
     classes = gen_target_classes(params, gen, model)
     assert targets.ranks == tuple(ranks for ranks, _ in classes)
-    _assert_same(family, SenderPlan.build(train, classes))
+    _assert_same(assignment, SenderPlan.build(train, classes))
 
     gen_specs = {rank: specs for ranks, specs in classes for rank in ranks}
     plan = RefitPlan.build(train, gen_specs, bucket_bytes=1 << 30)
-    transfers = family.transfers()
+    transfers = assignment.transfers()
     assert transfers == list(plan.transfers)  # what SenderPlan.transfers() gives RefitPlan.build
-    assert family.gen_bytes() == {rank: plan.bytes_to(rank) for rank in gen_specs}
-    assert list(family.train_bytes) == [plan.bytes_from(rank) for rank in train]
-    assert sum(family.gen_bytes().values()) == plan.bytes_sent == plan.bytes_minimal
-    assert family.num_transfers == len(plan.transfers)
-    assert family.unused_train_params == plan.unused_train_params
+    assert assignment.gen_bytes() == {rank: plan.bytes_to(rank) for rank in gen_specs}
+    assert list(assignment.train_bytes) == [plan.bytes_from(rank) for rank in train]
+    assert sum(assignment.gen_bytes().values()) == plan.bytes_sent == plan.bytes_minimal
+    assert assignment.num_transfers == len(plan.transfers)
+    assert assignment.unused_train_params == plan.unused_train_params
     assert {(t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in transfers} == {
         (t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in plan.transfers}
 
@@ -131,9 +131,9 @@ def _water_filled_loads(train, gen) -> list[int]:
 @given(problems())
 def test_senders_are_water_filled_on_random_tilings(problem):
     train, gen, _, _ = problem
-    family = FamilyPlan.build(train, targets_of(gen_classes(gen)))
-    assert list(family.train_bytes) == _water_filled_loads(train, gen)
-    assert sum(family.train_bytes) == sum(family.gen_bytes().values())
+    assignment = Assignment.build(train, targets_of(gen_classes(gen)))
+    assert list(assignment.train_bytes) == _water_filled_loads(train, gen)
+    assert sum(assignment.train_bytes) == sum(assignment.gen_bytes().values())
 
 
 def _spec(name, shape, box, dtype="float32"):
@@ -148,8 +148,8 @@ def _spec(name, shape, box, dtype="float32"):
     ({0: [_spec("a", (4,), ((0, 2),))], 1: [_spec("a", (4,), ((3, 4),))]}, {0: [_spec("a", (4,), ((0, 4),))]}),
     ({0: [_spec("a", (4,), ((0, 4),), "complex64")]}, {0: [_spec("a", (4,), ((0, 4),), "complex64")]}),
 ])
-def test_family_plan_refuses_what_refit_plan_refuses(train, gen):
+def test_assignment_refuses_what_refit_plan_refuses(train, gen):
     with pytest.raises(PlanError) as expected:
         RefitPlan.build(train, gen)
     with pytest.raises(PlanError, match=f"^{re.escape(str(expected.value))}$"):
-        FamilyPlan.build(train, targets_of(gen_classes(gen)))
+        Assignment.build(train, targets_of(gen_classes(gen)))
