@@ -41,7 +41,7 @@ between repetitions, so one pair per repetition leaves its median ±2–4 % from
 
 
 class _FullBuffers:
-    """Receiver backend of the peers' path: every full HF tensor on every gen rank."""
+    """Storage of the peers' path: every full HF tensor on every gen rank."""
 
     def __init__(self, specs):
         self._specs = specs

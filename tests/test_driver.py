@@ -30,7 +30,7 @@ def _full(name):
 
 
 class _Store:
-    """A receiver backend holding whole tensors."""
+    """A storage holding whole tensors."""
 
     def __init__(self, names, extra=()):
         self.t = {n: torch.zeros(GLOBAL[n][0], dtype=getattr(torch, GLOBAL[n][1])) for n in names}
@@ -179,7 +179,7 @@ def test_all_gather_unique_moves_each_distinct_object_once():
 
 
 class _Failing(_Store):
-    """A receiver backend whose pre-refit check fails when told to (an engine whose storage
+    """A storage whose pre-refit check fails when told to (an engine whose storage
     changed shape since prepare())."""
 
     fail = False

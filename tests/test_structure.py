@@ -202,3 +202,49 @@ def test_a_registered_transport_serves_a_refit_group():
         assert group.exchange("message", [7]) == [[7] + [0] * (HEADER_VALUES - 1)]
     finally:
         group.close()
+
+
+def test_refit_transport_selects_from_the_registry():
+    """``refit.transport``: ``auto`` follows the mode and the device; a registered name is taken
+    as it is; an unknown one is refused by name before anything connects."""
+    import torch
+
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.refit import connect
+    from megatron_refit.transport import register_transport, transport_name
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert transport_name("auto", colocated=False, device=cpu) == "gloo"
+    assert transport_name("auto", colocated=False, device=gpu) == "nccl"
+    assert transport_name("auto", colocated=True, device=gpu) == "ipc"
+    assert transport_name("gloo", colocated=False, device=gpu) == "gloo"
+    register_transport("test-selected", lambda **kw: None)
+    assert transport_name("test-selected", colocated=False, device=cpu) == "test-selected"
+    cfg = RefitConfig(enabled=True, transport="rdma", port=1)
+    with pytest.raises(ValueError, match=r"refit.transport: 'rdma' is not 'auto' or a registered transport \["):
+        connect(cfg, refit_rank=0, num_train=1, device=cpu)
+    with pytest.raises(ValueError, match="refit.transport must be 'auto' or a registered transport's name"):
+        RefitConfig(transport="")
+
+
+def test_a_transport_registered_by_name_is_what_connect_opens():
+    import torch
+
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.refit import connect
+    from megatron_refit.transport import register_transport
+
+    opened = []
+
+    class Opened(Exception):
+        pass
+
+    def factory(**kw):
+        opened.append(kw)
+        raise Opened
+
+    register_transport("test-opened", factory)
+    with pytest.raises(Opened):
+        connect(RefitConfig(enabled=True, transport="test-opened", port=7, gen_tp=2), refit_rank=1, num_train=2,
+                device=torch.device("cpu"))
+    assert opened[0]["rank"] == 1 and opened[0]["world_size"] == 4 and opened[0]["port"] == 7

@@ -29,7 +29,7 @@ def lora_names(weight: str) -> tuple[str, str]:
 class LoraReceiver:
     """Base weights and adapters of a receiver's adapted projections; merges on finalize.
 
-    ``hf``: any receiver backend (``target_specs`` / ``buffer`` / ``finalize``): the HF
+    ``hf``: any storage (``target_specs`` / ``buffer`` / ``finalize``): the HF
     receiver (whole tensors) or an engine's (a box of each weight per TP rank). For a weight
     piece with rows ``r`` and columns ``c`` of the HF tensor this rank receives ``lora_A``'s
     columns ``c`` and ``lora_B``'s rows ``r``, and merges ``base + scale * (B[r] @ A[:, c])``:

@@ -29,7 +29,7 @@ from megatron_refit.plan.spec import ShardSpec, full_box
 
 
 class HFReceiver(WeightsState):
-    """Receiver backend over a transformers causal LM (all pieces whole: gen TP 1)."""
+    """Storage over a transformers causal LM (all pieces whole: gen TP 1)."""
 
     def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
         self.model = model

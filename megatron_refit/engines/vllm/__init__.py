@@ -1,5 +1,9 @@
-"""megatron_refit as a vLLM weight-transfer backend (vLLM 0.33's ``distributed/weight_transfer``).
+"""vLLM as an engine: its storage and megatron_refit as a vLLM weight-transfer backend (vLLM
+0.33's ``distributed/weight_transfer``).
 
+- :mod:`.layout`: vLLM's fused layout (``qkv_proj``, ``gate_up_proj``, FusedMoE ``w13`` /
+  ``w2``, padded vocabulary), which SGLang's models share; :mod:`.live`: ``EngineReceiver``
+  over a live model's own parameters and vLLM's post-load step.
 - :mod:`.plugin`: the ``vllm.general_plugins`` entry point that registers the backend name.
 - :mod:`.worker`: ``MegatronRefitEngine``, the engine in every vLLM worker.
 - :mod:`.trainer`: ``MegatronRefitTrainerEngine`` and ``LocalShardSource`` on train ranks.

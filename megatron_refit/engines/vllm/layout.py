@@ -94,7 +94,7 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
 
 
 class VllmLayoutReceiver(WeightsState):
-    """Receiver backend over vLLM-shaped storage of one generation TP rank (``state`` /
+    """Storage over vLLM-shaped storage of one generation TP rank (``state`` /
     ``require_ready``: the weights' state, for the engine loop that serves them)."""
 
     def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],

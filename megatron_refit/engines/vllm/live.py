@@ -44,7 +44,7 @@ def resolve_names(layout_names, params: dict[str, torch.Tensor]) -> dict[str, to
 
 
 class EngineReceiver(VllmLayoutReceiver):
-    """Receiver backend over an engine model's parameters on one generation TP rank.
+    """Storage over an engine model's parameters on one generation TP rank.
 
     The engine may re-allocate its parameters between refits (vLLM's reload or sleep/wake,
     an offload, ``model.to(...)``): :meth:`refresh_targets`, called at the start of every

@@ -42,7 +42,7 @@ logger = logging.getLogger("megatron_refit")
 
 
 class StagedPieces:
-    """Receiver backend of ``load_weights`` mode: one staging tensor per piece; ``finalize``
+    """Storage of ``load_weights`` mode: one staging tensor per piece; ``finalize``
     feeds each piece to the model's own ``load_weights`` as its HF tensor (the piece in its
     box, zeros elsewhere: vLLM's loaders read only this rank's part, which is the box)."""
 
