@@ -28,6 +28,7 @@ VERIFY = ("off", "sampled", "full")
 ENGINE_LOAD = ("in_place", "load_weights")
 DELTA = ("off", "on", "auto")
 SWAP = ("in_place", "staged")
+ON_REPLICA_FAILURE = ("raise", "continue")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,6 +121,17 @@ class RefitConfig:
     serving. Costs one more copy of the weights on each generation rank. The HF receiver
     swaps storage pointers; with ``engine: vllm`` it needs ``engine_load: load_weights``
     (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
+    on_replica_failure: str = "raise"
+    """What train ranks do when an engine replica cannot apply a refit (its engine raised while
+    receiving or loading, its bytes arrived corrupted): the failure stays on that replica
+    either way (the others land the version bit-exactly, the failed one is stale and its next
+    refit brings it back) and is named in the report (``failed_replicas``) and the metrics
+    (``refit/replicas_ok``, ``refit/replicas_failed``). ``raise``: the refit then raises
+    ``ReplicaFailedError`` on every train rank, so a loop that does not look at the report
+    cannot miss it (the default: with one replica nothing would serve the new weights);
+    ``continue``: it returns, and training goes on (fleets of many replicas), unless no
+    replica holds the version. A replica whose process died or whose link broke still breaks
+    the refit group (docs/guide-engines.md)."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the
@@ -177,7 +189,7 @@ class RefitConfig:
             raise ValueError("refit.transport must be 'auto' or a registered transport's name, got ''")
         for name, allowed in (("mode", MODES), ("lora_sync", LORA_SYNC),
                               ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
-                              ("swap", SWAP)):
+                              ("swap", SWAP), ("on_replica_failure", ON_REPLICA_FAILURE)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")

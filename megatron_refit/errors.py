@@ -4,7 +4,7 @@ a row for each message). Imports nothing: every layer raises them.
 - the plan: :class:`PlanError` (``prepare()``: train and engine pieces do not match);
 - the transport: :class:`RefitTransportError`, :class:`RefitTimeoutError`,
   :class:`RefitProtocolError`, :class:`WireError`;
-- the endpoints: :class:`RefitAbortedError`, :class:`RefitCorruptionError`,
+- the endpoints: :class:`RefitAbortedError`, :class:`ReplicaFailedError`, :class:`RefitCorruptionError`,
   :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`.
 
 Bad arguments and config values are plain ``ValueError``s naming the value.
@@ -35,6 +35,13 @@ class WireError(ValueError):
 
 class RefitAbortedError(RuntimeError):
     """Another refit rank failed its own checks at the start of a refit; nothing moved."""
+
+
+class ReplicaFailedError(RefitAbortedError):
+    """Train side, ``refit.on_replica_failure: raise`` (or no replica landed the refit): an engine
+    replica could not apply it (its engine raised, its bytes were corrupted); names each failed
+    replica and why. Every other replica holds the version; the failed ones are stale until
+    their next refit, which brings them back (a full one where their storage may be written)."""
 
 
 class RefitCorruptionError(ValueError):

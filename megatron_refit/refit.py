@@ -90,9 +90,10 @@ class TrainerRefit(_Sync):
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
                  offloader=None, on_report: Callable[[dict], None] | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta)
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp)
         self.group = group
-        kw["check_finite"] = cfg.check_finite
+        kw.update(check_finite=cfg.check_finite, on_replica_failure=cfg.on_replica_failure)
         self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
         self.plan = self.full.prepare()
         self.adapters = None
@@ -114,7 +115,8 @@ class EngineRefit(_Sync):
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta)
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp)
         self.group = group
         self.adapters = None
         if lora is not None:

@@ -175,13 +175,14 @@ def test_delta_refits_are_exact_small_and_a_missed_version_gets_a_full_refit():
     train, gen = out[:NUM_TRAIN], out[NUM_TRAIN:]
     deltas = [r["summary"]["refit/delta"] if r["ok"] else None for r in train[0]["out"]]
     # 1: full (nothing to start from); 2: delta; 3: delta, but the last gen rank fails to apply
-    # it (the trainer raises too); 4: full (that rank missed 3, decided before any byte moved); 5: delta
-    assert deltas == [0, 1, None, 0, 1]
+    # it (the trainer raises too); 4: full to that rank (it missed 3, decided before any byte
+    # moved), still a delta to the other; 5: delta
+    assert deltas == [0, 1, None, 1, 1]
     assert [r["ok"] for r in train[0]["out"]] == [True, True, False, True, True]
-    assert train[0]["out"][2]["error"] == "RefitAbortedError"
+    assert train[0]["out"][2]["error"] == "ReplicaFailedError"  # a RefitAbortedError
     for g in gen:
         assert all(r["exact"] for r in g["out"] if r["ok"])
-    assert [r["delta"] for r in gen[0]["out"]] == [False, True, True, False, True]
+    assert [r["delta"] for r in gen[0]["out"]] == [False, True, True, True, True]
     assert [r["ok"] for r in gen[-1]["out"]] == [True, True, False, True, True]
     assert gen[-1]["out"][2]["error"] == "RuntimeError"  # its post-load failed: stale, version 3 missed
     assert [r.get("delta") for r in gen[-1]["out"]] == [False, True, None, False, True]
@@ -189,8 +190,8 @@ def test_delta_refits_are_exact_small_and_a_missed_version_gets_a_full_refit():
         s = train[0]["out"][i]["summary"]
         assert s["refit/bytes"] <= 0.1 * s["refit/bytes_full"] and 0 < s["refit/density"] < 0.05, s
         assert s["refit/bytes_full"] == s["refit/bytes_minimal"]
-    s = train[0]["out"][3]["summary"]
-    assert s["refit/bytes"] == s["refit/bytes_full"] and s["refit/delta"] == 0
+    s = train[0]["out"][3]["summary"]  # the missed rank's half in full, the other's as a delta
+    assert 0.45 * s["refit/bytes_full"] <= s["refit/bytes"] <= 0.6 * s["refit/bytes_full"], s
     # host memory: a copy of what each train rank sends
     assert sum(t["held"] for t in train) >= train[0]["out"][0]["summary"]["refit/bytes_full"]
 

@@ -219,7 +219,8 @@ def test_corrupted_zeroed_or_stale_bucket_is_detected_by_name_and_next_refit_res
         v1, v2, v3, v4, v5 = res["outcome"]
         assert v1[0] == v5[0] == "ok"
         for bad in (v2, v3, v4):
-            assert bad[0] == "RefitAbortedError" and "could not apply it" in bad[1], bad
+            assert bad[0] == "ReplicaFailedError" and "could not apply it" in bad[1], bad  # a RefitAbortedError
+            assert "RefitCorruptionError: refit" in bad[1] and "digest mismatch" in bad[1], bad  # and why
 
 
 def test_trainer_name_unknown_to_receiver_is_refused_before_transfer():

@@ -100,7 +100,7 @@ class Endpoint:
 
     def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
                  direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None,
-                 delta: str = "off"):
+                 delta: str = "off", replica_size: int | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -114,6 +114,12 @@ class Endpoint:
         (:func:`~megatron_refit.endpoint.report.summarize`; e.g. ``wandb.log`` on the rank that logs)."""
         self.num_train = num_train
         self.num_gen = num_gen
+        replica_size = num_gen if replica_size is None else replica_size
+        if not isinstance(replica_size, int) or replica_size < 1 or num_gen % replica_size:
+            raise ValueError(f"replica_size (gen_tp) must be a positive int dividing num_gen={num_gen}, "
+                             f"got {replica_size!r}")
+        self.replica_size = replica_size
+        """Engine ranks per replica (``gen_tp``): failures are reported per replica."""
         self.bucket_bytes = bucket_bytes
         self.delta = check_delta_mode(delta)
         """``refit.delta``: ``off``, ``on`` or ``auto`` (see :mod:`megatron_refit.endpoint.delta`)."""
@@ -191,14 +197,15 @@ class Endpoint:
         copies of what it last sent, the engine's weights."""
         return -1
 
-    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> bool:
+    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> set[int]:
         """The per-refit handshake, before any byte moves: every rank shows its version, the
         plan it uses, whether its own checks (``preflight``, e.g. a receiver re-resolving
         its engine's parameters) passed, and the version a delta would start from. A rank whose
         checks failed raises its own error; every other rank raises :class:`RefitAbortedError`
-        naming it, so no rank is left waiting. True if this refit is a delta: every rank holds
-        the same previous version (a receiver that missed one, restarted or is stale makes
-        it a full refit, decided on every rank alike)."""
+        naming it, so no rank is left waiting. Returns the peers (refit ranks) this rank's
+        pairs move a delta with: those that hold the same previous version as this rank (a
+        receiver that missed one, restarted, failed the last refit or is stale gets a full
+        refit, while the others keep their deltas; both ends of a pair decide alike)."""
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
         self._begin(f"refit {version}")
@@ -227,7 +234,9 @@ class Endpoint:
             raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
                              f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
                              f"the engine expects a full refit")
-        return rows[0][3] >= 0 and all(row[3] == rows[0][3] for row in rows)
+        mine = rows[self.group.rank][3]
+        peers = range(self.num_train, len(rows)) if self.role == "train" else range(self.num_train)
+        return {peer for peer in peers if mine >= 0 and rows[peer][3] == mine}
 
     def _begin(self, phase: str) -> None:
         self.group.begin(phase)
@@ -251,13 +260,24 @@ class Endpoint:
                 for peer, mine in by_peer.items()}
         return self._digesters
 
-    def _summarize(self, report: RefitReport, failed: bool = False) -> list[int]:
+    def _summarize(self, report: RefitReport, error: BaseException | None = None) -> list[int]:
         """The end of every refit, on every rank: one control message with each rank's
-        bytes, seconds and whether it applied the refit; fills ``report.summary`` (the same
-        flat dict on every rank) and returns the refit ranks that failed."""
-        rows = self.group.exchange("report", report_values(report, failed))
-        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal)
-        return [rank for rank, row in enumerate(rows) if row[0]]
+        bytes, seconds and whether it applied the refit (``error``: why not); fills
+        ``report.summary`` (the same flat dict on every rank) and, when a rank failed,
+        ``report.failed_replicas`` with every failed rank's error (a second message, only
+        then). Returns the refit ranks that failed."""
+        rows = self.group.exchange("report", report_values(report, error is not None))
+        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal, self.replica_size)
+        failed = [rank for rank, row in enumerate(rows) if row[0]]
+        if failed:
+            why = "" if error is None else f"{type(error).__name__}: {error}"[:500]
+            reasons = self.group.all_gather_object(why, "report")
+            for rank in failed:
+                replica = (rank - self.num_train) // self.replica_size if rank >= self.num_train else None
+                report.failed_replicas.setdefault(replica, []).append(f"refit rank {rank}: {reasons[rank]}")
+            report.failed_replicas = {r: "; ".join(v) for r, v in sorted(report.failed_replicas.items(),
+                                                                         key=lambda kv: (kv[0] is None, kv[0]))}
+        return failed
 
     def _emit(self, report: RefitReport) -> None:
         """One structured log line per refit and rank (its detail), the group summary on

@@ -101,9 +101,49 @@ def _encode_host(new: np.ndarray, old: np.ndarray, word: int) -> tuple[int, torc
     return (INDICES if indices <= bitmask else BITMASK), torch.from_numpy(payload), changed
 
 
+def check_header(encoding: int, size: int, nbytes: int) -> str | None:
+    """What is wrong with a bucket's delta header ``(encoding, size)`` for a bucket of
+    ``nbytes`` (None: nothing): an encoding that does not exist, or a payload that is not
+    smaller than the bucket (the encoder sends ``RAW`` then) or, for ``RAW``, not its size."""
+    if encoding not in (RAW, INDICES, BITMASK):
+        return f"encoding {encoding} is none of {list(ENCODINGS)}"
+    if encoding == RAW and size != nbytes:
+        return f"a raw payload of {size} bytes for a bucket of {nbytes}"
+    if encoding != RAW and not 0 <= size < nbytes:
+        return f"a {ENCODINGS[encoding]} payload of {size} bytes for a bucket of {nbytes}"
+    return None
+
+
+def check_payload(encoding: int, payload: torch.Tensor, nbytes: int, word: int) -> str | None:
+    """What is wrong with a delta ``payload`` of a bucket of ``nbytes`` (None: nothing), before
+    anything is written: its length, and every index or mask bit in range (``INDICES``: int32
+    word indices below ``nbytes / word``, strictly increasing, as :func:`encode` writes them;
+    ``BITMASK``: as many new values as set bits, the padding bits clear)."""
+    count = nbytes // word
+    p = payload.cpu().numpy()
+    if encoding == INDICES:
+        if p.size % (4 + word):
+            return f"{p.size} bytes are not a whole number of (int32 index, {word}-byte value) entries"
+        changed = p.size // (4 + word)
+        where = p[: 4 * changed].view(np.int32)
+        in_range = changed <= count and (not changed or (where[0] >= 0 and where[-1] < count))
+        if not in_range or (changed > 1 and not (np.diff(where) > 0).all()):
+            return f"its {changed} indices are not increasing word indices below {count}"
+        return None
+    head = mask_bytes(count)
+    if p.size < head or (p.size - head) % word:
+        return f"{p.size} bytes are not a {head}-byte mask then {word}-byte values"
+    bits = np.unpackbits(p[:head], bitorder="little")
+    if bits[count:].any():
+        return f"mask bits past the bucket's {count} words are set"
+    if int(bits.sum()) != (p.size - head) // word:
+        return f"the mask sets {int(bits.sum())} words but {(p.size - head) // word} values follow"
+    return None
+
+
 def apply(target: torch.Tensor, encoding: int, payload: torch.Tensor, word: int) -> None:
     """Write a payload of :func:`encode` into the flat uint8 ``target`` (the previous
-    version's bytes), in place."""
+    version's bytes), in place (check it first: :func:`check_payload`)."""
     if encoding not in (INDICES, BITMASK):
         raise ValueError(f"delta: cannot apply encoding {encoding!r}")
     if target.device.type != "cpu":

@@ -12,11 +12,11 @@ import torch
 
 from megatron_refit.endpoint.base import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
-from megatron_refit.endpoint.delta import RAW, apply, word_size
+from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size
 from megatron_refit.endpoint.integrity import chunk_sums
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
-from megatron_refit.errors import RefitCorruptionError
+from megatron_refit.errors import RefitCorruptionError, RefitTransportError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
@@ -29,9 +29,10 @@ class Receiver(Endpoint):
 
     def __init__(self, group: Transport, storage: Storage, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
-                 on_report: Callable[[dict], None] | None = None, delta: str = "off"):
+                 on_report: Callable[[dict], None] | None = None, delta: str = "off",
+                 replica_size: int | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report, delta=delta)
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size)
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.storage = storage
@@ -76,13 +77,15 @@ class Receiver(Endpoint):
     def receive(self, version: int) -> RefitReport:
         """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
         engine must not serve them) and the error propagates; the next complete refit
-        restores ``ready``."""
-        use_delta = self._agree_on_version(version, self._refresh_targets)
+        restores ``ready``. A failure of this rank's own (its storage raising, a malformed
+        or corrupted payload) is confined to it: the rest of the refit is received and
+        dropped, so the group and every other rank carry on."""
+        delta_from = self._agree_on_version(version, self._refresh_targets)
         if isinstance(self.storage, ExpectsVersion):  # a staged engine tags the swap with it
             self.storage.expect_version(version)
         self._set_state("updating")
         try:
-            report = self._receive(version, use_delta)
+            report = self._receive(version, delta_from)
         except BaseException:
             self._set_state("stale")
             raise
@@ -91,10 +94,10 @@ class Receiver(Endpoint):
         self._emit(report)
         return report
 
-    def _receive(self, version: int, use_delta: bool = False) -> RefitReport:
+    def _receive(self, version: int, delta_from: set[int] = frozenset()) -> RefitReport:
         start = time.perf_counter()
         report = RefitReport(version=version, role="gen", rank=self.group.rank,
-                             bytes_minimal=self.plan.bytes_minimal, delta=use_delta)
+                             bytes_minimal=self.plan.bytes_minimal, delta=bool(delta_from))
         buckets = self.plan.buckets_to(self.gen_index)
         report.bytes_full = sum(b.payload_bytes for b in buckets)
         received: dict[int, list] = {}  # sender -> [(bucket, chunk sums)] in plan order
@@ -108,6 +111,15 @@ class Receiver(Endpoint):
         codes = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
         scratch = []
         unchecked = []  # buckets in engine storage whose digest pass waits until the next bucket is posted
+        failure: list[Exception] = []
+        """This rank's first error (its storage, a payload): from then on every bucket is
+        received into staging and dropped, so that every sender's messages are still taken."""
+
+        def fail(exc: Exception) -> None:
+            if isinstance(exc, RefitTransportError):  # the group itself failed: there is nothing to drain
+                raise exc
+            failure[:1] = failure[:1] or [exc]
+            unchecked.clear()
 
         def check_arrived():
             t0 = time.perf_counter()
@@ -121,50 +133,58 @@ class Receiver(Endpoint):
             report.seconds["verify"] += time.perf_counter() - t0
 
         def post(bucket, buf):
-            encoding, size = RAW, 0
-            if use_delta:
-                header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), self.plan.global_src(bucket),
-                                               delta_tag(bucket.index))
+            src = self.plan.global_src(bucket)
+            encoding, size = RAW, bucket.nbytes
+            if src in delta_from:
+                header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), src, delta_tag(bucket.index))
                 self.group.wait(header)
                 encoding, size = codes[bucket.src_rank, bucket.index] = header.buffer.cpu().tolist()
-            if encoding != RAW:  # the changed elements only, into staging
-                self._route(report, False)
-                return self.group.irecv(buf[:size], self.plan.global_src(bucket), bucket.index)
-            direct = self._direct_view(bucket, self.storage.buffer, "dst")
+                problem = check_header(encoding, size, bucket.nbytes)
+                if problem is not None:  # the payload's size is unknown: it cannot even be drained
+                    raise RefitCorruptionError(f"refit {version}: {self._bucket_name(bucket)}: its delta header is "
+                                               f"malformed ({problem})")
+            direct = None
+            if not failure and encoding == RAW:
+                try:
+                    direct = self._direct_view(bucket, self.storage.buffer, "dst")
+                except Exception as exc:  # noqa: BLE001 -- this rank's storage failed: drain the rest
+                    fail(exc)
             self._route(report, direct is not None)
             if direct is not None:  # straight into engine storage
-                pending = self.group.irecv(direct, self.plan.global_src(bucket), bucket.index)
+                pending = self.group.irecv(direct, src, bucket.index)
                 pending.direct = True
                 return pending
-            return self.group.irecv(buf, self.plan.global_src(bucket), bucket.index)
+            return self.group.irecv(buf[:size], src, bucket.index)  # staging (delta: the changed elements)
 
         def retire(bucket, pending):
             buf = pending.buffer
             encoding, size = codes.get((bucket.src_rank, bucket.index), (RAW, 0))
             report.bytes_received += bucket.payload_bytes if encoding == RAW else size
             report.bytes_wire += buf.numel()
-            if encoding != RAW:  # onto the previous version's bytes, in engine storage
-                t0 = time.perf_counter()
-                buf = self._apply_delta(bucket, encoding, buf[:size], scratch)
-                report.seconds["load"] += time.perf_counter() - t0
-            if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
-                unchecked.append((bucket, buf))
-                if not (pending.direct and encoding == RAW):  # a staging or scratch buffer, reused next
-                    check_arrived()
-            if pending.direct or encoding != RAW:  # already in engine storage
+            if failure:  # dropped
                 return
-            t0 = time.perf_counter()
-            unpack_bucket(bucket, buf, self.storage.buffer)
-            report.seconds["load"] += time.perf_counter() - t0
+            try:
+                self._apply(bucket, pending, encoding, buf, scratch, unchecked, report, version)
+            except Exception as exc:  # noqa: BLE001 -- this rank's storage or payload failed: drain the rest
+                fail(exc)
+                return
+            if unchecked and not (pending.direct and encoding == RAW):  # a staging or scratch buffer, reused next
+                check_arrived()
 
         with torch.no_grad():
             self._run(buckets, post, retire, report)
+            if failure:  # every message of the refit taken: the group is intact; the trainer learns why
+                for pending in sent.values():
+                    self.group.wait(pending)
+                report.seconds["total"] = time.perf_counter() - start
+                self._summarize(report, failure[0])
+                raise failure[0]
             check_arrived()
             try:
                 self._check_and_finalize(version, sent, computed, received, report)
-            except Exception:
+            except Exception as exc:
                 try:  # every byte arrived: the group is intact, tell the trainer this rank failed
-                    self._summarize(report, failed=True)
+                    self._summarize(report, exc)
                 except Exception:  # noqa: BLE001 -- this rank's own error is the one to raise
                     pass
                 raise
@@ -173,10 +193,37 @@ class Receiver(Endpoint):
         self._summarize(report)
         return report
 
-    def _apply_delta(self, bucket, encoding: int, payload: torch.Tensor, scratch: list) -> torch.Tensor:
+    def _apply(self, bucket, pending, encoding: int, buf: torch.Tensor, scratch: list, unchecked: list,
+               report: RefitReport, version: int) -> None:
+        """One arrived bucket into engine storage: unpacked from staging, or a delta checked
+        and written over the previous version's bytes; queued for its digest pass."""
+        if encoding != RAW:  # onto the previous version's bytes, in engine storage
+            t0 = time.perf_counter()
+            buf = self._apply_delta(bucket, encoding, buf, scratch, version)
+            report.seconds["load"] += time.perf_counter() - t0
+        if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
+            unchecked.append((bucket, buf))
+        if pending.direct or encoding != RAW:  # already in engine storage
+            return
+        t0 = time.perf_counter()
+        unpack_bucket(bucket, buf, self.storage.buffer)
+        report.seconds["load"] += time.perf_counter() - t0
+
+    def _bucket_name(self, bucket) -> str:
+        names = sorted({item.transfer.name for item in bucket.items})
+        return (f"bucket {bucket.index} from refit rank {self.plan.global_src(bucket)} (parameters "
+                f"{names[:8]}{' ...' if len(names) > 8 else ''})")
+
+    def _apply_delta(self, bucket, encoding: int, payload: torch.Tensor, scratch: list, version: int) -> torch.Tensor:
         """The bucket's new bytes: the previous version's (engine storage) with the changed
-        words written over, back into engine storage. Returns them (for the digests)."""
+        words written over, back into engine storage, once the payload is checked
+        (:class:`~megatron_refit.errors.RefitCorruptionError` naming the bucket, before
+        anything is written). Returns them (for the digests)."""
         word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
+        problem = check_payload(encoding, payload, bucket.nbytes, word)
+        if problem is not None:
+            raise RefitCorruptionError(f"refit {version}: {self._bucket_name(bucket)}: its delta payload is "
+                                       f"malformed ({problem}); nothing of it was written")
         target = self._direct_view(bucket, self.storage.buffer, "dst")
         if target is not None:  # contiguous in engine storage: in place
             apply(target, encoding, payload, word)

@@ -37,6 +37,10 @@ class RefitReport:
     shared staging buffer, colocated mode)."""
     summary: dict = field(default_factory=dict)
     """The whole refit group's metrics (:func:`summarize`): the same flat dict on every rank."""
+    failed_replicas: dict = field(default_factory=dict)
+    """Engine replicas (index: ``gen rank // gen_tp``) that could not apply this refit, with
+    why (their ranks' own errors, ``"refit rank N: <error>"``); the same on every rank. Those
+    replicas are stale; the others hold the version."""
 
     @property
     def gbps(self) -> float:
@@ -63,27 +67,39 @@ def report_values(report: RefitReport, failed: bool) -> list[int]:
     return [values[f] if f in values else getattr(report, f) for f in _FIELDS]
 
 
-SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/total_s", "refit/gbps", "refit/bytes",
+SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/replicas_ok", "refit/replicas_failed",
+                "refit/total_s", "refit/gbps", "refit/bytes",
                 "refit/bytes_wire", "refit/bytes_minimal", "refit/bytes_full", "refit/delta", "refit/density",
                 "refit/buckets", "refit/pack_s", "refit/load_s", "refit/verify_s", "refit/onload_s",
                 "refit/offload_s", "refit/slowest_rank", "refit/train_ranks", "refit/gen_ranks")
 """The keys :func:`summarize` returns, in order (docs/quickstart.md says what each means)."""
 
 
-def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal: int) -> dict:
+def replicas_of(failed_ranks, num_train: int, replica_size: int) -> list[int]:
+    """The engine replicas that hold any of the refit ranks ``failed_ranks`` (train ranks hold none)."""
+    return sorted({(rank - num_train) // replica_size for rank in failed_ranks if rank >= num_train})
+
+
+def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal: int,
+              replica_size: int | None = None) -> dict:
     """The flat metrics of one refit from every rank's :func:`report_values` (``rows[r]`` is
     refit rank ``r``; train ranks first). Seconds are the slowest rank's (the group waits for
-    it); bytes are summed over train ranks (each byte is sent once)."""
+    it); bytes are summed over train ranks (each byte is sent once). ``replica_size``: engine
+    ranks per replica (``gen_tp``; default: all of them are one replica)."""
     rows = [dict(zip(_FIELDS, row, strict=True)) for row in rows]
     train, gen = rows[:num_train], rows[num_train:]
     seconds = {t: [row[f"us_{t}"] / _US for row in rows] for t in _TIMES}
     total = max(seconds["total"])
     sent = sum(row["bytes_sent"] for row in train)
     failed = [rank for rank, row in enumerate(rows) if row["failed"]]
+    replica_size = replica_size or max(1, len(gen))
+    replicas_failed = len(replicas_of(failed, num_train, replica_size))
     out = {
         "refit/version": version,
         "refit/ok": int(not failed),
         "refit/failed_ranks": len(failed),
+        "refit/replicas_ok": len(gen) // replica_size - replicas_failed,
+        "refit/replicas_failed": replicas_failed,
         "refit/total_s": total,
         "refit/gbps": sent / total / 1e9 if total > 0 else 0.0,
         "refit/bytes": sent,

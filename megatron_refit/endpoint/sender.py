@@ -25,16 +25,18 @@ from typing import Protocol
 
 import torch
 
+from megatron_refit.config import ON_REPLICA_FAILURE
 from megatron_refit.endpoint.base import DIGEST_TAG, Endpoint, delta_tag
 from megatron_refit.endpoint.bytes import pack_bucket
 from megatron_refit.endpoint.delta import DeltaSender, word_size
 from megatron_refit.endpoint.finite import check_finite
 from megatron_refit.endpoint.integrity import chunk_sums
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.errors import RefitAbortedError
+from megatron_refit.errors import ReplicaFailedError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
+
 
 
 class HasPiece(Protocol):
@@ -75,9 +77,17 @@ class Refitter(Endpoint):
     def __init__(self, group: Transport, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False,
-                 delta: str = "off"):
+                 delta: str = "off", replica_size: int | None = None, on_replica_failure: str = "raise"):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report, delta=delta)
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size)
+        if on_replica_failure not in ON_REPLICA_FAILURE:
+            raise ValueError(f"refit.on_replica_failure: {on_replica_failure!r} is not one of "
+                             f"{list(ON_REPLICA_FAILURE)}")
+        self.on_replica_failure = on_replica_failure
+        """``raise``: a refit that an engine replica could not apply raises
+        :class:`~megatron_refit.errors.ReplicaFailedError` (after the other replicas landed it);
+        ``continue``: it returns, its report naming the failed replicas (``failed_replicas``),
+        unless no replica landed it."""
         self._delta = DeltaSender(delta)
         """The copies of what this rank last sent, for delta refits (``refit.delta``)."""
         self.check_finite = check_finite
@@ -121,7 +131,7 @@ class Refitter(Endpoint):
                 onload_s = self._onload()
                 check_finite(self.pieces, version=version, rank=self.group.rank)
         try:
-            use_delta = self._agree_on_version(version, preflight if self.check_finite else None)
+            delta_to = self._agree_on_version(version, preflight if self.check_finite else None)
         except BaseException:
             for piece in self.pieces.values():
                 _release(piece)
@@ -129,7 +139,7 @@ class Refitter(Endpoint):
                 self.offloader.offload()
             raise
         report = RefitReport(version=version, role="train", rank=self.group.rank,
-                             bytes_minimal=self.plan.bytes_minimal, delta=use_delta)
+                             bytes_minimal=self.plan.bytes_minimal, delta=bool(delta_to))
         report.seconds["onload"] = onload_s + self._onload()
         cache: dict[str, torch.Tensor] = {}
         buckets = self.plan.buckets_from(self.group.rank)
@@ -194,7 +204,7 @@ class Refitter(Endpoint):
             with torch.no_grad():
                 if self._delta.keeps_copies:  # compare with (and keep) a copy of every bucket, send what changed
                     self._delta.base = -1  # the copies change now: no delta from them unless this refit completes
-                    post = self._delta_post(get_src, use_delta, check, report, digest_sends)
+                    post = self._delta_post(get_src, delta_to, check, report, digest_sends)
                 self._run(buckets, post, retire, report)
                 t0 = time.perf_counter()
                 for pending in digest_sends:
@@ -211,16 +221,22 @@ class Refitter(Endpoint):
         self.version = version
         report.seconds["total"] = time.perf_counter() - start
         failed = self._summarize(report)  # waits for the receivers to apply the refit
-        self._delta.finish(version, ok=not failed, bytes_sent=report.summary["refit/bytes"],
-                           bytes_full=report.summary["refit/bytes_full"], was_delta=use_delta)
+        # every byte left every train rank: the copies are this version's, a base for every
+        # receiver that applied it (one that failed shows no base and gets a full refit)
+        self._delta.finish(version, ok=not any(rank < self.num_train for rank in failed),
+                           bytes_sent=report.summary["refit/bytes"], bytes_full=report.summary["refit/bytes_full"],
+                           was_delta=bool(delta_to))
         self._emit(report)
-        if failed:
-            raise RefitAbortedError(f"refit {version}: generation rank(s) {failed} could not apply it (their own "
-                                    f"errors say why, e.g. a digest mismatch); they are stale until the next refit")
+        landed = report.summary["refit/replicas_ok"]
+        if failed and (self.on_replica_failure == "raise" or not landed):
+            held = f"the other {landed} replica(s) hold version {version}" if landed else "no replica holds it"
+            why = "; ".join(report.failed_replicas.values())
+            raise ReplicaFailedError(f"refit {version}: engine replica(s) {sorted(report.failed_replicas)} could not "
+                                     f"apply it: {why}; they are stale until the next refit; {held}")
         return report
 
 
-    def _delta_post(self, get_src, use_delta: bool, check, report: RefitReport, sends: list):
+    def _delta_post(self, get_src, delta_to: set[int], check, report: RefitReport, sends: list):
         """The bucket loop's post under ``refit.delta``: the bucket's full bytes compared with
         (and kept for the next refit as) the copy of the last; in a delta refit a small header
         (encoding, size) precedes each bucket, so the receiver posts exactly that size while
@@ -237,13 +253,13 @@ class Refitter(Endpoint):
                 pack_bucket(bucket, get_src, out=data)
             word = word_size(bucket.nbytes, (ITEMSIZE[item.transfer.dtype] for item in bucket.items))
             key = (bucket.dst_rank, bucket.index)
-            encoding, payload, changed = self._delta.encode(key, data, word, use_delta)
+            dst = self.plan.global_dst(bucket)
+            encoding, payload, changed = self._delta.encode(key, data, word, dst in delta_to)
             report.seconds["pack"] += time.perf_counter() - t0
             report.words += bucket.nbytes // word
             report.words_changed += changed
-            dst = self.plan.global_dst(bucket)
             data = self._delta.previous[key] if payload is None else payload
-            if use_delta:  # waited for with the digests
+            if dst in delta_to:  # waited for with the digests
                 header = torch.tensor([encoding, data.numel()], dtype=torch.int64)
                 sends.append(self.group.send_small(header, dst, delta_tag(bucket.index)))
             report.bytes_sent += bucket.payload_bytes if payload is None else data.numel()

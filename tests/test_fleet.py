@@ -1,0 +1,210 @@
+"""One replica's failure stays with that replica (real spawned ranks over gloo, the public
+``trainer_refit_from_pieces`` / ``engine_refit`` path): an engine that raises in the middle of a
+refit, and a delta bucket zeroed or bit-flipped in flight, at gen TP1xDP3 and TP2xDP2. In each,
+the healthy replicas land every version bit-exactly in the usual time, the failed replica is
+named (why, in the report and the metrics) and stale, nothing hangs, no rank reconnects, and the
+next refit brings the failed replica back (a full refit to it, deltas to the others)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import pytest
+import torch
+
+from megatron_refit.tools.launch import run_spawned
+
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
+
+NUM_TRAIN = 2
+SHAPES = {f"layer{i}.w": (64, 48) for i in range(4)} | {"norm": (48,)}
+TIMEOUT_S = 30.0
+LAYOUTS = {"TP1xDP3": (1, 3), "TP2xDP2": (2, 2)}
+FAILED_REPLICA = 1
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    """Version ``version``'s weights: a random base with a sparse, version-dependent change
+    (about 1 % of the elements: what delta refits encode as indices)."""
+    out = {}
+    for name, shape in SHAPES.items():
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+        w.view(-1)[version % 7::97] += 0.01 * version
+        out[name] = w
+    return out
+
+
+def _box(name: str, rank: int, parts: int) -> tuple:
+    shape = SHAPES[name]
+    if len(shape) == 1 or parts == 1:
+        return tuple((0, n) for n in shape)
+    rows = shape[0] // parts
+    return ((rank * rows, (rank + 1) * rows), *((0, n) for n in shape[1:]))
+
+
+class _Storage:
+    """An engine TP rank's storage: row shards of the 2-D weights, the norm whole. ``fail_at``:
+    the n-th ``buffer`` call of a refit raises, as a CUDA error inside an engine would."""
+
+    holds_sent_bytes = True
+
+    def __init__(self, tp_rank: int, tp: int):
+        from megatron_refit.plan.spec import ShardSpec
+
+        self.specs = [ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, tp_rank, tp))
+                      for n, s in SHAPES.items()]
+        self.t = {s.name: torch.zeros(s.shape) for s in self.specs}
+        self.fail_at, self.calls = None, 0
+
+    def target_specs(self):
+        return self.specs
+
+    def buffer(self, name):
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+        return self.t[name]
+
+    def finalize(self):
+        pass
+
+    def exact(self, version: int) -> bool:
+        want = _weights(version)
+        return all(torch.equal(self.t[s.name], want[s.name][tuple(slice(a, b) for a, b in s.box)])
+                   for s in self.specs)
+
+
+def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.plan.spec import ShardSpec
+    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.transport import RefitGroup
+
+    delta = "on" if scenario.startswith("corrupt") else "off"
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
+                      direct_mb=None, timeout_s=TIMEOUT_S, delta=delta, on_replica_failure=on_failure)
+    victim = NUM_TRAIN + FAILED_REPLICA * tp  # the failed replica's first TP rank
+    bad_version = 3 if delta == "on" else 2
+    if scenario.startswith("corrupt") and rank == 0:
+        from megatron_refit.endpoint.base import DELTA_TAG
+
+        def isend(self, buffer, peer, tag, _send=RefitGroup.isend):
+            # one delta bucket's payload on the wire to the victim (its header and digests untouched)
+            if self.version == bad_version and peer == victim and tag < DELTA_TAG and buffer.numel() and \
+                    not RefitGroup.corrupted:
+                RefitGroup.corrupted = True
+                buffer = buffer.clone()
+                if scenario == "corrupt-zero":  # indices all 0: malformed, caught before it is applied
+                    buffer.zero_()
+                else:  # one bit of the last new value: a well-formed payload, caught by the digest
+                    buffer[-1] ^= 0x04
+            return _send(self, buffer, peer, tag)
+
+        RefitGroup.isend = isend
+    RefitGroup.version, RefitGroup.corrupted = 0, False
+    out = []
+    if rank < NUM_TRAIN:  # train TP2: row halves
+        pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
+                              torch.empty(0)) for n, s in SHAPES.items()]
+        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        for version in (1, 2, 3, 4):
+            RefitGroup.version = version
+            weights = _weights(version)
+            for piece in pieces:
+                piece.data = weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)].clone()
+            start = time.monotonic()
+            try:
+                report = sync.refit(version)
+                out.append(dict(ok=True, failed=report.failed_replicas, summary=report.summary, delta=report.delta))
+            except Exception as exc:  # noqa: BLE001 -- the test reads what the trainer raised
+                out.append(dict(ok=False, error=type(exc).__name__, message=str(exc)))
+            out[-1]["seconds"] = time.monotonic() - start
+        sync.close()
+        return out
+    gen = rank - NUM_TRAIN
+    storage = _Storage(gen % tp, tp)
+    sync = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    for version in (1, 2, 3, 4):
+        RefitGroup.version = version
+        storage.calls = 0
+        storage.fail_at = 2 if scenario == "engine-error" and version == bad_version and rank == victim else None
+        start = time.monotonic()
+        try:
+            report = sync.receive(version)
+            out.append(dict(ok=True, delta=report.delta))
+        except Exception as exc:  # noqa: BLE001
+            out.append(dict(ok=False, error=type(exc).__name__, message=str(exc)))
+        out[-1].update(seconds=time.monotonic() - start, state=sync.state, exact=storage.exact(version))
+    sync.close()
+    return out
+
+
+def _run(scenario, layout, on_failure="continue"):
+    tp, dp = LAYOUTS[layout]
+    out = run_spawned(_fleet_rank, NUM_TRAIN + tp * dp, scenario, tp, dp, on_failure, timeout_s=240)
+    return tp, dp, out[:NUM_TRAIN], out[NUM_TRAIN:]
+
+
+def _check_isolated(tp, dp, train, gen, bad, error):
+    """Version ``bad`` failed on the victim only; everything else landed bit-exactly in time."""
+    victim = FAILED_REPLICA * tp
+    for g, outcome in enumerate(gen):
+        for i, res in enumerate(outcome):
+            version = i + 1
+            assert res["seconds"] < TIMEOUT_S / 2, (g, res)  # nobody waited for a timeout
+            if g == victim and version == bad:
+                assert not res["ok"] and res["error"] == error and res["state"] == "stale", res
+            else:  # the healthy replicas, and the victim before and after (recovered by itself)
+                assert res["ok"] and res["state"] == "ready" and res["exact"], (g, version, res)
+    for outcome in train:
+        assert [res["ok"] for res in outcome] == [True] * 4, outcome
+        report = outcome[bad - 1]
+        assert list(report["failed"]) == [FAILED_REPLICA]
+        assert f"refit rank {NUM_TRAIN + victim}: {error}" in report["failed"][FAILED_REPLICA]
+        s = report["summary"]
+        assert (s["refit/replicas_ok"], s["refit/replicas_failed"], s["refit/ok"]) == (dp - 1, 1, 0)
+        for i, res in enumerate(outcome):
+            if i + 1 != bad:
+                assert res["failed"] == {} and res["summary"]["refit/replicas_ok"] == dp, res
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_engine_error_mid_refit_stays_on_its_replica(layout):
+    tp, dp, train, gen = _run("engine-error", layout)
+    _check_isolated(tp, dp, train, gen, bad=2, error="RuntimeError")
+    victim = gen[FAILED_REPLICA * tp][1]
+    assert "CUDA error" in victim["message"]
+    assert "CUDA error" in train[0][1]["failed"][FAILED_REPLICA]
+
+
+@pytest.mark.parametrize("scenario", ["corrupt-zero", "corrupt-flip"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_corrupted_delta_bucket_is_named_and_stays_on_its_replica(scenario, layout):
+    tp, dp, train, gen = _run(scenario, layout)
+    _check_isolated(tp, dp, train, gen, bad=3, error="RefitCorruptionError")
+    victim = FAILED_REPLICA * tp
+    message = gen[victim][2]["message"]
+    assert "refit 3" in message and "from refit rank" in message and "'layer" in message, message
+    if scenario == "corrupt-zero":  # caught before anything was written, never a raw library error
+        assert "delta payload is malformed" in message and "nothing of it was written" in message, message
+    else:  # written, then caught by the digest of what arrived: the next refit to it is a full one
+        assert "digest mismatch in 1 bucket(s) from refit rank(s) [0]" in message, message
+    # refit 4: a full refit to the rank that missed 3, deltas to everyone else
+    assert [res.get("delta") for res in gen[victim]] == [False, True, None, False]
+    for g, outcome in enumerate(gen):
+        if g != victim:
+            assert [res["delta"] for res in outcome] == [False, True, True, True], (g, outcome)
+
+
+def test_fleet_on_replica_failure_raise_still_lands_the_healthy_replicas():
+    tp, dp, train, gen = _run("engine-error", "TP1xDP3", on_failure="raise")
+    for outcome in train:
+        assert [res["ok"] for res in outcome] == [True, False, True, True]
+        assert outcome[1]["error"] == "ReplicaFailedError"
+        assert "engine replica(s) [1] could not apply it" in outcome[1]["message"]
+        assert "the other 2 replica(s) hold version 2" in outcome[1]["message"]
+    for g, outcome in enumerate(gen):
+        assert outcome[1]["ok"] == (g != FAILED_REPLICA) and all(res["exact"] for res in outcome if res["ok"])
+        assert outcome[3]["ok"] and outcome[3]["exact"]
