@@ -208,3 +208,31 @@ def test_fleet_on_replica_failure_raise_still_lands_the_healthy_replicas():
     for g, outcome in enumerate(gen):
         assert outcome[1]["ok"] == (g != FAILED_REPLICA) and all(res["exact"] for res in outcome if res["ok"])
         assert outcome[3]["ok"] and outcome[3]["exact"]
+
+
+def test_fleet_demo_shows_the_lost_replica_and_ends_ok_for_the_others(capfd):
+    """``demo --gen-dp 3 --fail-replica 1@2``: Megatron train ranks, a real optimizer step per
+    refit, three transformers replicas; replica 1's engine raises while refit 2 lands."""
+    import json
+
+    from megatron_refit.tools.demo import main
+
+    assert main(["--gen-dp", "3", "--fail-replica", "1@2", "--json"]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert any(line.startswith("refit 2: engine replica 1 lost it (refit rank 3: RuntimeError: engine error")
+               and line.endswith("the other 2 replica(s) hold it, bit-exact: True") for line in out), out
+    result = json.loads(out[-1])
+    assert result["ok"] and result["bit_exact"]
+    assert [r["failed_replicas"] for r in result["refits"]] == [{}, {"1": result["refits"][1]["failed_replicas"]["1"]},
+                                                                {}]
+    assert [r["replicas_ok"] for r in result["refits"]] == [3, 2, 3]
+
+
+def test_fleet_demo_refuses_a_replica_it_does_not_run(capfd):
+    from megatron_refit.tools.demo import main
+
+    assert main(["--gen-dp", "2", "--fail-replica", "2@1"]) == 2
+    assert capfd.readouterr().err.strip() == ("error: --fail-replica 2@1: the replica must be in 0..1 (gen DP 2) "
+                                              "and the version in 1..3")
+    assert main(["--fail-replica", "one"]) == 2
+    assert "--fail-replica takes REPLICA@VERSION" in capfd.readouterr().err

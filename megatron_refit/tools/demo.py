@@ -78,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--swap", default="in_place", choices=["in_place", "staged"],
                    help="refit.swap: staged streams each refit into a copy while the engine serves, then swaps "
                         "(gen TP 1)")
+    p.add_argument("--fail-replica", default=None, metavar="R@V",
+                   help="engine replica R raises while refit V lands (an engine error, as a CUDA fault would): "
+                        "the other replicas land V, the report names R, and refit V+1 brings it back "
+                        "(refit.on_replica_failure: continue)")
     p.add_argument("--json", action="store_true", help="last line printed: one JSON object")
     p.add_argument("--verbose", action="store_true",
                    help="also show the ranks' third-party warnings and logs (Apex / TE fallbacks, deprecations)")
@@ -109,6 +113,12 @@ def spec_from_args(args) -> RunSpec:
         raise ValueError(f"--fp8 is tried with --model qwen3 / qwen3-moe only, got --model {args.model}")
     if args.fp8 and all(v is None for v in overrides.values()):
         overrides.update(FP8_SHAPE)
+    fail_replica = None
+    if args.fail_replica is not None:
+        replica, at, version = args.fail_replica.partition("@")
+        if not (at and replica.isdigit() and version.isdigit()):
+            raise ValueError(f"--fail-replica takes REPLICA@VERSION (e.g. 1@2), got {args.fail_replica!r}")
+        fail_replica = (int(replica), int(version))
     dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
     return RunSpec(
@@ -127,6 +137,7 @@ def spec_from_args(args) -> RunSpec:
         lr=args.lr,
         delta=args.delta,
         swap=args.swap,
+        fail_replica=fail_replica,
     )
 
 
@@ -151,6 +162,10 @@ def format_table(result: dict) -> str:
             + (f" {r['bytes_full']:>11,} {r['bytes_sent'] / r['bytes_full']:>9.3f} {r['density']:>8.4f}"
                if deltas else "")
         )
+    for r in result["refits"]:
+        for replica, why in r.get("failed_replicas", {}).items():
+            lines.append(f"refit {r['version']}: engine replica {replica} lost it ({why}); the other "
+                         f"{r['replicas_ok']} replica(s) hold it, bit-exact: {r['bit_exact']}")
     if "bytes_ratio_vs_bf16" in result:
         lines.append(f"FP8 bytes / bf16 bytes (same model and layout, measured): {result['refits'][-1]['bytes_sent']:,}"
                      f" / {result['bf16_bytes_sent']:,} = {result['bytes_ratio_vs_bf16']:.4f}")
@@ -185,9 +200,12 @@ def main(argv=None) -> int:
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)
     # a full refit sends exactly the minimal bytes; a delta refit less than a full one
+    # and no replica lost a refit, but the one --fail-replica names
+    lost = [(r["version"], sorted(r["failed_replicas"])) for r in result["refits"] if r["failed_replicas"]]
+    wanted = [] if spec.fail_replica is None else [(spec.fail_replica[1], [spec.fail_replica[0]])]
     result["ok"] = bool(result["bit_exact"]) and (diff is None or tolerance is None or diff <= tolerance) and all(
         r["bytes_sent"] <= r["bytes_full"] if r["delta"] else r["bytes_sent"] == r["bytes_minimal"]
-        for r in result["refits"])
+        for r in result["refits"]) and lost == wanted
     print(format_table(result))
     if args.json:
         out = {k: v for k, v in result.items() if k != "summary"}

@@ -60,6 +60,10 @@ class RunSpec:
     """``refit.swap``: ``staged`` streams into a copy while the engine serves, then swaps (gen TP 1)."""
     swap_budget_bytes: int | None = None
     """``refit.swap_budget_mb`` in bytes (None: the whole model)."""
+    fail_replica: tuple[int, int] | None = None
+    """``(replica, version)``: that engine replica's first rank raises while ``version`` lands (an
+    engine error, as a CUDA fault would); run with ``refit.on_replica_failure: continue``, the
+    other replicas land it and the next refit brings the replica back."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -73,6 +77,11 @@ class RunSpec:
         if self.swap == "staged" and (self.gen.tp != 1 or self.lora_rank):
             raise ValueError(f"swap 'staged' runs with the HF receiver (gen TP 1, no LoRA), got gen tp {self.gen.tp}, "
                              f"lora rank {self.lora_rank}")
+        if self.fail_replica is not None:
+            replica, version = self.fail_replica
+            if not (0 <= replica < self.gen.dp and 1 <= version <= self.refits):
+                raise ValueError(f"--fail-replica {replica}@{version}: the replica must be in 0..{self.gen.dp - 1} "
+                                 f"(gen DP {self.gen.dp}) and the version in 1..{self.refits}")
         if self.lora_rank and (self.gen.tp != 1 or self.fp8):
             raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
                              f"{self.gen.tp}, fp8 {self.fp8!r}")
@@ -115,7 +124,8 @@ def refit_config(spec: RunSpec, port: int):
                        engine="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
-                       timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap)
+                       timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
+                       on_replica_failure="continue" if spec.fail_replica else "raise")
 
 
 def hf_config_for(spec: RunSpec):
@@ -178,7 +188,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             if not offloader.offloaded:  # the refit puts them back where it found them
                 raise RuntimeError(f"refit {version} left offloaded parameters loaded")
             offloader.onload()  # for the checks below
-        item = dict(report=report.as_dict(), loss=loss)
+        item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas)
         if spec.collect:
             export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
                 built.model, cpu=True, show_progress=False)}
@@ -207,9 +217,18 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
     sync = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
                         lora=lora)
+    fail_at = spec.fail_replica[1] if spec.fail_replica and gen_index == spec.fail_replica[0] * spec.gen.tp else None
+    armed = _failing(backend) if fail_at else [False]
     out = []
     for version in range(1, spec.refits + 1):
-        report = sync.receive(version)
+        armed[0] = version == fail_at
+        try:
+            report = sync.receive(version)
+        except Exception as exc:
+            if version != fail_at:
+                raise
+            out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
+            continue
         item = dict(report=report.as_dict())
         if spec.collect:
             weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
@@ -217,6 +236,21 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
         out.append(item)
     return dict(role="gen", gen_index=gen_index, refits=out), sync
+
+
+def _failing(storage) -> list[bool]:
+    """The engine error of :attr:`RunSpec.fail_replica`: while the returned flag is set,
+    ``storage.buffer`` raises on its second call (bytes of that refit have landed by then)."""
+    buffer, armed, calls = storage.buffer, [False], [0]
+
+    def failing(name):
+        calls[0] = calls[0] + 1 if armed[0] else 0
+        if calls[0] == 2:
+            raise RuntimeError("engine error while the refit lands (--fail-replica)")
+        return buffer(name)
+
+    storage.buffer = failing
+    return armed
 
 
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
@@ -260,14 +294,15 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     refits = []
     for i in range(spec.refits):
         t_items = [t["refits"][i] for t in train]
-        g_items = [g["refits"][i] for g in gens]
+        landed = [(g, g["refits"][i]) for g in gens if g["refits"][i]["report"] is not None]
+        g_items = [item for _, item in landed]  # a replica that failed this refit holds nothing to check
         bit_exact, logit_diff = None, None
         if spec.collect:
             export = t_items[0]["export"]
             if spec.fp8:
                 export = fp8_checkpoint(export)
             bit_exact = True
-            for g, item in zip(gens, g_items):
+            for g, item in landed:
                 if spec.gen.tp == 1:
                     want = export
                     got = item["weights"]
@@ -296,6 +331,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
                          transfer=max(r["seconds"]["transfer"] for r in reports), load=secs("load", g_items),
                          onload=secs("onload", t_items), offload=secs("offload", t_items)),
             loss=t_items[-1].get("loss"),
+            failed_replicas=t_items[0].get("failed_replicas", {}),
+            replicas_ok=t_items[0]["report"]["summary"]["refit/replicas_ok"],
         ))
     diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]
     return dict(
