@@ -41,7 +41,12 @@ class ReplicaFailedError(RefitAbortedError):
     """Train side, ``refit.on_replica_failure: raise`` (or no replica landed the refit): an engine
     replica could not apply it (its engine raised, its bytes were corrupted); names each failed
     replica and why. Every other replica holds the version; the failed ones are stale until
-    their next refit, which brings them back (a full one where their storage may be written)."""
+    their next refit, which brings them back (a full one where their storage may be written).
+    ``report``: the refit's report, where one was made (``failed_ranks``: each rank's error)."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
 
 
 class RefitCorruptionError(ValueError):

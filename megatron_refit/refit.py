@@ -16,34 +16,39 @@ Generation ranks hold the engine's storage (vLLM, SGLang, HF: a
 Both sides build the same plan once (in the constructor) and move only the bytes each
 generation rank needs. With LoRA adapters on the trainer, the first refit (and any refit
 called with ``full=True``, e.g. after the engine dropped its weights) moves base weights
-and adapters; the others move the adapters only. Train ranks compute the refit rank
-layout: ``0..num_train-1`` train, then ``gen_tp * gen_dp`` generation ranks.
+and adapters; the others move the adapters only. Each engine replica has a refit group of its
+own (the train ranks, then its ``gen_tp`` ranks) and a failure of one replica stays with it
+(:mod:`megatron_refit.endpoint.fleet`); replicas may join and leave between refits.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.receiver import Receiver
-from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.sender import Refitter
-from megatron_refit.transport import open_transport, transport_name
+from megatron_refit.endpoint.fleet import JOINS, TrainerFleet, announce, member_config, namespace
+from megatron_refit.endpoint.sync import EngineRefit, TrainerRefit
+from megatron_refit.transport import RefitGroup, open_transport, transport_name
 
 
-def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device):
-    """The refit group of this rank over ``refit.transport`` (``auto``: NCCL between GPUs,
-    gloo on CPU; colocated: bucket bytes through shared buffers (CUDA IPC / shared memory),
-    control messages over gloo)."""
-    world = num_train + cfg.gen_tp * cfg.gen_dp
+def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device, replica: int,
+            incarnation: str):
+    """This rank's end of engine replica ``replica``'s refit group (the train ranks and that
+    replica's ``gen_tp`` ranks, in the train ranks' store at ``refit.port`` under the
+    replica's incarnation: :func:`~megatron_refit.endpoint.fleet.namespace`) over ``refit.transport``
+    (``auto``: NCCL between GPUs, gloo on CPU; colocated: bucket bytes through shared buffers
+    (CUDA IPC / shared memory), control messages over gloo)."""
+    world = num_train + cfg.gen_tp
     if not 0 <= refit_rank < world:
-        raise ValueError(f"refit rank {refit_rank} outside the refit world of {world} "
-                         f"(num_train={num_train} + gen_tp*gen_dp={cfg.gen_tp * cfg.gen_dp})")
+        raise ValueError(f"refit rank {refit_rank} outside a replica's refit group of {world} "
+                         f"(num_train={num_train} + gen_tp={cfg.gen_tp})")
     name = transport_name(cfg.transport, colocated=cfg.mode == "colocated", device=device)
     return open_transport(name, host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world,
-                          timeout_s=cfg.timeout_s, num_train=num_train, device=device)
+                          timeout_s=cfg.timeout_s, num_train=num_train, device=device,
+                          namespace=namespace(replica, incarnation))
 
 
 def _check_lora_sync(cfg: RefitConfig) -> None:
@@ -59,96 +64,9 @@ def check_enabled(cfg: RefitConfig, num_train: int) -> None:
         raise ValueError(f"num_train must be a positive int, got {num_train!r}")
 
 
-class _Sync:
-    """One or two prepared endpoints (all pieces; adapters only) that share a version."""
-
-    full = adapters = None
-    _version: int | None = None
-
-    def _endpoint(self, full: bool):
-        """All pieces on the first refit, when asked, or without adapters; else the adapters."""
-        return self.full if full or self._version is None or self.adapters is None else self.adapters
-
-    def is_full(self, full: bool = False) -> bool:
-        """Whether the next refit, called with ``full``, moves everything (else adapters only)."""
-        return self._endpoint(full) is self.full
-
-    def _advance(self, version: int) -> None:
-        self._version = version
-        for endpoint in (self.full, self.adapters):
-            if endpoint is not None:
-                endpoint.version = version  # the next refit must advance past it on either plan
-
-    def close(self) -> None:
-        """Release the group (colocated: collective, the shared buffers too)."""
-        self.group.close()
-
-
-class TrainerRefit(_Sync):
-    """Train side of the refit (one per train rank); see the module docstring."""
-
-    def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
-                 offloader=None, on_report: Callable[[dict], None] | None = None):
-        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp)
-        self.group = group
-        kw.update(check_finite=cfg.check_finite, on_replica_failure=cfg.on_replica_failure)
-        self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
-        self.plan = self.full.prepare()
-        self.adapters = None
-        if adapters and cfg.lora_sync != "full":
-            self.adapters = Refitter(group, adapters, offloader=offloader, **kw)
-            self.adapters.prepare()
-
-    def refit(self, version: int, *, full: bool = False) -> RefitReport:
-        """Send this rank's pieces of refit ``version``. Collective over the refit group:
-        every train and generation rank calls it with the same ``version`` and ``full``."""
-        report = self._endpoint(full).refit(version)
-        self._advance(version)
-        return report
-
-
-class EngineRefit(_Sync):
-    """Generation side of the refit (one per generation rank)."""
-
-    def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
-                 on_report: Callable[[dict], None] | None = None):
-        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp)
-        self.group = group
-        self.adapters = None
-        if lora is not None:
-            from megatron_refit.endpoint.lora import LoraReceiver
-
-            merge = LoraReceiver(storage, rank=lora[0], alpha=lora[1])
-            self.full = Receiver(group, merge.full(), **kw)
-            self.plan = self.full.prepare()
-            if cfg.lora_sync != "full":
-                self.adapters = Receiver(group, merge.adapters(), **kw)
-                self.adapters.prepare()
-        else:
-            self.full = Receiver(group, storage, **kw)
-            self.plan = self.full.prepare()
-        self._last = self.full
-
-    def receive(self, version: int, *, full: bool = False) -> RefitReport:
-        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`)."""
-        self._last = self._endpoint(full)
-        report = self._last.receive(version)
-        self._advance(version)
-        return report
-
-    @property
-    def state(self) -> str:
-        """``ready`` after a complete refit; ``stale`` (or ``updating``) otherwise."""
-        return self._last.state
-
-
 def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *, rank: int, num_train: int,
                               device: str | torch.device = "cpu", offloader=None,
-                              on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
+                              on_report: Callable[[dict], None] | None = None) -> TrainerFleet:
     """:func:`conversion.refit.trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
     local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`)."""
     check_enabled(cfg, num_train)
@@ -163,21 +81,62 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
         from megatron_refit.endpoint.fp8_pieces import quantize_pieces
 
         pieces = quantize_pieces(pieces)
-    group = connect(cfg, refit_rank=rank, num_train=num_train, device=torch.device(device))
-    return TrainerRefit(group, pieces, adapters, cfg, num_train=num_train, offloader=offloader, on_report=on_report)
+    device = torch.device(device)
+    control = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
+                                 timeout_s=cfg.timeout_s)
+    member_cfg = member_config(cfg)
+
+    def member(group) -> TrainerRefit:
+        return TrainerRefit(group, pieces, adapters, member_cfg, num_train=num_train)
+
+    def join(replica: int, incarnation: str):
+        return connect(cfg, refit_rank=rank, num_train=num_train, device=device, replica=replica,
+                       incarnation=incarnation)
+
+    return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report)
 
 
 def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",
                  lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None) -> EngineRefit:
-    """Join the refit group as generation rank ``gen_index`` (``0..gen_tp*gen_dp-1``) with a
-    the engine's ``storage`` (``target_specs`` / ``buffer`` / ``finalize``) and build the plan.
-    ``lora=(rank, alpha)``: the trainer sends LoRA adapters, merged here into the weights."""
+    """Join the refit as engine rank ``gen_index`` (replica ``gen_index // gen_tp``, its TP rank
+    ``gen_index % gen_tp``) with the engine's ``storage`` (``target_specs`` / ``buffer`` /
+    ``finalize``) and build the plan. The replicas ``0..gen_dp-1`` are those the trainer starts
+    with; any other (or one that restarted) joins at the trainer's next refit and gets the
+    current version in full. ``lora=(rank, alpha)``: the trainer sends LoRA adapters, merged
+    here into the weights. ``close()`` leaves (the trainer drops the replica at its next refit)."""
     check_enabled(cfg, num_train)
-    num_gen = cfg.gen_tp * cfg.gen_dp
-    if not 0 <= gen_index < num_gen:
-        raise ValueError(f"gen_index {gen_index} outside 0..{num_gen - 1} (gen_tp={cfg.gen_tp}, gen_dp={cfg.gen_dp})")
+    if not isinstance(gen_index, int) or gen_index < 0:
+        raise ValueError(f"gen_index must be a non-negative int, got {gen_index!r}")
+    replica, tp_rank = divmod(gen_index, cfg.gen_tp)
     if lora is not None:
         _check_lora_sync(cfg)
-    group = connect(cfg, refit_rank=num_train + gen_index, num_train=num_train, device=torch.device(device))
-    return EngineRefit(group, storage, cfg, num_train=num_train, lora=lora, on_report=on_report)
+    incarnation = _incarnation(cfg, replica, tp_rank)
+    group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
+                    replica=replica, incarnation=incarnation)
+    sync = EngineRefit(group, storage, member_config(cfg), num_train=num_train, lora=lora, on_report=on_report)
+    if tp_rank == 0:
+        sync.on_close = lambda: announce(cfg, "leave", replica, incarnation)
+    return sync
+
+
+def _incarnation(cfg: RefitConfig, replica: int, tp_rank: int) -> str:
+    """This engine replica's incarnation: a new id that its TP rank 0 leaves for each of its
+    other TP ranks in the train ranks' store (each takes its own, once: a restarted replica's
+    ranks never read their predecessor's), then announces (joining the fleet)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    if tp_rank == 0:
+        incarnation = uuid.uuid4().hex[:12]
+        for other in range(1, cfg.gen_tp):
+            store.set(f"{JOINS}/{replica}/tp{other}", incarnation)
+        announce(cfg, "join", replica, incarnation)
+        return incarnation
+    key = f"{JOINS}/{replica}/tp{tp_rank}"
+    incarnation = store.get(key).decode()  # waits for TP rank 0
+    store.delete_key(key)
+    return incarnation

@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from megatron_refit.endpoint.report import SUMMARY_KEYS
 from megatron_refit.tools.launch import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -85,15 +86,17 @@ def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
     delta = "on" if scenario.startswith("corrupt") else "off"
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
                       direct_mb=None, timeout_s=TIMEOUT_S, delta=delta, on_replica_failure=on_failure)
-    victim = NUM_TRAIN + FAILED_REPLICA * tp  # the failed replica's first TP rank
+    victim = NUM_TRAIN + FAILED_REPLICA * tp  # the failed replica's first TP rank, as spawned here
     bad_version = 3 if delta == "on" else 2
     if scenario.startswith("corrupt") and rank == 0:
         from megatron_refit.endpoint.base import DELTA_TAG
 
         def isend(self, buffer, peer, tag, _send=RefitGroup.isend):
             # one delta bucket's payload on the wire to the victim (its header and digests untouched)
-            if self.version == bad_version and peer == victim and tag < DELTA_TAG and buffer.numel() and \
-                    not RefitGroup.corrupted:
+            # (the replica's own group, where its TP rank 0 is refit rank NUM_TRAIN)
+            mine = (self.namespace or "").startswith(f"megatron_refit/replica/{FAILED_REPLICA}/")
+            if self.version == bad_version and mine and peer == NUM_TRAIN and tag < DELTA_TAG and buffer.numel() \
+                    and not RefitGroup.corrupted:
                 RefitGroup.corrupted = True
                 buffer = buffer.clone()
                 if scenario == "corrupt-zero":  # indices all 0: malformed, caught before it is applied
@@ -162,9 +165,13 @@ def _check_isolated(tp, dp, train, gen, bad, error):
         assert [res["ok"] for res in outcome] == [True] * 4, outcome
         report = outcome[bad - 1]
         assert list(report["failed"]) == [FAILED_REPLICA]
-        assert f"refit rank {NUM_TRAIN + victim}: {error}" in report["failed"][FAILED_REPLICA]
+        assert report["failed"][FAILED_REPLICA].startswith(f"TP rank 0: {error}: "), report["failed"]
         s = report["summary"]
         assert (s["refit/replicas_ok"], s["refit/replicas_failed"], s["refit/ok"]) == (dp - 1, 1, 0)
+        assert tuple(s) == SUMMARY_KEYS and s == train[0][bad - 1]["summary"]  # the same on every train rank
+        assert s["refit/gen_ranks"] == tp * dp
+        if bad == 2:  # a full refit: every replica's bytes once, the failed one's too (it drained them)
+            assert s["refit/bytes"] == s["refit/bytes_full"] == s["refit/bytes_minimal"] > 0
         for i, res in enumerate(outcome):
             if i + 1 != bad:
                 assert res["failed"] == {} and res["summary"]["refit/replicas_ok"] == dp, res
@@ -219,7 +226,7 @@ def test_fleet_demo_shows_the_lost_replica_and_ends_ok_for_the_others(capfd):
 
     assert main(["--gen-dp", "3", "--fail-replica", "1@2", "--json"]) == 0
     out = capfd.readouterr().out.splitlines()
-    assert any(line.startswith("refit 2: engine replica 1 lost it (refit rank 3: RuntimeError: engine error")
+    assert any(line.startswith("refit 2: engine replica 1 lost it (TP rank 0: RuntimeError: engine error")
                and line.endswith("the other 2 replica(s) hold it, bit-exact: True") for line in out), out
     result = json.loads(out[-1])
     assert result["ok"] and result["bit_exact"]
@@ -236,3 +243,154 @@ def test_fleet_demo_refuses_a_replica_it_does_not_run(capfd):
                                               "and the version in 1..3")
     assert main(["--fail-replica", "one"]) == 2
     assert "--fail-replica takes REPLICA@VERSION" in capfd.readouterr().err
+
+
+# -- membership: a replica dies, joins, rejoins after a restart, leaves ------------------------
+
+KILL_TIMEOUT_S = 8.0
+
+
+def _member_rank(rank, world, port, scenario, tp, dp, flag):
+    """Train ranks refit versions 1..4; the engine replicas 0..dp-1 start with them; ``tp``
+    standby ranks (join, rejoin) start after refit 2 as replica ``dp`` (join) or as the replica
+    that died (rejoin), and join at refit 3."""
+    import os
+
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.endpoint.fleet import JOINS, LEAVES
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.plan.spec import ShardSpec
+    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
+                      timeout_s=KILL_TIMEOUT_S, delta="on", on_replica_failure="continue")
+    dies = scenario in ("kill", "rejoin")
+    out = []
+    if rank < NUM_TRAIN:
+        pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
+                              torch.empty(0)) for n, s in SHAPES.items()]
+        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        for version in (1, 2, 3, 4):
+            if version == 3 and rank == 0 and scenario != "kill":  # what the replicas announce reaches the store
+                if scenario in ("join", "rejoin"):
+                    open(flag, "w").close()  # the standby replica may start now
+                key = LEAVES if scenario == "leave" else JOINS
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and (scenario == "leave" and not sync.control.store.check([key])
+                                                       or scenario != "leave" and
+                                                       sync.control.store.get(JOINS).decode().count(",") <= dp):
+                    time.sleep(0.05)
+            weights = _weights(version)
+            for piece in pieces:
+                piece.data = weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)].clone()
+            start = time.monotonic()
+            report = sync.refit(version)
+            out.append(dict(failed=report.failed_replicas, summary=report.summary, members=sorted(sync.members),
+                            seconds=time.monotonic() - start, delta=report.delta))
+        sync.close()
+        return out
+    gen = rank - NUM_TRAIN
+    first, versions = gen, (1, 2, 3, 4)
+    if gen >= tp * dp:  # a standby replica: starts once refit 2 is done
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = (dp if scenario == "join" else FAILED_REPLICA) * tp + gen - tp * dp
+        versions = (3, 4)
+    storage = _Storage(first % tp, tp)
+    if dies and gen == FAILED_REPLICA * tp:  # dies while refit 2 lands: no cleanup, its sockets just close
+        calls = [0]
+        buffer = storage.buffer
+
+        def dying(name):
+            calls[0] += len(out) == 1  # refit 2's calls
+            if calls[0] == 2:
+                os._exit(17)
+            return buffer(name)
+
+        storage.buffer = dying
+    sync = engine_refit(cfg, storage, gen_index=first, num_train=NUM_TRAIN)
+    for version in versions:
+        start = time.monotonic()
+        try:
+            report = sync.receive(version)
+            out.append(dict(version=version, ok=True, delta=report.delta))
+        except Exception as exc:  # noqa: BLE001 -- the other TP rank of a replica that died
+            out.append(dict(version=version, ok=False, error=type(exc).__name__))
+        out[-1].update(seconds=time.monotonic() - start, exact=storage.exact(version))
+        if not out[-1]["ok"] or scenario == "leave" and first // tp == 0 and version == 2:
+            break  # replica 0 leaves after refit 2
+    sync.close()
+    return out
+
+
+def _members(scenario, layout, tmp_path):
+    tp, dp = LAYOUTS[layout]
+    standby = tp if scenario in ("join", "rejoin") else 0
+    dead = frozenset({NUM_TRAIN + FAILED_REPLICA * tp}) if scenario in ("kill", "rejoin") else frozenset()
+    out = run_spawned(_member_rank, NUM_TRAIN + tp * dp + standby, scenario, tp, dp, str(tmp_path / "flag"),
+                      timeout_s=240, may_die=dead)
+    return tp, dp, out[:NUM_TRAIN], out[NUM_TRAIN:NUM_TRAIN + tp * dp], out[NUM_TRAIN + tp * dp:]
+
+
+def _healthy(outcome, versions):
+    assert [r["version"] for r in outcome] == list(versions), outcome
+    for r in outcome:
+        assert r["ok"] and r["exact"] and r["seconds"] < KILL_TIMEOUT_S / 2, r
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_killed_replica_is_dropped_and_the_others_land_every_version(layout, tmp_path):
+    tp, dp, train, gen, _ = _members("kill", layout, tmp_path)
+    for g, outcome in enumerate(gen):
+        if g // tp != FAILED_REPLICA:
+            _healthy(outcome, (1, 2, 3, 4))
+    assert gen[FAILED_REPLICA * tp] is None  # killed
+    for outcome in train:
+        assert list(outcome[1]["failed"]) == [FAILED_REPLICA] and "Refit" in outcome[1]["failed"][FAILED_REPLICA]
+        assert outcome[1]["seconds"] < KILL_TIMEOUT_S, outcome[1]  # no timeout per bucket, nor one per refit
+        survivors = [r for r in range(dp) if r != FAILED_REPLICA]  # members after each refit
+        assert [o["members"] for o in outcome] == [list(range(dp))] + [survivors] * 3
+        assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp - 1, dp - 1, dp - 1]
+        assert outcome[2]["failed"] == outcome[3]["failed"] == {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_replica_joins_at_step_3_with_a_full_refit_then_deltas(layout, tmp_path):
+    tp, dp, train, gen, standby = _members("join", layout, tmp_path)
+    for outcome in gen:
+        _healthy(outcome, (1, 2, 3, 4))
+        assert [r["delta"] for r in outcome] == [False, True, True, True]
+    for outcome in standby:
+        _healthy(outcome, (3, 4))
+        assert [r["delta"] for r in outcome] == [False, True]  # the current version in full, then deltas
+    for outcome in train:
+        assert [o["members"] for o in outcome] == [list(range(dp))] * 2 + [list(range(dp + 1))] * 2
+        assert all(o["failed"] == {} for o in outcome)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_killed_replica_restarted_rejoins(layout, tmp_path):
+    tp, dp, train, gen, standby = _members("rejoin", layout, tmp_path)
+    for g, outcome in enumerate(gen):
+        if g // tp != FAILED_REPLICA:
+            _healthy(outcome, (1, 2, 3, 4))
+    for outcome in standby:  # the restarted replica, under the index of the one that died
+        _healthy(outcome, (3, 4))
+        assert [r["delta"] for r in outcome] == [False, True]
+    for outcome in train:
+        assert list(outcome[1]["failed"]) == [FAILED_REPLICA]
+        survivors = [r for r in range(dp) if r != FAILED_REPLICA]
+        assert [o["members"] for o in outcome] == [list(range(dp)), survivors, list(range(dp)), list(range(dp))]
+        assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp - 1, dp, dp]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_replica_leaves_cleanly(layout, tmp_path):
+    tp, dp, train, gen, _ = _members("leave", layout, tmp_path)
+    for g, outcome in enumerate(gen):
+        _healthy(outcome, (1, 2) if g // tp == 0 else (1, 2, 3, 4))
+    for outcome in train:
+        assert [o["members"] for o in outcome] == [list(range(dp))] * 2 + [list(range(1, dp))] * 2
+        assert all(o["failed"] == {} for o in outcome)  # a replica that leaves did not fail
+        assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp, dp - 1, dp - 1]

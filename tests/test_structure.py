@@ -222,7 +222,7 @@ def test_refit_transport_selects_from_the_registry():
     assert transport_name("test-selected", colocated=False, device=cpu) == "test-selected"
     cfg = RefitConfig(enabled=True, transport="rdma", port=1)
     with pytest.raises(ValueError, match=r"refit.transport: 'rdma' is not 'auto' or a registered transport \["):
-        connect(cfg, refit_rank=0, num_train=1, device=cpu)
+        connect(cfg, refit_rank=0, num_train=1, device=cpu, replica=0, incarnation="a")
     with pytest.raises(ValueError, match="refit.transport must be 'auto' or a registered transport's name"):
         RefitConfig(transport="")
 
@@ -245,6 +245,8 @@ def test_a_transport_registered_by_name_is_what_connect_opens():
 
     register_transport("test-opened", factory)
     with pytest.raises(Opened):
-        connect(RefitConfig(enabled=True, transport="test-opened", port=7, gen_tp=2), refit_rank=1, num_train=2,
-                device=torch.device("cpu"))
+        connect(RefitConfig(enabled=True, transport="test-opened", port=7, gen_tp=2, gen_dp=3), refit_rank=1,
+                num_train=2, device=torch.device("cpu"), replica=2, incarnation="a1")
+    # one replica's group: the train ranks and its gen_tp ranks, in the train ranks' store
     assert opened[0]["rank"] == 1 and opened[0]["world_size"] == 4 and opened[0]["port"] == 7
+    assert opened[0]["namespace"] == "megatron_refit/replica/2/a1"

@@ -272,6 +272,7 @@ class Endpoint:
         if failed:
             why = "" if error is None else f"{type(error).__name__}: {error}"[:500]
             reasons = self.group.all_gather_object(why, "report")
+            report.failed_ranks = {rank: reasons[rank] for rank in failed}
             for rank in failed:
                 replica = (rank - self.num_train) // self.replica_size if rank >= self.num_train else None
                 report.failed_replicas.setdefault(replica, []).append(f"refit rank {rank}: {reasons[rank]}")

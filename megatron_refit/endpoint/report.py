@@ -37,6 +37,8 @@ class RefitReport:
     shared staging buffer, colocated mode)."""
     summary: dict = field(default_factory=dict)
     """The whole refit group's metrics (:func:`summarize`): the same flat dict on every rank."""
+    failed_ranks: dict = field(default_factory=dict)
+    """Refit ranks of this group that could not apply this refit, with their own errors."""
     failed_replicas: dict = field(default_factory=dict)
     """Engine replicas (index: ``gen rank // gen_tp``) that could not apply this refit, with
     why (their ranks' own errors, ``"refit rank N: <error>"``); the same on every rank. Those

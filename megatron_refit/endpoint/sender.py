@@ -232,7 +232,7 @@ class Refitter(Endpoint):
             held = f"the other {landed} replica(s) hold version {version}" if landed else "no replica holds it"
             why = "; ".join(report.failed_replicas.values())
             raise ReplicaFailedError(f"refit {version}: engine replica(s) {sorted(report.failed_replicas)} could not "
-                                     f"apply it: {why}; they are stale until the next refit; {held}")
+                                     f"apply it: {why}; they are stale until the next refit; {held}", report=report)
         return report
 
 

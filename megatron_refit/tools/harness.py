@@ -110,7 +110,8 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
     else:
         out, sync = _gen_rank(rank - spec.num_train, spec, cfg, refit_cfg)
     if spec.colocated:
-        out["bytes_shared"] = sync.group.bytes_shared
+        groups = [m.group for m in sync.members.values()] if hasattr(sync, "members") else [sync.group]
+        out["bytes_shared"] = sum(group.bytes_shared for group in groups)
     sync.close()
     return out
 

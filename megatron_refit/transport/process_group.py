@@ -32,7 +32,7 @@ from megatron_refit.transport.rendezvous import join, open_store
 MAGIC = 0x52_46_49_54_0003
 """First word of every control header: "RFIT" and the protocol version."""
 
-CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5}
+CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet": 6}
 """The calls control messages belong to (the header's second word)."""
 
 HEADER_VALUES = 15
@@ -81,8 +81,12 @@ class RefitGroup(Transport):
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
+        namespace: str | None = None,
     ) -> RefitGroup:
-        """Rendezvous at ``host:port`` (rank 0 hosts the store) and build the group."""
+        """Rendezvous at ``host:port`` (rank 0 hosts the store) and build the group.
+        ``namespace``: a group of its own in a store another group's rank 0 already hosts
+        there (every rank is its client; the keys live under the namespace), as each engine
+        replica's group lives in the train ranks' control group's store."""
         if backend not in BACKENDS:
             raise ValueError(f"transport backend must be one of {BACKENDS}, got {backend!r}")
         if not 0 <= rank < world_size:
@@ -91,7 +95,11 @@ class RefitGroup(Transport):
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = open_store(host, port, rank=rank, world_size=world_size, timeout=timeout)
+            if namespace is None:
+                store = open_store(host, port, rank=rank, world_size=world_size, timeout=timeout)
+            else:
+                store = dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                                  timeout=timeout))
         except (RuntimeError, OSError) as exc:  # e.g. the store host never came up, the port is taken
             raise RefitTimeoutError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
                                     f"{str(exc).splitlines()[0]}") from exc
@@ -109,9 +117,20 @@ class RefitGroup(Transport):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        return cls(pg, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s, store=store)
+        group = cls(pg, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s, store=store)
+        group.namespace = namespace
+        return group
 
     # -- point to point -------------------------------------------------------------------
+    namespace: str | None = None
+    """The keys' namespace in a store hosted by another group (None: this group hosts its own)."""
+
+    @property
+    def store(self):
+        """The rendezvous store (hosted by rank 0; None once closed): others may leave small
+        notes in it, as engine replicas announce joins and leaves to the train ranks' group."""
+        return self._store
+
     def isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
         what = f"send to rank {peer}"
         return Pending(self._post(self._usable().send, buffer, peer, tag, what), peer, what, buffer)

@@ -16,7 +16,8 @@ from megatron_refit.transport.base import Transport
 from megatron_refit.transport.process_group import RefitGroup
 
 TransportFactory = Callable[..., Transport]
-"""``factory(*, host, port, rank, world_size, timeout_s, num_train, device) -> Transport``."""
+"""``factory(*, host, port, rank, world_size, timeout_s, num_train, device, namespace) -> Transport``
+(``namespace``: None, or the group's keys in a store already hosted at ``host:port``)."""
 
 _REGISTRY: dict[str, TransportFactory] = {}
 
@@ -46,30 +47,30 @@ def transport_name(name: str, *, colocated: bool, device: torch.device) -> str:
 
 
 def open_transport(name: str, *, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                   num_train: int, device: torch.device | str = "cpu") -> Transport:
+                   num_train: int, device: torch.device | str = "cpu", namespace: str | None = None) -> Transport:
     """Join the refit group at ``host:port`` as refit rank ``rank`` over transport ``name``."""
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown transport {name!r}; registered: {transport_names()}")
     group = factory(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                    num_train=num_train, device=torch.device(device))
+                    num_train=num_train, device=torch.device(device), namespace=namespace)
     if not isinstance(group, Transport):
         raise TypeError(f"transport {name!r} returned a {type(group).__name__}, not a Transport")
     return group
 
 
 def _p2p(backend: str) -> TransportFactory:
-    def factory(*, host, port, rank, world_size, timeout_s, num_train, device):
+    def factory(*, host, port, rank, world_size, timeout_s, num_train, device, namespace=None):
         return RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, namespace=namespace)
     return factory
 
 
-def _ipc(*, host, port, rank, world_size, timeout_s, num_train, device):
+def _ipc(*, host, port, rank, world_size, timeout_s, num_train, device, namespace=None):
     from megatron_refit.transport.ipc import IpcGroup
 
     control = RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend="gloo",
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, namespace=namespace)
     return IpcGroup(control, num_train=num_train, device=device)
 
 

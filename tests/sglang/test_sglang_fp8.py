@@ -66,33 +66,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(rank, world, refit_ports):
-    from megatron_refit.endpoint.sender import Refitter, TensorPiece
-    from megatron_refit.endpoint.fp8_pieces import quantize_pieces
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec, box_along, full_box
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     out = {}
     for model_name, port in zip(MODELS, refit_ports):
-        group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
-        refitter, reports = None, []
+        sync, pieces, reports = None, {}, []
         for version, seed in VERSIONS.items():
             full, _ = _bf16_tensors(model_name, seed)
-            pieces = []
             for name, t in full.items():
                 shape = tuple(t.shape)
                 box = full_box(shape)
                 if t.ndim >= 2 and shape[0] % (128 * NUM_TRAIN) == 0:  # dim-0 halves on 128-row block edges
                     n = shape[0] // NUM_TRAIN
                     box = box_along(shape, 0, rank * n, (rank + 1) * n)
-                spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
-                pieces.append(TensorPiece(spec, t[tuple(slice(a, b) for a, b in box)]))
-            pieces = quantize_pieces(pieces)
-            if refitter is None:
-                refitter = Refitter(group, pieces, num_train=NUM_TRAIN, num_gen=GEN_TP, bucket_bytes=BUCKET_BYTES)
-                refitter.prepare()
-            else:  # the next step's weights (the plan stays: same names, shapes, dtypes)
-                refitter.pieces = {p.spec.name: p for p in pieces}
-            reports.append(refitter.refit(version).as_dict())
+                data = t[tuple(slice(a, b) for a, b in box)]
+                if name in pieces:  # the next step's weights, in place of the old (the plan stays)
+                    pieces[name].data = data
+                else:
+                    spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
+                    pieces[name] = TensorPiece(spec, data)
+            if sync is None:  # quantized on the trainer (refit.trainer_quantize_fp8), as the engine's hook expects
+                cfg = RefitConfig(enabled=True, engine="sglang", gen_tp=GEN_TP, port=port, timeout_s=120,
+                                  bucket_mb=BUCKET_BYTES / (1 << 20), trainer_quantize_fp8=True)
+                sync = trainer_refit_from_pieces(cfg, list(pieces.values()), [], rank=rank, num_train=NUM_TRAIN)
+            reports.append(sync.refit(version).as_dict())
+        sync.close()
         out[model_name] = reports
     return out
 

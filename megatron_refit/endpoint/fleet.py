@@ -1,0 +1,316 @@
+"""A fleet of engine replicas, each with a fate of its own.
+
+A train rank holds one refit group per engine replica (the train ranks and that replica's
+``gen_tp`` engine ranks) and the train ranks' own control group (no engine rank in it). All of
+them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's
+group lives there under a namespace of its own (:func:`namespace`, one per incarnation of the
+replica, so a restarted one never meets its predecessor's keys). :class:`TrainerFleet` refits every replica's
+group at once (one thread each); the train ranks then agree on each replica's outcome over
+the control group, which needs no engine rank alive. A replica whose engine failed but whose
+group is intact (its storage raised, its bytes were corrupted: it drained the rest) stays a
+member and its next refit brings it back; a replica whose group broke (its process died, its
+link stalled past ``refit.timeout_s``) is dropped, and may rejoin.
+
+Membership: an engine replica announces itself (:func:`announce`: ``join`` before it connects,
+``leave`` when it closes) in the control group's store, hosted by train rank 0. At the start
+of every refit train rank 0 reads the announcements and all train ranks act on the same list:
+they drop leaving replicas and connect joining ones (a replica that rejoins under the index of
+a member replaces it), build the plan with them and send them the current version in full
+(deltas afterwards). The other replicas' groups and plans are not touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.sync import TrainerRefit
+from megatron_refit.errors import RefitTransportError, ReplicaFailedError
+
+logger = logging.getLogger(__name__)
+
+JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
+"""Store keys of the announcements: ``replica:incarnation,`` entries, appended. An incarnation
+(a random id per ``engine_refit``) tells a restarted replica from the one it replaces: a leave
+counts only for the incarnation that is a member."""
+
+
+def namespace(replica: int, incarnation: str) -> str:
+    """Where replica ``replica``'s group (in its incarnation ``incarnation``) keeps its keys."""
+    return f"megatron_refit/replica/{replica}/{incarnation}"
+
+
+def member_config(cfg: RefitConfig) -> RefitConfig:
+    """The ``refit:`` section of one replica's group: the same, with one replica."""
+    return dataclasses.replace(cfg, gen_dp=1)
+
+
+def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> None:
+    """Tell the train ranks (through the control group's store, at ``refit.host:refit.port``)
+    that engine replica ``replica`` (``incarnation``: this process's id for it) joins or leaves;
+    they act on it at their next refit."""
+    import torch.distributed as dist
+
+    if what not in ("join", "leave"):
+        raise ValueError(f"announce: {what!r} is not 'join' or 'leave'")
+    # a leave is best effort, briefly: the trainer may have finished (then nobody needs it)
+    wait = cfg.timeout_s if what == "join" else min(cfg.timeout_s, 5.0)
+    try:
+        store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=wait))
+        if what == "join":
+            store.set(f"{JOINS}/{replica}", incarnation)  # the latest incarnation of each replica
+        store.append(JOINS if what == "join" else LEAVES, f"{replica}:{incarnation},")
+    except RuntimeError as exc:
+        if what == "join":
+            raise RefitTransportError(f"engine replica {replica}: could not reach the train ranks' store at "
+                                      f"{cfg.host}:{cfg.port} to join within {wait:g} s: {exc}") from exc
+        logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
+
+
+class _Announcements:
+    """Train rank 0's reader of the store's announcements (each read once)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.seen = {JOINS: 0, LEAVES: 0}
+
+    def read(self, key: str) -> list[tuple[int, str]]:
+        """The ``(replica, incarnation)`` entries appended since the last read."""
+        if not self.store.check([key]):
+            return []
+        text = self.store.get(key).decode()
+        new, self.seen[key] = text[self.seen[key]:], len(text)
+        return [(int(r), who) for r, _, who in (entry.partition(":") for entry in new.split(",") if entry)]
+
+
+class TrainerFleet:
+    """Train side of a refit to every engine replica (one per train rank): see the module
+    docstring. ``connect(replica, incarnation)`` opens that replica's group (this rank's end);
+    ``member(group)`` builds its prepared :class:`~megatron_refit.endpoint.sync.TrainerRefit`."""
+
+    def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
+                 on_report: Callable[[dict], None] | None = None):
+        self.cfg = cfg
+        self.control = control
+        """The train ranks' own group: versions and outcomes, never an engine rank."""
+        self._connect, self._member = connect, member
+        self.offloader = offloader
+        self.on_report = on_report
+        self.members: dict[int, TrainerRefit] = {}
+        self.version: int | None = None
+        self._announcements = _Announcements(control.store) if control.rank == 0 else None
+        self._incarnation: dict[int, str] = {}
+        """Train rank 0: each member's incarnation (a leave of another one is stale)."""
+        starting = None
+        if self._announcements is not None:  # the replicas a job starts with: every train rank waits for them
+            keys = [f"{JOINS}/{r}" for r in range(cfg.gen_dp)]
+            control.store.wait(keys, datetime.timedelta(seconds=cfg.timeout_s))
+            starting = {r: control.store.get(key).decode() for r, key in enumerate(keys)}
+        starting = control.all_gather_object(starting, "fleet")[0]
+        for replica, incarnation in sorted(starting.items()):
+            self.members[replica] = self._join(replica, incarnation)
+        self._pending: list[tuple[int, str]] = []
+        """Train rank 0: joins announced while the starting replicas connected (not theirs)."""
+        if self._announcements is not None:
+            self._incarnation.update(starting)
+            self._pending = [(r, who) for r, who in self._announcements.read(JOINS) if starting.get(r) != who]
+
+    # -- membership ----------------------------------------------------------------------------
+    def _join(self, replica: int, incarnation: str) -> TrainerRefit:
+        return self._member(self._connect(replica, incarnation))
+
+    def _drop(self, replica: int) -> None:
+        member = self.members.pop(replica)
+        try:
+            member.close()
+        except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
+            logger.warning("refit: closing replica %d's group failed", replica, exc_info=True)
+
+    def _update_membership(self, report_failures: dict) -> None:
+        """Every train rank, at the start of a refit: the same joins and leaves, from rank 0."""
+        news = None
+        if self._announcements is not None:  # rank 0 decides; the others follow
+            joins = dict(self._pending + self._announcements.read(JOINS))  # the latest incarnation of each
+            self._pending = []
+            leaves = sorted({r for r, who in self._announcements.read(LEAVES)
+                             if r in self.members and self._incarnation.get(r) == who and r not in joins})
+            self._incarnation.update(joins)
+            for replica in leaves:
+                self._incarnation.pop(replica, None)
+            news = (sorted(joins.items()), leaves)
+        joins, leaves = self.control.all_gather_object(news, "fleet")[0]
+        for replica in leaves:
+            logger.info("refit: engine replica %d left", replica)
+            self._drop(replica)
+        for replica, incarnation in joins:
+            if replica in self.members:  # restarted under its index: its old group is gone
+                self._drop(replica)
+            try:
+                self.members[replica] = self._join(replica, incarnation)
+                logger.info("refit: engine replica %d joined", replica)
+            except Exception as exc:  # noqa: BLE001 -- the joining replica's failure is its own
+                report_failures[replica] = f"joining failed: {type(exc).__name__}: {exc}"[:500]
+
+    # -- refits --------------------------------------------------------------------------------
+    @property
+    def plan(self):
+        """The plan of a replica's group (every replica of the layout has the same)."""
+        return next(iter(self.members.values())).plan
+
+    @property
+    def group(self):
+        """The one replica's group (a fleet of one replica: e.g. an example that exchanges
+        rollouts with its engine rank over it)."""
+        if len(self.members) != 1:
+            raise ValueError(f"the refit has {len(self.members)} replica groups; ask a member for its group")
+        return next(iter(self.members.values())).group
+
+    def is_full(self, full: bool = False) -> bool:
+        """Whether the next refit moves everything to some replica (else LoRA adapters only)."""
+        return any(member.is_full(full) for member in self.members.values())
+
+    def refit(self, version: int, *, full: bool = False) -> RefitReport:
+        """Send this rank's pieces of refit ``version`` to every replica. Collective over the
+        train ranks (each calls it with the same ``version`` and ``full``) and, per replica,
+        over its group."""
+        start = time.perf_counter()
+        failures: dict[int, str] = {}
+        self._update_membership(failures)
+        rows = self.control.exchange("fleet", [version, int(full)])
+        if any(row[:2] != [version, int(full)] for row in rows):
+            raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
+        replicas = sorted(self.members)
+        moved = {"onload": 0.0, "offload": 0.0}  # offloaded parameters: loaded once for every replica
+        loaded = self.offloader is not None and self.offloader.offloaded
+        if loaded:
+            t0 = time.perf_counter()
+            self.offloader.onload()
+            moved["onload"] = time.perf_counter() - t0
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+                futures = {r: pool.submit(self.members[r].refit, version, full=full) for r in replicas}
+                outcomes = {r: _outcome(futures[r]) for r in replicas}
+        finally:
+            if loaded:
+                t0 = time.perf_counter()
+                self.offloader.offload()
+                moved["offload"] = time.perf_counter() - t0
+        # each replica's outcome as every train rank saw it: failed (why) and its group broken
+        mine = {r: (_why(o), _broken(o)) for r, o in outcomes.items() if not isinstance(o, RefitReport)}
+        gathered = self.control.all_gather_object((mine, moved), "fleet")
+        seen = [rank_seen for rank_seen, _ in gathered]
+        moved_max = {key: max(m[key] for _, m in gathered) for key in moved}
+        for r in replicas:
+            theirs = [rank_seen[r] for rank_seen in seen if r in rank_seen]
+            if theirs:
+                failures[r] = theirs[0][0]
+                if any(broken for _, broken in theirs):
+                    logger.warning("refit %d: engine replica %d's group broke; it is dropped until it rejoins",
+                                   version, r)
+                    self._drop(r)
+                    self._incarnation.pop(r, None)
+        # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
+        carried = [o if isinstance(o, RefitReport) else o.report for o in outcomes.values()
+                   if isinstance(o, RefitReport) or getattr(o, "report", None) is not None]
+        report = _merge(version, self.control.rank, carried,
+                        replicas=replicas, failures=failures, seconds=time.perf_counter() - start, moved=moved,
+                        moved_max=moved_max)
+        self.version = version
+        if self.on_report is not None:
+            self.on_report(report.summary)
+        landed = report.summary["refit/replicas_ok"]
+        if not replicas and not failures:
+            raise ReplicaFailedError(f"refit {version}: no engine replica is connected (every one failed or left, "
+                                     f"and none joined since): no replica holds it", report=report)
+        if failures and (self.cfg.on_replica_failure == "raise" or not landed):
+            held = f"the other {landed} replica(s) hold version {version}" if landed else "no replica holds it"
+            raise ReplicaFailedError(f"refit {version}: engine replica(s) {sorted(failures)} could not apply it: "
+                                     f"{'; '.join(f'replica {r}: {w}' for r, w in sorted(failures.items()))}; "
+                                     f"{held}", report=report)
+        return report
+
+    def close(self) -> None:
+        """Release every replica's group and the control group."""
+        for replica in sorted(self.members):
+            self._drop(replica)
+        self.control.close()
+
+
+def _outcome(future):
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 -- one replica's failure is reported, not raised here
+        return exc
+
+
+def _broken(outcome) -> bool:
+    """The replica's group cannot carry another refit (a peer died or stalled: a transport
+    error). Any other failure (a rank's checks, its engine, its bytes) left the group intact."""
+    return isinstance(outcome, RefitTransportError)
+
+
+def _why(outcome: BaseException) -> str:
+    report = getattr(outcome, "report", None)
+    if isinstance(outcome, ReplicaFailedError) and report is not None:  # its engine ranks' own errors
+        first = report.summary["refit/train_ranks"]
+        return "; ".join(f"TP rank {rank - first}: {why}" for rank, why in sorted(report.failed_ranks.items()))
+    return f"{type(outcome).__name__}: {outcome}"[:500]
+
+
+def _merge(version: int, rank: int, reports: list[RefitReport], *, replicas: list[int], failures: dict,
+           seconds: float, moved: dict, moved_max: dict) -> RefitReport:
+    """One train rank's report of a fleet refit: its members' (bytes summed, phases the slowest,
+    ``seconds`` its whole call) and the fleet's metrics (``refit/replicas_ok`` …) from the
+    members' group summaries, which every train rank holds alike, so the metrics are the same
+    on every train rank (``moved_max``: the slowest train rank's parameter onload / offload)."""
+    out = RefitReport(version=version, role="train", rank=rank)
+    for r in reports:
+        for key in ("bytes_sent", "bytes_wire", "bytes_minimal", "bytes_full", "words", "words_changed"):
+            setattr(out, key, getattr(out, key) + getattr(r, key))
+        out.delta |= r.delta
+        for key, value in r.seconds.items():
+            out.seconds[key] = max(out.seconds[key], value)
+        for key, value in r.routes.items():
+            out.routes[key] += value
+    out.seconds.update(total=seconds, **moved)
+    out.failed_replicas = dict(sorted(failures.items()))
+    summaries = [r.summary for r in reports if r.summary]
+    total = lambda key: sum(s[key] for s in summaries)  # noqa: E731
+    peak = lambda key: max((s[key] for s in summaries), default=0.0)  # noqa: E731
+    sent = total("refit/bytes")
+    failed = len(out.failed_replicas)
+    wall = peak("refit/total_s")  # the slowest replica's group
+    out.summary = {
+        "refit/version": version,
+        "refit/ok": int(not failed),
+        "refit/failed_ranks": total("refit/failed_ranks"),
+        "refit/replicas_ok": len([r for r in replicas if r not in failures]),
+        "refit/replicas_failed": failed,
+        "refit/total_s": wall,
+        "refit/gbps": sent / wall / 1e9 if wall > 0 else 0.0,
+        "refit/bytes": sent,
+        "refit/bytes_wire": total("refit/bytes_wire"),
+        "refit/bytes_minimal": total("refit/bytes_minimal"),
+        "refit/bytes_full": total("refit/bytes_full"),
+        "refit/delta": int(any(s["refit/delta"] for s in summaries)),
+        "refit/density": (sum(s["refit/density"] * s["refit/bytes_full"] for s in summaries)
+                          / max(1, total("refit/bytes_full"))),
+        "refit/buckets": total("refit/buckets"),
+        "refit/pack_s": peak("refit/pack_s"),
+        "refit/load_s": peak("refit/load_s"),
+        "refit/verify_s": peak("refit/verify_s"),
+        "refit/onload_s": moved_max["onload"],
+        "refit/offload_s": moved_max["offload"],
+        "refit/slowest_rank": max(summaries, key=lambda s: s["refit/total_s"])["refit/slowest_rank"]
+        if summaries else 0,
+        "refit/train_ranks": max((s["refit/train_ranks"] for s in summaries), default=0),
+        "refit/gen_ranks": total("refit/gen_ranks"),
+    }
+    return out

@@ -1,0 +1,104 @@
+"""One refit group's endpoints as the entry points hand them out: :class:`TrainerRefit` on a
+train rank, :class:`EngineRefit` on an engine rank, each with one prepared endpoint for all
+pieces and, under LoRA adapter sync, one for the adapters only (sharing one version)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.receiver import Receiver
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.sender import Refitter
+
+
+class _Sync:
+    """One or two prepared endpoints (all pieces; adapters only) that share a version."""
+
+    full = adapters = None
+    _version: int | None = None
+
+    def _endpoint(self, full: bool):
+        """All pieces on the first refit, when asked, or without adapters; else the adapters."""
+        return self.full if full or self._version is None or self.adapters is None else self.adapters
+
+    def is_full(self, full: bool = False) -> bool:
+        """Whether the next refit, called with ``full``, moves everything (else adapters only)."""
+        return self._endpoint(full) is self.full
+
+    def _advance(self, version: int) -> None:
+        self._version = version
+        for endpoint in (self.full, self.adapters):
+            if endpoint is not None:
+                endpoint.version = version  # the next refit must advance past it on either plan
+
+    on_close: Callable[[], None] | None = None
+    """Called first by :meth:`close` (an engine replica announces that it leaves)."""
+
+    def close(self) -> None:
+        """Release the group (colocated: collective, the shared buffers too)."""
+        if self.on_close is not None:
+            self.on_close()
+        self.group.close()
+
+
+class TrainerRefit(_Sync):
+    """Train side of the refit (one per train rank); see the module docstring."""
+
+    def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
+                 offloader=None, on_report: Callable[[dict], None] | None = None):
+        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp)
+        self.group = group
+        kw.update(check_finite=cfg.check_finite, on_replica_failure=cfg.on_replica_failure)
+        self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
+        self.plan = self.full.prepare()
+        self.adapters = None
+        if adapters and cfg.lora_sync != "full":
+            self.adapters = Refitter(group, adapters, offloader=offloader, **kw)
+            self.adapters.prepare()
+
+    def refit(self, version: int, *, full: bool = False) -> RefitReport:
+        """Send this rank's pieces of refit ``version``. Collective over the refit group:
+        every train and generation rank calls it with the same ``version`` and ``full``."""
+        report = self._endpoint(full).refit(version)
+        self._advance(version)
+        return report
+
+
+class EngineRefit(_Sync):
+    """Generation side of the refit (one per generation rank)."""
+
+    def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
+                 on_report: Callable[[dict], None] | None = None):
+        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp)
+        self.group = group
+        self.adapters = None
+        if lora is not None:
+            from megatron_refit.endpoint.lora import LoraReceiver
+
+            merge = LoraReceiver(storage, rank=lora[0], alpha=lora[1])
+            self.full = Receiver(group, merge.full(), **kw)
+            self.plan = self.full.prepare()
+            if cfg.lora_sync != "full":
+                self.adapters = Receiver(group, merge.adapters(), **kw)
+                self.adapters.prepare()
+        else:
+            self.full = Receiver(group, storage, **kw)
+            self.plan = self.full.prepare()
+        self._last = self.full
+
+    def receive(self, version: int, *, full: bool = False) -> RefitReport:
+        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`)."""
+        self._last = self._endpoint(full)
+        report = self._last.receive(version)
+        self._advance(version)
+        return report
+
+    @property
+    def state(self) -> str:
+        """``ready`` after a complete refit; ``stale`` (or ``updating``) otherwise."""
+        return self._last.state
