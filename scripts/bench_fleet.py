@@ -2,16 +2,19 @@
 
 Two train ranks (row halves of ``--layers`` fp32 ``--dim`` x ``--dim`` weights) refit
 ``--replicas`` engine replicas (gen TP1) through ``trainer_refit_from_pieces`` /
-``engine_refit``: ``--reps`` normal refits, then one in which replica 1's process dies while
-its bytes land (``os._exit``: no cleanup, its sockets just close), then one more; then a new
-replica starts and joins, and the train ranks refit as soon as its announcement reaches them.
-Prints one JSON line:
+``engine_refit``: ``--reps`` normal refits, then ``--rounds`` times a refit in which replica
+1's process dies while its bytes land (``os._exit``: no cleanup, its sockets just close) and
+one at which a restarted replica 1 joins (the train ranks refit as soon as its announcement
+reaches them). Prints one JSON line:
 
-- ``survivor_refit_over_normal``: the surviving replicas' receive time in the refit where
-  replica 1 died ÷ their median receive time in the normal refits (goal <= 1.2);
+- ``survivor_refit_over_normal``: the surviving replicas' receive time in a refit where
+  replica 1 died ÷ their median receive time in the normal refits (the median over the
+  rounds; each round's in ``..._each``; goal <= 1.2);
 - ``trainer_refit_over_normal``: the same for the train ranks' whole refit call;
-- ``join_s``: the new replica from its ``engine_refit`` call to holding the current version;
-- ``bit_exact``: every replica that holds a version holds it bit for bit.
+- ``join_s``: the last restarted replica from its ``engine_refit`` call to holding the
+  current version (the others die before they could tell);
+- ``bit_exact``: every replica that holds a version holds it bit for bit, and exactly the
+  killed replica failed at exactly the refits it died in.
 
     .venv/bin/python scripts/bench_fleet.py --json
 """
@@ -66,7 +69,14 @@ class _Storage:
         pass
 
 
-def _rank(rank, world, port, reps, dim, layers, replicas, flag):
+def _schedule(reps: int, rounds: int) -> tuple[list[int], list[int]]:
+    """Versions: ``reps`` normal refits, then per round one where replica 1 dies and one where a
+    restarted replica 1 joins. Returns (kill versions, join versions)."""
+    kills = [reps + 1 + 2 * i for i in range(rounds)]
+    return kills, [k + 1 for k in kills]
+
+
+def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
     from megatron_refit.config import RefitConfig
     from megatron_refit.endpoint.fleet import JOINS
     from megatron_refit.endpoint.sender import TensorPiece
@@ -75,18 +85,19 @@ def _rank(rank, world, port, reps, dim, layers, replicas, flag):
 
     cfg = RefitConfig(enabled=True, engine="hf", gen_tp=1, gen_dp=replicas, port=port, timeout_s=TIMEOUT_S,
                       on_replica_failure="continue")
-    kill, last = reps + 1, reps + 3  # the refit where replica 1 dies; the one the new replica joins at
+    kills, joins = _schedule(reps, rounds)
+    last = joins[-1]
     if rank < NUM_TRAIN:
         half = dim // NUM_TRAIN
         box = ((rank * half, (rank + 1) * half), (0, dim))
         pieces = [TensorPiece(ShardSpec(name=f"layer{i}.w", global_shape=(dim, dim), dtype="float32", box=box),
                               torch.empty(0)) for i in range(layers)]
         sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
-        seconds = {}
+        seconds = {"failed": {}}
         for version in range(1, last + 1):
-            if version == last and rank == 0:  # the new replica starts; refit once its join is in the store
-                open(flag, "w").close()
-                while sync.control.store.get(JOINS).decode().count(",") <= replicas:
+            if version in joins and rank == 0:  # replica 1 restarts; refit once its join is in the store
+                open(flags[joins.index(version)], "w").close()
+                while sync.control.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
                     time.sleep(0.001)
             weights = _weights(version, dim, layers)
             for piece in pieces:
@@ -94,21 +105,25 @@ def _rank(rank, world, port, reps, dim, layers, replicas, flag):
             start = time.perf_counter()
             report = sync.refit(version)
             seconds[version] = time.perf_counter() - start
-            if version == kill:
-                seconds["failed"] = sorted(report.failed_replicas)
+            if report.failed_replicas:
+                seconds["failed"][version] = sorted(report.failed_replicas)
         sync.close()
         return seconds
     gen = rank - NUM_TRAIN
-    versions = range(1, last + 1)
-    if gen == replicas:  # the new replica
-        while not os.path.exists(flag):
+    versions, index = list(range(1, last + 1)), gen
+    if gen >= replicas:  # the i-th restart of replica 1
+        i = gen - replicas
+        while not os.path.exists(flags[i]):
             time.sleep(0.001)
-        versions = [last]
+        versions, index = list(range(joins[i], last + 1)), 1
+        if i + 1 < rounds:
+            versions = versions[: versions.index(kills[i + 1]) + 1]
     storage = _Storage(dim, layers)
-    if gen == 1:
+    kill = next((k for k in kills if k >= versions[0]), None) if index == 1 else None
+    if kill is not None:  # the next kill is this incarnation's
         storage.die_at = (kill, 2)
     start = time.perf_counter()
-    sync = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    sync = engine_refit(cfg, storage, gen_index=index, num_train=NUM_TRAIN)
     out = {"exact": True}
     for version in versions:
         storage.version, storage.calls = version, 0
@@ -116,8 +131,8 @@ def _rank(rank, world, port, reps, dim, layers, replicas, flag):
         sync.receive(version)
         out[version] = time.perf_counter() - t0
         out["exact"] &= all(torch.equal(storage.t[n], w) for n, w in _weights(version, dim, layers).items())
-    if gen == replicas:
-        out["join_s"] = time.perf_counter() - start
+        if version == versions[0] and gen >= replicas:
+            out["join_s"] = time.perf_counter() - start
     sync.close()
     return out
 
@@ -127,31 +142,38 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=3, help="engine replicas at the start (gen TP1 each)")
     p.add_argument("--dim", type=int, default=2048, help="each weight is dim x dim fp32")
     p.add_argument("--layers", type=int, default=16, help="weights")
-    p.add_argument("--reps", type=int, default=5, help="normal refits before the one where a replica dies")
+    p.add_argument("--reps", type=int, default=5, help="normal refits before the first where a replica dies")
+    p.add_argument("--rounds", type=int, default=3, help="times replica 1 dies and restarts")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
-    if args.replicas < 2 or args.dim < NUM_TRAIN or args.dim % NUM_TRAIN or args.layers < 1 or args.reps < 1:
-        print(f"error: need --replicas >= 2, an even --dim, --layers >= 1 and --reps >= 1, got {vars(args)}",
+    if args.replicas < 2 or args.dim < NUM_TRAIN or args.dim % NUM_TRAIN or min(args.layers, args.reps,
+                                                                                   args.rounds) < 1:
+        print(f"error: need --replicas >= 2, an even --dim, --layers, --reps and --rounds >= 1, got {vars(args)}",
               file=sys.stderr)
         return 2
     from megatron_refit.tools.launch import run_spawned
 
-    kill = args.reps + 1
+    kills, joins = _schedule(args.reps, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_spawned(_rank, NUM_TRAIN + args.replicas + 1, args.reps, args.dim, args.layers, args.replicas,
-                          os.path.join(tmp, "flag"), timeout_s=600, may_die=frozenset({NUM_TRAIN + 1}))
+        flags = [os.path.join(tmp, f"restart{i}") for i in range(args.rounds)]
+        dead = frozenset({NUM_TRAIN + 1, *(NUM_TRAIN + args.replicas + i for i in range(args.rounds - 1))})
+        out = run_spawned(_rank, NUM_TRAIN + args.replicas + args.rounds, args.reps, args.rounds, args.dim,
+                          args.layers, args.replicas, flags, timeout_s=600, may_die=dead)
     train, gen = out[:NUM_TRAIN], out[NUM_TRAIN:]
     survivors = [g for i, g in enumerate(gen[:args.replicas]) if i != 1]
-    normal = statistics.median(max(g[v] for g in survivors) for v in range(2, kill))
-    trainer_normal = statistics.median(max(t[v] for t in train) for v in range(2, kill))
+    normal = statistics.median(max(g[v] for g in survivors) for v in range(2, kills[0]))
+    trainer_normal = statistics.median(max(t[v] for t in train) for v in range(2, kills[0]))
+    restarts = gen[args.replicas:]
     result = dict(
-        replicas=args.replicas, bytes_per_replica=args.dim * args.dim * 4 * args.layers,
+        replicas=args.replicas, bytes_per_replica=args.dim * args.dim * 4 * args.layers, rounds=args.rounds,
         normal_refit_s=normal,
-        survivor_refit_over_normal=max(g[kill] for g in survivors) / normal,
-        trainer_refit_over_normal=max(t[kill] for t in train) / trainer_normal,
-        join_s=gen[args.replicas]["join_s"],
+        survivor_refit_over_normal=statistics.median(max(g[k] for g in survivors) for k in kills) / normal,
+        survivor_refit_over_normal_each=[max(g[k] for g in survivors) / normal for k in kills],
+        trainer_refit_over_normal=statistics.median(max(t[k] for t in train) for k in kills) / trainer_normal,
+        join_s=restarts[-1]["join_s"],
         failed_replicas=train[0]["failed"],
-        bit_exact=all(g["exact"] for g in survivors + [gen[args.replicas]]) and gen[1] is None,
+        bit_exact=all(g["exact"] for g in survivors) and restarts[-1]["exact"]
+        and sorted(train[0]["failed"]) == kills and all(v == [1] for v in train[0]["failed"].values()),
     )
     if args.json:
         print(json.dumps(result))

@@ -394,3 +394,22 @@ def test_fleet_replica_leaves_cleanly(layout, tmp_path):
         assert [o["members"] for o in outcome] == [list(range(dp))] * 2 + [list(range(1, dp))] * 2
         assert all(o["failed"] == {} for o in outcome)  # a replica that leaves did not fail
         assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp, dp - 1, dp - 1]
+
+
+def test_fleet_bench_reports_one_json_line():
+    """scripts/bench_fleet.py at a tiny size: replica 1 dies twice and restarts twice."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bench = [sys.executable, str(root / "scripts" / "bench_fleet.py")]
+    run = subprocess.run([*bench, "--json", "--dim", "64", "--layers", "2", "--reps", "2", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["bit_exact"] is True and result["failed_replicas"] == {"3": [1], "5": [1]}
+    assert result["survivor_refit_over_normal"] > 0 and result["join_s"] > 0
+    bad = subprocess.run([*bench, "--replicas", "1"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: need --replicas >= 2")
