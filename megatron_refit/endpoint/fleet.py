@@ -60,7 +60,7 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
     if what not in ("join", "leave"):
         raise ValueError(f"announce: {what!r} is not 'join' or 'leave'")
     # a leave is best effort, briefly: the trainer may have finished (then nobody needs it)
-    wait = cfg.timeout_s if what == "join" else min(cfg.timeout_s, 5.0)
+    wait = cfg.timeout_s if what == "join" else min(cfg.timeout_s, 2.0)
     try:
         store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=wait))
