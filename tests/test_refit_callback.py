@@ -300,3 +300,53 @@ def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
         assert check["bytes_sent"] == check["bytes_minimal"] > 0
     losses = result["losses"]
     assert len(losses) == PRETRAIN_ITERATIONS and len(set(losses)) == PRETRAIN_ITERATIONS
+
+
+def _joining_gen(refit, num_train):
+    """An engine replica that was not there when training started (replica 1 of a run
+    configured with one): it joins the running trainer and takes each version it sends."""
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.errors import RefitTransportError
+    from megatron_refit.refit import engine_refit
+
+    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
+    sync = engine_refit(refit, backend, gen_index=1, num_train=num_train)
+    out = {}
+    while True:
+        try:
+            report = sync.receive()  # the version the trainer sends next
+        except RefitTransportError:  # the trainer finished: its ranks are gone
+            break
+        out[report.version] = dict(weights={n: t.cpu() for n, t in backend.state_dict_hf().items()},
+                                   delta=report.delta)
+    return dict(role="gen", refits=out)
+
+
+def _rank_with_joiner(rank, world, port, refit, megatron_port):
+    if rank < 2:
+        return _train(rank, 2, refit, 2, False, set(), megatron_port)
+    if rank == 2:
+        return _gen(refit, [0, *range(1, ITERATIONS + 1)], num_train=2)
+    return _joining_gen(refit, num_train=2)
+
+
+def test_callback_takes_in_a_replica_that_joins_while_training_runs():
+    """RefitCallback under Bridge's callback manager (DDP + the distributed optimizer, train TP2)
+    with one engine replica configured; a second one starts beside the run and joins at the
+    next refit: from then on it holds every version bit for bit, the first one in full."""
+    from megatron_refit.config import RefitConfig
+
+    refit_port, megatron_port = free_ports(2)
+    refit = RefitConfig(enabled=True, engine="hf", port=refit_port, bucket_mb=0.25, timeout_s=20, delta="on")
+    out = run_spawned(_rank_with_joiner, 4, refit, megatron_port, timeout_s=300)
+    train, first, joiner = out[0], out[2], out[3]
+    versions = sorted(joiner["refits"])
+    assert versions and versions == list(range(versions[0], ITERATIONS + 1)), versions  # every one since it joined
+    assert not joiner["refits"][versions[0]]["delta"]  # the version it joined at, in full
+    assert all(joiner["refits"][v]["delta"] for v in versions[1:])  # deltas afterwards
+    exports = {0: train["start"], **{s["iteration"]: s["export"] for s in train["steps"]}}
+    for version in versions:
+        got, want = joiner["refits"][version]["weights"], exports[version]
+        assert set(got) <= set(want) and all(torch.equal(got[n], want[n]) for n in got), version
+        assert all(torch.equal(first["refits"][version]["weights"][n], got[n]) for n in got)  # the other replica too

@@ -35,6 +35,10 @@ DELTA_TAG = 1 << 29
 """Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
 
 
+ANY_VERSION = -2
+"""What an engine rank shows in the handshake when it takes whatever version the train ranks send."""
+
+
 def delta_tag(index: int) -> int:
     if not 0 <= index < DELTA_TAG:
         raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
@@ -197,18 +201,21 @@ class Endpoint:
         copies of what it last sent, the engine's weights."""
         return -1
 
-    def _agree_on_version(self, version: int, preflight: Callable[[], None] | None = None) -> set[int]:
+    def _agree_on_version(self, version: int | None,
+                          preflight: Callable[[], None] | None = None) -> tuple[int, set[int]]:
         """The per-refit handshake, before any byte moves: every rank shows its version, the
         plan it uses, whether its own checks (``preflight``, e.g. a receiver re-resolving
         its engine's parameters) passed, and the version a delta would start from. A rank whose
         checks failed raises its own error; every other rank raises :class:`RefitAbortedError`
-        naming it, so no rank is left waiting. Returns the peers (refit ranks) this rank's
-        pairs move a delta with: those that hold the same previous version as this rank (a
-        receiver that missed one, restarted, failed the last refit or is stale gets a full
-        refit, while the others keep their deltas; both ends of a pair decide alike)."""
+        naming it, so no rank is left waiting. Returns the version (an engine rank that passed
+        None takes the train ranks': a replica that joined a running trainer) and the peers
+        (refit ranks) this rank's pairs move a delta with: those that hold the same previous
+        version as this rank (a receiver that missed one, restarted, failed the last refit or is
+        stale gets a full refit, while the others keep their deltas; both ends of a pair decide
+        alike)."""
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
-        self._begin(f"refit {version}")
+        self._begin(f"refit {version if version is not None else 'next'}")
         error: BaseException | None = None
         try:
             self._check_version(version)
@@ -216,17 +223,19 @@ class Endpoint:
                 preflight()
         except Exception as exc:  # reported to every rank below, then re-raised here
             error = exc
-        shown = version if error is None else -1
+        shown = (ANY_VERSION if version is None else version) if error is None else -1
         base = self._delta_base() if self.delta != "off" and error is None else -1
         rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base])
         if error is not None:
             raise error
+        if version is None:
+            version = rows[0][0]  # train rank 0's (the train ranks agree, checked below)
         failed = [rank for rank, row in enumerate(rows) if row[1]]
         if failed:
             raise RefitAbortedError(f"refit {version}: refit rank(s) {failed} failed their checks before any byte "
                                     f"moved (their own errors say why); this rank sent and received nothing")
         versions = [row[0] for row in rows]
-        if any(v != version for v in versions):
+        if any(v != version for v in versions if v != ANY_VERSION):
             raise ValueError(f"refit ranks disagree on the version: {versions}")
         plans = sorted({row[2] for row in rows})
         if len(plans) != 1:
@@ -236,12 +245,14 @@ class Endpoint:
                              f"the engine expects a full refit")
         mine = rows[self.group.rank][3]
         peers = range(self.num_train, len(rows)) if self.role == "train" else range(self.num_train)
-        return {peer for peer in peers if mine >= 0 and rows[peer][3] == mine}
+        return version, {peer for peer in peers if mine >= 0 and rows[peer][3] == mine}
 
     def _begin(self, phase: str) -> None:
         self.group.begin(phase)
 
-    def _check_version(self, version: int) -> None:
+    def _check_version(self, version: int | None) -> None:
+        if version is None and self.role == "gen":  # the train ranks' version, whatever it is
+            return
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self.version is not None and version <= self.version:

@@ -74,13 +74,14 @@ class Receiver(Endpoint):
             self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
             raise
 
-    def receive(self, version: int) -> RefitReport:
-        """Receive refit ``version``. On any failure the weights are marked ``stale`` (the
+    def receive(self, version: int | None = None) -> RefitReport:
+        """Receive refit ``version`` (None: the version the train ranks send next, as a replica
+        that joined a running trainer does). On any failure the weights are marked ``stale`` (the
         engine must not serve them) and the error propagates; the next complete refit
         restores ``ready``. A failure of this rank's own (its storage raising, a malformed
         or corrupted payload) is confined to it: the rest of the refit is received and
         dropped, so the group and every other rank carry on."""
-        delta_from = self._agree_on_version(version, self._refresh_targets)
+        version, delta_from = self._agree_on_version(version, self._refresh_targets)
         if isinstance(self.storage, ExpectsVersion):  # a staged engine tags the swap with it
             self.storage.expect_version(version)
         self._set_state("updating")

@@ -131,7 +131,7 @@ class Refitter(Endpoint):
                 onload_s = self._onload()
                 check_finite(self.pieces, version=version, rank=self.group.rank)
         try:
-            delta_to = self._agree_on_version(version, preflight if self.check_finite else None)
+            _, delta_to = self._agree_on_version(version, preflight if self.check_finite else None)
         except BaseException:
             for piece in self.pieces.values():
                 _release(piece)

@@ -91,11 +91,12 @@ class EngineRefit(_Sync):
             self.plan = self.full.prepare()
         self._last = self.full
 
-    def receive(self, version: int, *, full: bool = False) -> RefitReport:
-        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`)."""
+    def receive(self, version: int | None = None, *, full: bool = False) -> RefitReport:
+        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`); None:
+        the version the train ranks send next (a replica that joined a running trainer)."""
         self._last = self._endpoint(full)
         report = self._last.receive(version)
-        self._advance(version)
+        self._advance(report.version)
         return report
 
     @property
