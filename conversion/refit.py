@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.refit import TrainerRefit, check_enabled, trainer_refit_from_pieces
+from megatron_refit.endpoint.fleet import TrainerFleet
+from megatron_refit.refit import check_enabled, trainer_refit_from_pieces
 
 
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
-                  on_report: Callable[[dict], None] | None = None) -> TrainerRefit:
+                  on_report: Callable[[dict], None] | None = None) -> TrainerFleet:
     """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
     join the refit group and build the plan. ``model``: the Megatron model chunks, their
     parameters on the device (call this before offloading them; pass the ``offloader`` so

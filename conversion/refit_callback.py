@@ -115,7 +115,7 @@ class RefitCallback(Callback):
         """The engine's control (:class:`~megatron_refit.engines.base.EngineControl`)."""
         self.rank = 0
         self.sync = None
-        """The :class:`~megatron_refit.refit.TrainerRefit` of this rank (after ``on_train_start``)."""
+        """The :class:`~megatron_refit.endpoint.fleet.TrainerFleet` of this rank (after ``on_train_start``)."""
         self.last_report: RefitReport | None = None
         self.skipped: list[int] = []
         """Iterations that were skipped (and not refitted)."""

@@ -151,7 +151,7 @@ class MegatronRefitTrainerEngine(_EngineBase):
         self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
         self.timeout_s = timeout_s
         self.sync = sync
-        """The prepared :class:`~megatron_refit.refit.TrainerRefit` of this rank."""
+        """The prepared :class:`~megatron_refit.endpoint.fleet.TrainerFleet` of this rank."""
         self.version: int | None = None
 
     @classmethod
