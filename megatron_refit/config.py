@@ -123,15 +123,15 @@ class RefitConfig:
     (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
     on_replica_failure: str = "raise"
     """What train ranks do when an engine replica cannot apply a refit (its engine raised while
-    receiving or loading, its bytes arrived corrupted): the failure stays on that replica
-    either way (the others land the version bit-exactly, the failed one is stale and its next
-    refit brings it back) and is named in the report (``failed_replicas``) and the metrics
-    (``refit/replicas_ok``, ``refit/replicas_failed``). ``raise``: the refit then raises
-    ``ReplicaFailedError`` on every train rank, so a loop that does not look at the report
-    cannot miss it (the default: with one replica nothing would serve the new weights);
-    ``continue``: it returns, and training goes on (fleets of many replicas), unless no
-    replica holds the version. A replica whose process died or whose link broke still breaks
-    the refit group (docs/guide-engines.md)."""
+    receiving or loading, its bytes arrived corrupted, its process died): the failure stays on
+    that replica either way (every replica has a refit group of its own: the others land the
+    version bit-exactly; the failed one is stale and its next refit brings it back, or, if its
+    process died, it is dropped until it rejoins) and is named in the report
+    (``failed_replicas``) and the metrics (``refit/replicas_ok``, ``refit/replicas_failed``).
+    ``raise``: the refit then raises ``ReplicaFailedError`` on every train rank, so a loop that
+    does not look at the report cannot miss it (the default: with one replica nothing would
+    serve the new weights); ``continue``: it returns, and training goes on (fleets of many
+    replicas), unless no replica holds the version."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the

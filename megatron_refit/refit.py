@@ -34,6 +34,10 @@ from megatron_refit.endpoint.sync import EngineRefit, TrainerRefit
 from megatron_refit.transport import RefitGroup, open_transport, transport_name
 
 
+CONTROL_TIMEOUTS = 3
+"""The train ranks' control group waits this many ``refit.timeout_s``."""
+
+
 def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device, replica: int,
             incarnation: str):
     """This rank's end of engine replica ``replica``'s refit group (the train ranks and that
@@ -82,8 +86,10 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
 
         pieces = quantize_pieces(pieces)
     device = torch.device(device)
+    # a replica that stalls holds each train rank's thread for it up to refit.timeout_s, at
+    # different times on different train ranks: the train ranks' own group waits longer
     control = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
-                                 timeout_s=cfg.timeout_s)
+                                 timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
     member_cfg = member_config(cfg)
 
     def member(group) -> TrainerRefit:

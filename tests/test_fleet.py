@@ -271,7 +271,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
                               torch.empty(0)) for n, s in SHAPES.items()]
         sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         for version in (1, 2, 3, 4):
-            if version == 3 and rank == 0 and scenario != "kill":  # what the replicas announce reaches the store
+            if version == 3 and rank == 0 and scenario in ("join", "rejoin", "leave"):  # their announcement is in
                 if scenario in ("join", "rejoin"):
                     open(flag, "w").close()  # the standby replica may start now
                 key = LEAVES if scenario == "leave" else JOINS
