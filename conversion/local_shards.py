@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from collections.abc import Callable
 
@@ -253,25 +254,30 @@ def split_qkv_rows(qkv: torch.Tensor, num_heads: int, num_groups: int):
 
 
 class _VersionMemo:
-    """Caches a derived value of a tensor until the tensor is modified in place."""
+    """Caches a derived value of a tensor until the tensor is modified in place. Thread-safe:
+    a trainer refits its engine replicas from one thread each, over the same pieces."""
 
     def __init__(self, compute: Callable):
         self._compute = compute
         self._key = None
         self._value = None
+        self._lock = threading.Lock()
 
     def get(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         key = (tensor.data_ptr(), tensor._version)
-        if self._value is None or self._key != key or tensor.device.type == "meta" or self._value[index] is None:
-            self._value, self._key = list(self._compute()), key
-        return self._value[index]
+        with self._lock:
+            if self._value is None or self._key != key or tensor.device.type == "meta" or \
+                    self._value[index] is None:
+                self._value, self._key = list(self._compute()), key
+            return self._value[index]
 
     def drop(self, index: int) -> None:
         """Forget part ``index``; the whole value once every part was dropped."""
-        if self._value is not None:
-            self._value[index] = None
-            if all(part is None for part in self._value):
-                self._key = self._value = None
+        with self._lock:
+            if self._value is not None:
+                self._value[index] = None
+                if all(part is None for part in self._value):
+                    self._key = self._value = None
 
 
 def group_experts(shards: list[LocalShard], num_experts: int) -> list[LocalShard]:

@@ -9,6 +9,7 @@ pieces are built, before ``prepare()`` starts any collective.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -19,28 +20,34 @@ from megatron_refit.plan.spec import ShardSpec
 
 
 class _Quantized:
-    """One weight piece, quantized lazily; shared by its weight and scale pieces."""
+    """One weight piece, quantized lazily; shared by its weight and scale pieces. Thread-safe:
+    a trainer refits its engine replicas from one thread each, over the same pieces."""
 
     def __init__(self, piece, pow2_scales: bool):
         self.piece = piece
         self.pow2_scales = pow2_scales
         self._parts: list[torch.Tensor | None] | None = None
+        self._lock = threading.Lock()
 
     def part(self, index: int) -> torch.Tensor:
-        if self._parts is None or self._parts[index] is None:
-            with torch.no_grad():
-                self._parts = list(quantize_blockwise(self.piece.tensor().detach(), pow2_scales=self.pow2_scales))
-        return self._parts[index]
+        with self._lock:
+            if self._parts is None or self._parts[index] is None:
+                with torch.no_grad():
+                    self._parts = list(quantize_blockwise(self.piece.tensor().detach(),
+                                                          pow2_scales=self.pow2_scales))
+            return self._parts[index]
 
     def drop(self, index: int) -> None:
-        if self._parts is None:
-            return
-        self._parts[index] = None
-        if all(p is None for p in self._parts):
+        with self._lock:
+            if self._parts is None:
+                return
+            self._parts[index] = None
+            if any(p is not None for p in self._parts):
+                return
             self._parts = None
-            release = getattr(self.piece, "release", None)
-            if release is not None:
-                release()
+        release = getattr(self.piece, "release", None)
+        if release is not None:
+            release()
 
 
 @dataclass
