@@ -104,7 +104,6 @@ class TrainerFleet:
         self.offloader = offloader
         self.on_report = on_report
         self.members: dict[int, TrainerRefit] = {}
-        self.version: int | None = None
         self._announcements = _Announcements(control.store) if control.rank == 0 else None
         self._incarnation: dict[int, str] = {}
         """Train rank 0: each member's incarnation (a leave of another one is stale)."""
@@ -222,7 +221,6 @@ class TrainerFleet:
         report = _merge(version, self.control.rank, carried,
                         replicas=replicas, failures=failures, seconds=time.perf_counter() - start, moved=moved,
                         moved_max=moved_max)
-        self.version = version
         if self.on_report is not None:
             self.on_report(report.summary)
         landed = report.summary["refit/replicas_ok"]

@@ -31,44 +31,29 @@ class SpawnError(RuntimeError):
         return (match.group(1).rsplit(".", 1)[-1], match.group(2)) if match else None
 
 
-PORT_SPAN = 8
-"""Ports after each chosen one that are free too: a refit port ``p`` is the train ranks' group,
-``p + 1 + r`` engine replica ``r``'s (:mod:`megatron_refit.endpoint.fleet`)."""
-
-
 def free_ports(count: int) -> list[int]:
-    """``count`` free ports, each with the :data:`PORT_SPAN` ports after it free as well and
-    none within another's span, below the kernel's ephemeral range where it is known: a port
-    from that range, free when chosen, can be taken by an outgoing connection (gloo's pair
-    connections, made by thousands in a test run) before the rendezvous binds it
+    """``count`` distinct free ports, below the kernel's ephemeral range where it is known:
+    a port from that range, free when chosen, can be taken by an outgoing connection (gloo's
+    pair connections, made by thousands in a test run) before the rendezvous binds it
     (``EADDRINUSE``). All sockets are held until all are chosen (ports picked one at a time
     could repeat)."""
     low = _ephemeral_low()
-    socks: list[list[socket.socket]] = []
+    socks = []
     tries = 0
     try:
         while len(socks) < count:
             tries += 1
-            taken = {s.getsockname()[1] for block in socks for s in block}
-            block = []
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:  # the kernel's pick after 100 taken ones
-                first = _RNG.randrange(max(1024, low - 10000), low - PORT_SPAN) if low and tries <= 100 else 0
-                for offset in range(PORT_SPAN + 1 if first else 1):
-                    if first + offset in taken:
-                        raise OSError("in another port's span")
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    block.append(s)
-                    s.bind(("127.0.0.1", first + offset))
+                s.bind(("127.0.0.1", _RNG.randrange(max(1024, low - 10000), low) if low and tries <= 100 else 0))
             except OSError:
-                for s in block:
-                    s.close()
-                continue
-            socks.append(block)
-        return [block[0].getsockname()[1] for block in socks]
-    finally:
-        for block in socks:
-            for s in block:
                 s.close()
+                continue
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 _RNG = random.SystemRandom()  # not the random module's state: tests seed that
