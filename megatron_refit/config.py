@@ -213,7 +213,13 @@ class RefitConfig:
         return "auto" if self.direct_mb is None else max(1, int(self.direct_mb * (1 << 20)))
 
     def gen_layout(self) -> GenLayout:
+        """The layout of the ``gen_dp`` replicas the job starts with (planning, costs)."""
         return GenLayout(tp=self.gen_tp, dp=self.gen_dp, expert_parallel=self.gen_expert_parallel)
+
+    def replica_layout(self) -> GenLayout:
+        """One replica's layout: every replica, whatever its index (one that joins later
+        too), holds the pieces of its TP rank in it."""
+        return GenLayout(tp=self.gen_tp, dp=1, expert_parallel=self.gen_expert_parallel)
 
     @property
     def gen_style(self) -> str:

@@ -5,7 +5,8 @@ a row for each message). Imports nothing: every layer raises them.
 - the transport: :class:`RefitTransportError`, :class:`RefitTimeoutError`,
   :class:`RefitProtocolError`, :class:`WireError`;
 - the endpoints: :class:`RefitAbortedError`, :class:`ReplicaFailedError`, :class:`RefitCorruptionError`,
-  :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`.
+  :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`;
+- the engines' control calls: :class:`EngineLoadError`.
 
 Bad arguments and config values are plain ``ValueError``s naming the value.
 """
@@ -47,6 +48,12 @@ class ReplicaFailedError(RefitAbortedError):
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+
+
+class EngineLoadError(RuntimeError):
+    """Train rank 0: an engine replica's group carried a refit, but its engine's control call
+    (receiving, or making the version live: vLLM's ``finish_weight_update``, SGLang's resume)
+    failed or did not return in ``refit.timeout_s``. That replica alone failed the refit."""
 
 
 class RefitCorruptionError(ValueError):

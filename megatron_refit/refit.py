@@ -91,9 +91,10 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
     control = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
                                  timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
     member_cfg = member_config(cfg)
+    plans: dict = {}  # one plan per replica layout, whatever the number of replicas
 
     def member(group) -> TrainerRefit:
-        return TrainerRefit(group, pieces, adapters, member_cfg, num_train=num_train)
+        return TrainerRefit(group, pieces, adapters, member_cfg, num_train=num_train, plans=plans)
 
     def join(replica: int, incarnation: str):
         return connect(cfg, refit_rank=rank, num_train=num_train, device=device, replica=replica,

@@ -7,7 +7,7 @@ safetensors, no hub), starts a real ``sglang.Engine`` (TP1, no CUDA graphs) with
 starts a Megatron trainer process in the Megatron environment (``.venv``) on the same GPU:
 Megatron TP1 built through Bridge in bf16, real Adam steps, bucket bytes to the engine
 through CUDA IPC (``mode: colocated``; one GPU cannot run NCCL between two processes). The
-trainer runs the guide's loop (``connect_engines`` / ``refit_engines`` / ``close_engines``)
+trainer runs the guide's loop (``SglangControl``: ``connect`` / ``refit`` / ``close``)
 with one client that forwards each control call to this process's ``EngineClient`` over a
 local connection. After each of 3 refits:
 
@@ -154,24 +154,24 @@ class _ControllerClient(ControllerConnection):
 def trainer(model: str, workdir: str, port: int) -> None:
     from megatron_refit.config import RefitConfig
     from conversion.refit import trainer_refit
-    from megatron_refit.engines.sglang.client import close_engines, connect_engines, refit_engines
+    from megatron_refit.engines.sglang.control import SglangControl
     from megatron_refit.tools.launch import free_port
 
     client = _ControllerClient(port)
     built, optimizer, cfg = train_model(model)
     section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
-    clients = [client]
-    sync = connect_engines(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),
-                           clients, section, rank=0, num_train=1)
+    control = SglangControl([client], section)
+    sync = control.connect(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),
+                           rank=0, num_train=1)
     reports = []
     for version in range(1, REFITS + 1):
         train_steps(built, optimizer)
         t0 = time.perf_counter()
-        report = refit_engines(sync, clients, version, rank=0)
+        report = control.refit(sync, version, rank=0)
         reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
         client.call("check", save_export(built, workdir, version))
-    close_engines(sync, clients, rank=0)
+    control.close(sync, rank=0)
     client.call("done", reports)
 
 

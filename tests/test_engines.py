@@ -38,7 +38,7 @@ def test_engine_control_by_name():
     assert isinstance(engine_control({"engine": "sglang"}, []), NoControl)  # train ranks other than 0
     with pytest.raises(ValueError, match="control clients were given for refit.engine 'vllm'"):
         engine_control({"engine": "vllm"}, [object()])
-    from megatron_refit.engines.sglang.client import SglangControl
+    from megatron_refit.engines.sglang.control import SglangControl
 
     control = engine_control({"engine": "sglang"}, [object()])
     assert isinstance(control, SglangControl) and isinstance(control, EngineControl)

@@ -286,7 +286,8 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
             start = time.monotonic()
             report = sync.refit(version)
             out.append(dict(failed=report.failed_replicas, summary=report.summary, members=sorted(sync.members),
-                            seconds=time.monotonic() - start, delta=report.delta))
+                            seconds=time.monotonic() - start, delta=report.delta,
+                            plans=len({id(m.plan) for m in sync.members.values()})))
         sync.close()
         return out
     gen = rank - NUM_TRAIN
@@ -367,6 +368,7 @@ def test_fleet_replica_joins_at_step_3_with_a_full_refit_then_deltas(layout, tmp
     for outcome in train:
         assert [o["members"] for o in outcome] == [list(range(dp))] * 2 + [list(range(dp + 1))] * 2
         assert all(o["failed"] == {} for o in outcome)
+        assert [o["plans"] for o in outcome] == [1] * 4  # one plan of the layout, the joiner's too
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

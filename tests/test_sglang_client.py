@@ -13,14 +13,7 @@ import pytest
 import torch
 
 from megatron_refit.engines.sglang.loader import LOADER, parse_message, refit_loader, refit_state
-from megatron_refit.engines.sglang.client import (
-    HTTPClient,
-    close_engines,
-    connect_message,
-    refit_engines,
-    refit_message,
-    serialize,
-)
+from megatron_refit.engines.sglang.client import HTTPClient, connect_message, refit_message, serialize
 
 
 def test_control_messages_round_trip_through_the_wire_format():
@@ -71,62 +64,141 @@ def test_http_client_rejects_bad_arguments():
 class _Client:
     """A replica's control calls, recorded (rendezvous with the trainer as the real ones do)."""
 
-    def __init__(self, calls: list, started: threading.Event, fail: str | None = None):
-        self.calls, self.started, self.fail = calls, started, fail
+    def __init__(self, calls: list, started: threading.Event, fail: str | None = None, replica: int = 0):
+        self.calls, self.started, self.fail, self.replica = calls, started, fail, replica
+
+    def connect(self, refit, *, num_train, replica=0):
+        self.calls.append(("connect", replica))
+        self.connected.wait(5)  # SGLang's connect returns once the train ranks took it in
 
     def refit(self, version, *, full=False):
-        self.calls.append(("refit", version))
+        self.calls.append(("refit", version, self.replica))
         self.started.set()
         if self.fail == "refit":
             raise RuntimeError("update_weights_from_tensor failed: boom")
 
     def resume(self, version):
-        self.calls.append(("resume", version))
+        self.calls.append(("resume", version, self.replica))
+        if self.fail == "resume":
+            raise RuntimeError("continue_generation answered 500")
 
     def close(self):
-        self.calls.append(("close",))
+        self.calls.append(("close", self.replica))
 
 
-class _Trainer:
-    def __init__(self, started: threading.Event, fail: bool = False):
-        self.started, self.fail = started, fail
+class _Fleet:
+    """The train ranks' side as :class:`TrainerFleet` runs it on rank 0: each member replica's
+    engine calls around its part (``broken``: replicas whose group breaks: no landing, dropped)."""
 
-    def refit(self, version, *, full=False):
+    def __init__(self, started: threading.Event, members=(0, 1), broken=()):
+        self.started, self.members, self.broken = started, dict.fromkeys(members), set(broken)
+        self.landed: dict = {}
+        self.joins: dict = {}
+
+    def refit(self, version, *, full=False, hooks=None):
+        if hooks is None:  # a train rank other than 0
+            return f"report {version}"
+        for replica in self.members:
+            hooks.start(replica, version, full)
         assert self.started.wait(5), "the engines' calls must run while the trainer refits"
-        if self.fail:
-            raise RuntimeError("rank 1 failed: digest mismatch")
+        for replica in list(self.members):
+            if replica in self.broken:
+                del self.members[replica]
+                continue
+            try:
+                hooks.land(replica, version)
+                self.landed[replica] = "ok"
+            except Exception as exc:  # noqa: BLE001 -- what the fleet records as the replica's failure
+                self.landed[replica] = str(exc)
         return f"report {version}"
+
+    def announced(self, replica):
+        return self.joins.get(replica)
 
     def close(self):
         pass
 
 
-def test_refit_engines_drives_every_replica_and_resumes_only_after_success():
+def _control(clients):
+    from megatron_refit.engines.sglang.control import SglangControl
+
+    control = SglangControl(clients, {"timeout_s": 5})
+    control._num_train = 2
+    return control
+
+
+def test_sglang_control_drives_every_replica_and_resumes_only_those_that_landed():
     calls: list = []
     started = threading.Event()
-    clients = [_Client(calls, started), _Client(calls, started)]
-    assert refit_engines(_Trainer(started), clients, 3, rank=0) == "report 3"
-    assert sorted(calls) == [("refit", 3)] * 2 + [("resume", 3)] * 2
+    clients = [_Client(calls, started, replica=r) for r in range(2)]
+    control = _control(clients)
+    fleet = _Fleet(started)
+    assert control.refit(fleet, 3, rank=0) == "report 3"
+    assert sorted(calls) == [("refit", 3, 0), ("refit", 3, 1), ("resume", 3, 0), ("resume", 3, 1)]
     calls.clear()
-    started.clear()  # other train ranks send only: they never call the engines
-    started.set()
-    assert refit_engines(_Trainer(started), clients, 4, rank=1) == "report 4"
+    assert control.refit(fleet, 4, rank=1) == "report 4"  # other train ranks send only
     assert calls == []
-    close_engines(_Trainer(started), clients, rank=0)
-    assert calls == [("close",)] * 2
+    control.close(fleet, rank=0)
+    assert sorted(calls) == [("close", 0), ("close", 1)]
 
 
-def test_a_failed_refit_leaves_every_engine_paused_and_names_the_cause():
+def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
     calls: list = []
     started = threading.Event()
-    with pytest.raises(RuntimeError, match="digest mismatch"):  # the trainer's own error first
-        refit_engines(_Trainer(started, fail=True), [_Client(calls, started)], 5, rank=0)
-    assert calls == [("refit", 5)]  # no resume
-    calls.clear()
-    started.clear()
-    with pytest.raises(RuntimeError, match="replica 1: refit 6: update_weights_from_tensor failed: boom"):
-        refit_engines(_Trainer(started), [_Client(calls, started), _Client(calls, started, fail="refit")], 6, rank=0)
-    assert ("resume", 6) not in calls
+    clients = [_Client(calls, started, replica=0), _Client(calls, started, fail="refit", replica=1),
+               _Client(calls, started, fail="resume", replica=2), _Client(calls, started, replica=3)]
+    fleet = _Fleet(started, members=(0, 1, 2, 3), broken=(3,))
+    control = _control(clients)
+    control.refit(fleet, 6, rank=0)
+    assert fleet.landed[0] == "ok"
+    assert fleet.landed[1] == ("SGLang engine replica 1: receiving version 6 failed: RuntimeError: "
+                               "update_weights_from_tensor failed: boom")
+    assert "replica 2: making version 6 live failed: RuntimeError: continue_generation answered 500" in \
+        fleet.landed[2]
+    assert ("resume", 6, 0) in calls and ("resume", 6, 1) not in calls and ("resume", 6, 3) not in calls
+    assert control.replicas == [0, 1, 2]  # replica 3's group broke: its lane is gone, not waited for
+
+
+def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_next_refit():
+    calls: list = []
+    started = threading.Event()
+    control = _control([_Client(calls, started, replica=0)])
+    fleet = _Fleet(started, members=(0,))
+    control._sync = fleet
+    joiner = _Client(calls, started, replica=5)
+    joiner.connected = threading.Event()
+    # the join is announced once its connect call ran (engine_refit announces, then waits for the train ranks)
+    original = joiner.connect
+
+    def connect(refit, *, num_train, replica=0):
+        fleet.joins[replica] = "incarnation"
+        original(refit, num_train=num_train, replica=replica)
+
+    joiner.connect = connect
+    assert control.add(joiner, replica=5) == 5
+    fleet.members[5] = None  # the train ranks took it in at the start of the refit
+    joiner.connected.set()
+    control.refit(fleet, 7, rank=0)
+    assert calls.index(("connect", 5)) < calls.index(("refit", 7, 5)) < calls.index(("resume", 7, 5))
+    assert fleet.landed == {0: "ok", 5: "ok"}
+    with pytest.raises(ValueError, match="replica must be a non-negative int, got -1"):
+        control.add(_Client(calls, started), replica=-1)
+
+
+def test_sglang_control_a_replica_that_never_announces_is_refused_in_its_timeout():
+    from megatron_refit.errors import EngineLoadError
+
+    calls: list = []
+    started = threading.Event()
+    control = _control([_Client(calls, started)])
+    control.timeout_s = 0.3
+    control._sync = _Fleet(started, members=(0,))
+    silent = _Client(calls, started)
+    silent.connected = threading.Event()  # blocks, never announces
+    with pytest.raises(EngineLoadError, match="replica 1 did not announce its join within refit.timeout_s=0.3 s"):
+        control.add(silent)
+    assert control.replicas == [0]
+    silent.connected.set()
 
 
 def test_engine_sglang_plans_the_engine_layout_and_writes_in_place():

@@ -104,7 +104,7 @@ class Endpoint:
 
     def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
                  direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None,
-                 delta: str = "off", replica_size: int | None = None):
+                 delta: str = "off", replica_size: int | None = None, plans: dict | None = None):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -132,6 +132,10 @@ class Endpoint:
         :mod:`megatron_refit.endpoint.integrity`)."""
         self.direct_bytes = resolve_direct_bytes(direct_bytes, group, bucket_bytes)
         """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
+        self.plans = plans
+        """Plans already built, shared by endpoints that meet the same pieces (a train rank's
+        refit groups of every replica with one layout): ``prepare`` builds a plan once per
+        distinct set of gathered pieces. ``None``: not shared."""
         self.plan: RefitPlan | None = None
         self._plan_id = 0
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
@@ -153,7 +157,7 @@ class Endpoint:
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
         mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent,
                 self.delta)
-        gathered = self.group.all_gather_unique(mine, "prepare")  # DP replicas' pieces travel once
+        gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)  # DP replicas' pieces once
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
@@ -162,6 +166,22 @@ class Endpoint:
             values = [g[index] for g in gathered]
             if len(set(values)) != 1:
                 raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
+        key = (tuple(digests), self._local_rank())
+        plan, prints = self.plans.get(key, (None, None)) if self.plans is not None else (None, None)
+        if plan is None:
+            plan, prints = self._build(gathered)
+            if self.plans is not None:
+                self.plans[key] = plan, prints
+        bad = _disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
+        if bad:
+            raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
+        self.plan = plan
+        self._plan_id = int(prints["plan"][:15], 16)
+        self._digesters = None
+        return plan
+
+    def _build(self, gathered: list) -> tuple[RefitPlan, dict]:
+        """The plan of what every rank of the group holds (``gathered``), and its fingerprints."""
         train_specs = {i: g[1] for i, g in enumerate(gathered[: self.num_train])}
         gen_specs = {i: g[1] for i, g in enumerate(gathered[self.num_train:])}
         plan = RefitPlan.build(
@@ -181,14 +201,7 @@ class Endpoint:
                 f"the trainer produces {len(names)} HF parameters that no generation rank holds "
                 f"(the receiver does not know them), e.g. {names[:5]}"
             )
-        prints = plan.fingerprints()
-        bad = _disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
-        if bad:
-            raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
-        self.plan = plan
-        self._plan_id = int(prints["plan"][:15], 16)
-        self._digesters = None
-        return plan
+        return plan, plan.fingerprints()
 
     def _local_rank(self) -> tuple[str, int]:
         """This rank in the plan: each endpoint expands only its own transfers and buckets."""

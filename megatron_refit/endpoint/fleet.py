@@ -15,8 +15,10 @@ Membership: an engine replica announces itself (:func:`announce`: ``join`` befor
 ``leave`` when it closes) in the control group's store, hosted by train rank 0. At the start
 of every refit train rank 0 reads the announcements and all train ranks act on the same list:
 they drop leaving replicas and connect joining ones (a replica that rejoins under the index of
-a member replaces it), build the plan with them and send them the current version in full
-(deltas afterwards). The other replicas' groups and plans are not touched.
+a member replaces it), agree on the plan with them and send them the current version in full
+(deltas afterwards). The other replicas' groups and plans are not touched. The plan of a replica
+layout is built once per train rank and shared by every replica with that layout (one that
+joins checks its pieces against it: it meets the cached plan when they match).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.report import RefitReport
@@ -72,6 +75,18 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
             raise RefitTransportError(f"engine replica {replica}: could not reach the train ranks' store at "
                                       f"{cfg.host}:{cfg.port} to join within {wait:g} s: {exc}") from exc
         logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
+
+
+class ReplicaHooks(Protocol):
+    """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
+    control plane: :class:`~megatron_refit.engines.replicas.ReplicaLanes`). Both run in the
+    replica's own refit thread; an error from either fails that replica alone."""
+
+    def start(self, replica: int, version: int, full: bool) -> None:
+        """Before the replica's bytes move (its engine's receiving call, not waited for)."""
+
+    def land(self, replica: int, version: int) -> None:
+        """Once its group carried the refit: the engine makes the version live (or raises)."""
 
 
 class _Announcements:
@@ -157,6 +172,14 @@ class TrainerFleet:
             except Exception as exc:  # noqa: BLE001 -- the joining replica's failure is its own
                 report_failures[replica] = f"joining failed: {type(exc).__name__}: {exc}"[:500]
 
+    def announced(self, replica: int) -> str | None:
+        """Train rank 0: the latest incarnation replica ``replica`` announced joining with
+        (``None``: none yet); a caller waits for it to change after starting a new engine."""
+        if self._announcements is None:
+            raise ValueError("TrainerFleet.announced: only train rank 0 reads the announcements")
+        key = f"{JOINS}/{replica}"
+        return self.control.store.get(key).decode() if self.control.store.check([key]) else None
+
     # -- refits --------------------------------------------------------------------------------
     @property
     def plan(self):
@@ -175,10 +198,11 @@ class TrainerFleet:
         """Whether the next refit moves everything to some replica (else LoRA adapters only)."""
         return any(member.is_full(full) for member in self.members.values())
 
-    def refit(self, version: int, *, full: bool = False) -> RefitReport:
+    def refit(self, version: int, *, full: bool = False, hooks: ReplicaHooks | None = None) -> RefitReport:
         """Send this rank's pieces of refit ``version`` to every replica. Collective over the
         train ranks (each calls it with the same ``version`` and ``full``) and, per replica,
-        over its group."""
+        over its group. ``hooks`` (train rank 0, an engine with a control plane): each
+        replica's engine calls around its part (:class:`ReplicaHooks`)."""
         start = time.perf_counter()
         failures: dict[int, str] = {}
         self._update_membership(failures)
@@ -194,7 +218,7 @@ class TrainerFleet:
             moved["onload"] = time.perf_counter() - t0
         try:
             with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
-                futures = {r: pool.submit(self.members[r].refit, version, full=full) for r in replicas}
+                futures = {r: pool.submit(_refit_member, self.members[r], r, version, full, hooks) for r in replicas}
                 outcomes = {r: _outcome(futures[r]) for r in replicas}
         finally:
             if loaded:
@@ -239,6 +263,20 @@ class TrainerFleet:
         for replica in sorted(self.members):
             self._drop(replica)
         self.control.close()
+
+
+def _refit_member(member: TrainerRefit, replica: int, version: int, full: bool, hooks: ReplicaHooks | None):
+    """One replica's part of a fleet refit, in its own thread, with its engine's calls around it."""
+    if hooks is not None:
+        hooks.start(replica, version, member.is_full(full))
+    report = member.refit(version, full=full)
+    if hooks is not None:
+        try:
+            hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
+        except Exception as exc:
+            exc.report = report  # its bytes moved
+            raise
+    return report
 
 
 def _outcome(future):

@@ -77,9 +77,11 @@ class Refitter(Endpoint):
     def __init__(self, group: Transport, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  offloader=None, on_report: Callable[[dict], None] | None = None, check_finite: bool = False,
-                 delta: str = "off", replica_size: int | None = None, on_replica_failure: str = "raise"):
+                 delta: str = "off", replica_size: int | None = None, on_replica_failure: str = "raise",
+                 plans: dict | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size)
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
+                         plans=plans)
         if on_replica_failure not in ON_REPLICA_FAILURE:
             raise ValueError(f"refit.on_replica_failure: {on_replica_failure!r} is not one of "
                              f"{list(ON_REPLICA_FAILURE)}")

@@ -43,13 +43,14 @@ class _Sync:
 
 
 class TrainerRefit(_Sync):
-    """Train side of the refit (one per train rank); see the module docstring."""
+    """Train side of the refit (one per train rank); see the module docstring. ``plans``: plans
+    built already (shared by a train rank's replica groups: one plan per replica layout)."""
 
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
-                 offloader=None, on_report: Callable[[dict], None] | None = None):
+                 offloader=None, on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp)
+                  replica_size=cfg.gen_tp, plans=plans)
         self.group = group
         kw.update(check_finite=cfg.check_finite, on_replica_failure=cfg.on_replica_failure)
         self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)

@@ -97,5 +97,5 @@ def engine_names() -> list[str]:
 register_engine(Engine(name="vllm", writes="writes through vLLM's weight-transfer backend"))
 register_engine(Engine(name="sglang", engine_loads=("in_place",), swaps=("in_place",),
                        writes="writes in place into SGLang's parameters (its weight loader hook, under SGLang's pause)",
-                       control="megatron_refit.engines.sglang.client:SglangControl"))
+                       control="megatron_refit.engines.sglang.control:SglangControl"))
 register_engine(Engine(name="hf", layout="full", staged_needs=None, writes="writes into a transformers model"))

@@ -91,7 +91,9 @@ class Transport(ABC):
     def all_gather_object(self, obj, call: str = "message") -> list: ...
 
     @abstractmethod
-    def all_gather_unique(self, obj, call: str = "message") -> list: ...
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
+        """:meth:`all_gather_object` of objects many ranks share; ``digests``: also each rank's
+        object's sha256 (``(objects, digests)``), a key for what was gathered."""
 
     def barrier(self, call: str = "message") -> None:
         self.exchange(call)

@@ -133,8 +133,8 @@ class IpcGroup(Transport):
     def all_gather_object(self, obj, call: str = "message") -> list:
         return self.group.all_gather_object(obj, call)
 
-    def all_gather_unique(self, obj, call: str = "message") -> list:
-        return self.group.all_gather_unique(obj, call)
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
+        return self.group.all_gather_unique(obj, call, digests=digests)
 
     def begin(self, phase: str) -> None:
         self.group.begin(phase)

@@ -239,20 +239,21 @@ class RefitGroup(Transport):
         gathered = self._all_gather(padded)
         return [wire.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
-    def all_gather_unique(self, obj, call: str = "message") -> list:
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
         """:meth:`all_gather_object` for objects that many ranks share (DP replicas hold the
         same pieces): ranks compare digests first, then one holder of each distinct object
         broadcasts it; equal objects come back as one object. At full scale this moves
-        (distinct objects) x (size) instead of (world size) x (largest size)."""
+        (distinct objects) x (size) instead of (world size) x (largest size). ``digests``:
+        ``(objects, each rank's object's sha256)``."""
         blob = wire.dumps(obj)
         mine = hashlib.sha256(blob).hexdigest()
-        digests = self.all_gather_object([mine, len(blob)], call)
+        announced = self.all_gather_object([mine, len(blob)], call)
         holder: dict[str, int] = {}
-        for rank, (digest, _) in enumerate(digests):
+        for rank, (digest, _) in enumerate(announced):
             holder.setdefault(digest, rank)
         objects: dict[str, object] = {}
         for digest, src in holder.items():
-            size = digests[src][1]
+            size = announced[src][1]
             payload = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if src == self.rank
                        else torch.empty(size, dtype=torch.uint8, device=self.device))
             self._broadcast(payload, src)
@@ -264,7 +265,8 @@ class RefitGroup(Transport):
                     raise RefitProtocolError(f"refit rank {self.rank}: metadata broadcast by refit rank {src} "
                                              f"does not match the digest it announced")
                 objects[digest] = wire.loads(data)
-        return [objects[digest] for digest, _ in digests]
+        gathered = [objects[digest] for digest, _ in announced]
+        return (gathered, [digest for digest, _ in announced]) if digests else gathered
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()

@@ -49,7 +49,10 @@ TP2_CASES = [("qwen3-moe", "qwen3-moe", "in_place"), ("qwen3", "qwen3", "in_plac
              ("deepseek-v3", "deepseek-v3", "in_place"), ("qwen3-kv1", "qwen3-kv1", "in_place"),
              ("nemotron-h", "nemotron-h", "in_place"), ("nemotron-h-load", "nemotron-h", "load_weights"),
              ("realloc", "qwen3", "in_place")]
-TP1_CASES = [("qwen3", "qwen3", "in_place")]
+TP1_CASES = [("qwen3", "qwen3", "in_place"), ("fleet", "qwen3", "in_place")]
+"""At gen TP1 the engines are independent (``ReplicaClients``): ``qwen3`` refits two of them;
+``fleet`` starts with two, fails one's engine mid-refit 2 and takes in the third at refit 3."""
+TP1_ENGINES = 3
 
 
 # -- the engine process side -----------------------------------------------------------
@@ -171,6 +174,20 @@ class _Engine:
                     state=engine.state, weights_version=engine.weights_version,
                     report=engine.last_report.as_dict(), rebinds=getattr(engine.sync.full.storage, "rebinds", None))
 
+    def fail_next(self) -> None:
+        """The engine's storage raises while the next refit's second bucket lands (once)."""
+        storage = self.worker.weight_transfer_engine.sync.full.storage
+        buffer, calls = storage.buffer, [0]
+
+        def failing(name):
+            calls[0] += 1
+            if calls[0] == 2:
+                storage.buffer = buffer
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return buffer(name)
+
+        storage.buffer = failing
+
     def reallocate(self, shrink: str | None = None) -> None:
         """What a reload or a wake-up does to the engine: fresh storage for every parameter
         (``shrink``: that one replaced by an empty tensor, as a kernel repack would)."""
@@ -274,10 +291,15 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     gens = list(range(world - NUM_TRAIN))
     results = {}
     for n, (case, bridge_name, engine_load) in enumerate(cases):
+        if case == "fleet":
+            results[case] = _fleet(rank, requests, replies, refit_ports[n], bridge_dir)
+            continue
         if tp == 1:  # independent engines, one per replica: init_info gets each one's replica index
-            client = ReplicaClients([_QueueClient(requests, replies, [g], case) for g in gens])
+            client = ReplicaClients([_QueueClient(requests, replies, [g], case) for g in gens[:2]])
+            gen_dp = 2
         else:
             client = _QueueClient(requests, replies, gens, case)
+            gen_dp = len(gens) // tp
         if rank == 0:
             client.call("case") if tp > 1 else [c.call("case") for c in client.clients]
         saved = load(bridge_dir, bridge_name, 1, rank)
@@ -285,7 +307,7 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
         lora = saved["lora"] or (0, 0.0)
         source = LocalShardSource(weights, adapters, lora_rank=lora[0], lora_alpha=lora[1])
         engine_load, _, swap = engine_load.partition(":")  # "load_weights:staged": refit.swap staged
-        refit = dict(gen_tp=tp, gen_dp=len(gens) // tp, port=refit_ports[n], bucket_mb=0.25, timeout_s=120,
+        refit = dict(gen_tp=tp, gen_dp=gen_dp, port=refit_ports[n], bucket_mb=0.25, timeout_s=120,
                      engine_load=engine_load, swap=swap or "in_place")
         engine = WeightTransferTrainerFactory.trainer_init(
             MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client, source=source)
@@ -308,6 +330,47 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
         for g in gens:
             requests[g].put((-1, "stop", {}))
     return results
+
+
+FLEET_VERSIONS = (1, 2, 3, 4)
+
+
+def _fleet(rank, requests, replies, port, bridge_dir):
+    """Independent engines at gen TP1 under ``on_replica_failure: continue``: replicas 0 and 1
+    start; replica 1's engine raises while refit 2 lands; engine 2 joins (``add_engine``) before
+    refit 3. Versions 1..4 carry Bridge's saved steps 1, 2, 1, 2."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from bridge_shards import load
+    from megatron_refit.engines.vllm.clients import ReplicaClients
+    from megatron_refit.engines.vllm.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
+
+    clients = [_QueueClient(requests, replies, [g], "fleet") for g in range(TP1_ENGINES)]
+    if rank == 0:
+        for c in clients:  # every engine builds its model; engine 2 connects only when it joins
+            c.call("case")
+    weights = _pieces(load(bridge_dir, "qwen3", 1, rank)["weights"])
+    refit = dict(gen_tp=1, gen_dp=2, port=port, bucket_mb=0.25, timeout_s=60, on_replica_failure="continue")
+    engine = WeightTransferTrainerFactory.trainer_init(
+        MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank),
+        client=ReplicaClients(clients[:2]), source=LocalShardSource(weights))
+    out = []
+    for version in FLEET_VERSIONS:
+        step = 2 - version % 2
+        for piece, (_, tensor) in zip(weights, load(bridge_dir, "qwen3", step, rank)["weights"]):
+            piece.data = tensor
+        item = dict(joined=None, checks=None)
+        if rank == 0 and version == 2:
+            clients[1].call("fail_next")
+        if rank == 0 and version == 3:
+            item["joined"] = engine.add_engine(clients[2])
+        report = engine.send_weights(version)
+        item.update(failed=report.failed_replicas, summary=report.summary, members=sorted(engine.sync.members))
+        if rank == 0:
+            item["checks"] = [c.call("check", version=step)[0] for c in clients[:3 if version >= 3 else 2]]
+        out.append(item)
+    engine.shutdown()
+    return out
 
 
 def _call_all(client, tp, method, **kwargs):
@@ -421,7 +484,32 @@ def test_weight_transfer_reallocated_engine_is_re_resolved_or_refused(spawned):
 
 @pytest.mark.slow
 def test_weight_transfer_refits_independent_engines_at_gen_tp1(spawned):
-    _check_case(spawned(1, 2, TP1_CASES), "qwen3", 2)
+    _check_case(spawned(1, TP1_ENGINES, TP1_CASES), "qwen3", 2)
+
+
+@pytest.mark.slow
+def test_weight_transfer_fleet_engine_error_stays_on_its_replica_and_a_new_engine_joins(spawned):
+    """One vLLM engine raising mid-refit fails that replica alone: the other lands it bit for
+    bit, the failed one stays stale (never ready at a mix) and the next refit brings it back; an
+    engine started later joins the running trainer through add_engine and gets the current
+    version."""
+    train = [rank_out["fleet"] for rank_out in spawned(1, TP1_ENGINES, TP1_CASES)[:NUM_TRAIN]]
+    for rank_items in train:
+        assert [item["members"] for item in rank_items] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
+        assert [sorted(item["failed"]) for item in rank_items] == [[], [1], [], []]
+        assert "CUDA error: an illegal memory access" in rank_items[1]["failed"][1]
+        assert [item["summary"]["refit/replicas_ok"] for item in rank_items] == [2, 1, 3, 3]
+    items = train[0]
+    assert items[2]["joined"] == 2
+    for version, item in zip(FLEET_VERSIONS, items):
+        for replica, check in enumerate(item["checks"]):
+            if (version, replica) == (2, 1):  # failed: stale, still at version 1, not ready
+                assert check["state"] == "stale" and check["weights_version"] == 1
+                continue
+            assert check["names_equal"] and check["diff"] == [], (version, replica, check["diff"][:5])
+            assert check["state"] == "ready" and check["weights_version"] == version, (version, replica)
+    joined = items[2]["checks"]  # the new engine received what a starting one does
+    assert joined[2]["report"]["bytes_received"] == joined[0]["report"]["bytes_received"] > 0
 
 
 # -- in one process ---------------------------------------------------------------------

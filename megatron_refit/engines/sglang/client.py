@@ -9,9 +9,8 @@ group, from every train rank's local shards to the TP workers that need them.
 - :class:`EngineClient` over an offline ``sglang.Engine`` in this process;
 - :class:`HTTPClient` over ``sglang serve`` (``POST /begin_weight_update`` …; the control
   message travels base64 in the body, as ``MultiprocessingSerializer`` writes it);
-- :func:`refit_engines`: what every train rank calls per step: its own side of the refit,
-  while rank 0 drives every replica's update on threads (an update call returns only when the
-  workers have received, and they receive only while the train ranks send).
+- :class:`~megatron_refit.engines.sglang.control.SglangControl` drives them (one per replica)
+  around every train rank's own side of the refit.
 
 Around each refit the engine is paused (``retract``: running requests go back to the queue
 and are recomputed with the new weights) and its cache flushed; after a failed refit it stays
@@ -27,7 +26,6 @@ import io
 import json
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -201,69 +199,3 @@ class HTTPClient:
 
     def close(self) -> None:
         self._session(close_message(), flush_cache=False)
-
-
-class SglangControl:
-    """The :class:`~megatron_refit.engines.base.EngineControl` of ``refit.engine: sglang`` over
-    control clients (:class:`EngineClient` / :class:`HTTPClient`, one per engine replica;
-    train rank 0 drives them, the other ranks ignore theirs): what ``RefitCallback(engines=...)``
-    calls. ``refit``: the ``refit:`` section as a mapping (sent to every engine at connect)."""
-
-    def __init__(self, clients: list, refit: dict) -> None:
-        self.clients = list(clients)
-        self.refit_section = dict(refit)
-
-    def connect(self, join, *, rank: int, num_train: int):
-        return connect_engines(join, self.clients, self.refit_section, rank=rank, num_train=num_train)
-
-    def refit(self, sync, version: int, *, rank: int, full: bool = False):
-        return refit_engines(sync, self.clients, version, rank=rank, full=full)
-
-    def close(self, sync, *, rank: int) -> None:
-        close_engines(sync, self.clients, rank=rank)
-
-
-def connect_engines(trainer_connect, clients: list, refit: dict, *, rank: int, num_train: int):
-    """Every train rank: join the refit group (``trainer_connect()``, e.g. a ``trainer_refit``
-    call, returns the trainer's refit), while rank 0 connects every engine replica (replica
-    ``i`` = ``clients[i]``). Returns the trainer's refit."""
-    return _with_engines(trainer_connect, clients if rank == 0 else [],
-                         lambda i, c: c.connect(refit, num_train=num_train, replica=i), "connect")
-
-
-def refit_engines(trainer, clients: list, version: int, *, rank: int, full: bool = False):
-    """Every train rank, every step: ``trainer.refit(version)`` while rank 0 pauses every
-    engine replica and runs its update; the engines resume (tagged ``version``) only when the
-    whole refit succeeded. Returns the trainer's report; raises the first error (the trainer's
-    own first: it names the failed rank and parameter)."""
-    report = _with_engines(lambda: trainer.refit(version, full=full), clients if rank == 0 else [],
-                           lambda i, c: c.refit(version, full=full), f"refit {version}")
-    if rank == 0:  # the trainer's refit returned on every rank only if every engine rank received
-        _with_engines(lambda: None, clients, lambda i, c: c.resume(version), f"resume after refit {version}")
-    return report
-
-
-def close_engines(trainer, clients: list, *, rank: int) -> None:
-    """Every train rank: leave the refit group while rank 0 closes every replica's side."""
-    _with_engines(trainer.close, clients if rank == 0 else [], lambda i, c: c.close(), "close")
-
-
-def _with_engines(local, clients: list, engine_call, what: str):
-    """``local()`` here while ``engine_call(replica, client)`` runs for every client on a
-    thread; ``local``'s error first, then the first replica's."""
-    if not clients:
-        return local()
-    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-        futures = [pool.submit(engine_call, i, c) for i, c in enumerate(clients)]
-        try:
-            out = local()
-        finally:
-            errors = [f.exception() for f in futures]
-    _raise_first(errors, what)
-    return out
-
-
-def _raise_first(errors: list, what: str) -> None:
-    for replica, exc in enumerate(errors):
-        if exc is not None:
-            raise RuntimeError(f"SGLang engine replica {replica}: {what}: {exc}") from exc

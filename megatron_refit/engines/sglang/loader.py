@@ -64,8 +64,8 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     if cfg.engine != "sglang":
         raise ValueError(f"refit.engine is {cfg.engine!r}, but this is SGLang's megatron_refit weight loader "
                          "(set engine: sglang)")
-    if not 0 <= replica < cfg.gen_dp:
-        raise ValueError(f"replica must be in [0, gen_dp={cfg.gen_dp}), got {replica}")
+    if not isinstance(replica, int) or replica < 0:  # any index: one past gen_dp joins the running trainer
+        raise ValueError(f"replica must be a non-negative int, got {replica!r}")
     if tp_rank is None:
         from sglang.srt.runtime_context import get_parallel
 
@@ -83,8 +83,8 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
 
         params = fp8_param_table(params)
     gen_index = replica * cfg.gen_tp + tp_rank
-    backend = EngineReceiver.for_model(model, params, cfg.gen_layout(), model_shape(hf_config),
-                                       gen_index=gen_index, post_load=sglang_post_load(model))
+    backend = EngineReceiver.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
+                                       gen_index=tp_rank, post_load=sglang_post_load(model))
     return engine_refit(cfg, backend, gen_index=gen_index, num_train=num_train,
                         device=next(model.parameters()).device)
 

@@ -34,6 +34,7 @@ import torch
 from megatron_refit.config import RefitConfig, check_int, refit_section
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
+from megatron_refit.engines.vllm.clients import ReplicaClients
 from megatron_refit.engines.vllm.payload import init_payload, update_payload
 from megatron_refit.refit import trainer_refit_from_pieces
 
@@ -168,6 +169,8 @@ class MegatronRefitTrainerEngine(_EngineBase):
             return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
                                              num_train=init_info.num_train, device=source.device)
 
+        if isinstance(client, ReplicaClients):
+            client.timeout_s = cfg.timeout_s  # a landing replica's calls: no longer than a refit's wait
         if init_info.is_sender:
             payload = init_payload(cfg, num_train=init_info.num_train, lora_rank=source.lora_rank,
                                    lora_alpha=source.lora_alpha)
@@ -187,6 +190,11 @@ class MegatronRefitTrainerEngine(_EngineBase):
             version = 1 if self.version is None else self.version + 1
         if not self.is_sender:
             report = self.sync.refit(version, full=full)
+        elif isinstance(self.client, ReplicaClients):  # each replica's calls in its lane, around its part
+            try:
+                report = self.sync.refit(version, full=full, hooks=self.client)
+            finally:
+                self.client.keep(self.sync.members)
         else:
             update = update_payload(version, full=self.sync.is_full(full))
             self.client.start_weight_update()
@@ -195,6 +203,19 @@ class MegatronRefitTrainerEngine(_EngineBase):
             self.client.finish_weight_update(str(version))
         self.version = version
         return report
+
+    def add_engine(self, client, *, replica: int | None = None) -> int:
+        """Train rank 0, between refits: a new vLLM engine (``client``: its
+        ``VLLMWeightSyncClient``) joins as replica ``replica`` (default: a new index; a dead
+        replica's index to restart it). Its ``init_weight_transfer_engine`` runs now, against
+        the running trainer, and the next ``send_weights`` sends it the current version in full,
+        deltas afterwards. Needs a :class:`~megatron_refit.engines.vllm.clients.ReplicaClients`
+        client; returns the replica's index."""
+        if not self.is_sender or not isinstance(self.client, ReplicaClients):
+            raise ValueError("add_engine: only train rank 0 whose client is a ReplicaClients (one client per engine "
+                             f"replica) takes in engines; this is train rank {self.rank} with a "
+                             f"{type(self.client).__name__}")
+        return self.client.add(client, replica=replica, announced=self.sync.announced)
 
     def shutdown(self) -> None:
         """Release the refit group; rank 0 also releases the engine's side (when the client

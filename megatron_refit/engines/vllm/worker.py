@@ -123,12 +123,13 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if cfg.trainer_quantize_fp8:
             params = fp8_param_table(params)
         shape = model_shape(hf_config)
+        tp_rank = self.gen_index % cfg.gen_tp  # this rank's pieces: the same in every replica
         self._mode = cfg.engine_load
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
         if self._mode == "in_place":
-            backend = EngineReceiver.for_model(self.model, params, cfg.gen_layout(), shape, gen_index=self.gen_index)
+            backend = EngineReceiver.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
         else:
-            pieces = gen_target_specs(params, cfg.gen_layout(), shape, style="vllm")[self.gen_index]
+            pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
             backend = StagedPieces(self.model, pieces, self.device, deferred=self._staged_swap)
         self._backend = backend
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
@@ -163,8 +164,6 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 raise ValueError(f"vLLM data_parallel_size={pc.data_parallel_size} shards MoE experts over every "
                                  "data-parallel rank, a layout megatron_refit does not plan for: run one engine per "
                                  "replica (data_parallel_size 1) and set init_info.replica")
-        if replica >= cfg.gen_dp:
-            raise ValueError(f"engine replica {replica} outside init_info.refit.gen_dp={cfg.gen_dp}")
         return replica * cfg.gen_tp + get_tensor_model_parallel_rank()
 
     def _check_initialised(self, what: str) -> None:

@@ -1,0 +1,82 @@
+"""``refit.engine: sglang``'s :class:`~megatron_refit.engines.base.EngineControl`: train rank 0
+drives every SGLang engine replica's control client around the train ranks' refit.
+
+Every call to one replica runs in that replica's lane
+(:class:`~megatron_refit.engines.replicas.ReplicaLanes`): per refit, its update session
+(pause, then ``update_weights_from_tensor`` with the ``refit`` message, which returns once its
+workers received) while its bytes move, and its resume (tagged with the version) once its group
+carried the refit. A replica that failed stays paused (its weights are no complete version);
+its next refit that lands resumes it. :meth:`SglangControl.add` takes in a new engine (or a
+restarted one) while the trainer runs: it gets the current version in full at the next refit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from megatron_refit.config import refit_section
+from megatron_refit.engines.replicas import ReplicaLanes
+
+
+class SglangControl(ReplicaLanes):
+    """Control of SGLang engine replicas (``clients``: an
+    :class:`~megatron_refit.engines.sglang.client.EngineClient` or
+    :class:`~megatron_refit.engines.sglang.client.HTTPClient` per replica, replica ``i`` =
+    ``clients[i]``; train rank 0 drives them, the other train ranks pass them or none).
+    ``refit``: the ``refit:`` section as a mapping (sent to every engine at connect)."""
+
+    engine = "SGLang engine"
+
+    def __init__(self, clients: Sequence, refit: dict) -> None:
+        cfg = refit_section({"engine": "sglang", **dict(refit)}, "refit")
+        super().__init__(dict(enumerate(clients)), timeout_s=cfg.timeout_s)
+        self.refit_section = dict(refit)
+        self._num_train: int | None = None
+        self._sync = None
+
+    # -- the calls of one replica ----------------------------------------------------------------
+    def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
+        return lambda client: client.refit(version, full=full)
+
+    def land_call(self, version: int) -> Callable[[Any], Any]:
+        return lambda client: client.resume(version)
+
+    def connect_call(self, replica: int) -> Callable[[Any], Any]:
+        return lambda client: client.connect(self.refit_section, num_train=self._num_train, replica=replica)
+
+    # -- EngineControl ---------------------------------------------------------------------------
+    def connect(self, join: Callable[[], Any], *, rank: int, num_train: int):
+        """Every train rank: join the refit (``join()``, returns the trainer's refit) while rank 0
+        connects every engine replica."""
+        self._num_train = num_train
+        if rank != 0:
+            return join()
+        self._sync = self.all(lambda replica, client: self.connect_call(replica)(client), "connect", local=join)
+        return self._sync
+
+    def refit(self, sync, version: int, *, rank: int, full: bool = False):
+        """Every train rank, every step: ``sync.refit(version)``; rank 0 pauses and updates each
+        replica while its bytes move and resumes each one that landed the version."""
+        if rank != 0:
+            return sync.refit(version, full=full)
+        try:
+            return sync.refit(version, full=full, hooks=self)
+        finally:
+            self.keep(sync.members)
+
+    def close(self, sync, *, rank: int) -> None:
+        """Every train rank: leave the refit while rank 0 closes every replica's side."""
+        if rank != 0:
+            sync.close()
+            return
+        self.all(lambda replica, client: client.close(), "close", local=sync.close)
+        super().close()
+
+    def add(self, client, *, replica: int | None = None) -> int:
+        """Train rank 0, between refits: engine ``client`` joins as replica ``replica`` (default:
+        a new index; a dead replica's index to restart it) and gets the current version in full
+        at the next refit; returns its index."""
+        if self._sync is None:
+            raise ValueError("SglangControl.add: only train rank 0, after connect, takes in engines")
+        return super().add(client, replica=replica, announced=self._sync.announced)
