@@ -41,7 +41,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
     cfg = hf_config("qwen3")
     built = build_model(cfg, layout, dtype=torch.bfloat16)
     built, optimizer = distributed_optimizer(built, lr=1e-2, overlap=overlap)
-    engines = [_EngineClient(), _EngineClient()] if refit.engine == "sglang" else None
+    engines = [_EngineClient()] if refit.engine == "sglang" else None  # one per replica (gen_dp 1)
     callback = RefitCallback.from_config(refit, built.bridge, engines=engines)
     manager = CallbackManager()
     manager.add(callback)
@@ -110,13 +110,13 @@ class _Writer:
     def add_scalar(self, name, value, iteration):
         self.scalars.append((name, value, iteration))
 
-def _gen(refit, versions, num_train, device="cpu"):
+def _gen(refit, versions, num_train, device="cpu", gen_index=0):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.refit import engine_refit
     from megatron_refit.engines.hf.receiver import HFReceiver
 
     backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
-    sync = engine_refit(refit, backend, gen_index=0, num_train=num_train, device=device)
+    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train, device=device)
     out = {}
     for version in versions:
         report = sync.receive(version)
@@ -154,8 +154,8 @@ def _run(tp: int, overlap: bool = False, skipped=(), every: int = 1, engine: str
             assert sum(t["steps"][step["iteration"] - 1]["sent"] for t in train) == \
                 gen["refits"][step["iteration"]]["minimal"]
     assert train[0]["skipped"] == list(skipped) and all(t["closed"] for t in train)
-    if engine == "sglang":  # train rank 0 drove both engine replicas around every refit; rank 1 none
-        assert train[1]["engine_calls"] == [[], []]
+    if engine == "sglang":  # train rank 0 drove the engine replica around every refit; rank 1 none
+        assert train[1]["engine_calls"] == [[]]
         for replica, calls in enumerate(train[0]["engine_calls"]):
             assert calls == [("connect", "sglang", 2, replica), *[c for v in versions for c in (("refit", v),
                                                                                                ("resume", v))],
@@ -238,7 +238,7 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port):
             dtypes = sorted({str(p.dtype) for chunk in context.model for p in chunk.parameters()})
             report = callbacks[0].last_report
             exports[version] = dict(weights=got if rank == 0 else None, dtypes=dtypes, sent=report.bytes_sent,
-                                    seconds=report.seconds["total"])
+                                    seconds=report.seconds["total"], replicas_ok=report.summary["refit/replicas_ok"])
 
         def on_train_start(self, context):
             self._export(context, context.state.train_state.step)
@@ -302,7 +302,48 @@ def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
     assert len(losses) == PRETRAIN_ITERATIONS and len(set(losses)) == PRETRAIN_ITERATIONS
 
 
-def _joining_gen(refit, num_train):
+def _pretrain_fleet_rank(rank, world, port, yaml_path, megatron_port):
+    import os
+
+    from megatron_refit.config import load_training_yaml
+
+    os.environ["TEST_REFIT_PORT"] = str(port)
+    if rank < 2:
+        return _pretrain_train(rank, 2, yaml_path, megatron_port)
+    refit = load_training_yaml(yaml_path)[1]
+    if rank == 2:  # replica 0: every version
+        return _gen(refit, range(PRETRAIN_ITERATIONS + 1), num_train=2)
+    if rank == 3:  # replica 1: leaves after version 1
+        return _gen(refit, [0, 1], num_train=2, gen_index=1)
+    return _joining_gen(refit, num_train=2, gen_index=2)  # replica 2: not configured, joins while it runs
+
+
+def test_callback_inside_bridge_pretrain_replicas_come_and_go(tmp_path):
+    """Bridge's pretrain() with two engine replicas configured: one closes its refit after
+    version 1 and leaves, a third starts beside the run and joins. Training runs to its end;
+    every replica holds each version it took part in bit for bit (the joiner every one from its
+    join on, the first in full); the metrics count, per version, the replicas that hold it."""
+    import os
+
+    path = os.path.join(str(tmp_path), "train.yaml")
+    with open(path, "w") as f:
+        f.write(TRAIN_YAML + "  gen_dp: 2\n  on_replica_failure: continue\n  delta: 'on'\n")
+    out = run_spawned(_pretrain_fleet_rank, 5, path, free_ports(1)[0], timeout_s=300)
+    train, stays, leaves, joins = out[:2], out[2], out[3], out[4]
+    assert train[0]["record"]["iterations"] == PRETRAIN_ITERATIONS and all(t["closed"] for t in train)
+    assert sorted(leaves["refits"]) == [0, 1] and sorted(stays["refits"]) == list(range(PRETRAIN_ITERATIONS + 1))
+    joined = sorted(joins["refits"])
+    assert joined and joined == list(range(joined[0], PRETRAIN_ITERATIONS + 1)), joined
+    assert not joins["refits"][joined[0]]["delta"] and all(joins["refits"][v]["delta"] for v in joined[1:])
+    exports = train[0]["exports"]
+    for gen in (stays, leaves, joins):
+        for version, refit in gen["refits"].items():
+            assert all(torch.equal(t, exports[version]["weights"][n]) for n, t in refit["weights"].items()), version
+    holders = [sum(v in gen["refits"] for gen in (stays, leaves, joins)) for v in range(PRETRAIN_ITERATIONS + 1)]
+    assert [exports[v]["replicas_ok"] for v in range(PRETRAIN_ITERATIONS + 1)] == holders
+
+
+def _joining_gen(refit, num_train, gen_index=1):
     """An engine replica that was not there when training started (replica 1 of a run
     configured with one): it joins the running trainer and takes each version it sends."""
     from conversion.testing.hf_configs import hf_config
@@ -311,7 +352,7 @@ def _joining_gen(refit, num_train):
     from megatron_refit.refit import engine_refit
 
     backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
-    sync = engine_refit(refit, backend, gen_index=1, num_train=num_train)
+    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
     out = {}
     while True:
         try:

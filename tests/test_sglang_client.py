@@ -122,7 +122,7 @@ class _Fleet:
 def _control(clients):
     from megatron_refit.engines.sglang.control import SglangControl
 
-    control = SglangControl(clients, {"timeout_s": 5})
+    control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients)})
     control._num_train = 2
     return control
 

@@ -250,3 +250,152 @@ def test_sglang_weight_update_path_runs_the_refit(tp, case, spawned):
                                     *SESSION]
         assert r[case]["weight_versions"] == [None] * 6  # set by resume, once the refit succeeded
         assert r[case]["closed"] == dict(connected=False, state=None, weights_version=None, error=None)
+
+
+# -- a fleet of SGLang engines driven by the trainer (SglangControl over HTTP) ---------------
+
+FLEET_ENGINES = 3
+FLEET_VERSIONS = (1, 2, 3, 4)
+"""Versions 1..4 carry Bridge's saved steps 1, 2, 1, 2."""
+
+
+def _step(version: int) -> int:
+    return 2 - version % 2
+
+
+def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir):
+    """An SGLang engine (TP1) behind ``serve_http``: publishes its URL, then answers the test's
+    requests (check its weights, fail its next refit) while its HTTP server takes the trainer's
+    control calls."""
+    sys.path.insert(0, str(BRIDGE_SHARDS.parent))
+    from bridge_shards import load, model_config
+
+    from megatron_refit.engines.sglang.loader import refit_state
+
+    from .engine_standins import scheduler_updater, serve_http
+    from .sglang_cpu import build_model, init_sglang, write_model_dir
+
+    gen = rank - NUM_TRAIN
+    model_dir = write_model_dir(model_config("qwen3"), os.path.join(workdir, f"fleet.gen{gen}"))
+    init_sglang(1, 0, sglang_ports[gen], model_dir)
+    model, reference = build_model(model_dir), build_model(model_dir)
+    with torch.no_grad():
+        for param in (*model.parameters(), *reference.parameters()):
+            param.fill_(float("nan"))
+    manager = scheduler_updater(model, model_dir)
+    url, calls, server = serve_http(manager)
+    replies[gen].put(url)
+    while True:
+        op, arg = requests[gen].get(timeout=600)
+        if op == "stop":
+            server.shutdown()
+            return dict(calls=calls, state=refit_state(model))
+        if op == "fail_next":  # the engine's storage raises while the next refit's second bucket lands
+            storage = model._megatron_refit.full.storage
+            buffer, count = storage.buffer, [0]
+
+            def failing(name, storage=storage, buffer=buffer, count=count):
+                count[0] += 1
+                if count[0] == 2:
+                    storage.buffer = buffer
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+                return buffer(name)
+
+            storage.buffer = failing
+            replies[gen].put(None)
+        elif op == "check":
+            reference.load_weights(iter(load(bridge_dir, "qwen3", arg, 0)["export"].items()))
+            mine, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+            replies[gen].put(dict(diff=sorted(p for p in mine if not torch.equal(mine[p], theirs[p])),
+                                  **refit_state(model)))
+
+
+def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdir):
+    """Train ranks under ``on_replica_failure: continue``: engines 0 and 1 start; engine 1's
+    storage raises while refit 2 lands; engine 2 joins (``SglangControl.add``) before refit 3."""
+    sys.path.insert(0, str(BRIDGE_SHARDS.parent))
+    from bridge_shards import load
+
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.engines.base import engine_control
+    from megatron_refit.engines.sglang.client import HTTPClient
+    from megatron_refit.refit import trainer_refit_from_pieces
+
+    section = dict(engine="sglang", gen_tp=1, gen_dp=2, port=port, bucket_mb=0.25, timeout_s=60,
+                   on_replica_failure="continue")
+    cfg = RefitConfig.from_dict({"enabled": True, **section})
+    clients = [HTTPClient(replies[g].get(timeout=600), tp=1, timeout=120) for g in range(FLEET_ENGINES)] \
+        if rank == 0 else []
+    control = engine_control(section, clients[:2])
+    pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
+    sync = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN),
+                           rank=rank, num_train=NUM_TRAIN)
+
+    def ask(gen, op, arg=None):
+        requests[gen].put((op, arg))
+        return replies[gen].get(timeout=600)
+
+    out = []
+    for version in FLEET_VERSIONS:
+        for piece, (_, tensor) in zip(pieces, load(bridge_dir, "qwen3", _step(version), rank)["weights"]):
+            piece.data = tensor
+        item = dict(joined=None, checks=None)
+        if rank == 0 and version == 2:
+            ask(1, "fail_next")
+        if rank == 0 and version == 3:
+            item["joined"] = control.add(clients[2])
+        report = control.refit(sync, version, rank=rank)
+        item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
+                    members=sorted(sync.members))
+        if rank == 0:
+            item["checks"] = [ask(g, "check", _step(version)) for g in range(3 if version >= 3 else 2)]
+        out.append(item)
+    control.close(sync, rank=rank)
+    if rank == 0:
+        for g in range(FLEET_ENGINES):
+            requests[g].put(("stop", None))
+    return out
+
+
+def _fleet_rank(rank, world, port, *args):
+    return (_fleet_train if rank < NUM_TRAIN else _fleet_gen)(rank, *args)
+
+
+@pytest.fixture(scope="module")
+def fleet(bridge_dir, tmp_path_factory):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    requests = [ctx.Queue() for _ in range(FLEET_ENGINES)]
+    replies = [ctx.Queue() for _ in range(FLEET_ENGINES)]
+    ports = free_ports(FLEET_ENGINES + 1)
+    return run_spawned(_fleet_rank, NUM_TRAIN + FLEET_ENGINES, requests, replies, ports[:FLEET_ENGINES],
+                       ports[-1], bridge_dir, str(tmp_path_factory.mktemp("sglang-fleet")), timeout_s=240)
+
+
+def test_sglang_fleet_engine_error_stays_on_its_replica_and_a_new_engine_joins(fleet):
+    """SglangControl over HTTP: an engine whose storage raises mid-refit fails alone (named; the
+    others land the version bit for bit and resume; it stays paused and stale until the next
+    refit brings it back); an engine started later joins through ``SglangControl.add``."""
+    train = fleet[:NUM_TRAIN]
+    for rank_items in train:
+        items = rank_items
+        assert [item["members"] for item in items] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
+        assert [sorted(item["failed"]) for item in items] == [[], [1], [], []]
+        assert "CUDA error: an illegal memory access" in items[1]["failed"][1]
+        assert [item["replicas_ok"] for item in items] == [2, 1, 3, 3]
+    items, engines = train[0], fleet[NUM_TRAIN:]
+    assert items[2]["joined"] == 2
+    for version, item in zip(FLEET_VERSIONS, items):
+        for replica, check in enumerate(item["checks"]):
+            if (version, replica) == (2, 1):  # failed: stale at version 1
+                assert check["state"] == "stale" and check["weights_version"] == 1
+                continue
+            assert check["diff"] == [], (version, replica, check["diff"][:5])
+            assert check["state"] == "ready" and check["weights_version"] == version, (version, replica)
+    resumed = [[c for c in engine["calls"] if c.startswith("version:")] for engine in engines]
+    assert resumed == [["version:1", "version:2", "version:3", "version:4"],
+                       ["version:1", "version:3", "version:4"],  # stayed paused after its failed refit 2
+                       ["version:3", "version:4"]]
+    assert all(engine["state"]["connected"] is False for engine in engines)

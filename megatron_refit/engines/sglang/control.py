@@ -30,6 +30,9 @@ class SglangControl(ReplicaLanes):
 
     def __init__(self, clients: Sequence, refit: dict) -> None:
         cfg = refit_section({"engine": "sglang", **dict(refit)}, "refit")
+        if len(clients) != cfg.gen_dp:
+            raise ValueError(f"SglangControl: {len(clients)} engine clients for refit.gen_dp={cfg.gen_dp} replicas: "
+                             "pass one client per starting replica (engines that start later join through add)")
         super().__init__(dict(enumerate(clients)), timeout_s=cfg.timeout_s)
         self.refit_section = dict(refit)
         self._num_train: int | None = None

@@ -170,6 +170,10 @@ class MegatronRefitTrainerEngine(_EngineBase):
                                              num_train=init_info.num_train, device=source.device)
 
         if isinstance(client, ReplicaClients):
+            if init_info.is_sender and len(client.replicas) != cfg.gen_dp:
+                raise ValueError(f"ReplicaClients over {len(client.replicas)} engines for refit.gen_dp={cfg.gen_dp} "
+                                 "replicas: pass one client per starting replica (engines that start later join "
+                                 "through add_engine)")
             client.timeout_s = cfg.timeout_s  # a landing replica's calls: no longer than a refit's wait
         if init_info.is_sender:
             payload = init_payload(cfg, num_train=init_info.num_train, lora_rank=source.lora_rank,
