@@ -271,6 +271,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
     from bridge_shards import load, model_config
 
     from megatron_refit.engines.sglang.loader import refit_state
+    from megatron_refit.tools.faults import fail_next_refit
 
     from .engine_standins import scheduler_updater, serve_http
     from .sglang_cpu import build_model, init_sglang, write_model_dir
@@ -290,18 +291,8 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
         if op == "stop":
             server.shutdown()
             return dict(calls=calls, state=refit_state(model))
-        if op == "fail_next":  # the engine's storage raises while the next refit's second bucket lands
-            storage = model._megatron_refit.full.storage
-            buffer, count = storage.buffer, [0]
-
-            def failing(name, storage=storage, buffer=buffer, count=count):
-                count[0] += 1
-                if count[0] == 2:
-                    storage.buffer = buffer
-                    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-                return buffer(name)
-
-            storage.buffer = failing
+        if op == "fail_next":  # the engine's storage raises while the next refit lands
+            fail_next_refit(model._megatron_refit.full.storage)
             replies[gen].put(None)
         elif op == "check":
             reference.load_weights(iter(load(bridge_dir, "qwen3", arg, 0)["export"].items()))

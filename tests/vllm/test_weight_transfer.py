@@ -176,17 +176,9 @@ class _Engine:
 
     def fail_next(self) -> None:
         """The engine's storage raises while the next refit's second bucket lands (once)."""
-        storage = self.worker.weight_transfer_engine.sync.full.storage
-        buffer, calls = storage.buffer, [0]
+        from megatron_refit.tools.faults import fail_next_refit
 
-        def failing(name):
-            calls[0] += 1
-            if calls[0] == 2:
-                storage.buffer = buffer
-                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-            return buffer(name)
-
-        storage.buffer = failing
+        fail_next_refit(self.worker.weight_transfer_engine.sync.full.storage)
 
     def reallocate(self, shrink: str | None = None) -> None:
         """What a reload or a wake-up does to the engine: fresh storage for every parameter
