@@ -264,7 +264,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=KILL_TIMEOUT_S, delta="on", on_replica_failure="continue")
-    dies = scenario in ("kill", "rejoin")
+    dies = scenario in ("kill", "rejoin", "stall")
     out = []
     if rank < NUM_TRAIN:
         pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
@@ -306,6 +306,8 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
         def dying(name):
             calls[0] += len(out) == 1  # refit 2's calls
             if calls[0] == 2:
+                if scenario == "stall":  # alive but silent past refit.timeout_s, then gone
+                    time.sleep(KILL_TIMEOUT_S * 1.5)
                 os._exit(17)
             return buffer(name)
 
@@ -328,7 +330,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
 def _members(scenario, layout, tmp_path):
     tp, dp = LAYOUTS[layout]
     standby = tp if scenario in ("join", "rejoin") else 0
-    dead = frozenset({NUM_TRAIN + FAILED_REPLICA * tp}) if scenario in ("kill", "rejoin") else frozenset()
+    dead = frozenset({NUM_TRAIN + FAILED_REPLICA * tp}) if scenario in ("kill", "rejoin", "stall") else frozenset()
     out = run_spawned(_member_rank, NUM_TRAIN + tp * dp + standby, scenario, tp, dp, str(tmp_path / "flag"),
                       timeout_s=240, may_die=dead)
     return tp, dp, out[:NUM_TRAIN], out[NUM_TRAIN:NUM_TRAIN + tp * dp], out[NUM_TRAIN + tp * dp:]
@@ -354,6 +356,25 @@ def test_fleet_killed_replica_is_dropped_and_the_others_land_every_version(layou
         assert [o["members"] for o in outcome] == [list(range(dp))] + [survivors] * 3
         assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp - 1, dp - 1, dp - 1]
         assert outcome[2]["failed"] == outcome[3]["failed"] == {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fleet_stalled_replica_is_dropped_after_its_timeout_and_the_others_land_every_version(layout, tmp_path):
+    """A replica that goes silent mid-refit (alive, its sockets open) costs the train ranks one
+    refit.timeout_s, once; the others land that refit in the usual time and wait, idle, for the
+    next one (a wait that is the trainer's, not a refit's: it does not time them out)."""
+    tp, dp, train, gen, _ = _members("stall", layout, tmp_path)
+    for g, outcome in enumerate(gen):
+        if g // tp != FAILED_REPLICA:
+            assert [r["version"] for r in outcome] == [1, 2, 3, 4], outcome
+            assert all(r["ok"] and r["exact"] for r in outcome), outcome
+            assert outcome[1]["seconds"] < KILL_TIMEOUT_S / 2, outcome[1]  # refit 2 landed in the usual time
+    for outcome in train:
+        assert list(outcome[1]["failed"]) == [FAILED_REPLICA] and "timed out" in outcome[1]["failed"][FAILED_REPLICA]
+        assert outcome[1]["seconds"] < KILL_TIMEOUT_S * 1.5, outcome[1]  # one timeout, not one per bucket
+        survivors = [r for r in range(dp) if r != FAILED_REPLICA]
+        assert [o["members"] for o in outcome] == [list(range(dp))] + [survivors] * 3
+        assert outcome[2]["failed"] == outcome[3]["failed"] == {} and outcome[3]["seconds"] < KILL_TIMEOUT_S / 2
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -35,6 +35,11 @@ DELTA_TAG = 1 << 29
 """Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
 
 
+IDLE_TIMEOUTS = 3
+"""An engine rank waits this many ``timeout_s`` for the train ranks to begin its group's next
+refit (the time between refits is the trainer's; a replica that stalled in the last refit holds
+the train ranks up to one ``timeout_s`` more)."""
+
 ANY_VERSION = -2
 """What an engine rank shows in the handshake when it takes whatever version the train ranks send."""
 
@@ -229,6 +234,10 @@ class Endpoint:
         if self.plan is None:
             raise RuntimeError("call prepare() before the first refit")
         self._begin(f"refit {version if version is not None else 'next'}")
+        if self.role == "gen":  # idle until the train ranks begin it: their time, not a refit's
+            self.group.await_refit(IDLE_TIMEOUTS * self.group.timeout_s)
+        elif self.group.rank == 0:
+            self.group.open_refit()
         error: BaseException | None = None
         try:
             self._check_version(version)

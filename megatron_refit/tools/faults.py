@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-ENGINE_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
 
-
-def fail_next_refit(storage, message: str = ENGINE_ERROR, *, at_call: int = 2) -> None:
-    """``storage.buffer`` raises ``RuntimeError(message)`` on its ``at_call``-th call from now
-    (the next refit's bytes have started landing by then), once; then it is the storage's own."""
+def fail_next_refit(storage, *, at_call: int = 2) -> None:
+    """``storage.buffer`` raises an engine error (a ``RuntimeError``) on its ``at_call``-th call
+    from now (the next refit's bytes have started landing by then), once; then it is the
+    storage's own again."""
     buffer, calls = storage.buffer, [0]
 
     def failing(name):
         calls[0] += 1
         if calls[0] == at_call:
             storage.buffer = buffer
-            raise RuntimeError(message)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         return buffer(name)
 
     storage.buffer = failing

@@ -77,6 +77,14 @@ class Transport(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no shared staging buffers")
 
     # -- control ------------------------------------------------------------------------------
+    def open_refit(self) -> None:  # noqa: B027 -- optional: a transport without a store
+        """Rank 0: this group's next refit begins (see :meth:`await_refit`; both count refits)."""
+
+    def await_refit(self, timeout_s: float) -> None:  # noqa: B027 -- optional, as above
+        """An engine rank between refits: until rank 0 opened the group's next refit, up to
+        ``timeout_s`` (longer than a refit's own waits: the time between refits is the
+        trainer's, e.g. a training step, plus another replica's refit that timed out)."""
+
     @abstractmethod
     def send_small(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending: ...
 

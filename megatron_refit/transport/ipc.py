@@ -133,6 +133,12 @@ class IpcGroup(Transport):
     def all_gather_object(self, obj, call: str = "message") -> list:
         return self.group.all_gather_object(obj, call)
 
+    def open_refit(self) -> None:
+        self.group.open_refit()
+
+    def await_refit(self, timeout_s: float) -> None:
+        self.group.await_refit(timeout_s)
+
     def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
         return self.group.all_gather_unique(obj, call, digests=digests)
 

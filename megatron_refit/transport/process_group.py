@@ -29,6 +29,10 @@ from megatron_refit.transport import wire
 from megatron_refit.transport.base import Pending, Transport
 from megatron_refit.transport.rendezvous import join, open_store
 
+REFITS, NEXT_REFIT = "megatron_refit/refits", "megatron_refit/next_refit"
+"""Store keys: the number of refits rank 0 began on the group, and ``NEXT_REFIT/<n>``, set
+when refit ``n`` begins (engine ranks between refits wait for it)."""
+
 MAGIC = 0x52_46_49_54_0003
 """First word of every control header: "RFIT" and the protocol version."""
 
@@ -130,6 +134,37 @@ class RefitGroup(Transport):
         """The rendezvous store (hosted by rank 0; None once closed): others may leave small
         notes in it, as engine replicas announce joins and leaves to the train ranks' group."""
         return self._store
+
+    refits = 0
+    """The refits begun on this group as this rank last saw them (:meth:`open_refit`,
+    :meth:`await_refit`)."""
+
+    def open_refit(self) -> None:
+        store = self._store
+        if store is None:
+            return
+        self.refits = count = store.add(REFITS, 1)
+        store.set(f"{NEXT_REFIT}/{count}", "1")
+        if count > 1:  # the engine ranks waiting for it have read the count past it already
+            store.delete_key(f"{NEXT_REFIT}/{count - 1}")
+
+    def await_refit(self, timeout_s: float) -> None:
+        store = self._store
+        if store is None:
+            return
+        try:
+            begun = store.add(REFITS, 0)
+            if begun <= self.refits:  # none begun since this rank's last: wait for the next
+                store.wait([f"{NEXT_REFIT}/{self.refits + 1}"], datetime.timedelta(seconds=timeout_s))
+                begun = self.refits + 1
+        except RuntimeError as exc:
+            msg = _first_line(exc)
+            if "timeout" in msg.lower() or "timed out" in msg.lower():
+                raise RefitTimeoutError(f"refit rank {self.rank}: the train ranks began no refit within "
+                                        f"{timeout_s:g} s (waiting for this group's refit {self.refits + 1})") from exc
+            raise RefitTransportError(f"refit rank {self.rank}: the train ranks' store is gone while waiting for "
+                                      f"this group's refit {self.refits + 1} (train rank 0 exited): {msg}") from exc
+        self.refits = begun  # a refit this rank missed (it was elsewhere) is not waited for again
 
     def isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Pending:
         what = f"send to rank {peer}"
