@@ -24,6 +24,12 @@ def _inputs(tokens: torch.Tensor):
     return position_ids, mask
 
 
+def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """The label of every position: the token after it (the last position's label, its own
+    first token, is left out of the loss)."""
+    return torch.roll(tokens, -1, dims=1)
+
+
 def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
     """This stage's forward. Returns ``(output, stage_input)``; activations travel
     between stages over the PP group (Megatron's own schedules assume CUDA)."""
@@ -43,7 +49,7 @@ def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
 
     get_attr_wrapped_model(model, "set_input_tensor")(stage_input)  # through a DDP wrapper too
     with cpu_forward():
-        output = model(tokens, position_ids, mask, labels=tokens if labels else None)
+        output = model(tokens, position_ids, mask, labels=next_tokens(tokens) if labels else None)
     if not ps.is_pipeline_last_stage():
         torch.distributed.send(output.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
     return output, stage_input
@@ -82,7 +88,8 @@ def _step(built: BuiltModel, optimizer, tokens: torch.Tensor, loss_fn, *, megatr
     loss = None
     with cpu_forward():
         if ps.is_pipeline_last_stage():
-            loss = output.float().mean() if loss_fn is None else loss_fn(_full_logits(built, output))
+            # Megatron's per-token loss [batch, seq]; the last position has no next token
+            loss = output[:, :-1].float().mean() if loss_fn is None else loss_fn(_full_logits(built, output))
             loss.backward()
         else:
             grad = torch.empty_like(output)
