@@ -162,3 +162,50 @@ def test_weight_transfer_source_from_a_bridge_model_holds_its_local_shards_and_l
     assert out["plain_lora"] == (0, 0)
     rank, alpha, adapters = out["lora"]
     assert (rank, alpha) == (4, 8) and adapters > 0 and out["device"] == "cpu"
+
+
+class _RefusingClient:
+    """An engine that answers ``init_weight_transfer_engine`` with an error at once (as a vLLM
+    server answers 500 for a refit section that does not fit it)."""
+
+    def init_weight_transfer_engine(self, init_info):
+        raise RuntimeError("vLLM server http://engine:8000: POST /init_weight_transfer_engine answered 500: "
+                           "init_info.refit.gen_tp=2, but this vLLM engine runs tensor_parallel_size=1")
+
+
+def _refused_rank(rank, world, port):
+    import time
+
+    import torch
+
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.engines.vllm.trainer import (
+        LocalShardSource,
+        MegatronRefitTrainerEngine,
+        MegatronRefitTrainerInitInfo,
+    )
+    from megatron_refit.plan.spec import ShardSpec
+
+    piece = TensorPiece(ShardSpec(name="w", global_shape=(4,), dtype="float32", box=((0, 4),)), torch.zeros(4))
+    info = MegatronRefitTrainerInitInfo(refit={"engine": "vllm", "gen_tp": 2, "port": port, "timeout_s": 60},
+                                        num_train=world, rank=rank)
+    start = time.monotonic()
+    try:
+        MegatronRefitTrainerEngine.trainer_init(info, client=_RefusingClient() if rank == 0 else None,
+                                                source=LocalShardSource([piece]))
+        error = None
+    except Exception as exc:  # noqa: BLE001 -- the test reads what each rank raised
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(error=error, seconds=time.monotonic() - start)
+
+
+def test_weight_transfer_an_engine_refusing_init_reaches_every_train_rank_in_seconds():
+    """The engine's error reaches every train rank within seconds, not after refit.timeout_s
+    (60 s here): train rank 0 raises the engine's own error, the others name it."""
+    from megatron_refit.tools.launch import run_spawned
+
+    out = run_spawned(_refused_rank, 2, timeout_s=120)
+    assert all(r["seconds"] < 15 for r in out), out
+    assert "answered 500: init_info.refit.gen_tp=2" in out[0]["error"], out[0]
+    assert out[1]["error"].startswith("RefitTransportError: refit: the engines did not start: the vLLM engine's "
+                                      "init_weight_transfer_engine failed: RuntimeError: vLLM server"), out[1]

@@ -39,6 +39,8 @@ from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 logger = logging.getLogger(__name__)
 
 JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
+ABORT = "megatron_refit/fleet/abort"
+"""Store key: why the starting engines will not join (:func:`abort_start`)."""
 """Store keys of the announcements: ``replica:incarnation,`` entries, appended. An incarnation
 (a random id per ``engine_refit``) tells a restarted replica from the one it replaces: a leave
 counts only for the incarnation that is a member."""
@@ -75,6 +77,37 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
             raise RefitTransportError(f"engine replica {replica}: could not reach the train ranks' store at "
                                       f"{cfg.host}:{cfg.port} to join within {wait:g} s: {exc}") from exc
         logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
+
+
+def abort_start(cfg: RefitConfig, reason: str) -> None:
+    """Train rank 0's control calls found that an engine will not join (its connect call
+    failed): the train ranks stop waiting for the starting replicas now, each raising
+    ``reason``, instead of after ``refit.timeout_s``. Best effort (the store may not be up yet:
+    then the wait still ends at its timeout)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=min(cfg.timeout_s, 5.0)))
+        store.set(ABORT, reason[:2000])
+    except RuntimeError as exc:
+        logger.warning("refit: could not tell the train ranks that an engine will not join: %s", exc)
+
+
+def _wait_for_starting(store, cfg: RefitConfig) -> dict:
+    """Train rank 0: the starting replicas' incarnations, or ``{"error": why}`` (one did not
+    join within ``refit.timeout_s``, or :func:`abort_start` said it will not)."""
+    keys = [f"{JOINS}/{r}" for r in range(cfg.gen_dp)]
+    deadline = time.monotonic() + cfg.timeout_s
+    while not store.check(keys):
+        if store.check([ABORT]):
+            return {"error": store.get(ABORT).decode(errors="replace")}
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            return {"error": f"engine replica(s) {missing} of refit.gen_dp={cfg.gen_dp} did not join within "
+                             f"refit.timeout_s={cfg.timeout_s:g} s (started? reaching {cfg.host}:{cfg.port}?)"}
+        time.sleep(0.05)
+    return {r: store.get(key).decode() for r, key in enumerate(keys)}
 
 
 class ReplicaHooks(Protocol):
@@ -124,10 +157,11 @@ class TrainerFleet:
         """Train rank 0: each member's incarnation (a leave of another one is stale)."""
         starting = None
         if self._announcements is not None:  # the replicas a job starts with: every train rank waits for them
-            keys = [f"{JOINS}/{r}" for r in range(cfg.gen_dp)]
-            control.store.wait(keys, datetime.timedelta(seconds=cfg.timeout_s))
-            starting = {r: control.store.get(key).decode() for r, key in enumerate(keys)}
+            starting = _wait_for_starting(control.store, cfg)
         starting = control.all_gather_object(starting, "fleet")[0]
+        if "error" in starting:
+            control.close()
+            raise RefitTransportError(f"refit: the engines did not start: {starting['error']}")
         for replica, incarnation in sorted(starting.items()):
             self.members[replica] = self._join(replica, incarnation)
         self._pending: list[tuple[int, str]] = []

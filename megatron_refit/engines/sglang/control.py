@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_refit.config import refit_section
+from megatron_refit.endpoint.fleet import abort_start
 from megatron_refit.engines.replicas import ReplicaLanes
 
 
@@ -34,6 +35,7 @@ class SglangControl(ReplicaLanes):
             raise ValueError(f"SglangControl: {len(clients)} engine clients for refit.gen_dp={cfg.gen_dp} replicas: "
                              "pass one client per starting replica (engines that start later join through add)")
         super().__init__(dict(enumerate(clients)), timeout_s=cfg.timeout_s)
+        self.cfg = cfg
         self.refit_section = dict(refit)
         self._num_train: int | None = None
         self._sync = None
@@ -55,7 +57,14 @@ class SglangControl(ReplicaLanes):
         self._num_train = num_train
         if rank != 0:
             return join()
-        self._sync = self.all(lambda replica, client: self.connect_call(replica)(client), "connect", local=join)
+        def connect_engine(replica, client):
+            try:
+                self.connect_call(replica)(client)
+            except Exception as exc:  # every train rank stops waiting for the engines now
+                abort_start(self.cfg, f"SGLang engine replica {replica}'s connect failed: {type(exc).__name__}: {exc}")
+                raise
+
+        self._sync = self.all(connect_engine, "connect", local=join)
         return self._sync
 
     def refit(self, sync, version: int, *, rank: int, full: bool = False):

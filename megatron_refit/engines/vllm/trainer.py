@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron_refit.config import RefitConfig, check_int, refit_section
+from megatron_refit.endpoint.fleet import abort_start
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
 from megatron_refit.engines.vllm.clients import ReplicaClients
@@ -178,7 +179,16 @@ class MegatronRefitTrainerEngine(_EngineBase):
         if init_info.is_sender:
             payload = init_payload(cfg, num_train=init_info.num_train, lora_rank=source.lora_rank,
                                    lora_alpha=source.lora_alpha)
-            sync = _concurrently(lambda: client.init_weight_transfer_engine(payload), connect, cfg.timeout_s)
+
+            def init_engines():
+                try:
+                    client.init_weight_transfer_engine(payload)
+                except Exception as exc:  # every train rank stops waiting for the engines now
+                    abort_start(cfg, f"the vLLM engine's init_weight_transfer_engine failed: "
+                                     f"{type(exc).__name__}: {exc}")
+                    raise
+
+            sync = _concurrently(init_engines, connect, cfg.timeout_s)
         else:
             sync = connect()
         return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, sync=sync,
