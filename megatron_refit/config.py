@@ -25,7 +25,7 @@ RENAMED = {"backend": "engine"}
 """Keys of earlier releases: refused, naming the key that replaced them."""
 LORA_SYNC = ("auto", "adapters", "merged", "full")
 VERIFY = ("off", "sampled", "full")
-ENGINE_LOAD = ("in_place", "load_weights")
+ENGINE_LOAD = ("auto", "in_place", "load_weights")
 DELTA = ("off", "on", "auto")
 SWAP = ("in_place", "staged")
 ON_REPLICA_FAILURE = ("raise", "continue")
@@ -78,13 +78,17 @@ class RefitConfig:
     engine's receiver merges them into its weights. ``full``: base weights and adapters
     every refit. ``auto``: ``adapters``. ``merged`` (trainer-side merge, for engines that
     cannot merge) is not implemented and is refused when adapters are present."""
-    engine_load: str = "in_place"
+    engine_load: str = "auto"
     """How the engine writes what it receives (vLLM: the ``megatron_refit`` weight-transfer backend).
     ``in_place``: straight into the engine's own parameters, then the engine's post-load step
     re-runs on them (no extra memory; needs parameters that keep the checkpoint's shape and
     dtype after post-load, which is checked). ``load_weights``: into staging buffers, then
     through vLLM's weight loaders and layerwise reload, as vLLM's own backends do (one more
-    copy of this rank's share; for engines that re-pack weights into another shape)."""
+    copy of this rank's share; for engines that re-pack weights into another shape).
+    ``auto``: the engine decides when it connects: ``in_place`` where its live parameters
+    hold the checkpoint layout, ``load_weights`` otherwise (vLLM on CPU re-packs its linear
+    weights) and under ``swap: staged``; an engine with one mode uses it. The engine logs
+    its choice once and reports it (``engine_load`` of its refit reports)."""
     every_n_steps: int = 1
     """Refit after every n-th optimizer step (``RefitCallback`` in Bridge's training loop:
     iterations whose step is a multiple of n; a skipped iteration never refits)."""

@@ -61,6 +61,12 @@ class RefitCorruptionError(ValueError):
     delivered to the wrong place or version. Names the parameters."""
 
 
+class RepackedParameterError(ValueError):
+    """Engine side, ``engine_load: in_place``: an engine parameter is not in the checkpoint
+    layout (a post-load step re-packed it), so a refit cannot write it in place; the engine
+    loads through its own loaders instead (``engine_load: load_weights``, or ``auto``)."""
+
+
 class StaleWeightsError(RuntimeError):
     """The engine's weights are not those of a complete refit."""
 

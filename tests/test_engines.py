@@ -97,3 +97,17 @@ def test_a_toy_engine_config_is_checked_by_its_own_rules():
     assert RefitConfig(engine="toy").gen_style == "full"
     with pytest.raises(ValueError, match="refit.engine 'toy' holds whole tensors and needs gen_tp 1, got 2"):
         RefitConfig(engine="toy", gen_tp=2)
+
+
+def test_engine_load_auto_is_the_default_and_resolves_per_engine():
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.engines.registry import resolved_load
+
+    assert RefitConfig().engine_load == "auto"
+    assert RefitConfig(engine="vllm", swap="staged").engine_load == "auto"  # a staged swap takes auto
+    assert resolved_load(engine_named("vllm"), "auto", "staged") == "load_weights"
+    assert resolved_load(engine_named("vllm"), "auto", "in_place") is None  # the engine decides from its parameters
+    assert resolved_load(engine_named("sglang"), "auto", "in_place") == "in_place"  # its only mode
+    assert resolved_load(engine_named("vllm"), "in_place", "in_place") == "in_place"
+    with pytest.raises(ValueError, match="needs engine_load 'load_weights'"):
+        RefitConfig(engine="vllm", swap="staged", engine_load="in_place")

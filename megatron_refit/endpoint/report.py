@@ -39,6 +39,9 @@ class RefitReport:
     """The whole refit group's metrics (:func:`summarize`): the same flat dict on every rank."""
     failed_ranks: dict = field(default_factory=dict)
     """Refit ranks of this group that could not apply this refit, with their own errors."""
+    engine_load: str | None = None
+    """Engine side: how the engine wrote this refit (``in_place`` / ``load_weights``: what
+    ``refit.engine_load: auto`` chose), where the engine says."""
     failed_replicas: dict = field(default_factory=dict)
     """Engine replicas (index: ``gen rank // gen_tp``) that could not apply this refit, with
     why (their ranks' own errors, ``"refit rank N: <error>"``); the same on every rank. Those

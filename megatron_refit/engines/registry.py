@@ -55,15 +55,26 @@ class Engine:
         """``ValueError`` naming the first ``refit:`` value this engine does not offer."""
         if self.layout == "full" and gen_tp != 1:
             raise ValueError(f"refit.engine {self.name!r} holds whole tensors and needs gen_tp 1, got {gen_tp}")
-        if engine_load not in self.engine_loads:
+        if engine_load != "auto" and engine_load not in self.engine_loads:
             raise ValueError(f"refit.engine {self.name!r} {self.writes}; engine_load must be "
                              f"{_one_of(self.engine_loads)}, got {engine_load!r}")
         if swap not in self.swaps:
             raise ValueError(f"refit.swap {swap!r} is not offered for engine {self.name!r} ({self.writes}); "
                              f"use swap: {_one_of(self.swaps)}")
-        if swap == "staged" and self.staged_needs is not None and engine_load != self.staged_needs:
+        if swap == "staged" and self.staged_needs is not None and engine_load not in ("auto", self.staged_needs):
             raise ValueError(f"refit.swap 'staged' with engine {self.name!r} needs engine_load {self.staged_needs!r} "
                              f"(the engine loads its staging buffers under a pause), got {engine_load!r}")
+
+
+def resolved_load(engine: Engine, engine_load: str, swap: str) -> str | None:
+    """What ``engine_load`` means for ``engine`` before its live parameters are seen: the mode
+    itself, or for ``auto`` the mode a staged swap needs, the engine's only mode, or ``None``
+    (the engine decides from its parameters)."""
+    if engine_load != "auto":
+        return engine_load
+    if swap == "staged" and engine.staged_needs is not None:
+        return engine.staged_needs
+    return engine.engine_loads[0] if len(engine.engine_loads) == 1 else None
 
 
 def _one_of(values: tuple[str, ...]) -> str:

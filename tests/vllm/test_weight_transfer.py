@@ -49,7 +49,7 @@ TP2_CASES = [("qwen3-moe", "qwen3-moe", "in_place"), ("qwen3", "qwen3", "in_plac
              ("deepseek-v3", "deepseek-v3", "in_place"), ("qwen3-kv1", "qwen3-kv1", "in_place"),
              ("nemotron-h", "nemotron-h", "in_place"), ("nemotron-h-load", "nemotron-h", "load_weights"),
              ("realloc", "qwen3", "in_place")]
-TP1_CASES = [("qwen3", "qwen3", "in_place"), ("fleet", "qwen3", "in_place")]
+TP1_CASES = [("qwen3", "qwen3", "in_place"), ("fleet", "qwen3", "in_place"), ("qwen3-auto", "qwen3", "auto")]
 """At gen TP1 the engines are independent (``ReplicaClients``): ``qwen3`` refits two of them;
 ``fleet`` starts with two, fails one's engine mid-refit 2 and takes in the third at refit 3."""
 TP1_ENGINES = 3
@@ -477,6 +477,14 @@ def test_weight_transfer_reallocated_engine_is_re_resolved_or_refused(spawned):
 @pytest.mark.slow
 def test_weight_transfer_refits_independent_engines_at_gen_tp1(spawned):
     _check_case(spawned(1, TP1_ENGINES, TP1_CASES), "qwen3", 2)
+
+
+@pytest.mark.slow
+def test_weight_transfer_engine_load_auto_writes_in_place_where_the_parameters_hold_the_checkpoint_layout(spawned):
+    out = spawned(1, TP1_ENGINES, TP1_CASES)
+    _check_case(out, "qwen3-auto", 2)
+    checks = [c for item in out[0]["qwen3-auto"] for c in item["checks"]]
+    assert {c["report"]["engine_load"] for c in checks} == {"in_place"}  # what auto chose, reported
 
 
 @pytest.mark.slow

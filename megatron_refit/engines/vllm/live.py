@@ -17,6 +17,7 @@ import torch
 
 from megatron_refit import families
 from megatron_refit.engines.vllm.layout import VllmLayoutReceiver, fused_layout
+from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
 
@@ -71,10 +72,10 @@ class EngineReceiver(VllmLayoutReceiver):
             if str(have.dtype).removeprefix("torch.") != dtype:
                 raise ValueError(f"engine parameter {name} is {have.dtype} {when}, the trainer sends {dtype}")
             if tuple(have.shape) != tuple(shape):
-                raise ValueError(
+                raise RepackedParameterError(
                     f"engine parameter {name} has shape {tuple(have.shape)} {when}, the checkpoint layout needs "
                     f"{tuple(shape)}: the engine holds it in another format (e.g. repacked by a post-load step), "
-                    "which a refit cannot write in place"
+                    "which a refit cannot write in place: use refit.engine_load: load_weights (or auto)"
                 )
         return storage
 

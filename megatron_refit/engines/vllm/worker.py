@@ -29,10 +29,12 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from megatron_refit import families
 from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.engines.registry import engine_named, resolved_load
 from megatron_refit.engines.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.vllm.live import EngineReceiver
+from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
@@ -124,13 +126,23 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             params = fp8_param_table(params)
         shape = model_shape(hf_config)
         tp_rank = self.gen_index % cfg.gen_tp  # this rank's pieces: the same in every replica
-        self._mode = cfg.engine_load
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
-        if self._mode == "in_place":
-            backend = EngineReceiver.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
-        else:
+        mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
+        backend, why = None, ""
+        if mode in (None, "in_place"):
+            try:
+                backend = EngineReceiver.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
+                mode = "in_place"
+            except RepackedParameterError as exc:
+                if mode == "in_place":  # asked for: refused by name, before any byte moves
+                    raise
+                mode, why = "load_weights", f" ({exc})"
+        if mode == "load_weights":
             pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
             backend = StagedPieces(self.model, pieces, self.device, deferred=self._staged_swap)
+        if cfg.engine_load == "auto":
+            logger.info("megatron_refit: engine_load auto: %s%s", mode, why)
+        self._mode = mode
         self._backend = backend
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.sync = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
@@ -195,6 +207,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update")
         try:
             self.last_report = self.sync.receive(update_info.version, full=update_info.full)
+            self.last_report.engine_load = self._mode
         except BaseException:
             if not self._staged_swap:  # staged: only the staging was written, the model serves on
                 self.state = "stale"
