@@ -39,11 +39,11 @@ from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 logger = logging.getLogger(__name__)
 
 JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
-ABORT = "megatron_refit/fleet/abort"
-"""Store key: why the starting engines will not join (:func:`abort_start`)."""
 """Store keys of the announcements: ``replica:incarnation,`` entries, appended. An incarnation
 (a random id per ``engine_refit``) tells a restarted replica from the one it replaces: a leave
 counts only for the incarnation that is a member."""
+ABORT = "megatron_refit/fleet/abort"
+"""Store key: why the starting engines will not join (:func:`abort_start`)."""
 
 
 def namespace(replica: int, incarnation: str) -> str:
