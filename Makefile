@@ -7,7 +7,7 @@ SGLANG_VENV ?= .venv-sglang
 # SKIP_SGLANG=1 skips the SGLang-engine tests (they need a 6 GB venv of their own).
 SKIP_SGLANG ?= 0
 
-.PHONY: setup setup-vllm setup-sglang setup-slurm test test-main test-vllm test-sglang demo docs lint clean
+.PHONY: setup setup-vllm setup-sglang setup-slurm test test-main test-vllm test-sglang demo docs lint clean gpu-check
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
@@ -44,6 +44,10 @@ lint: setup
 
 demo: setup
 	$(PY) -m megatron_refit.demo
+
+# Every GPU check (scripts/gpu_checks.py), on a machine with one NVIDIA GPU; refuses (exit 2) without one.
+gpu-check: setup
+	$(PY) scripts/gpu_checks.py
 
 # Regenerate docs/configuration.md from RefitConfig's field docstrings (tests/test_docs.py checks it).
 docs: setup

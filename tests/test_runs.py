@@ -163,3 +163,46 @@ def test_run_moves_bit_exact_whatever_each_side_memory(sender_fused, receiver_fu
     for gen in out[2:]:
         assert gen["exact"]
         assert gen["routes"][receiver_route] == len(items)
+
+
+def test_gpu_checks_refuse_without_a_gpu_in_one_line_and_exit_2():
+    """``make gpu-check`` (scripts/gpu_checks.py) on a machine without a GPU: one line, exit 2,
+    nothing run, nothing written; a check it does not know is refused by argparse."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: make gpu-check would run")
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "scripts" / "gpu_checks.py")]
+    run = subprocess.run(script, capture_output=True, text=True, timeout=120, cwd=root)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [
+        "error: make gpu-check needs an NVIDIA GPU, and torch sees none here (torch.cuda.is_available() is False); "
+        "the CPU suite is make test"]
+    bad = subprocess.run([*script, "--only", "fp9"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "invalid choice: 'fp9'" in bad.stderr
+
+
+def test_gpu_checks_table_and_verdicts():
+    """The one table ``make gpu-check`` prints, and when the checks without an ``ok`` of their
+    own pass (what a GPU run records: tested here on recorded-shape results)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_checks.py"
+    spec = importlib.util.spec_from_file_location("gpu_checks", path)
+    gpu_checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_checks)
+    assert gpu_checks.VERDICTS["fp8"](dict(bit_exact=True)) and not gpu_checks.VERDICTS["fp8"](dict(bit_exact=False))
+    assert not gpu_checks.VERDICTS["colocated"]({"a": dict(ok=True), "b": dict(ok=False, error="x")})
+    assert gpu_checks.VERDICTS["nccl_one_gpu"](dict(accepted=False, error="refused"))
+    text = gpu_checks.table([dict(check="fp8", seconds=3.2, result=dict(ok=True)),
+                             dict(check="vllm", seconds=0.0, result=dict(ok=None, skipped="no .venv-vllm")),
+                             dict(check="colocated", seconds=9.0, result=dict(ok=False, error="Traceback\nBoom"))])
+    assert text.splitlines()[1:] == ["fp8                ok            3.2  ",
+                                     "vllm               skipped       0.0  no .venv-vllm",
+                                     "colocated          FAILED        9.0  Boom"]
