@@ -208,7 +208,7 @@ refit:
 PRETRAIN_ITERATIONS = 3
 
 
-def _pretrain_train(rank, num_train, yaml_path, megatron_port):
+def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int = 0):
     import os
 
     from conversion.testing.hf_configs import hf_config
@@ -242,6 +242,14 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port):
 
         def on_train_start(self, context):
             self._export(context, context.state.train_state.step)
+            if wait_joins and rank == 0:  # the test's joiner has announced itself: the next refit takes it in
+                import time
+
+                from megatron_refit.endpoint.fleet import JOINS
+
+                store, deadline = callbacks[0].sync.control.store, time.monotonic() + 200
+                while store.get(JOINS).decode().count(",") < wait_joins and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
         def on_train_step_end(self, context):
             self._export(context, context.state.train_state.step + 1)
@@ -309,7 +317,7 @@ def _pretrain_fleet_rank(rank, world, port, yaml_path, megatron_port):
 
     os.environ["TEST_REFIT_PORT"] = str(port)
     if rank < 2:
-        return _pretrain_train(rank, 2, yaml_path, megatron_port)
+        return _pretrain_train(rank, 2, yaml_path, megatron_port, wait_joins=3)  # both configured, and the joiner
     refit = load_training_yaml(yaml_path)[1]
     if rank == 2:  # replica 0: every version
         return _gen(refit, range(PRETRAIN_ITERATIONS + 1), num_train=2)
@@ -327,7 +335,10 @@ def test_callback_inside_bridge_pretrain_replicas_come_and_go(tmp_path):
 
     path = os.path.join(str(tmp_path), "train.yaml")
     with open(path, "w") as f:
-        f.write(TRAIN_YAML + "  gen_dp: 2\n  on_replica_failure: continue\n  delta: 'on'\n")
+        # timeout_s 240: the engines wait that long for the trainer's store (Megatron's start-up
+        # on two loaded cores beside three engine processes)
+        f.write(TRAIN_YAML.replace("timeout_s: 120", "timeout_s: 240")
+                + "  gen_dp: 2\n  on_replica_failure: continue\n  delta: 'on'\n")
     out = run_spawned(_pretrain_fleet_rank, 5, path, free_ports(1)[0], timeout_s=300)
     train, stays, leaves, joins = out[:2], out[2], out[3], out[4]
     assert train[0]["record"]["iterations"] == PRETRAIN_ITERATIONS and all(t["closed"] for t in train)
