@@ -96,8 +96,10 @@ def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool):
     from bridge_shards import model_config
 
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    tmp = os.path.join(workdir, f"config.json.{os.getpid()}")  # engine ranks of one case write it at once:
+    with open(tmp, "w") as f:  # whole, then in place (a reader never sees it half written)
         json.dump(model_config(model_name).to_dict(), f)
+    os.replace(tmp, os.path.join(workdir, "config.json"))
     return VllmConfig(
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                                  dtype="float32"),
