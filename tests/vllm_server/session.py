@@ -1,0 +1,182 @@
+"""The train ranks of the running-server suite: Megatron TP2 ranks built through Bridge,
+real optimizer steps, refitting a running ``vllm`` API server through vLLM's trainer contract
+(``MegatronRefitTrainerEngine.trainer_init`` / ``send_weights``) and our ``HTTPClient``.
+
+One spawned session runs the whole scenario against one server, phase after phase (a
+Megatron start-up and a server start are the suite's largest costs), and returns what each
+phase saw; the tests read it. Train rank 0 asks the server (greedy ``/v1/completions``,
+``/weight_info``); every rank computes the Megatron model's own greedy decode.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from megatron_refit.engines.vllm.clients import HTTPClient
+from megatron_refit.tools.faults import slow_next_refit
+from megatron_refit.tools.vllm_server import VllmServer, complete, wait_healthy, weight_version
+
+TRAIN_TP = 2
+PROMPT_LEN = 4
+NEW_TOKENS = 8
+LORA_DIM, LORA_ALPHA = 4, 8.0
+SLOW_RANK_S = 3.0
+"""Staged phase: train rank 1 reads its first piece this slowly (``slow_next_refit``), so the
+engine's update stays open (its worker receiving) that long while the server keeps answering."""
+
+
+def model_config():
+    from conversion.testing.hf_configs import hf_config
+
+    return hf_config("qwen3", head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
+
+
+def sequence(cfg) -> torch.Tensor:
+    """The sequence the model learns (next-token loss); the prompt is its head."""
+    return torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
+
+
+class TimedClient(HTTPClient):
+    """``HTTPClient`` that records when each phase call started and ended (train rank 0)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, float, float]] = []
+
+    def _post(self, path, body=None):
+        t0 = time.monotonic()
+        try:
+            super()._post(path, body)
+        finally:
+            self.calls.append((path.split("?")[0], t0, time.monotonic()))
+
+
+class Load:
+    """Greedy completions in a loop on a thread of train rank 0, each with its start and end."""
+
+    def __init__(self, url: str, prompt: list[int]):
+        self.url, self.prompt, self.done = url, prompt, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            tokens = complete(self.url, self.prompt, NEW_TOKENS)
+            self.done.append((t0, time.monotonic(), tokens))
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        return self.done
+
+
+def _connect(refit: dict, rank: int, built, cfg, client):
+    from conversion.refit import local_shard_source
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+
+    return MegatronRefitTrainerEngine.trainer_init(
+        MegatronRefitTrainerInitInfo(refit=refit, num_train=TRAIN_TP, rank=rank), client=client,
+        source=local_shard_source(built.bridge, built.model, cfg))
+
+
+def _error(fn) -> dict | None:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # what a train rank saw, and how fast
+        return dict(type=type(exc).__name__, message=str(exc), seconds=time.monotonic() - t0)
+    return None
+
+
+def session(rank: int, world: int, port: int, url: str, server_pid: int, restart: dict, ports: list[int]):
+    from dataclasses import replace
+
+    from conversion.lora import apply_lora
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.plan.layout import TrainLayout
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout(tp=TRAIN_TP))
+    cfg = model_config()
+    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=1)
+    tokens = sequence(cfg)
+    prompt = tokens[0, :PROMPT_LEN].tolist()
+    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
+    refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on")
+    out: dict = dict(prompt=prompt)
+    ports = iter(ports)
+    wait_healthy(url)  # the server started with this session
+
+    def ask() -> dict:
+        return dict(tokens=complete(url, prompt, NEW_TOKENS), version=weight_version(url)) if rank == 0 else {}
+
+    def refit_once(engine, step: int, steps: int = 2) -> dict:
+        for _ in range(steps):
+            train_step(built, optimizer, tokens)
+        report = engine.send_weights(step)
+        return dict(step=step, delta=report.delta, engine_load=report.engine_load, bytes_sent=report.bytes_sent,
+                    megatron=greedy_decode(built, prompt, NEW_TOKENS), **ask())
+
+    # 1. three refits, in place (engine_load auto: vLLM's CPU build re-packs its linear
+    #    weights, so it loads through its own loaders); refits 2 and 3 are deltas
+    out["before"] = ask()
+    engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, HTTPClient(url))
+    out["refits"] = [refit_once(engine, step) for step in (1, 2, 3)]
+    engine.shutdown()
+
+    # 2. swap: staged, requests in flight: the server answers while the update is open
+    client = TimedClient(url, swap="staged")
+    engine = _connect({**refit, "swap": "staged", "port": next(ports)}, rank, built, cfg, client)
+    first = refit_once(engine, 4)
+    train_step(built, optimizer, tokens)
+    new = greedy_decode(built, prompt, NEW_TOKENS)
+    load = Load(url, prompt) if rank == 0 else None
+    time.sleep(1.0)
+    if rank == 1:
+        slow_next_refit(engine.source.weights, SLOW_RANK_S)
+    report = engine.send_weights(5)
+    time.sleep(1.0)
+    out["staged"] = dict(old=first["megatron"], new=new, first=first, delta=report.delta,
+                         completions=load.stop() if load else [], calls=client.calls if rank == 0 else [],
+                         **ask())
+    engine.shutdown()
+
+    # 3. engine-side errors at init reach every train rank within seconds
+    out["init_errors"] = {
+        "gen_tp": _error(lambda: _connect({**refit, "gen_tp": 2, "port": next(ports)}, rank, built, cfg,
+                                          HTTPClient(url))),
+        "in_place": _error(lambda: _connect({**refit, "engine_load": "in_place", "port": next(ports)}, rank, built,
+                                            cfg, HTTPClient(url))),
+    }
+
+    # 4. LoRA: adapters on the trained model; the first refit is full, later ones adapters only
+    built = replace(built, model=apply_lora(built.model, dim=LORA_DIM, alpha=LORA_ALPHA))
+    optimizer = torch.optim.Adam([p for p in built.model[0].parameters() if p.requires_grad], lr=1e-2)
+    engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, HTTPClient(url))
+    out["lora"] = [refit_once(engine, step) for step in (6, 7)]
+
+    # 5. the server killed: the next refit fails on every train rank at once; a restarted
+    #    server joins as replica 0 again and the refit after lands in full
+    if rank == 0:
+        os.killpg(server_pid, signal.SIGKILL)
+        time.sleep(1.0)
+    out["killed"] = _error(lambda: refit_once(engine, 8, steps=1))
+    server = None
+    if rank == 0:
+        server = VllmServer(**restart).start()
+        out["restart_s"] = server.wait_ready()
+        out["rejoined"] = engine.add_engine(HTTPClient(url), replica=0)
+    out["after_restart"] = refit_once(engine, 9)
+    engine.shutdown()
+    if server is not None:
+        server.stop()
+    torch.distributed.destroy_process_group()
+    return out
