@@ -47,9 +47,26 @@ def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
     from megatron_refit.tools.vllm_server import post
 
     out = post(url, "v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
-                                       "ignore_eos": True, "return_token_ids": True, "logprobs": 1})
+                                       "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
+                                       "return_tokens_as_token_ids": True})
     choice = out["choices"][0]
     return list(choice["token_ids"]), choice["logprobs"]["token_logprobs"]
+
+
+def _timed_client(url: str):
+    """``HTTPClient`` that adds each route's seconds to ``client.seconds`` (train rank 0)."""
+    from megatron_refit.engines.vllm.clients import HTTPClient
+
+    class Timed(HTTPClient):
+        seconds: dict = {}
+
+        def _post(self, path, body=None):
+            t0 = time.perf_counter()
+            super()._post(path, body)
+            key = path.split("?")[0]
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    return Timed(url)
 
 
 def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
@@ -59,7 +76,6 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     from conversion.refit import local_shard_source
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import greedy_decode, train_step
-    from megatron_refit.engines.vllm.clients import HTTPClient
     from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
     from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.tools.vllm_server import post, wait_healthy
@@ -76,10 +92,11 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     engine = MegatronRefitTrainerEngine.trainer_init(
         MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300),
                                      num_train=world, rank=rank),
-        client=HTTPClient(url), source=local_shard_source(built.bridge, built.model, cfg))
+        client=(client := _timed_client(url)), source=local_shard_source(built.bridge, built.model, cfg))
 
     def ours(version: int) -> float:
         torch.distributed.barrier()
+        client.seconds.clear()
         t0 = time.perf_counter()
         engine.send_weights(version)
         return time.perf_counter() - t0
@@ -111,7 +128,9 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
         megatron = greedy_decode(built, prompt, NEW_TOKENS)
         if rank == 0:
             rows.append(dict(version=version, first=first.__name__, ours_s=seconds["ours"],
-                             reload_s=seconds["reload"], same_answers=answers["ours"] == answers["reload"],
+                             reload_s=seconds["reload"],
+                             ours_routes_s={k: round(v, 4) for k, v in client.seconds.items()},
+                             same_answers=answers["ours"] == answers["reload"],
                              tokens_match=answers["ours"][0] == megatron))
     engine.shutdown()
     return rows

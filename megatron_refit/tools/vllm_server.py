@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,19 +82,16 @@ class VllmServer:
     def wait_ready(self) -> float:
         """Wait until ``/health`` answers; the seconds it took since :meth:`start`. Raises with
         the log's tail if the process exits or ``start_timeout_s`` passes."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.start_timeout_s:
+        def alive() -> None:
             if self.process.poll() is not None:
                 raise RuntimeError(f"vLLM server on port {self.port} exited with {self.process.returncode}:\n"
                                    f"{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM server on port {self.port} not ready after {self.start_timeout_s} s:\n{self.tail()}")
+
+        try:
+            return wait_healthy(self.url, self.start_timeout_s, alive)
+        except TimeoutError:
+            raise TimeoutError(f"vLLM server on port {self.port} not ready after {self.start_timeout_s} s:\n"
+                               f"{self.tail()}") from None
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
@@ -112,10 +110,12 @@ class VllmServer:
             pass
 
 
-def wait_healthy(url: str, timeout_s: float = 240.0) -> float:
-    """Wait until the server at ``url`` answers ``/health`` (from any process); the seconds waited."""
+def wait_healthy(url: str, timeout_s: float = 240.0, alive: Callable[[], None] = lambda: None) -> float:
+    """Wait until the server at ``url`` answers ``/health`` (from any process; ``alive`` raises
+    if the server is known to be gone); the seconds waited."""
     t0 = time.monotonic()
     while True:
+        alive()
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                 if response.status == 200:

@@ -56,6 +56,16 @@ class TimedClient(HTTPClient):
             self.calls.append((path.split("?")[0], t0, time.monotonic()))
 
 
+class NoPauseClient(HTTPClient):
+    """A client that never pauses the server (vLLM's own HTTP client does not)."""
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version})
+
+
 class Load:
     """Greedy completions in a loop on a thread of train rank 0, each with its start and end."""
 
@@ -86,6 +96,20 @@ def _connect(refit: dict, rank: int, built, cfg, client):
         source=local_shard_source(built.bridge, built.model, cfg))
 
 
+def _trainer(rank: int, world: int, port: int, seed: int):
+    """This train rank's Megatron model (Bridge, TP2), its training sequence, prompt and optimizer."""
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from megatron_refit.plan.layout import TrainLayout
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout(tp=TRAIN_TP))
+    cfg = model_config()
+    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=seed)
+    tokens = sequence(cfg)
+    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
+    return cfg, built, tokens, tokens[0, :PROMPT_LEN].tolist(), optimizer
+
+
 def _error(fn) -> dict | None:
     t0 = time.monotonic()
     try:
@@ -99,17 +123,9 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     from dataclasses import replace
 
     from conversion.lora import apply_lora
-    from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import greedy_decode, train_step
-    from megatron_refit.plan.layout import TrainLayout
 
-    init_gloo(rank, world, port)
-    init_model_parallel(TrainLayout(tp=TRAIN_TP))
-    cfg = model_config()
-    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=1)
-    tokens = sequence(cfg)
-    prompt = tokens[0, :PROMPT_LEN].tolist()
-    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
+    cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=1)
     refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on")
     out: dict = dict(prompt=prompt)
     ports = iter(ports)
@@ -149,6 +165,22 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
                          **ask())
     engine.shutdown()
 
+    # 2b. a client without /pause: requests keep arriving through a refit held open by a slow
+    #     rank; the engine makes the version whole inside update_weights, so none of them fails
+    engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, NoPauseClient(url))
+    other = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:20].unsqueeze(0)
+    for _ in range(3):  # the decode has settled on the sequence: teach the prompt another continuation
+        train_step(built, optimizer, torch.cat([tokens[:, :PROMPT_LEN], other], dim=1))
+    old, new = out["staged"]["new"], greedy_decode(built, prompt, NEW_TOKENS)
+    load = Load(url, prompt) if rank == 0 else None
+    time.sleep(0.5)
+    if rank == 1:
+        slow_next_refit(engine.source.weights, SLOW_RANK_S)
+    engine.send_weights(6)
+    time.sleep(0.5)
+    out["no_pause"] = dict(old=old, new=new, completions=load.stop() if load else [], **ask())
+    engine.shutdown()
+
     # 3. engine-side errors at init reach every train rank within seconds
     out["init_errors"] = {
         "gen_tp": _error(lambda: _connect({**refit, "gen_tp": 2, "port": next(ports)}, rank, built, cfg,
@@ -161,20 +193,20 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     built = replace(built, model=apply_lora(built.model, dim=LORA_DIM, alpha=LORA_ALPHA))
     optimizer = torch.optim.Adam([p for p in built.model[0].parameters() if p.requires_grad], lr=1e-2)
     engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, HTTPClient(url))
-    out["lora"] = [refit_once(engine, step) for step in (6, 7)]
+    out["lora"] = [refit_once(engine, step) for step in (7, 8)]
 
     # 5. the server killed: the next refit fails on every train rank at once; a restarted
     #    server joins as replica 0 again and the refit after lands in full
     if rank == 0:
         os.killpg(server_pid, signal.SIGKILL)
         time.sleep(1.0)
-    out["killed"] = _error(lambda: refit_once(engine, 8, steps=1))
+    out["killed"] = _error(lambda: refit_once(engine, 9, steps=1))
     server = None
     if rank == 0:
         server = VllmServer(**restart).start()
         out["restart_s"] = server.wait_ready()
         out["rejoined"] = engine.add_engine(HTTPClient(url), replica=0)
-    out["after_restart"] = refit_once(engine, 9)
+    out["after_restart"] = refit_once(engine, 10)
     engine.shutdown()
     if server is not None:
         server.stop()
@@ -186,17 +218,9 @@ def session_tp2(rank: int, world: int, port: int, url: str, refit_port: int, sav
     """Gen TP2 in one server (two vLLM workers): two refits (the second a delta), then this
     rank's pieces of the last version saved for the offline ``LLM`` run (``offline.py``)."""
     from conversion.refit import local_pieces
-    from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import greedy_decode, train_step
-    from megatron_refit.plan.layout import TrainLayout
 
-    init_gloo(rank, world, port)
-    init_model_parallel(TrainLayout(tp=TRAIN_TP))
-    cfg = model_config()
-    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=2)
-    tokens = sequence(cfg)
-    prompt = tokens[0, :PROMPT_LEN].tolist()
-    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
+    cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=2)
     wait_healthy(url)
     engine = _connect(dict(engine="vllm", gen_tp=2, timeout_s=60, delta="on", port=refit_port), rank, built, cfg,
                       HTTPClient(url))

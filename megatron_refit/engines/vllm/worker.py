@@ -81,14 +81,19 @@ class StagedPieces:
         tensors: dict[str, list[ShardSpec]] = {}  # HF tensor -> its pieces (segments: several)
         for piece in self._pieces:
             tensors.setdefault(families.split_segment(piece.name)[0], []).append(piece)
-        # unsegmented tensors first, then each segmented one as a whole
-        for _, pieces in sorted(tensors.items(), key=lambda item: families.segment_order(item[0]) is not None):
-            (name, whole), = join_segments({piece.name: self._whole(piece) for piece in pieces}).items()
-            self.model.load_weights([(name, whole)])
+        def weights():  # unsegmented tensors first, then each segmented one as a whole
+            for _, pieces in sorted(tensors.items(), key=lambda item: families.segment_order(item[0]) is not None):
+                (name, whole), = join_segments({piece.name: self._whole(piece) for piece in pieces}).items()
+                yield name, whole
+
+        self.model.load_weights(weights())  # one call: vLLM's loaders index the parameters once per call
 
     def _whole(self, piece: ShardSpec) -> torch.Tensor:
-        """This rank's box of ``piece`` in a zero tensor of its global shape."""
+        """This rank's box of ``piece`` in a zero tensor of its global shape (the staging tensor
+        itself where the box is the whole tensor: vLLM's loaders copy from it, never into it)."""
         staged = self._staged[piece.name]
+        if tuple(staged.shape) == tuple(piece.global_shape):
+            return staged
         whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
         whole[tuple(slice(a, b) for a, b in piece.box)] = staged
         return whole
