@@ -11,7 +11,8 @@ alternating order, on the same weights:
 - ``reload_s``: without megatron-refit: Bridge's ``export_hf_weights`` (a gather to train rank
   0), the HF checkpoint saved (safetensors), and the server's own reload of it
   (``POST /collective_rpc`` ``reload_weights`` with ``weights_path``, between ``/pause`` and
-  ``/resume``).
+  ``/resume``); each rep's ``reload_parts_s`` splits it (``export``, ``save``, ``reload``) and
+  ``ours_routes_s`` splits ours by HTTP route.
 
 ``bit_exact``: after each pair the server's answers (greedy tokens and their log-probs) under
 our refit equal, bit for bit, its answers after its own reload of the same weights, and the
@@ -101,18 +102,23 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
         engine.send_weights(version)
         return time.perf_counter() - t0
 
+    parts: dict = {}
+
     def reload(version: int) -> float:
         torch.distributed.barrier()
         t0 = time.perf_counter()
         export = {n: t.detach().contiguous() for n, t in built.bridge.export_hf_weights(built.model, cpu=True,
                                                                                        show_progress=False)}
+        parts["export"] = time.perf_counter() - t0
         if rank == 0:
             path = os.path.join(workdir, f"v{version}")
             os.makedirs(path, exist_ok=True)
             save_file(export, os.path.join(path, "model.safetensors"))
+            parts["save"] = time.perf_counter() - t0 - parts["export"]
             post(url, "pause?mode=wait&clear_cache=true")
             post(url, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout=600)
             post(url, "resume")
+            parts["reload"] = time.perf_counter() - t0 - parts["export"] - parts["save"]
         torch.distributed.barrier()
         return time.perf_counter() - t0
 
@@ -130,6 +136,7 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
             rows.append(dict(version=version, first=first.__name__, ours_s=seconds["ours"],
                              reload_s=seconds["reload"],
                              ours_routes_s={k: round(v, 4) for k, v in client.seconds.items()},
+                             reload_parts_s={k: round(v, 4) for k, v in parts.items()},
                              same_answers=answers["ours"] == answers["reload"],
                              tokens_match=answers["ours"][0] == megatron))
     engine.shutdown()

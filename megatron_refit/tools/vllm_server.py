@@ -127,6 +127,21 @@ def wait_healthy(url: str, timeout_s: float = 240.0, alive: Callable[[], None] =
         time.sleep(0.5)
 
 
+def process_alive(pid: int) -> Callable[[], None]:
+    """For :func:`wait_healthy` in a process other than the server's parent: raises once process
+    ``pid`` has ended (gone, or a zombie its parent has not reaped yet)."""
+    def alive() -> None:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            state = "gone"
+        if state in ("Z", "X", "gone"):
+            raise RuntimeError(f"vLLM server process {pid} ended before it answered /health (its log says why)")
+
+    return alive
+
+
 def post(url: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
     """POST ``body`` as JSON; the JSON answer (``{}`` if none)."""
     request = urllib.request.Request(f"{url}/{path}", data=json.dumps(body or {}).encode(), method="POST",

@@ -19,7 +19,7 @@ import torch
 
 from megatron_refit.engines.vllm.clients import HTTPClient
 from megatron_refit.tools.faults import slow_next_refit
-from megatron_refit.tools.vllm_server import VllmServer, complete, wait_healthy, weight_version
+from megatron_refit.tools.vllm_server import VllmServer, complete, process_alive, wait_healthy, weight_version
 
 TRAIN_TP = 2
 PROMPT_LEN = 4
@@ -129,7 +129,7 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on")
     out: dict = dict(prompt=prompt)
     ports = iter(ports)
-    wait_healthy(url)  # the server started with this session
+    wait_healthy(url, alive=process_alive(server_pid))  # the server started with this session
 
     def ask() -> dict:
         return dict(tokens=complete(url, prompt, NEW_TOKENS), version=weight_version(url)) if rank == 0 else {}
@@ -214,14 +214,14 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     return out
 
 
-def session_tp2(rank: int, world: int, port: int, url: str, refit_port: int, save_dir: str):
+def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, save_dir: str):
     """Gen TP2 in one server (two vLLM workers): two refits (the second a delta), then this
     rank's pieces of the last version saved for the offline ``LLM`` run (``offline.py``)."""
     from conversion.refit import local_pieces
     from conversion.testing.train_step import greedy_decode, train_step
 
     cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=2)
-    wait_healthy(url)
+    wait_healthy(url, alive=process_alive(server_pid))
     engine = _connect(dict(engine="vllm", gen_tp=2, timeout_s=60, delta="on", port=refit_port), rank, built, cfg,
                       HTTPClient(url))
     refits = []

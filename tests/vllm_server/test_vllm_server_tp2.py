@@ -25,7 +25,8 @@ def refits(checkpoint, saved, tmp_path_factory):
     server = VllmServer(model=str(checkpoint), port=server_port, tp=2,
                         log=tmp_path_factory.mktemp("logs") / "server.log").start()
     try:
-        return run_spawned(s.session_tp2, s.TRAIN_TP, server.url, refit_port, str(saved), timeout_s=600)[0]
+        return run_spawned(s.session_tp2, s.TRAIN_TP, server.url, server.process.pid, refit_port, str(saved),
+                           timeout_s=600)[0]
     except Exception:
         print(server.tail())
         raise
