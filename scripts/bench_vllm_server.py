@@ -95,14 +95,14 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
                                      num_train=world, rank=rank),
         client=(client := _timed_client(url)), source=local_shard_source(built.bridge, built.model, cfg))
 
+    parts: dict = {}
+
     def ours(version: int) -> float:
         torch.distributed.barrier()
         client.seconds.clear()
         t0 = time.perf_counter()
-        engine.send_weights(version)
+        parts["ours_report"] = engine.send_weights(version).seconds
         return time.perf_counter() - t0
-
-    parts: dict = {}
 
     def reload(version: int) -> float:
         torch.distributed.barrier()
@@ -136,7 +136,8 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
             rows.append(dict(version=version, first=first.__name__, ours_s=seconds["ours"],
                              reload_s=seconds["reload"],
                              ours_routes_s={k: round(v, 4) for k, v in client.seconds.items()},
-                             reload_parts_s={k: round(v, 4) for k, v in parts.items()},
+                             reload_parts_s={k: round(v, 4) for k, v in parts.items() if k != "ours_report"},
+                             ours_report_s={k: round(v, 4) for k, v in parts["ours_report"].items() if v},
                              same_answers=answers["ours"] == answers["reload"],
                              tokens_match=answers["ours"][0] == megatron))
     engine.shutdown()

@@ -200,8 +200,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     def start_weight_update(self) -> None:
         self._check_initialised("start_weight_update")
         if self._staging is not None:
-            raise RuntimeError("megatron_refit: start_weight_update while the last update's staging still runs; "
-                               "call finish_weight_update first")
+            if not self._staging.done():
+                raise RuntimeError("megatron_refit: start_weight_update while the last update's staging still runs; "
+                                   "call finish_weight_update first")
+            self._staging = None  # an update whose finish never came (its refit failed: the train ranks know)
         self._received = None
         self._in_update = True
         if not self._staged_swap:  # staged: the model keeps serving, the refit lands in staging only
@@ -261,6 +263,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             except TimeoutError:
                 self._staging = staging  # still running: no new update until it ends
                 raise
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         if self._received is None:
             if not self._staged_swap:
                 self.state = "stale"
