@@ -136,6 +136,15 @@ class ReplicaLanes:
         if lane is not None:
             lane.pool.shutdown(wait=False, cancel_futures=True)
 
+    def refit(self, sync, version: int, *, full: bool = False):
+        """Train rank 0's refit through ``sync`` (a :class:`~megatron_refit.endpoint.fleet.TrainerFleet`)
+        with each replica's calls in its lane around its part; then the lanes of replicas the
+        fleet no longer holds are dropped."""
+        try:
+            return sync.refit(version, full=full, hooks=self)
+        finally:
+            self.keep(sync.members)
+
     def keep(self, members) -> None:
         """After a refit: drop the lanes of replicas the fleet no longer holds (left, or their
         group broke)."""

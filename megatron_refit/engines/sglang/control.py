@@ -72,10 +72,7 @@ class SglangControl(ReplicaLanes):
         replica while its bytes move and resumes each one that landed the version."""
         if rank != 0:
             return sync.refit(version, full=full)
-        try:
-            return sync.refit(version, full=full, hooks=self)
-        finally:
-            self.keep(sync.members)
+        return super().refit(sync, version, full=full)
 
     def close(self, sync, *, rank: int) -> None:
         """Every train rank: leave the refit while rank 0 closes every replica's side."""

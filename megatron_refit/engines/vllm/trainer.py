@@ -226,10 +226,7 @@ class MegatronRefitTrainerEngine(_EngineBase):
         if not self.is_sender:
             report = self.sync.refit(version, full=full)
         elif isinstance(self.client, ReplicaClients):  # each replica's calls in its lane, around its part
-            try:
-                report = self.sync.refit(version, full=full, hooks=self.client)
-            finally:
-                self.client.keep(self.sync.members)
+            report = self.client.refit(self.sync, version, full=full)
         else:
             update = update_payload(version, full=self.sync.is_full(full))
             self.client.start_weight_update()
