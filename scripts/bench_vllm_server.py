@@ -54,20 +54,12 @@ def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
     return list(choice["token_ids"]), choice["logprobs"]["token_logprobs"]
 
 
-def _timed_client(url: str):
-    """``HTTPClient`` that adds each route's seconds to ``client.seconds`` (train rank 0)."""
-    from megatron_refit.engines.vllm.clients import HTTPClient
-
-    class Timed(HTTPClient):
-        seconds: dict = {}
-
-        def _post(self, path, body=None):
-            t0 = time.perf_counter()
-            super()._post(path, body)
-            key = path.split("?")[0]
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
-
-    return Timed(url)
+def _route_seconds(calls: list) -> dict:
+    """Seconds per HTTP route of one refit (``timed_client``'s calls)."""
+    out: dict = {}
+    for route, t0, t1 in calls:
+        out[route] = round(out.get(route, 0.0) + t1 - t0, 4)
+    return out
 
 
 def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
@@ -79,7 +71,7 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     from conversion.testing.train_step import greedy_decode, train_step
     from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.tools.vllm_server import post, wait_healthy
+    from megatron_refit.tools.vllm_server import post, timed_client, wait_healthy
 
     init_gloo(rank, world, port)
     layout = TrainLayout(tp=world)
@@ -93,13 +85,13 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     engine = MegatronRefitTrainerEngine.trainer_init(
         MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300),
                                      num_train=world, rank=rank),
-        client=(client := _timed_client(url)), source=local_shard_source(built.bridge, built.model, cfg))
+        client=(client := timed_client(url)), source=local_shard_source(built.bridge, built.model, cfg))
 
     parts: dict = {}
 
     def ours(version: int) -> float:
         torch.distributed.barrier()
-        client.seconds.clear()
+        client.calls.clear()
         t0 = time.perf_counter()
         parts["ours_report"] = engine.send_weights(version).seconds
         return time.perf_counter() - t0
@@ -135,7 +127,7 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
         if rank == 0:
             rows.append(dict(version=version, first=first.__name__, ours_s=seconds["ours"],
                              reload_s=seconds["reload"],
-                             ours_routes_s={k: round(v, 4) for k, v in client.seconds.items()},
+                             ours_routes_s=_route_seconds(client.calls),
                              reload_parts_s={k: round(v, 4) for k, v in parts.items() if k != "ours_report"},
                              ours_report_s={k: round(v, 4) for k, v in parts["ours_report"].items() if v},
                              same_answers=answers["ours"] == answers["reload"],
@@ -152,9 +144,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=4, help="versions, each moved both ways (alternating order)")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     args = p.parse_args(argv)
-    if args.hidden < 64 or args.hidden % 128 or min(args.layers, args.train_tp, args.reps) < 1:
-        print(f"error: need --hidden a multiple of 128, --layers, --train-tp and --reps >= 1, got {vars(args)}",
-              file=sys.stderr)
+    if args.hidden % 128 or min(args.hidden, args.layers, args.train_tp, args.reps) < 1 \
+            or (args.hidden // 128) % args.train_tp:
+        print(f"error: need --hidden a multiple of 128 whose KV heads (hidden / 128) --train-tp divides, and "
+              f"--layers, --train-tp, --reps >= 1, got {vars(args)}", file=sys.stderr)
         return 2
     import torch
     import transformers

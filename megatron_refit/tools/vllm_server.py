@@ -162,3 +162,23 @@ def weight_version(url: str) -> str | None:
     """vLLM's weight version (``/weight_info``)."""
     with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as response:
         return json.loads(response.read()).get("weight_version")
+
+
+def timed_client(*args, **kwargs):
+    """An ``HTTPClient`` (same arguments) that records each call: ``client.calls`` holds
+    ``(route, start, end)`` in ``time.monotonic()`` seconds, in order."""
+    from megatron_refit.engines.vllm.clients import HTTPClient
+
+    class TimedClient(HTTPClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls: list[tuple[str, float, float]] = []
+
+        def _post(self, path, body=None):
+            t0 = time.monotonic()
+            try:
+                super()._post(path, body)
+            finally:
+                self.calls.append((path.split("?")[0], t0, time.monotonic()))
+
+    return TimedClient(*args, **kwargs)

@@ -587,6 +587,36 @@ def test_weight_transfer_phases_out_of_order_are_refused(engine):
         engine.finish_weight_update()
 
 
+def test_weight_transfer_a_version_that_fails_to_go_live_is_never_finished_as_ready(tmp_path):
+    """The received bytes are in, but vLLM's load of them raises (inside ``update_weights``):
+    the weights are ``stale`` and a ``finish_weight_update`` after it refuses, never ``ready``."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from megatron_refit.endpoint.report import RefitReport
+
+    vcfg = _vllm_config("qwen3", 1, str(tmp_path), engine=True)
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="megatron_refit"), vcfg,
+                                                       torch.device("cpu"), torch.nn.Linear(1, 1))
+
+    class Received:  # what the refit group hands over: version 1, every byte in
+        def receive(self, version, full=False):
+            return RefitReport(version=version, role="gen", rank=0)
+
+    class FailingLoad:
+        def load(self):
+            raise RuntimeError("load_weights failed (injected)")
+
+    engine.sync, engine._backend, engine._mode = Received(), FailingLoad(), "load_weights"
+    engine.start_weight_update()
+    with pytest.raises(RuntimeError, match=r"load_weights failed \(injected\)"):
+        engine.update_weights({"version": 1})
+    assert engine.state == "stale" and engine.weights_version is None
+    with pytest.raises(RuntimeError, match="finish_weight_update without a completed update_weights"):
+        engine.finish_weight_update()
+    assert engine.state == "stale" and engine.weights_version is None
+
+
 def test_weight_transfer_trainer_refuses_a_source_without_local_shards():
     from vllm.distributed.weight_transfer import ModuleSource
 

@@ -19,7 +19,8 @@ import torch
 
 from megatron_refit.engines.vllm.clients import HTTPClient
 from megatron_refit.tools.faults import slow_next_refit
-from megatron_refit.tools.vllm_server import VllmServer, complete, process_alive, wait_healthy, weight_version
+from megatron_refit.tools.vllm_server import (VllmServer, complete, process_alive, timed_client, wait_healthy,
+                                             weight_version)
 
 TRAIN_TP = 2
 PROMPT_LEN = 4
@@ -39,21 +40,6 @@ def model_config():
 def sequence(cfg) -> torch.Tensor:
     """The sequence the model learns (next-token loss); the prompt is its head."""
     return torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
-
-
-class TimedClient(HTTPClient):
-    """``HTTPClient`` that records when each phase call started and ended (train rank 0)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls: list[tuple[str, float, float]] = []
-
-    def _post(self, path, body=None):
-        t0 = time.monotonic()
-        try:
-            super()._post(path, body)
-        finally:
-            self.calls.append((path.split("?")[0], t0, time.monotonic()))
 
 
 class NoPauseClient(HTTPClient):
@@ -149,7 +135,7 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     engine.shutdown()
 
     # 2. swap: staged, requests in flight: the server answers while the update is open
-    client = TimedClient(url, swap="staged")
+    client = timed_client(url, swap="staged")
     engine = _connect({**refit, "swap": "staged", "port": next(ports)}, rank, built, cfg, client)
     first = refit_once(engine, 4)
     train_step(built, optimizer, tokens)

@@ -240,18 +240,23 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     @torch.no_grad()
     def _make_live(self) -> None:
         """The received version becomes the model's: vLLM's post-load step on the parameters
-        written in place, or the staged pieces through vLLM's layerwise reload."""
-        if self._mode == "load_weights":
-            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                                 initialize_layerwise_reload)
+        written in place, or the staged pieces through vLLM's layerwise reload. If that fails the
+        weights are no complete version: ``stale``, and no later finish may call them ready."""
+        try:
+            if self._mode == "load_weights":
+                from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                                     initialize_layerwise_reload)
 
-            initialize_layerwise_reload(self.model)
-            self._backend.load()
-            finalize_layerwise_reload(self.model, self.model_config)
-        else:
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+                initialize_layerwise_reload(self.model)
+                self._backend.load()
+                finalize_layerwise_reload(self.model, self.model_config)
+            else:
+                from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-            process_weights_after_loading(self.model, self.model_config, self.device)
+                process_weights_after_loading(self.model, self.model_config, self.device)
+        except BaseException:
+            self.state, self._received = "stale", None
+            raise
 
     def finish_weight_update(self) -> None:
         self._check_initialised("finish_weight_update")
