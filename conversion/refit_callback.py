@@ -21,7 +21,16 @@ script adds to refit the generation engine::
   not the optimizer's fp32 main params; with ``overlap_param_gather`` the step's param
   all-gather is forced to finish first (Bridge's ``force_param_sync``), so no refit sends a
   half-gathered replica.
-- ``on_train_end``: release the refit group.
+- ``on_train_end``: release the refit group (under ``refit.overlap: on``, after the refit in
+  flight has landed or failed; each of its waits is bounded by ``refit.timeout_s``).
+
+With ``refit.overlap: on`` a due refit snapshots the bytes this rank sends (a device-side copy)
+and returns; they move in the background while the next iteration trains, each version landing
+as the weights were at its iteration. A refit that is due while the last still moves waits for
+it (``overlap_busy: wait``) or is skipped on every train rank (``skip``; the iterations are in
+``skipped_busy``). At every step boundary the refits that finished since are logged at their
+own iteration, and one that failed raises there, its version named. Ctrl-C does not wait: the
+sending thread is a daemon, and the engines see the trainer's ranks go (their next wait fails).
 
 Each of these calls goes through the engine's control
 (:func:`megatron_refit.engines.base.engine_control` for ``refit.engine``): with ``engines``
@@ -119,6 +128,8 @@ class RefitCallback(Callback):
         self.last_report: RefitReport | None = None
         self.skipped: list[int] = []
         """Iterations that were skipped (and not refitted)."""
+        self.skipped_busy: list[int] = []
+        """``overlap_busy: skip``: iterations not refitted because the last refit still moved."""
 
     @classmethod
     def from_config(cls, cfg: RefitConfig, bridge, **kwargs) -> RefitCallback:
@@ -151,19 +162,32 @@ class RefitCallback(Callback):
         if self.sync is None:
             raise RuntimeError("RefitCallback: on_train_step_end before on_train_start")
         iteration = context.state.train_state.step + 1  # Bridge counts the step after this event
+        self._log_finished(context, self.sync.finished())  # overlap: a failed one raises here
         if context.skipped_iter:
             self.skipped.append(iteration)
             return
         if iteration % self.cfg.every_n_steps:
             return
         force_param_sync(context.model, context.optimizer)
-        self.last_report = self._refit(iteration)
-        log_to_bridge(context.state, self.last_report.summary, iteration)
+        if self.sync.background is None:
+            self._log_finished(context, [self._refit(iteration)])
+        elif not self.sync.start_refit(iteration, run=lambda: self._refit(iteration)):
+            self.skipped_busy.append(iteration)
 
     def _refit(self, version: int) -> RefitReport:
         return self.control.refit(self.sync, version, rank=self.rank)
 
+    def _log_finished(self, context, reports: list[RefitReport]) -> None:
+        for report in reports:
+            self.last_report = report
+            log_to_bridge(context.state, report.summary, report.version)
+
     def on_train_end(self, context) -> None:
         if self.sync is not None:
             sync, self.sync = self.sync, None
-            self.control.close(sync, rank=self.rank)
+            try:
+                if sync.background is not None:  # the refit in flight lands (or fails) first
+                    sync.background.wait()
+                    self._log_finished(context, sync.finished())
+            finally:
+                self.control.close(sync, rank=self.rank)

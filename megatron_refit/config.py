@@ -29,6 +29,8 @@ ENGINE_LOAD = ("auto", "in_place", "load_weights")
 DELTA = ("off", "on", "auto")
 SWAP = ("in_place", "staged")
 ON_REPLICA_FAILURE = ("raise", "continue")
+OVERLAP = ("off", "on")
+OVERLAP_BUSY = ("wait", "skip")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +138,20 @@ class RefitConfig:
     does not look at the report cannot miss it (the default: with one replica nothing would
     serve the new weights); ``continue``: it returns, and training goes on (fleets of many
     replicas), unless no replica holds the version."""
+    overlap: str = "off"
+    """Trainer side. ``on``: a refit copies the bytes this train rank sends into a snapshot at
+    the step boundary (a device-side copy of the pieces it sends from: the model's params in
+    their training dtype, never the optimizer's fp32 main params) and returns; the bytes move
+    from the snapshot in the background while the next step trains. Every version lands
+    exactly as the weights were at the step it was taken. Costs one copy of what this rank
+    sends, and the training step's share of the machine the background send takes. A refit
+    that failed in the background raises at the next refit (or step boundary), its version
+    named. ``off``: a refit returns when its bytes have landed. (A bare YAML ``on`` / ``off``
+    is taken as the mode.)"""
+    overlap_busy: str = "wait"
+    """``overlap: on``, when a refit is due while the last one still moves (at most one is in
+    flight per trainer): ``wait`` for it, then start; ``skip`` this one (every train rank
+    alike; counted in ``RefitCallback.skipped_busy``)."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the
@@ -163,6 +179,8 @@ class RefitConfig:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
         if isinstance(d.get("delta"), bool):  # YAML 1.1 reads `delta: off` / `on` as booleans
             d = {**d, "delta": "on" if d["delta"] else "off"}
+        if isinstance(d.get("overlap"), bool):
+            d = {**d, "overlap": "on" if d["overlap"] else "off"}
         config = cls(**d)  # checked in __post_init__
         ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
         if not config.enabled and ignored:
@@ -193,7 +211,8 @@ class RefitConfig:
             raise ValueError("refit.transport must be 'auto' or a registered transport's name, got ''")
         for name, allowed in (("mode", MODES), ("lora_sync", LORA_SYNC),
                               ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
-                              ("swap", SWAP), ("on_replica_failure", ON_REPLICA_FAILURE)):
+                              ("swap", SWAP), ("on_replica_failure", ON_REPLICA_FAILURE),
+                              ("overlap", OVERLAP), ("overlap_busy", OVERLAP_BUSY)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")

@@ -78,6 +78,15 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
     if adapters:
         _check_lora_sync(cfg)
+    snapshot = None
+    if cfg.overlap == "on":
+        if offloader is not None:
+            raise ValueError("refit.overlap: on with a ParamOffloader: offloaded parameters are not trained while "
+                             "they are away, so there is no next step to overlap; set refit.overlap: off")
+        from megatron_refit.endpoint.overlap import Snapshot
+
+        snapshot = Snapshot(list(pieces) + list(adapters))  # the members send from it; FP8 quantizes from it
+        pieces, adapters = snapshot.pieces[:len(pieces)], snapshot.pieces[len(pieces):]
     if cfg.trainer_quantize_fp8:
         if adapters:
             raise ValueError("refit.trainer_quantize_fp8 with LoRA adapters: adapters are sent in the training "
@@ -100,7 +109,22 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
         return connect(cfg, refit_rank=rank, num_train=num_train, device=device, replica=replica,
                        incarnation=incarnation)
 
-    return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report)
+    return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report,
+                        background=_background(cfg, snapshot, rank=rank, num_train=num_train))
+
+
+def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
+    """``refit.overlap: on``: the background sender of this train rank (with, under
+    ``overlap_busy: skip``, a gate group of the train ranks that agrees on each skip)."""
+    if snapshot is None:
+        return None
+    from megatron_refit.endpoint.overlap import BackgroundRefit
+
+    gate = None
+    if cfg.overlap_busy == "skip":
+        gate = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
+                                  timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s, namespace="megatron_refit/overlap")
+    return BackgroundRefit(snapshot, busy=cfg.overlap_busy, gate=gate)
 
 
 def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.endpoint.sync import TrainerRefit
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 
@@ -144,8 +144,13 @@ class TrainerFleet:
     ``member(group)`` builds its prepared :class:`~megatron_refit.endpoint.sync.TrainerRefit`."""
 
     def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
-                 on_report: Callable[[dict], None] | None = None):
+                 on_report: Callable[[dict], None] | None = None, background=None):
         self.cfg = cfg
+        self.background = background
+        """``refit.overlap: on``: the :class:`~megatron_refit.endpoint.overlap.BackgroundRefit`
+        that sends from its snapshot while training goes on (the members send from the snapshot)."""
+        self._joined: dict[int, dict] = {}
+        """Overlap: per version, the joins' failures of the membership update done at its start."""
         self.control = control
         """The train ranks' own group: versions and outcomes, never an engine rank."""
         self._connect, self._member = connect, member
@@ -236,10 +241,59 @@ class TrainerFleet:
         """Send this rank's pieces of refit ``version`` to every replica. Collective over the
         train ranks (each calls it with the same ``version`` and ``full``) and, per replica,
         over its group. ``hooks`` (train rank 0, an engine with a control plane): each
-        replica's engine calls around its part (:class:`ReplicaHooks`)."""
+        replica's engine calls around its part (:class:`ReplicaHooks`). Under ``refit.overlap``
+        it waits for the refit in flight, then runs this one from a new snapshot to its end."""
+        if self.background is not None and not self.background.on_own_thread():
+            self.start_refit(version, full=full, run=lambda: self.refit(version, full=full, hooks=hooks), busy="wait")
+            self.background.wait()
+            return self.background.collect()[-1]
+        return self._refit(version, full=full, hooks=hooks)
+
+    def start_refit(self, version: int, *, full: bool = False, run: Callable[[], object] | None = None,
+                    busy: str | None = None) -> bool:
+        """``refit.overlap: on``: take this rank's snapshot now and send refit ``version`` from it
+        in the background (``run()``: the refit call, by default ``self.refit(version, full=full)``;
+        an engine's control wraps it). Collective over the train ranks. Returns False where it
+        was skipped behind the refit still in flight (``refit.overlap_busy: skip``). A refit that
+        failed in the background raises here, or at :meth:`finished`."""
+        if self.background is None:
+            raise ValueError("start_refit needs refit.overlap: on (the snapshot it sends from); call refit()")
+
+        def prepare() -> set[str]:  # no refit in flight on any train rank now: the control group is free
+            failures: dict[int, str] = {}
+            self._update_membership(failures)
+            self._joined[version] = failures
+            return self._sent_pieces(full)
+
+        run = run or (lambda: self.refit(version, full=full))
+        return self.background.start(version, prepare, run, busy=busy)
+
+    def finished(self) -> list[RefitReport]:
+        """``refit.overlap: on``: the reports of the refits that finished in the background since
+        the last call; raises the error of one that failed (its version named). Never waits."""
+        return self.background.collect() if self.background is not None else []
+
+    def _sent_pieces(self, full: bool) -> set[str]:
+        """The snapshot pieces this rank's next refit sends from, in every member's plan."""
+        from megatron_refit.endpoint.overlap import SnapshotPiece
+
+        names = set()
+        for member in self.members.values():
+            endpoint = member.endpoint(full)
+            for bucket in endpoint.plan.buckets_from(endpoint.group.rank):
+                for item in bucket.items:
+                    piece = endpoint.pieces[item.transfer.name]
+                    while not isinstance(piece, SnapshotPiece):  # a wrapper: FP8 quantization
+                        piece = piece.source.piece
+                    names.add(piece.spec.name)
+        return names
+
+    def _refit(self, version: int, *, full: bool, hooks: ReplicaHooks | None) -> RefitReport:
         start = time.perf_counter()
-        failures: dict[int, str] = {}
-        self._update_membership(failures)
+        failures: dict[int, str] = self._joined.pop(version, None)
+        if failures is None:
+            failures = {}
+            self._update_membership(failures)
         rows = self.control.exchange("fleet", [version, int(full)])
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
@@ -276,7 +330,7 @@ class TrainerFleet:
         # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
         carried = [o if isinstance(o, RefitReport) else o.report for o in outcomes.values()
                    if isinstance(o, RefitReport) or getattr(o, "report", None) is not None]
-        report = _merge(version, self.control.rank, carried,
+        report = merge_reports(version, self.control.rank, carried,
                         replicas=replicas, failures=failures, seconds=time.perf_counter() - start, moved=moved,
                         moved_max=moved_max)
         if self.on_report is not None:
@@ -293,10 +347,19 @@ class TrainerFleet:
         return report
 
     def close(self) -> None:
-        """Release every replica's group and the control group."""
+        """Release every replica's group and the control group (after the refit in flight,
+        under ``refit.overlap``, ended; its error is raised after the groups are released)."""
+        error = None
+        if self.background is not None:
+            try:
+                self.background.close()
+            except Exception as exc:  # noqa: BLE001 -- release the groups first
+                error = exc
         for replica in sorted(self.members):
             self._drop(replica)
         self.control.close()
+        if error is not None:
+            raise error
 
 
 def _refit_member(member: TrainerRefit, replica: int, version: int, full: bool, hooks: ReplicaHooks | None):
@@ -332,55 +395,3 @@ def _why(outcome: BaseException) -> str:
         first = report.summary["refit/train_ranks"]
         return "; ".join(f"TP rank {rank - first}: {why}" for rank, why in sorted(report.failed_ranks.items()))
     return f"{type(outcome).__name__}: {outcome}"[:500]
-
-
-def _merge(version: int, rank: int, reports: list[RefitReport], *, replicas: list[int], failures: dict,
-           seconds: float, moved: dict, moved_max: dict) -> RefitReport:
-    """One train rank's report of a fleet refit: its members' (bytes summed, phases the slowest,
-    ``seconds`` its whole call) and the fleet's metrics (``refit/replicas_ok`` …) from the
-    members' group summaries, which every train rank holds alike, so the metrics are the same
-    on every train rank (``moved_max``: the slowest train rank's parameter onload / offload)."""
-    out = RefitReport(version=version, role="train", rank=rank)
-    for r in reports:
-        for key in ("bytes_sent", "bytes_wire", "bytes_minimal", "bytes_full", "words", "words_changed"):
-            setattr(out, key, getattr(out, key) + getattr(r, key))
-        out.delta |= r.delta
-        for key, value in r.seconds.items():
-            out.seconds[key] = max(out.seconds[key], value)
-        for key, value in r.routes.items():
-            out.routes[key] += value
-    out.seconds.update(total=seconds, **moved)
-    out.failed_replicas = dict(sorted(failures.items()))
-    summaries = [r.summary for r in reports if r.summary]
-    total = lambda key: sum(s[key] for s in summaries)  # noqa: E731
-    peak = lambda key: max((s[key] for s in summaries), default=0.0)  # noqa: E731
-    sent = total("refit/bytes")
-    failed = len(out.failed_replicas)
-    wall = peak("refit/total_s")  # the slowest replica's group
-    out.summary = {
-        "refit/version": version,
-        "refit/ok": int(not failed),
-        "refit/failed_ranks": total("refit/failed_ranks"),
-        "refit/replicas_ok": len([r for r in replicas if r not in failures]),
-        "refit/replicas_failed": failed,
-        "refit/total_s": wall,
-        "refit/gbps": sent / wall / 1e9 if wall > 0 else 0.0,
-        "refit/bytes": sent,
-        "refit/bytes_wire": total("refit/bytes_wire"),
-        "refit/bytes_minimal": total("refit/bytes_minimal"),
-        "refit/bytes_full": total("refit/bytes_full"),
-        "refit/delta": int(any(s["refit/delta"] for s in summaries)),
-        "refit/density": (sum(s["refit/density"] * s["refit/bytes_full"] for s in summaries)
-                          / max(1, total("refit/bytes_full"))),
-        "refit/buckets": total("refit/buckets"),
-        "refit/pack_s": peak("refit/pack_s"),
-        "refit/load_s": peak("refit/load_s"),
-        "refit/verify_s": peak("refit/verify_s"),
-        "refit/onload_s": moved_max["onload"],
-        "refit/offload_s": moved_max["offload"],
-        "refit/slowest_rank": max(summaries, key=lambda s: s["refit/total_s"])["refit/slowest_rank"]
-        if summaries else 0,
-        "refit/train_ranks": max((s["refit/train_ranks"] for s in summaries), default=0),
-        "refit/gen_ranks": total("refit/gen_ranks"),
-    }
-    return out

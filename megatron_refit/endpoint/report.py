@@ -124,3 +124,55 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
         "refit/gen_ranks": len(gen),
     }
     return out
+
+
+def merge_reports(version: int, rank: int, reports: list[RefitReport], *, replicas: list[int], failures: dict,
+           seconds: float, moved: dict, moved_max: dict) -> RefitReport:
+    """One train rank's report of a fleet refit: its members' (bytes summed, phases the slowest,
+    ``seconds`` its whole call) and the fleet's metrics (``refit/replicas_ok`` …) from the
+    members' group summaries, which every train rank holds alike, so the metrics are the same
+    on every train rank (``moved_max``: the slowest train rank's parameter onload / offload)."""
+    out = RefitReport(version=version, role="train", rank=rank)
+    for r in reports:
+        for key in ("bytes_sent", "bytes_wire", "bytes_minimal", "bytes_full", "words", "words_changed"):
+            setattr(out, key, getattr(out, key) + getattr(r, key))
+        out.delta |= r.delta
+        for key, value in r.seconds.items():
+            out.seconds[key] = max(out.seconds[key], value)
+        for key, value in r.routes.items():
+            out.routes[key] += value
+    out.seconds.update(total=seconds, **moved)
+    out.failed_replicas = dict(sorted(failures.items()))
+    summaries = [r.summary for r in reports if r.summary]
+    total = lambda key: sum(s[key] for s in summaries)  # noqa: E731
+    peak = lambda key: max((s[key] for s in summaries), default=0.0)  # noqa: E731
+    sent = total("refit/bytes")
+    failed = len(out.failed_replicas)
+    wall = peak("refit/total_s")  # the slowest replica's group
+    out.summary = {
+        "refit/version": version,
+        "refit/ok": int(not failed),
+        "refit/failed_ranks": total("refit/failed_ranks"),
+        "refit/replicas_ok": len([r for r in replicas if r not in failures]),
+        "refit/replicas_failed": failed,
+        "refit/total_s": wall,
+        "refit/gbps": sent / wall / 1e9 if wall > 0 else 0.0,
+        "refit/bytes": sent,
+        "refit/bytes_wire": total("refit/bytes_wire"),
+        "refit/bytes_minimal": total("refit/bytes_minimal"),
+        "refit/bytes_full": total("refit/bytes_full"),
+        "refit/delta": int(any(s["refit/delta"] for s in summaries)),
+        "refit/density": (sum(s["refit/density"] * s["refit/bytes_full"] for s in summaries)
+                          / max(1, total("refit/bytes_full"))),
+        "refit/buckets": total("refit/buckets"),
+        "refit/pack_s": peak("refit/pack_s"),
+        "refit/load_s": peak("refit/load_s"),
+        "refit/verify_s": peak("refit/verify_s"),
+        "refit/onload_s": moved_max["onload"],
+        "refit/offload_s": moved_max["offload"],
+        "refit/slowest_rank": max(summaries, key=lambda s: s["refit/total_s"])["refit/slowest_rank"]
+        if summaries else 0,
+        "refit/train_ranks": max((s["refit/train_ranks"] for s in summaries), default=0),
+        "refit/gen_ranks": total("refit/gen_ranks"),
+    }
+    return out

@@ -22,6 +22,10 @@ class _Sync:
         """All pieces on the first refit, when asked, or without adapters; else the adapters."""
         return self.full if full or self._version is None or self.adapters is None else self.adapters
 
+    def endpoint(self, full: bool = False):
+        """The endpoint the next refit, called with ``full``, runs (all pieces, or adapters)."""
+        return self._endpoint(full)
+
     def is_full(self, full: bool = False) -> bool:
         """Whether the next refit, called with ``full``, moves everything (else adapters only)."""
         return self._endpoint(full) is self.full

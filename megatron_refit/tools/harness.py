@@ -11,6 +11,8 @@ Train-rank code imports ``conversion`` (Megatron); generation-rank code does not
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -64,6 +66,12 @@ class RunSpec:
     """``(replica, version)``: that engine replica's first rank raises while ``version`` lands (an
     engine error, as a CUDA fault would); run with ``refit.on_replica_failure: continue``, the
     other replicas land it and the next refit brings the replica back."""
+    overlap: bool = False
+    """``refit.overlap: on``: each refit sends from a snapshot in the background while the
+    next step trains (the export checked against is taken at the step boundary)."""
+    hold_sends: bool = False
+    """``overlap``: each refit's bucket sends wait until the next training step has changed the
+    weights (the last one's until training ends), so every refit provably overlaps a step."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -126,7 +134,8 @@ def refit_config(spec: RunSpec, port: int):
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
-                       on_replica_failure="continue" if spec.fail_replica else "raise")
+                       on_replica_failure="continue" if spec.fail_replica else "raise",
+                       overlap="on" if spec.overlap else "off")
 
 
 def hf_config_for(spec: RunSpec):
@@ -175,11 +184,19 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
+    hold = _HoldSends(sync, spec.timeout_s) if spec.hold_sends else None
     out = []
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
             offloader.onload()
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
+        if spec.overlap:
+            if out:  # was the last refit still moving while this step changed the weights?
+                out[-1]["overlapped"] = sync.background.in_flight == version - 1
+            if hold is not None:
+                hold.stepped(version)
+            out.append(_overlapped_item(spec, sync, built, cfg, version, rank, loss))
+            continue
         if offloader is not None:
             offloader.offload()  # between steps the parameters wait in host memory
             if any(p.numel() for p in params):
@@ -197,7 +214,33 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
                 logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
             item.update(export=export if rank == 0 else None, logits=logits)
         out.append(item)
+    if spec.overlap:
+        if hold is not None:
+            hold.stepped(float("inf"))
+        sync.background.wait()
+        reports = {r.version: r for r in sync.finished()}
+        for item in out:
+            item.update(report=reports[item.pop("version")].as_dict())
+            item["failed_replicas"] = item["report"]["failed_replicas"]
     return dict(role="train", summary=sync.plan.summary(), refits=out), sync
+
+
+def _overlapped_item(spec: RunSpec, sync, built, cfg, version: int, rank: int, loss) -> dict:
+    """``refit.overlap``: the weights at this step boundary (what refit ``version`` must land),
+    then the refit started in the background (its report is read when training ends)."""
+    from conversion.testing.train_step import forward_logits
+
+    item = dict(version=version, loss=loss, overlapped=False)
+    if spec.collect:  # collective over the train ranks, before the refit starts
+        export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
+            built.model, cpu=True, show_progress=False)}
+        with _reference_weights(spec, built):
+            logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
+        item.update(export=export if rank == 0 else None, logits=logits)
+    t0 = time.perf_counter()
+    sync.start_refit(version)
+    item["start_s"] = time.perf_counter() - t0
+    return item
 
 
 def _reference_weights(spec: RunSpec, built):
@@ -252,6 +295,44 @@ def _failing(storage) -> list[bool]:
 
     storage.buffer = failing
     return armed
+
+
+def slowed(group, delay_s: float) -> None:
+    """Every bucket ``group`` sends waits ``delay_s`` first (a slow link)."""
+    isend = group.isend
+
+    def slow(buffer, peer, tag):
+        time.sleep(delay_s)
+        return isend(buffer, peer, tag)
+
+    group.isend = slow
+
+
+class _HoldSends:
+    """:attr:`RunSpec.hold_sends`: the background refit of version ``v`` sends nothing before
+    step ``v + 1`` has finished (:meth:`stepped`)."""
+
+    def __init__(self, sync, timeout_s: float):
+        self.background, self.timeout_s = sync.background, timeout_s
+        self.cond, self.steps = threading.Condition(), 0
+        for member in sync.members.values():
+            self._wrap(member.group)
+
+    def _wrap(self, group) -> None:
+        isend = group.isend
+
+        def held(buffer, peer, tag):
+            version = self.background.in_flight
+            with self.cond:
+                self.cond.wait_for(lambda: version is None or self.steps > version, timeout=self.timeout_s)
+            return isend(buffer, peer, tag)
+
+        group.isend = held
+
+    def stepped(self, step: float) -> None:
+        with self.cond:
+            self.steps = step
+            self.cond.notify_all()
 
 
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):

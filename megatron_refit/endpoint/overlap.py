@@ -1,0 +1,213 @@
+"""Refits that overlap the next training step (``refit.overlap: on``).
+
+At the step boundary a train rank copies the bytes it sends into a snapshot (:class:`Snapshot`:
+a device-side copy of each piece this rank sends from, taken in the training loop's own
+thread and stream, the optimizer's fp32 main params never among them) and returns to the
+training loop; a background thread (:class:`BackgroundRefit`) then sends from the snapshot
+while the next forward/backward changes the live weights. Each version lands exactly as the
+weights were at the step it was taken. At most one refit is in flight per train rank: a refit
+that would start while the last one still moves waits for it (``refit.overlap_busy: wait``)
+or, on every train rank alike, is skipped and counted (``skip``). A refit that failed in the
+background raises at the next refit call or :meth:`BackgroundRefit.collect` (the next step
+boundary), its version named in a note; :meth:`BackgroundRefit.close` waits for the refit in
+flight (each of its waits is bounded by ``refit.timeout_s``) before the groups close.
+
+On a GPU the snapshot is a device-to-device copy on the training stream, and the background
+send runs on a CUDA stream of its own that waits for that copy only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_refit.plan.spec import ShardSpec
+
+from megatron_refit.config import OVERLAP_BUSY
+
+
+@dataclass
+class SnapshotPiece:
+    """A piece as it was at the last snapshot (what the refit in flight sends from)."""
+
+    spec: ShardSpec
+    follows: str | None = None
+    data: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self.data is None:
+            raise RuntimeError(f"refit.overlap: {self.spec.name} is not in this refit's snapshot (this rank sends "
+                               f"none of its bytes in any plan it had when the snapshot was taken)")
+        return self.data
+
+
+class Snapshot:
+    """This rank's pieces as of the last :meth:`take`: ``pieces`` stand for ``live`` in the
+    refit endpoints; their buffers are allocated once (the first take) and reused."""
+
+    def __init__(self, live: list):
+        self.live = {p.spec.name: p for p in live}
+        self.pieces = [SnapshotPiece(p.spec, getattr(p, "follows", None)) for p in live]
+        self._by_name = {p.spec.name: p for p in self.pieces}
+        self.ready: torch.cuda.Event | None = None
+        """On a GPU: recorded on the training stream after the copies (the sender waits for it)."""
+        self.seconds = 0.0
+        """How long the last :meth:`take` held the training loop."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the snapshot buffers (the memory overlap costs)."""
+        return sum(p.data.numel() * p.data.element_size() for p in self.pieces if p.data is not None)
+
+    def take(self, names: set[str]) -> float:
+        """Copy the live pieces ``names`` (those this rank sends from) into the snapshot; the
+        others' buffers are freed. Returns the seconds it took."""
+        unknown = sorted(names - set(self._by_name))
+        if unknown:
+            raise ValueError(f"refit.overlap: no local piece named {unknown[:3]} to snapshot")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, piece in self._by_name.items():
+                if name not in names:
+                    piece.data = None
+                    continue
+                live = self.live[name]
+                src = live.tensor().detach()
+                if piece.data is None or piece.data.shape != src.shape or piece.data.dtype != src.dtype \
+                        or piece.data.device != src.device:
+                    piece.data = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+                piece.data.copy_(src, non_blocking=src.is_cuda)
+                release = getattr(live, "release", None)
+                if release is not None:
+                    release()
+        self.ready = None
+        if any(p.data is not None and p.data.is_cuda for p in self.pieces):
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.seconds = time.perf_counter() - t0
+        return self.seconds
+
+
+def check_busy(busy: str) -> None:
+    if busy not in OVERLAP_BUSY:
+        raise ValueError(f"refit.overlap_busy: {busy!r} is not one of {list(OVERLAP_BUSY)}")
+
+
+class BackgroundRefit:
+    """At most one refit of this train rank in flight, on a thread of its own (see the module
+    docstring). ``gate``: a group of the train ranks alone (``exchange``), used under
+    ``busy="skip"`` so that every train rank skips the same refits."""
+
+    def __init__(self, snapshot: Snapshot, *, busy: str = "wait", gate=None):
+        check_busy(busy)
+        if busy == "skip" and gate is None:
+            raise ValueError("refit.overlap_busy: skip needs the train ranks' gate group")
+        self.snapshot = snapshot
+        self.busy = busy
+        self.gate = gate
+        self._thread: threading.Thread | None = None
+        self._version: int | None = None
+        self._result = None
+        self._error: BaseException | None = None
+        self._finished: list = []
+        self.skipped: list[int] = []
+        """Versions skipped because the last refit was still moving (``busy: skip``)."""
+        self.waited_s = 0.0
+        """Seconds the training loop waited for a refit in flight (``busy: wait``), in all."""
+        self.last_report = None
+        """The report of the last refit that finished."""
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version being sent, if one is."""
+        return self._version if self._thread is not None and self._thread.is_alive() else None
+
+    def on_own_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def start(self, version: int, prepare: Callable[[], set[str]], run: Callable[[], object],
+              *, busy: str | None = None) -> bool:
+        """Start refit ``version``: wait for (or skip behind) the one in flight, then
+        ``prepare()`` (collective over the train ranks, in this thread: the names of the pieces
+        to snapshot), snapshot, and ``run()`` in the background. False: skipped."""
+        busy = busy or self.busy
+        if busy == "skip":
+            moving = self.in_flight is not None
+            if any(row[0] for row in self.gate.exchange("overlap", [int(moving)])):
+                self.skipped.append(version)
+                self._reap()
+                return False
+        t0 = time.perf_counter()
+        self._join()
+        self.waited_s += time.perf_counter() - t0
+        self._reap()  # the last one's error, if it failed, is raised here (named)
+        self.snapshot.take(prepare())
+        ready = self.snapshot.ready
+        stream = torch.cuda.Stream() if ready is not None else None
+        self._version, self._result, self._error = version, None, None
+
+        def body():
+            try:
+                if stream is None:
+                    self._result = run()
+                else:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        self._result = run()
+                        stream.synchronize()
+            except BaseException as exc:  # noqa: BLE001 -- raised in the training thread, at the next call
+                self._error = exc
+
+        self._thread = threading.Thread(target=body, name=f"refit-{version}", daemon=True)
+        self._thread.start()
+        return True
+
+    def _join(self, timeout_s: float | None = None) -> bool:
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def _reap(self) -> None:
+        """Take the finished refit's outcome; raise its error, its version named."""
+        if self._thread is None or self._thread.is_alive():
+            return
+        self._thread = None
+        version, error, result = self._version, self._error, self._result
+        self._version = self._error = self._result = None
+        if error is not None:
+            error.add_note(f"refit.overlap: refit {version} failed in the background (taken at its step "
+                           f"boundary); raised at the next refit call or step boundary")
+            raise error
+        self.last_report = result
+        self._finished.append(result)
+
+    def collect(self) -> list:
+        """The reports of the refits that finished since the last call (in order); raises the
+        error of one that failed. Never waits."""
+        self._reap()
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, timeout_s: float | None = None):
+        """Wait for the refit in flight; its report (None if there was none), or its error."""
+        if not self._join(timeout_s):
+            raise TimeoutError(f"refit.overlap: refit {self._version} still in flight after {timeout_s:g} s")
+        had = self._thread is not None
+        self._reap()
+        return self.last_report if had else None
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Shutdown: wait for the refit in flight (``timeout_s``: at most that long; its own
+        waits are bounded by ``refit.timeout_s``); its report stays for :meth:`collect`."""
+        try:
+            self.wait(timeout_s)
+        finally:
+            if self.gate is not None and not self.in_flight:
+                self.gate.close()
+                self.gate = None

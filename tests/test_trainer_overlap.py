@@ -1,0 +1,174 @@
+"""``refit.overlap: on``: the trainer starts the next step while a refit's bytes move.
+
+Spawned train and engine ranks over gloo. Every train rank writes version ``v``'s weights into
+its pieces *in place*, starts refit ``v`` (a snapshot, then a background send slowed per bucket
+so that it is still moving), then at once overwrites the same tensors, as the next optimizer
+step would. Each version must still land bit for bit as it was at its step boundary. Also: a
+refit that failed in the background raises at the next call, naming its version; under
+``overlap_busy: skip`` every train rank skips the same refits; shutdown waits for the refit in
+flight. Megatron-Bridge's own training loop (``pretrain()`` with ``RefitCallback``), deltas,
+staged swap, a failing replica, FP8, LoRA and colocated transfers: further down.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.tools.harness import RunSpec, evaluate, run
+from megatron_refit.tools.launch import free_ports, run_spawned
+from tests.test_fleet import NUM_TRAIN, SHAPES, _box, _Storage, _weights
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 30.0
+SEND_DELAY_S = 0.03
+
+
+def _overlap_rank(rank, world, port, scenario, versions):
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.errors import RefitTransportError
+    from megatron_refit.plan.spec import ShardSpec
+    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.tools.harness import slowed
+
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
+                      timeout_s=TIMEOUT_S, overlap="on", delta="on",
+                      overlap_busy="skip" if scenario == "skip" else "wait",
+                      on_replica_failure="raise" if scenario == "raise" else "continue")
+    if rank < NUM_TRAIN:
+        pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
+                              torch.zeros(tuple(b - a for a, b in _box(n, rank, NUM_TRAIN))))
+                  for n, s in SHAPES.items()]
+        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        for member in sync.members.values():
+            slowed(member.group, SEND_DELAY_S)
+        out = dict(started=[], errors=[], in_flight=[], reports=[])
+        pending = list(versions)
+        while pending:
+            version = pending[0]
+            weights = _weights(version)
+            for piece in pieces:  # this step's weights, in the tensors the trainer keeps
+                piece.data.copy_(weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)])
+            try:
+                started = sync.start_refit(version)
+            except Exception as exc:  # noqa: BLE001 -- the last refit's failure, raised here
+                out["errors"].append(dict(at=version, error=type(exc).__name__, message=str(exc),
+                                          notes=getattr(exc, "__notes__", [])))
+                if len(out["errors"]) > 1:
+                    raise
+                continue  # the same step again
+            pending.pop(0)
+            out["started"].append(version) if started else None
+            out["in_flight"].append(sync.background.in_flight)
+            for piece in pieces:  # the next step changes them while the bytes move
+                piece.data.mul_(-3.0).add_(1.0)
+            time.sleep(0.05)
+            out["reports"] += [r.version for r in sync.finished()]
+        t0, moving = time.monotonic(), sync.background.in_flight
+        sync.close()  # a refit in flight lands first
+        out.update(close_s=time.monotonic() - t0, moving_at_close=moving, skipped=sync.background.skipped,
+                   snapshot_bytes=sync.background.snapshot.nbytes,
+                   reports=out["reports"] + [r.version for r in sync.finished()])
+        return out
+    gen = rank - NUM_TRAIN
+    storage = _Storage(0, 1)
+    sync = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    out = []
+    while True:
+        storage.calls = 0
+        storage.fail_at = 2 if scenario in ("raise", "continue") and gen == 1 and len(out) == 1 else None
+        try:
+            report = sync.receive()  # whatever version the trainer sends next
+            out.append(dict(version=report.version, ok=True, exact=storage.exact(report.version), delta=report.delta))
+        except RefitTransportError:  # the trainer closed
+            break
+        except Exception as exc:  # noqa: BLE001
+            out.append(dict(ok=False, error=type(exc).__name__))
+    sync.close()
+    return out
+
+
+def _run(scenario, versions=(1, 2, 3, 4)):
+    out = run_spawned(_overlap_rank, NUM_TRAIN + 2, scenario, list(versions), timeout_s=180,
+                      port=free_ports(1)[0])
+    return out[:NUM_TRAIN], out[NUM_TRAIN:]
+
+
+def test_trainer_overlap_lands_every_version_as_taken_and_a_failing_replica_stays_its_own():
+    """``on_replica_failure: continue``: replica 1's engine raises in refit 2; every version
+    still lands bit-exactly wherever it landed, replica 1 is back at 3 (in full), the train
+    ranks never raise, and each refit was still moving when the next step changed the weights."""
+    train, gen = _run("continue")
+    for t in train:
+        assert t["started"] == [1, 2, 3, 4] and t["errors"] == [] and t["reports"] == [1, 2, 3, 4]
+        assert t["in_flight"] == [1, 2, 3, 4]  # the next step ran while it moved
+        # the snapshot holds what this rank sends: its row halves of the weights, once
+        assert t["snapshot_bytes"] <= sum(torch.zeros(s).numel() * 4 for s in SHAPES.values())
+    assert [(g["version"], g["ok"], g["exact"]) for g in gen[0]] == [(v, True, True) for v in (1, 2, 3, 4)]
+    assert [g["ok"] for g in gen[1]] == [True, False, True, True]
+    assert all(g["exact"] for g in gen[1] if g["ok"]) and [g.get("delta") for g in gen[1]] == [False, None, False, True]
+
+
+def test_trainer_overlap_a_failed_background_refit_raises_at_the_next_call_naming_its_version():
+    train, gen = _run("raise")
+    for t in train:
+        (error,) = t["errors"]
+        assert error["at"] == 3 and error["error"] == "ReplicaFailedError"
+        assert "refit 2" in error["message"] and "replica(s) [1]" in error["message"], error
+        assert any("refit 2 failed in the background" in note for note in error["notes"]), error
+        assert t["started"] == [1, 2, 3, 4]  # step 3 retried after the error
+    assert all(g["exact"] for g in gen[0]) and [g["version"] for g in gen[0]] == [1, 2, 3, 4]
+    assert [g["ok"] for g in gen[1]] == [True, False, True, True]
+
+
+def test_trainer_overlap_busy_skip_skips_the_same_refits_on_every_train_rank_and_close_waits():
+    train, gen = _run("skip", versions=range(1, 9))
+    skipped = train[0]["skipped"]
+    assert skipped and train[1]["skipped"] == skipped, (skipped, train[1]["skipped"])
+    landed = [v for v in range(1, 9) if v not in skipped]
+    for t in train:
+        assert t["started"] == t["reports"] == landed
+        if t["moving_at_close"] is not None:  # close() waited for it, and it landed
+            assert t["moving_at_close"] == landed[-1] and t["close_s"] > SEND_DELAY_S
+    for g in gen:
+        assert [r["version"] for r in g] == landed and all(r["exact"] for r in g)
+
+
+# -- through Megatron (the harness: Bridge's enumeration, Megatron's optimizer steps) -----------------
+
+
+OVERLAP_CASES = {
+    # train TP2, bf16 with the DistributedOptimizer; deltas; staged swap; replica 1 fails refit 2
+    "delta-staged-failing-replica": dict(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2),
+                                         dtype="bfloat16", delta="on", swap="staged", fail_replica=(1, 2),
+                                         lr=1e-3),
+    # trainer-side FP8 quantized from the snapshot, into gen TP2, bucket bytes through shared buffers
+    "fp8-colocated": dict(model="qwen3", overrides=dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256),
+                          train=TrainLayout(tp=2), gen=GenLayout(tp=2), fp8="trainer", colocated=True),
+    # LoRA: base and adapters first, adapters only afterwards
+    "lora": dict(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1), lora_rank=4),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_trainer_overlap_through_megatron(case):
+    spec = RunSpec(refits=3, bucket_bytes=64 << 10, overlap=True, hold_sends=True, **OVERLAP_CASES[case])
+    results = run(spec)
+    result = evaluate(spec, results)
+    for refit in result["refits"]:
+        assert refit["bit_exact"] is True, refit
+    train = [r for r in results if r["role"] == "train"]
+    for t in train:  # every refit but the last was still moving after the next step
+        assert [item["overlapped"] for item in t["refits"]] == [True, True, False]
+    if spec.fail_replica:
+        assert [bool(item["failed_replicas"]) for item in train[0]["refits"]] == [False, True, False]
+        assert [r["delta"] for r in result["refits"]] == [False, True, True]
+    if spec.lora_rank:
+        sent = [r["bytes_sent"] for r in result["refits"]]
+        assert sent[1] == sent[2] < sent[0] / 4  # adapters only after the first
