@@ -172,3 +172,134 @@ def test_trainer_overlap_through_megatron(case):
     if spec.lora_rank:
         sent = [r["bytes_sent"] for r in result["refits"]]
         assert sent[1] == sent[2] < sent[0] / 4  # adapters only after the first
+
+
+# -- inside Megatron-Bridge's own pretrain() ------------------------------------------------------
+
+PRETRAIN_YAML = """
+refit:
+  enabled: true
+  engine: hf
+  port: ${oc.env:TEST_REFIT_PORT}
+  bucket_mb: 0.25
+  timeout_s: 120
+  overlap: on
+  delta: on
+  gen_dp: 2
+  on_replica_failure: continue
+"""
+PRETRAIN_ITERATIONS = 4
+FAILING = (1, 2)
+"""Engine replica 1 raises while refit 2 lands."""
+
+
+def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
+    import os
+
+    from conversion.refit_callback import RefitCallback, force_param_sync
+    from conversion.te_shim import import_bridge
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.tiny_pretrain import run_tiny_pretrain
+    from megatron_refit.config import load_training_yaml
+    from megatron_refit.tools.harness import _HoldSends
+
+    import_bridge()
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.training.callbacks import Callback
+
+    os.environ.update(WORLD_SIZE=str(num_train), MASTER_PORT=str(megatron_port))
+    cfg = hf_config("qwen3")
+    bridge = AutoBridge.from_hf_config(cfg)
+    _, refit = load_training_yaml(yaml_path)
+    refit_callback = RefitCallback.from_config(refit, bridge)
+    out = dict(exports={}, in_flight={}, at_end=None)
+
+    class Steps(Callback):
+        """Before the refit callback at every event: Bridge's export of the weights at this
+        step boundary (what the refit taken now must land), and the release of the last
+        refit's sends, held until this step had changed the weights."""
+
+        def on_train_start(self, context):
+            self.hold = None
+
+        def on_train_step_end(self, context):
+            iteration = context.state.train_state.step + 1
+            if self.hold is None:  # the callback joined at on_train_start (after this one)
+                self.hold = _HoldSends(refit_callback.sync, 120)
+            out["in_flight"][iteration] = refit_callback.sync.background.in_flight
+            self.hold.stepped(iteration)
+            force_param_sync(context.model, context.optimizer)
+            got = {n: t.detach().cpu().clone() for n, t in bridge.export_hf_weights(context.model, cpu=True,
+                                                                                      show_progress=False)}
+            out["exports"][iteration] = got if rank == 0 else None
+
+        def on_train_end(self, context):
+            out["at_end"] = refit_callback.sync.background.in_flight  # on_train_end waits for it
+            self.hold.stepped(float("inf"))
+
+    steps = Steps()
+    record = run_tiny_pretrain(cfg, train_iters=PRETRAIN_ITERATIONS, callbacks=[steps, refit_callback],
+                               dp=num_train, overlap_param_gather=True)
+    return dict(out, iterations=record["iterations"], closed=refit_callback.sync is None,
+                last=refit_callback.last_report.version, skipped_busy=refit_callback.skipped_busy)
+
+
+def _pretrain_overlap_gen(refit, gen_index, num_train):
+    from conversion.testing.hf_configs import hf_config
+    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.refit import engine_refit
+    from megatron_refit.tools.harness import _failing
+
+    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
+    armed = _failing(backend)
+    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
+    out = {}
+    for version in range(PRETRAIN_ITERATIONS + 1):
+        armed[0] = (gen_index, version) == FAILING
+        try:
+            report = sync.receive(version)
+        except RuntimeError as exc:
+            out[version] = dict(error=str(exc))
+            continue
+        out[version] = dict(weights={n: t.clone() for n, t in backend.state_dict_hf().items()}, delta=report.delta)
+    sync.close()
+    return out
+
+
+def _pretrain_overlap_rank(rank, world, port, yaml_path, megatron_port):
+    import os
+
+    from megatron_refit.config import load_training_yaml
+
+    os.environ["TEST_REFIT_PORT"] = str(port)
+    if rank < 2:
+        return _pretrain_overlap_train(rank, 2, yaml_path, megatron_port)
+    return _pretrain_overlap_gen(load_training_yaml(yaml_path)[1], rank - 2, num_train=2)
+
+
+def test_trainer_overlap_inside_bridge_pretrain_deltas_a_failing_replica_and_shutdown_during_a_refit(tmp_path):
+    """Bridge's pretrain() (TP1 x DP2, DDP with overlapped param gather, the distributed
+    optimizer) with ``refit.overlap: on`` in the training YAML, two engine replicas, deltas.
+    Each refit's sends are held until the next iteration has changed the weights; every version
+    lands bit-exactly as Bridge exported it at its iteration; replica 1 fails refit 2 alone and
+    is whole again at 3; training ends while refit 4 moves, and on_train_end waits for it."""
+    path = tmp_path / "train.yaml"
+    path.write_text(PRETRAIN_YAML)
+    out = run_spawned(_pretrain_overlap_rank, 4, str(path), free_ports(1)[0], timeout_s=300)
+    train, gens = out[:2], out[2:]
+    for t in train:
+        assert t["iterations"] == PRETRAIN_ITERATIONS and t["closed"] and t["skipped_busy"] == []
+        # at each iteration's end the last refit was still moving (its sends held for this step);
+        # version 0, at on_train_start, lands before training starts
+        assert t["in_flight"] == {1: None, **{i: i - 1 for i in range(2, PRETRAIN_ITERATIONS + 1)}}
+        assert t["at_end"] == PRETRAIN_ITERATIONS and t["last"] == PRETRAIN_ITERATIONS
+    exports = train[0]["exports"]
+    for replica, got in enumerate(gens):
+        for version in range(1, PRETRAIN_ITERATIONS + 1):
+            if (replica, version) == FAILING:
+                assert "error" in got[version]
+                continue
+            weights = got[version]["weights"]
+            assert weights and all(torch.equal(t, exports[version][n]) for n, t in weights.items()), (replica, version)
+    assert [gens[0][v]["delta"] for v in range(1, PRETRAIN_ITERATIONS + 1)] == [True] * PRETRAIN_ITERATIONS
+    assert [gens[1][v].get("delta") for v in range(1, PRETRAIN_ITERATIONS + 1)] == [True, None, False, True]

@@ -309,25 +309,20 @@ def slowed(group, delay_s: float) -> None:
 
 
 class _HoldSends:
-    """:attr:`RunSpec.hold_sends`: the background refit of version ``v`` sends nothing before
-    step ``v + 1`` has finished (:meth:`stepped`)."""
+    """:attr:`RunSpec.hold_sends`: the background refit of version ``v`` reads and sends
+    nothing before step ``v + 1`` has finished (:meth:`stepped`)."""
 
     def __init__(self, sync, timeout_s: float):
         self.background, self.timeout_s = sync.background, timeout_s
         self.cond, self.steps = threading.Condition(), 0
-        for member in sync.members.values():
-            self._wrap(member.group)
+        refit = sync._refit  # the fleet's refit as the background thread runs it
 
-    def _wrap(self, group) -> None:
-        isend = group.isend
-
-        def held(buffer, peer, tag):
-            version = self.background.in_flight
+        def held(version, **kw):
             with self.cond:
-                self.cond.wait_for(lambda: version is None or self.steps > version, timeout=self.timeout_s)
-            return isend(buffer, peer, tag)
+                self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
+            return refit(version, **kw)
 
-        group.isend = held
+        sync._refit = held
 
     def stepped(self, step: float) -> None:
         with self.cond:
