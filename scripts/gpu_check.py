@@ -159,6 +159,19 @@ def check_nccl_one_gpu() -> dict:
         return dict(accepted=False, error=str(exc)[-1500:])
 
 
+def check_overlap(device: str) -> dict:
+    """``refit.overlap: on`` on the device: the snapshot a device-to-device copy, the send on a
+    CUDA stream of its own; every refit held until the next step changed the weights."""
+    spec = RunSpec(model="qwen3", train=TrainLayout(tp=1), gen=GenLayout(tp=1, dp=1), refits=3, colocated=True,
+                   device=device, overlap=True, hold_sends=True)
+    results = run(spec)
+    summary = evaluate(spec, results)
+    overlapped = [item["overlapped"] for item in results[0]["refits"]]
+    return dict(ok=bool(summary["bit_exact"]) and overlapped == [True, True, False], bit_exact=summary["bit_exact"],
+                overlapped=overlapped, start_seconds=[item["start_s"] for item in results[0]["refits"]],
+                refit_seconds=[r["seconds"]["total"] for r in summary["refits"]])
+
+
 def check_pretrain_callback(device: str) -> dict:
     import tempfile
 
@@ -174,7 +187,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--only", nargs="*",
-                   default=["fp8", "colocated", "colocated_speed", "nccl_one_gpu", "pretrain_callback"])
+                   default=["fp8", "colocated", "colocated_speed", "nccl_one_gpu", "overlap", "pretrain_callback"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     results: dict = dict(torch=torch.__version__, device=args.device)
@@ -182,6 +195,7 @@ def main(argv=None) -> int:
         results["gpu"] = torch.cuda.get_device_name(0)
     checks = dict(fp8=lambda: check_fp8(args.device), colocated=lambda: check_colocated(args.device),
                   colocated_speed=lambda: check_colocated_speed(args.device), nccl_one_gpu=check_nccl_one_gpu,
+                  overlap=lambda: check_overlap(args.device),
                   pretrain_callback=lambda: check_pretrain_callback(args.device))
     for name in args.only:
         t0 = time.perf_counter()

@@ -4,7 +4,8 @@ Runs, each in its own process with a time limit, and records one JSON line per c
 ``results/gpu_checks_<date>.jsonl`` (``--out``), then prints one table:
 
 - ``scripts/gpu_check.py`` (Megatron environment, ``.venv``): trainer-side FP8 on the device,
-  colocated CUDA IPC into HF and vLLM-layout storage, its speed, NCCL on one GPU, Bridge's
+  colocated CUDA IPC into HF and vLLM-layout storage, its speed, NCCL on one GPU, an overlapped
+  refit (``refit.overlap``: device snapshot, its own CUDA stream), Bridge's
   ``pretrain()`` with the refit callback; one line per check;
 - ``scripts/gpu_check_vllm.py`` (``.venv-vllm``) and ``scripts/gpu_check_sglang.py``
   (``.venv-sglang``): the real engines, where their environment exists (a line saying
@@ -27,7 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORE = ("fp8", "colocated", "colocated_speed", "nccl_one_gpu", "pretrain_callback")
+CORE = ("fp8", "colocated", "colocated_speed", "nccl_one_gpu", "overlap", "pretrain_callback")
 """``scripts/gpu_check.py``'s checks."""
 ENGINES = {"vllm": (".venv-vllm", "gpu_check_vllm.py"), "sglang": (".venv-sglang", "gpu_check_sglang.py")}
 CHECKS = (*CORE, *ENGINES)

@@ -151,6 +151,9 @@ class TrainerFleet:
         that sends from its snapshot while training goes on (the members send from the snapshot)."""
         self._joined: dict[int, dict] = {}
         """Overlap: per version, the joins' failures of the membership update done at its start."""
+        self._next_members: dict | None = None
+        """Overlap: the joins' failures of the membership update a background refit did at its end
+        for the next one (which then takes no collective in the training thread)."""
         self.control = control
         """The train ranks' own group: versions and outcomes, never an engine rank."""
         self._connect, self._member = connect, member
@@ -223,6 +226,8 @@ class TrainerFleet:
     @property
     def plan(self):
         """The plan of a replica's group (every replica of the layout has the same)."""
+        if not self.members:
+            raise ValueError("the refit has no engine replica connected now (every one left or failed): no plan")
         return next(iter(self.members.values())).plan
 
     @property
@@ -260,8 +265,10 @@ class TrainerFleet:
             raise ValueError("start_refit needs refit.overlap: on (the snapshot it sends from); call refit()")
 
         def prepare() -> set[str]:  # no refit in flight on any train rank now: the control group is free
-            failures: dict[int, str] = {}
-            self._update_membership(failures)
+            failures, self._next_members = self._next_members, None
+            if failures is None:  # no background refit read the announcements for this one
+                failures = {}
+                self._update_membership(failures)
             self._joined[version] = failures
             return self._sent_pieces(full)
 
@@ -335,6 +342,9 @@ class TrainerFleet:
                         moved_max=moved_max)
         if self.on_report is not None:
             self.on_report(report.summary)
+        if self.background is not None and self.background.on_own_thread():
+            self._next_members = {}  # the next refit's joins and leaves, read here (every train rank)
+            self._update_membership(self._next_members)
         landed = report.summary["refit/replicas_ok"]
         if not replicas and not failures:
             raise ReplicaFailedError(f"refit {version}: no engine replica is connected (every one failed or left, "

@@ -18,6 +18,7 @@ send runs on a CUDA stream of its own that waits for that copy only.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ class Snapshot:
         if unknown:
             raise ValueError(f"refit.overlap: no local piece named {unknown[:3]} to snapshot")
         t0 = time.perf_counter()
+        dsts, srcs, releases = [], [], []
         with torch.no_grad():
             for name, piece in self._by_name.items():
                 if name not in names:
@@ -80,16 +82,33 @@ class Snapshot:
                 if piece.data is None or piece.data.shape != src.shape or piece.data.dtype != src.dtype \
                         or piece.data.device != src.device:
                     piece.data = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-                piece.data.copy_(src, non_blocking=src.is_cuda)
+                dsts.append(piece.data)
+                srcs.append(src)
                 release = getattr(live, "release", None)
                 if release is not None:
-                    release()
+                    releases.append(release)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one call (device: one launch per group)
+        for release in releases:  # copies tensor() made (a QKV split): after the copy that read them
+            release()
         self.ready = None
         if any(p.data is not None and p.data.is_cuda for p in self.pieces):
             self.ready = torch.cuda.Event()
             self.ready.record()
         self.seconds = time.perf_counter() - t0
         return self.seconds
+
+
+BACKGROUND_NICE = 0
+"""The sending thread's CPU priority below the training thread's (Linux ``nice``, per thread):
+where cores are short it yields them to the step it overlaps."""
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority
+        pass
 
 
 def check_busy(busy: str) -> None:
@@ -151,6 +170,7 @@ class BackgroundRefit:
         self._version, self._result, self._error = version, None, None
 
         def body():
+            _lower_priority()
             try:
                 if stream is None:
                     self._result = run()

@@ -98,6 +98,13 @@ def swap_pause(gen_bytes: int, cluster: Cluster, *, copy: bool = True) -> float:
     return gen_bytes / (cluster.copy_gbps * cluster.efficiency * GB) if copy else 0.0
 
 
+def overlap_stall(train_bytes: int, cluster: Cluster) -> float:
+    """``refit.overlap: on``: the training-step stall per refit of a train rank that sends
+    ``train_bytes``: its snapshot, one device copy of those bytes (the send runs behind the next
+    step). With ``overlap: off`` the stall is the whole refit."""
+    return train_bytes / (cluster.copy_gbps * cluster.efficiency * GB)
+
+
 def placement(num_train: int, num_gen: int, mode: str, gpus_per_node: int) -> tuple[list[int], list[int]]:
     """Cluster GPU of each train rank and of each gen rank.
 

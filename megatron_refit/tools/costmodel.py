@@ -12,7 +12,8 @@ import json
 import sys
 
 from megatron_refit.plan.assignment import Assignment
-from megatron_refit.plan.cost import Cluster, delta_fraction, delta_prediction, placement, predict, swap_pause
+from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, overlap_stall, placement, predict,
+                                      swap_pause)
 from megatron_refit.plan.senders import SenderPlan
 from megatron_refit.tools.dryrun import build
 
@@ -36,6 +37,15 @@ def pair_bytes(senders: SenderPlan | Assignment) -> dict[tuple[int, int], int]:
     return senders.pair_bytes()
 
 
+def snapshot_bytes_max(pairs: dict[tuple[int, int], int], local_bytes: list[int]) -> int:
+    """The most bytes one train rank's ``refit.overlap`` snapshot copies: what it sends, each
+    byte once however many replicas get it, so at most its local pieces."""
+    sent: dict[int, int] = {}
+    for (src, _), nbytes in pairs.items():
+        sent[src] = sent.get(src, 0) + nbytes
+    return max((min(nbytes, local_bytes[src]) for src, nbytes in sent.items()), default=0)
+
+
 def main(argv=None) -> int:
     defaults = Cluster()
     p = argparse.ArgumentParser(prog="python -m megatron_refit.costmodel", description=__doc__,
@@ -55,6 +65,8 @@ def main(argv=None) -> int:
                         "since the last refit (e.g. 0.03)")
     p.add_argument("--swap", choices=["in_place", "staged"], default=None,
                    help="also predict the generation pause of a refit (refit.swap; default: the config's)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also predict the training-step stall per refit with refit.overlap on and off")
     args = p.parse_args(argv)
     model = ""
     try:
@@ -94,6 +106,14 @@ def main(argv=None) -> int:
     pause = prediction.seconds if swap == "in_place" else swap_pause(run.gen_bytes_max(), cluster)
     print(f"generation pause per refit ({swap}): {pause:.3f} s"
           + (" (the whole transfer)" if swap == "in_place" else " (staging -> parameters, device copy)"))
+    stall = None
+    if args.overlap:
+        sent = snapshot_bytes_max(pairs, run.train_local_bytes)
+        stall = overlap_stall(sent, cluster)
+        print(f"training-step stall per refit: overlap off {prediction.seconds:.3f} s (the whole refit); overlap on "
+              f"{stall * 1e3:.2f} ms (the snapshot: a device copy of the {sent / 1e9:.2f} GB the busiest train rank "
+              f"sends from, also its extra memory); the send then runs behind the next step, which must take longer "
+              f"than {prediction.seconds:.3f} s for the refit never to wait")
     for system, their_layout, low, high in PUBLISHED.get(model, []):
         seconds = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
         print(f"{system:42} {their_layout:40} {seconds:>12}")
@@ -104,7 +124,11 @@ def main(argv=None) -> int:
                           "swap": swap, "predicted_pause_seconds": round(pause, 4),
                           **({"delta_density": args.delta_density, "predicted_delta_seconds": round(delta.seconds, 4),
                               "delta_bytes_fraction": round(delta_fraction(args.delta_density), 4)}
-                             if delta is not None else {})}))
+                             if delta is not None else {}),
+                          **({"predicted_stall_blocking_seconds": round(prediction.seconds, 4),
+                              "predicted_stall_overlap_seconds": round(stall, 6),
+                              "snapshot_bytes_per_train_rank_max": sent}
+                             if stall is not None else {})}))
     return 0
 
 

@@ -29,7 +29,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
 from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
@@ -61,6 +61,8 @@ class DryRun:
     """CPU seconds of this process in the same phase (steadier on a shared machine)."""
     enumerate_seconds: float
     cache_path: str
+    train_local_bytes: list[int] = field(default_factory=list)
+    """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
 
     def gen_bytes_max(self) -> int:
         return max(self.senders.gen_bytes().values())
@@ -172,9 +174,13 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
         train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    sizes: dict[int, int] = {}  # DP replicas share one list of specs
+    local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
+             for _, specs in sorted(train_specs.items())]
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
-                  plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path)
+                  plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
+                  train_local_bytes=local)
 
 
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):

@@ -184,6 +184,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
+    summary = sync.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
     hold = _HoldSends(sync, spec.timeout_s) if spec.hold_sends else None
     out = []
     for version in bar or versions:
@@ -222,7 +223,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         for item in out:
             item.update(report=reports[item.pop("version")].as_dict())
             item["failed_replicas"] = item["report"]["failed_replicas"]
-    return dict(role="train", summary=sync.plan.summary(), refits=out), sync
+    return dict(role="train", summary=summary, refits=out), sync
 
 
 def _overlapped_item(spec: RunSpec, sync, built, cfg, version: int, rank: int, loss) -> dict:
