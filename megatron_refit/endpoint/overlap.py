@@ -18,7 +18,6 @@ send runs on a CUDA stream of its own that waits for that copy only.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -99,18 +98,6 @@ class Snapshot:
         return self.seconds
 
 
-BACKGROUND_NICE = 0
-"""The sending thread's CPU priority below the training thread's (Linux ``nice``, per thread):
-where cores are short it yields them to the step it overlaps."""
-
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority
-        pass
-
-
 def check_busy(busy: str) -> None:
     if busy not in OVERLAP_BUSY:
         raise ValueError(f"refit.overlap_busy: {busy!r} is not one of {list(OVERLAP_BUSY)}")
@@ -170,7 +157,6 @@ class BackgroundRefit:
         self._version, self._result, self._error = version, None, None
 
         def body():
-            _lower_priority()
             try:
                 if stream is None:
                     self._result = run()
