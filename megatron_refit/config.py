@@ -112,9 +112,10 @@ class RefitConfig:
     """Delta refits: send only the elements that changed since the last refit, shard to
     shard. ``on``: every refit after the first complete one compares each bucket with a copy
     of what was sent last time and sends the smallest of its bytes, the changed elements'
-    indices and values, or a bitmask and values; ``auto``: as ``on``, but after a refit whose
-    delta was more than half of a full one the next 4 go full without comparing (and without
-    the copy), then it tries again; ``off``. Costs host memory on every train rank: a copy of
+    indices and values, or a bitmask and values; ``auto``: decides before every refit from
+    measured costs (the last full and the last delta refit's wall time; before the first delta,
+    the comparison's cost on this rank): deltas while one takes at most 95 % of a full refit,
+    else full refits without comparing and without the copy; ``off``. Costs host memory on every train rank: a copy of
     all it sends (its share of the model in the sent dtype). A receiver that missed a version
     (restart, failed refit, re-allocated parameters) gets a full refit, decided before any
     byte moves. (YAML reads a bare ``off`` / ``on`` as a boolean: both are taken as the mode.)"""

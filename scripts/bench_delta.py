@@ -3,9 +3,11 @@
 The benchmark model's weights in bf16 with fp32 master copies, as Megatron trains: before
 each refit every master weight takes an Adam-sized step (``lr`` per element, a fixed random
 direction) and the bf16 weights are re-rounded from it, so only the elements whose master
-crossed a bf16 rounding boundary change. A delta endpoint (``refit.delta: on``) and a full
-one refit the same weights into two engines of their own, back to back in rotating order;
-medians of the slowest rank.
+crossed a bf16 rounding boundary change. Three endpoints, ``refit.delta`` ``on``, ``auto`` and
+``off`` (full), refit the same weights into engines of their own, back to back in rotating
+order; medians of the slowest rank. Then the same at the first learning rate over a throttled
+link (:data:`THROTTLE_BYTES_PER_S` per train rank: each bucket waits its bytes' time before
+it is posted), where the link, not the comparison, is the bottleneck.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from dataclasses import replace
 import torch
 
 LRS = (1e-6, 1e-5)
+KEYS = ("on", "auto", "off")
+THROTTLE_BYTES_PER_S = 200e6
+"""The throttled link: 200 MB/s per train rank (1.6 Gb/s)."""
+THROTTLED = "throttled"
 
 
 def _timed(fn, group) -> float:
@@ -51,11 +57,11 @@ def delta_rank(group, spec, cfg, shards, reps: int) -> dict:
             release = getattr(shard, "release", None)  # drop a copy tensor() made (the QKV split)
             if release is not None:
                 release()
-        endpoints = {key: Refitter(group, pieces, delta=key, **kw) for key in ("on", "off")}
+        endpoints = {key: Refitter(group, pieces, delta=key, **kw) for key in KEYS}
     else:
         bf16_spec = replace(spec, dtype="bfloat16")
         endpoints = {key: Receiver(group, make_gen_backend(bf16_spec, cfg, group.rank - T), delta=key, **kw)
-                     for key in ("on", "off")}
+                     for key in KEYS}
     for endpoint in endpoints.values():
         endpoint.prepare()
 
@@ -64,44 +70,65 @@ def delta_rank(group, spec, cfg, shards, reps: int) -> dict:
         return ep.refit(version) if is_train else ep.receive(version)
 
     out, version = {}, 0
-    for lr in LRS:
-        times, summaries = {"on": [], "off": []}, []
-        for rep in range(reps + 1):  # the first: the delta endpoint's first refit of this lr is a delta too
+    for lr in (*LRS, THROTTLED):
+        if lr == THROTTLED and is_train:
+            _throttle(group, THROTTLE_BYTES_PER_S)
+        step = LRS[0] if lr == THROTTLED else lr
+        times, summaries = {key: [] for key in KEYS}, {key: [] for key in KEYS}
+        warm = 3 if lr == THROTTLED else 1  # auto's first refits there: full (measured), then with copies
+        for rep in range(reps + warm):
             if is_train:
                 for master, piece, direction in zip(masters, pieces, noise):
-                    master.add_(direction, alpha=lr)
+                    master.add_(direction, alpha=step)
                     piece.data.copy_(master)
             version += 1
-            order = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
+            order = KEYS[rep % 3:] + KEYS[:rep % 3]
             for key in order:
                 reports = []
                 seconds = _timed(lambda key=key: reports.append(refit(key, version)), group)
-                if rep and version > 1:
+                if rep >= warm and version > 1:
                     times[key].append(seconds)
-                    if key == "on":
-                        summaries.append(reports[0].summary)
+                    summaries[key].append(reports[0].summary)
         out[lr] = dict(times=times, summaries=summaries)
     return out
+
+
+def _throttle(group, bytes_per_s: float) -> None:
+    """A slow link on this train rank: each message waits its bytes' time before it is posted."""
+    isend = group.isend
+
+    def throttled(buffer, peer, tag):
+        time.sleep(buffer.numel() * buffer.element_size() / bytes_per_s)
+        return isend(buffer, peer, tag)
+
+    group.isend = throttled
 
 
 def summarize(per_rank: list[dict]) -> dict:
     """Slowest rank per repetition, medians, from every rank's :func:`delta_rank`."""
     rows = {}
-    for lr in LRS:
+    for lr in (*LRS, THROTTLED):
         reps = len(per_rank[0][lr]["times"]["on"])
-        slowest = {key: [max(r[lr]["times"][key][i] for r in per_rank) for i in range(reps)] for key in ("on", "off")}
+        slowest = {key: [max(r[lr]["times"][key][i] for r in per_rank) for i in range(reps)] for key in KEYS}
         summaries = per_rank[0][lr]["summaries"]
-        rows[f"{lr:g}"] = dict(
+        on, auto = summaries["on"], summaries["auto"]
+        row = rows[lr if lr == THROTTLED else f"{lr:g}"] = dict(
             full_s=statistics.median(slowest["off"]),
             delta_s=statistics.median(slowest["on"]),
-            bytes_full=summaries[0]["refit/bytes_full"],
-            bytes_delta=int(statistics.median(s["refit/bytes"] for s in summaries)),
-            density=statistics.median(s["refit/density"] for s in summaries),
-            all_delta=all(s["refit/delta"] for s in summaries),
-            pack_s=statistics.median(s["refit/pack_s"] for s in summaries),
-            load_s=statistics.median(s["refit/load_s"] for s in summaries),
-            verify_s=statistics.median(s["refit/verify_s"] for s in summaries),
+            auto_s=statistics.median(slowest["auto"]),
+            bytes_full=on[0]["refit/bytes_full"],
+            bytes_delta=int(statistics.median(s["refit/bytes"] for s in on)),
+            bytes_auto=int(statistics.median(s["refit/bytes"] for s in auto)),
+            auto_deltas=sum(s["refit/delta"] for s in auto),
+            density=statistics.median(s["refit/density"] for s in on),
+            all_delta=all(s["refit/delta"] for s in on),
+            pack_s=statistics.median(s["refit/pack_s"] for s in on),
+            load_s=statistics.median(s["refit/load_s"] for s in on),
+            verify_s=statistics.median(s["refit/verify_s"] for s in on),
+            reps=reps,
         )
-        rows[f"{lr:g}"]["bytes_ratio"] = rows[f"{lr:g}"]["bytes_delta"] / rows[f"{lr:g}"]["bytes_full"]
-        rows[f"{lr:g}"]["time_ratio"] = rows[f"{lr:g}"]["delta_s"] / rows[f"{lr:g}"]["full_s"]
+        row["bytes_ratio"] = row["bytes_delta"] / row["bytes_full"]
+        row["time_ratio"] = row["delta_s"] / row["full_s"]
+        row["auto_over_full_s"] = row["auto_s"] / row["full_s"]
+        row["auto_over_full_bytes"] = row["bytes_auto"] / row["bytes_full"]
     return rows

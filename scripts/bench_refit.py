@@ -327,11 +327,20 @@ def main(argv=None) -> int:
         print(f"{r['layout']}: driver CPU per refit with a transport that moves nothing (median, slowest rank): "
               f"train {r['driver_cpu_ms']['train']} ms, gen {r['driver_cpu_ms']['gen']} ms")
     if head["delta"]:
+        from bench_delta import LRS, THROTTLE_BYTES_PER_S, THROTTLED
+
         result["delta"] = head["delta"]
+        # refit.delta: auto against a full refit: on loopback at the first lr, and over the throttled link
+        result["delta_auto_over_full_s"] = head["delta"][f"{LRS[0]:g}"]["auto_over_full_s"]
+        result["delta_auto_over_full_bytes"] = head["delta"][THROTTLED]["auto_over_full_bytes"]
+        result["delta_auto_over_full_s_throttled"] = head["delta"][THROTTLED]["auto_over_full_s"]
         for lr, d in head["delta"].items():
-            print(f"{head['layout']}: delta vs full at lr {lr} (bf16, fp32 masters): {d['delta_s']:.3f} s against "
-                  f"{d['full_s']:.3f} s (x{d['time_ratio']:.2f}), {d['bytes_delta']:,} of {d['bytes_full']:,} bytes "
-                  f"({d['bytes_ratio']:.3f}), density {d['density']:.4f}")
+            where = f"lr {LRS[0]:g} over a {THROTTLE_BYTES_PER_S / 1e6:g} MB/s link" if lr == THROTTLED else f"lr {lr}"
+            print(f"{head['layout']}: delta vs full at {where} (bf16, fp32 masters): on {d['delta_s']:.3f} s, "
+                  f"auto {d['auto_s']:.3f} s, full {d['full_s']:.3f} s (on x{d['time_ratio']:.2f}, auto "
+                  f"x{d['auto_over_full_s']:.2f}); bytes on {d['bytes_ratio']:.3f}, auto "
+                  f"{d['auto_over_full_bytes']:.3f} of {d['bytes_full']:,} ({d['auto_deltas']} of {d['reps']} auto "
+                  f"refits deltas), density {d['density']:.4f}")
     print(f"model: {head['model_params'] / 1e6:.0f}M params, {args.dtype}, median of {args.reps} after warm-up; "
           f"targets p1 = 1.00, p2 <= 1.15, p3 >= 2.0: {'met' if result['ok'] else 'NOT met'}")
     if args.png:

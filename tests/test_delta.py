@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.endpoint.delta import BITMASK, INDICES, RAW, DeltaSender, encode, pack_bits, sizes, unpack_bits
+from megatron_refit.endpoint.delta import (AUTO_REMEASURE, AUTO_RETRY, BITMASK, INDICES, RAW, DeltaSender, encode,
+                                           encode_cost_per_byte, pack_bits, sizes, unpack_bits)
 from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 from megatron_refit.tools.launch import run_spawned
@@ -56,8 +57,8 @@ def test_encoding_choice_follows_density():
     assert torch.equal(unpack_bits(pack_bits(mid != 0), mid.numel()), mid != 0)
 
 
-def test_sender_keeps_copies_and_auto_backs_off():
-    sender = DeltaSender("auto")
+def test_sender_keeps_copies_and_a_failed_refit_leaves_no_base():
+    sender = DeltaSender("on")
     data = torch.arange(64, dtype=torch.uint8)
     assert sender.encode((0, 0), data, 1, use_delta=False)[0] == RAW  # the first refit: full, copy kept
     assert sender.held_bytes() == 64
@@ -68,12 +69,67 @@ def test_sender_keeps_copies_and_auto_backs_off():
     assert (encoding, changed) == (INDICES, 1) and payload.numel() == 5
     sender.finish(2, ok=False, bytes_sent=5, bytes_full=64, was_delta=True)
     assert sender.base == -1  # a rank failed: the next refit is full
-    sender.finish(3, ok=True, bytes_sent=60, bytes_full=64, was_delta=True)  # dense: back off
-    assert sender.base == -1 and not sender.keeps_copies and sender.held_bytes() == 0
-    for v in range(4, 8):
-        assert not sender.keeps_copies
-        sender.finish(v, ok=True, bytes_sent=64, bytes_full=64, was_delta=False)
-    assert sender.keeps_copies and sender.base == -1  # refit 8 is full again, keeping copies
+
+
+def _auto_run(sender, schedule, compare=2e-9):
+    """Drive ``sender`` (``auto``) through refits: ``schedule`` lists, per refit, (seconds per
+    byte of the link, density of the change); a full refit costs the link's time for every
+    byte, a delta the link's for the changed ones plus the comparison and the receiver's writes
+    (``compare`` per byte each). Returns what each refit was: full, copy (full, copies kept) or
+    delta."""
+    out, B = [], 1_000_000
+    for version, (link, density) in enumerate(schedule, start=1):
+        delta = sender.keeps_copies and sender.base == version - 1
+        kind = "delta" if delta else "copy" if sender.keeps_copies else "full"
+        sent = int(B * density) if delta else B
+        seconds = link * sent + (2 * compare * B if delta else 0.0)
+        sender.finish(version, ok=True, bytes_sent=sent, bytes_full=B, was_delta=delta, seconds=seconds,
+                      rank_bytes=B)
+        out.append(kind)
+    return out
+
+
+def test_auto_decides_from_measured_costs():
+    # a link faster than the comparison: full refits, never a copy kept
+    fast = DeltaSender("auto", encode_s_per_byte=2e-9)
+    assert _auto_run(fast, [(1e-9, 0.01)] * 6) == ["full"] * 6 and fast.held_bytes() == 0
+    # a slow link: after one measured full refit, one keeps its copies, then deltas
+    slow = DeltaSender("auto", encode_s_per_byte=2e-9)
+    assert _auto_run(slow, [(1e-8, 0.1)] * 5) == ["full", "copy", "delta", "delta", "delta"]
+    assert slow.predicted() == (pytest.approx(1e-8 * 1e5 + 4e-3), pytest.approx(1e-2))
+    # the prediction said yes but the measured delta does not pay (a slower comparison than
+    # sampled): back to full refits, without copies
+    wrong = DeltaSender("auto", encode_s_per_byte=2e-9)
+    assert _auto_run(wrong, [(1e-8, 0.1)] * 5, compare=6e-9) == ["full", "copy", "delta", "full", "full"]
+    assert wrong.held_bytes() == 0
+    # a dense change (lr 1.0) on the slow link: full refits without copies; after AUTO_RETRY
+    # of them it tries a delta again, and the change is sparse once more
+    dense = DeltaSender("auto", encode_s_per_byte=2e-9)
+    kinds = _auto_run(dense, [(1e-8, 0.1)] * 3 + [(1e-8, 0.99)] + [(1e-8, 0.1)] * (AUTO_RETRY + 3))
+    assert kinds == ["full", "copy", "delta", "delta", *["full"] * AUTO_RETRY, "copy", "delta", "delta"]
+    # the link slows down while it sends full refits: the last delta pays again
+    slower = DeltaSender("auto", encode_s_per_byte=2e-9)
+    kinds = _auto_run(slower, [(1e-8, 0.1)] * 3 + [(1e-8, 0.99)] + [(1e-7, 0.1)] * 3)
+    assert kinds == ["full", "copy", "delta", "delta", "full", "copy", "delta"]
+    # the link becomes fast while it sends deltas: the periodic full refit measures it, then full
+    drift = DeltaSender("auto", encode_s_per_byte=2e-9)
+    kinds = _auto_run(drift, [(1e-8, 0.1)] * 4 + [(1e-10, 0.1)] * (AUTO_REMEASURE + 4))
+    assert kinds[:3] == ["full", "copy", "delta"] and kinds[-2:] == ["full", "full"]
+    assert kinds.count("copy") == 2  # the remeasuring refit kept its copies
+
+
+def test_auto_predicts_the_comparison_before_its_first_delta():
+    sender = DeltaSender("auto")
+    assert sender.predicted() is None  # nothing measured yet: the first refit is full
+    sender.finish(1, ok=True, bytes_sent=10 << 20, bytes_full=10 << 20, was_delta=False, seconds=1.0,
+                  rank_bytes=5 << 20)
+    delta, full = sender.predicted()  # the comparison measured on a sample bucket
+    assert 0 < sender.encode_s_per_byte < 1e-6 and delta == 2 * sender.encode_s_per_byte * (5 << 20) and full == 1.0
+    assert sender.keeps_copies  # a 10 MB/s link: deltas pay, the next refit keeps its copies
+    assert 1e-12 < encode_cost_per_byte() < 1e-6
+
+
+def test_delta_mode_is_checked():
     with pytest.raises(ValueError, match=r"refit.delta: 'yes' is not one of \['off', 'on', 'auto'\]"):
         DeltaSender("yes")
 
@@ -124,6 +180,16 @@ def _delta_rank(rank, world, port, mode, schedule, bucket_bytes):
     from megatron_refit.transport import RefitGroup
 
     group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    if mode == "auto" and rank < NUM_TRAIN:  # a slow link (40 kB/s): deltas pay unless the change is dense
+        import time
+
+        isend = group.isend
+
+        def slow(buffer, peer, tag):
+            time.sleep(buffer.numel() * buffer.element_size() / 40e3)
+            return isend(buffer, peer, tag)
+
+        group.isend = slow
     kw = dict(num_train=NUM_TRAIN, num_gen=world - NUM_TRAIN, bucket_bytes=bucket_bytes, direct_bytes=None,
               verify="full", delta=mode)
     out = []
@@ -205,12 +271,17 @@ def test_an_engine_that_may_rewrite_its_weights_gets_full_refits():
 
 @pytest.mark.slow
 def test_auto_sends_full_refits_when_the_change_is_dense():
-    schedule = [(1e-6, ""), (1.0, ""), (1e-6, ""), (1e-6, "")]
+    """``auto`` through real refits over a slow link: the first refit full (its time measured),
+    the second keeps its copies, deltas from the third; lr 1.0 changes everything: that delta
+    sends every bucket raw, takes longer than a full refit, and the next refits go full,
+    without copies."""
+    schedule = [(1e-6, ""), (1e-6, ""), (1e-6, ""), (1.0, ""), (1e-6, ""), (1e-6, "")]
     out = run_spawned(_delta_rank, 3, "auto", schedule, 1 << 20, timeout_s=120)
     summaries = [r["summary"] for r in out[0]["out"]]
-    assert [s["refit/delta"] for s in summaries] == [0, 1, 0, 0]  # lr 1.0 changes everything: back off
-    assert summaries[1]["refit/bytes"] == summaries[1]["refit/bytes_full"]  # every bucket went raw
-    assert summaries[1]["refit/density"] > 0.9
+    assert [s["refit/delta"] for s in summaries] == [0, 0, 1, 1, 0, 0]
+    assert summaries[2]["refit/bytes"] < 0.1 * summaries[2]["refit/bytes_full"]
+    assert summaries[3]["refit/bytes"] == summaries[3]["refit/bytes_full"]  # every bucket went raw
+    assert summaries[3]["refit/density"] > 0.9
     assert all(r["exact"] for r in out[2]["out"])
     assert out[0]["held"] == 0  # backing off: no copies held
 

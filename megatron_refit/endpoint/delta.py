@@ -25,10 +25,15 @@ from megatron_refit.plan.cost import encoding_sizes, mask_bytes
 RAW, INDICES, BITMASK = 0, 1, 2
 ENCODINGS = ("raw", "indices", "bitmask")
 
-AUTO_MAX_RATIO = 0.5
-"""``auto``: a delta refit that sent more than this share of a full refit's bytes makes the
-next :data:`AUTO_BACKOFF` refits full (no comparison, no copy kept)."""
-AUTO_BACKOFF = 4
+AUTO_MARGIN = 0.95
+"""``auto`` sends deltas while a delta refit is measured (or predicted) to take at most this
+share of a full one (:class:`DeltaSender`)."""
+AUTO_RETRY = 32
+"""``auto``, sending full refits because the last delta did not pay: after this many it tries
+a delta again (the change may have become sparser)."""
+AUTO_REMEASURE = 16
+"""``auto``, sending deltas: every this many refits one goes full (keeping its copies), so the
+full refit's cost stays measured (the link may have become faster)."""
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_WORD = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -181,22 +186,61 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     return bits.flatten()[:count]
 
 
+def encode_cost_per_byte(device: str | torch.device = "cpu", nbytes: int = 32 << 20) -> float:
+    """Seconds per byte the delta comparison takes on ``device``, measured on a sample bucket
+    larger than the caches with 5 % of its words changed (the best of 3): ``auto``'s
+    prediction before its first delta."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    new = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+    best = float("inf")
+    for _ in range(3):
+        old = new.clone()
+        old[::40] ^= 1
+        t0 = time.perf_counter()
+        encode(new, old, 2)
+        if new.is_cuda:
+            torch.cuda.synchronize(new.device)
+        best = min(best, time.perf_counter() - t0)
+    return best / nbytes
+
+
 class DeltaSender:
     """One sender's side of delta refits: the copy of what it last sent, per bucket (host
-    memory: as many bytes as this rank sends in a full refit), and the ``auto`` decision."""
+    memory: as many bytes as this rank sends in a full refit), and the ``auto`` decision.
 
-    def __init__(self, mode: str):
+    ``auto`` decides before every refit from what it measured: the group's wall time of the
+    last full refit and of the last delta refit (whatever the transport and the engines cost).
+    While a delta refit takes at most :data:`AUTO_MARGIN` of a full one it sends deltas (the
+    refit before the first keeps its copies), otherwise full refits, without comparing and
+    without copies. Before its first delta it predicts one: the comparison on this rank's
+    bytes (:func:`encode_cost_per_byte`), twice (the receiver writes the changed words), as if
+    nothing changed; where even that does not pay (a link faster than the comparison) it never
+    compares. A full refit that got slower (a slower link) makes the last delta pay again;
+    after :data:`AUTO_RETRY` full refits it tries a delta anyway."""
+
+    def __init__(self, mode: str, *, encode_s_per_byte: float | None = None):
         self.mode = check_mode(mode)
         self.previous: dict[int, torch.Tensor] = {}
         """Bucket index -> the bytes sent in the last complete refit (CPU)."""
         self.base: int = -1
         """Version of those copies, once every rank applied it; -1: none (the next refit is full)."""
-        self._skip = 0
+        self._keep = mode == "on"
+        self.full_s: float | None = None
+        """``auto``: the group's wall seconds of the last full refit."""
+        self.delta_s: float | None = None
+        """``auto``: the group's wall seconds of the last delta refit (None: not tried, or forgotten)."""
+        self.encode_s_per_byte = encode_s_per_byte
+        """``auto``: the comparison's seconds per byte on this rank (predicted before the first delta)."""
+        self.rank_bytes = 0
+        """``auto``: the bytes this rank sends in a full refit."""
+        self._since = 0  # full refits since the last delta (sending full), or deltas since the last full
 
     @property
     def keeps_copies(self) -> bool:
-        """Whether this refit compares and keeps copies (off, and ``auto`` backing off, do not)."""
-        return self.mode != "off" and self._skip == 0
+        """Whether this refit compares and keeps copies (``off``, and ``auto`` sending full, do not)."""
+        return self.mode != "off" and self._keep
 
     def held_bytes(self) -> int:
         return sum(t.numel() for t in self.previous.values())
@@ -214,17 +258,46 @@ class DeltaSender:
         old.copy_(flat)
         return RAW, None, flat.numel() // word
 
-    def finish(self, version: int, ok: bool, bytes_sent: int, bytes_full: int, was_delta: bool) -> None:
-        """After a refit: its version becomes the base if every rank applied it; ``auto``
-        backs off after a delta that saved too little."""
+    def predicted(self) -> tuple[float, float] | None:
+        """``auto``: the (delta, full) seconds of the next refit; None before a full refit was
+        measured."""
+        if self.full_s is None:
+            return None
+        if self.delta_s is not None:
+            return self.delta_s, self.full_s
+        if self.encode_s_per_byte is None:
+            self.encode_s_per_byte = encode_cost_per_byte()
+        return 2 * self.encode_s_per_byte * self.rank_bytes, self.full_s
+
+    def finish(self, version: int, ok: bool, bytes_sent: int, bytes_full: int, was_delta: bool,
+               seconds: float = 0.0, rank_bytes: int = 0) -> None:
+        """After a refit (``seconds``: the group's wall time; ``rank_bytes``: this rank's bytes of
+        a full refit): its version becomes the base if every rank applied it and its copies were
+        kept; ``auto`` decides whether the next refits send deltas."""
         if self.mode == "off":
             return
-        if self._skip:
-            self._skip -= 1
-            self.base = -1
+        kept = self._keep
+        self.base = version if ok and kept else -1
+        if self.mode == "on" or not bytes_full or seconds <= 0:
             return
-        self.base = version if ok else -1
-        if self.mode == "auto" and was_delta and bytes_full and bytes_sent > AUTO_MAX_RATIO * bytes_full:
-            self._skip = AUTO_BACKOFF
+        if was_delta:
+            self.delta_s = seconds
+            self._since += 1
+        else:
+            self.full_s, self.rank_bytes = seconds, rank_bytes or self.rank_bytes
+            self._since = 0 if kept else self._since + 1
+            if not kept and self.delta_s is not None and self._since >= AUTO_RETRY:
+                self.delta_s = None  # try again: the change may have become sparse
+        costs = self.predicted()
+        pays = costs is not None and costs[0] <= AUTO_MARGIN * costs[1]
+        if not pays:
+            if kept:
+                self._since = 0  # full refits from now on
+            self._keep = False
             self.previous.clear()
             self.base = -1
+        elif not kept:
+            self._keep = True  # the next refit keeps its copies; deltas from the one after
+        elif was_delta and self._since >= AUTO_REMEASURE:
+            self.base = -1  # one full refit (copies kept) to measure the link again
+            self._since = 0

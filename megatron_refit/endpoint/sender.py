@@ -227,7 +227,8 @@ class Refitter(Endpoint):
         # receiver that applied it (one that failed shows no base and gets a full refit)
         self._delta.finish(version, ok=not any(rank < self.num_train for rank in failed),
                            bytes_sent=report.summary["refit/bytes"], bytes_full=report.summary["refit/bytes_full"],
-                           was_delta=bool(delta_to))
+                           was_delta=bool(delta_to), seconds=report.summary["refit/total_s"],
+                           rank_bytes=report.bytes_full)
         self._emit(report)
         landed = report.summary["refit/replicas_ok"]
         if failed and (self.on_replica_failure == "raise" or not landed):
