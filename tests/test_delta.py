@@ -270,20 +270,18 @@ def test_an_engine_that_may_rewrite_its_weights_gets_full_refits():
 
 
 @pytest.mark.slow
-def test_auto_sends_full_refits_when_the_change_is_dense():
-    """``auto`` through real refits over a slow link: the first refit full (its time measured),
-    the second keeps its copies, deltas from the third; lr 1.0 changes everything: that delta
-    sends every bucket raw, takes longer than a full refit, and the next refits go full,
-    without copies."""
-    schedule = [(1e-6, ""), (1e-6, ""), (1e-6, ""), (1.0, ""), (1e-6, ""), (1e-6, "")]
+def test_auto_sends_deltas_over_a_slow_link():
+    """``auto`` through real refits over a slow link (40 kB/s): the first refit full (its time
+    measured), the second keeps its copies, deltas from the third, each far smaller and faster
+    than a full refit. (Going back to full refits: the unit tests above, with set costs.)"""
+    schedule = [(1e-6, "")] * 5
     out = run_spawned(_delta_rank, 3, "auto", schedule, 1 << 20, timeout_s=120)
     summaries = [r["summary"] for r in out[0]["out"]]
-    assert [s["refit/delta"] for s in summaries] == [0, 0, 1, 1, 0, 0]
-    assert summaries[2]["refit/bytes"] < 0.1 * summaries[2]["refit/bytes_full"]
-    assert summaries[3]["refit/bytes"] == summaries[3]["refit/bytes_full"]  # every bucket went raw
-    assert summaries[3]["refit/density"] > 0.9
+    assert [s["refit/delta"] for s in summaries] == [0, 0, 1, 1, 1]
+    for s in summaries[2:]:
+        assert s["refit/bytes"] < 0.1 * s["refit/bytes_full"] and s["refit/total_s"] < summaries[0]["refit/total_s"]
     assert all(r["exact"] for r in out[2]["out"])
-    assert out[0]["held"] == 0  # backing off: no copies held
+    assert out[0]["held"] > 0  # sending deltas: the copies are kept
 
 
 # -- end to end: Megatron trainer (bf16, fp32 main params) -> engines ----------------------
