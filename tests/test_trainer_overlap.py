@@ -22,6 +22,7 @@ from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.tools.launch import free_ports, run_spawned
 from tests.test_fleet import NUM_TRAIN, SHAPES, _box, _Storage, _weights
+from tests.test_refit_callback import TRAIN_YAML
 
 pytestmark = pytest.mark.slow
 
@@ -176,14 +177,7 @@ def test_trainer_overlap_through_megatron(case):
 
 # -- inside Megatron-Bridge's own pretrain() ------------------------------------------------------
 
-PRETRAIN_YAML = """
-refit:
-  enabled: true
-  engine: hf
-  port: ${oc.env:TEST_REFIT_PORT}
-  bucket_mb: 0.25
-  timeout_s: 120
-  overlap: on
+PRETRAIN_YAML = TRAIN_YAML + """  overlap: on
   delta: on
   gen_dp: 2
   on_replica_failure: continue
