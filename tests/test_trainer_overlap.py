@@ -36,7 +36,7 @@ def _overlap_rank(rank, world, port, scenario, versions):
     from megatron_refit.errors import RefitTransportError
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
-    from megatron_refit.tools.harness import slowed
+    from megatron_refit.tools.faults import slowed
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=TIMEOUT_S, overlap="on", delta="on",
@@ -195,7 +195,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
     from conversion.testing.hf_configs import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
-    from megatron_refit.tools.harness import _HoldSends
+    from megatron_refit.tools.faults import HoldSends
 
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -219,7 +219,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
         def on_train_step_end(self, context):
             iteration = context.state.train_state.step + 1
             if self.hold is None:  # the callback joined at on_train_start (after this one)
-                self.hold = _HoldSends(refit_callback.sync, 120)
+                self.hold = HoldSends(refit_callback.sync, 120)
             out["in_flight"][iteration] = refit_callback.sync.background.in_flight
             self.hold.stepped(iteration)
             force_param_sync(context.model, context.optimizer)

@@ -270,7 +270,9 @@ class TrainerFleet:
                 failures = {}
                 self._update_membership(failures)
             self._joined[version] = failures
-            return self._sent_pieces(full)
+            from megatron_refit.endpoint.overlap import sent_pieces
+
+            return sent_pieces(self.members.values(), full)
 
         run = run or (lambda: self.refit(version, full=full))
         return self.background.start(version, prepare, run, busy=busy)
@@ -279,21 +281,6 @@ class TrainerFleet:
         """``refit.overlap: on``: the reports of the refits that finished in the background since
         the last call; raises the error of one that failed (its version named). Never waits."""
         return self.background.collect() if self.background is not None else []
-
-    def _sent_pieces(self, full: bool) -> set[str]:
-        """The snapshot pieces this rank's next refit sends from, in every member's plan."""
-        from megatron_refit.endpoint.overlap import SnapshotPiece
-
-        names = set()
-        for member in self.members.values():
-            endpoint = member.endpoint(full)
-            for bucket in endpoint.plan.buckets_from(endpoint.group.rank):
-                for item in bucket.items:
-                    piece = endpoint.pieces[item.transfer.name]
-                    while not isinstance(piece, SnapshotPiece):  # a wrapper: FP8 quantization
-                        piece = piece.source.piece
-                    names.add(piece.spec.name)
-        return names
 
     def _refit(self, version: int, *, full: bool, hooks: ReplicaHooks | None) -> RefitReport:
         start = time.perf_counter()

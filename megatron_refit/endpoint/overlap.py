@@ -98,6 +98,22 @@ class Snapshot:
         return self.seconds
 
 
+def sent_pieces(members, full: bool) -> set[str]:
+    """The snapshot pieces that the next refit of ``members`` (a fleet's
+    :class:`~megatron_refit.endpoint.sync.TrainerRefit` per replica), called with ``full``,
+    sends from on this rank, in every member's plan."""
+    names = set()
+    for member in members:
+        endpoint = member.endpoint(full)
+        for bucket in endpoint.plan.buckets_from(endpoint.group.rank):
+            for item in bucket.items:
+                piece = endpoint.pieces[item.transfer.name]
+                while not isinstance(piece, SnapshotPiece):  # a wrapper: FP8 quantization
+                    piece = piece.source.piece
+                names.add(piece.spec.name)
+    return names
+
+
 def check_busy(busy: str) -> None:
     if busy not in OVERLAP_BUSY:
         raise ValueError(f"refit.overlap_busy: {busy!r} is not one of {list(OVERLAP_BUSY)}")

@@ -1,6 +1,10 @@
-"""Faults injected on purpose (tests, the demo, benchmarks): an engine error while a refit lands."""
+"""Faults injected on purpose (tests, the demo, benchmarks): an engine error while a refit lands,
+a slow train rank, a slow link, a background refit held until the next training step."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 
 def fail_next_refit(storage, *, at_call: int = 2) -> None:
@@ -41,3 +45,37 @@ def slow_next_refit(pieces: list, seconds: float) -> None:
 
     for piece in pieces:
         object.__setattr__(piece, "tensor", slow(piece))
+
+
+def slowed(group, delay_s: float) -> None:
+    """Every bucket ``group`` sends waits ``delay_s`` first (a slow link)."""
+    isend = group.isend
+
+    def slow(buffer, peer, tag):
+        time.sleep(delay_s)
+        return isend(buffer, peer, tag)
+
+    group.isend = slow
+
+
+class HoldSends:
+    """``refit.overlap`` (``RunSpec.hold_sends`` of the harness, the overlap tests): the background
+    refit of version ``v`` reads and sends nothing before step ``v + 1`` has finished
+    (:meth:`stepped`), so that every refit provably overlaps a training step."""
+
+    def __init__(self, sync, timeout_s: float):
+        self.background, self.timeout_s = sync.background, timeout_s
+        self.cond, self.steps = threading.Condition(), 0
+        refit = sync._refit  # the fleet's refit as the background thread runs it
+
+        def held(version, **kw):
+            with self.cond:
+                self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
+            return refit(version, **kw)
+
+        sync._refit = held
+
+    def stepped(self, step: float) -> None:
+        with self.cond:
+            self.steps = step
+            self.cond.notify_all()

@@ -11,7 +11,6 @@ Train-rank code imports ``conversion`` (Megatron); generation-rank code does not
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -149,6 +148,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.refit import trainer_refit
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import forward_logits, train_step
+    from megatron_refit.tools.faults import HoldSends
     from megatron_refit.tools.progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
@@ -185,7 +185,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
     summary = sync.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
-    hold = _HoldSends(sync, spec.timeout_s) if spec.hold_sends else None
+    hold = HoldSends(sync, spec.timeout_s) if spec.hold_sends else None
     out = []
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
@@ -296,39 +296,6 @@ def _failing(storage) -> list[bool]:
 
     storage.buffer = failing
     return armed
-
-
-def slowed(group, delay_s: float) -> None:
-    """Every bucket ``group`` sends waits ``delay_s`` first (a slow link)."""
-    isend = group.isend
-
-    def slow(buffer, peer, tag):
-        time.sleep(delay_s)
-        return isend(buffer, peer, tag)
-
-    group.isend = slow
-
-
-class _HoldSends:
-    """:attr:`RunSpec.hold_sends`: the background refit of version ``v`` reads and sends
-    nothing before step ``v + 1`` has finished (:meth:`stepped`)."""
-
-    def __init__(self, sync, timeout_s: float):
-        self.background, self.timeout_s = sync.background, timeout_s
-        self.cond, self.steps = threading.Condition(), 0
-        refit = sync._refit  # the fleet's refit as the background thread runs it
-
-        def held(version, **kw):
-            with self.cond:
-                self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
-            return refit(version, **kw)
-
-        sync._refit = held
-
-    def stepped(self, step: float) -> None:
-        with self.cond:
-            self.steps = step
-            self.cond.notify_all()
 
 
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
