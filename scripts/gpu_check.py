@@ -163,7 +163,7 @@ def check_overlap(device: str) -> dict:
     """``refit.overlap: on`` on the device: the snapshot a device-to-device copy, the send on a
     CUDA stream of its own; every refit held until the next step changed the weights."""
     spec = RunSpec(model="qwen3", train=TrainLayout(tp=1), gen=GenLayout(tp=1, dp=1), refits=3, colocated=True,
-                   device=device, overlap=True, hold_sends=True)
+                   device=device, overlap=True, hold_refits=True)
     results = run(spec)
     summary = evaluate(spec, results)
     overlapped = [item["overlapped"] for item in results[0]["refits"]]

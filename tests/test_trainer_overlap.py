@@ -159,7 +159,7 @@ OVERLAP_CASES = {
 
 @pytest.mark.parametrize("case", list(OVERLAP_CASES))
 def test_trainer_overlap_through_megatron(case):
-    spec = RunSpec(refits=3, bucket_bytes=64 << 10, overlap=True, hold_sends=True, **OVERLAP_CASES[case])
+    spec = RunSpec(refits=3, bucket_bytes=64 << 10, overlap=True, hold_refits=True, **OVERLAP_CASES[case])
     results = run(spec)
     result = evaluate(spec, results)
     for refit in result["refits"]:
@@ -195,7 +195,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
     from conversion.testing.hf_configs import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
-    from megatron_refit.tools.faults import HoldSends
+    from megatron_refit.tools.faults import HoldRefits
 
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -211,7 +211,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
     class Steps(Callback):
         """Before the refit callback at every event: Bridge's export of the weights at this
         step boundary (what the refit taken now must land), and the release of the last
-        refit's sends, held until this step had changed the weights."""
+        refit, held at its start until this step had changed the weights."""
 
         def on_train_start(self, context):
             self.hold = None
@@ -219,7 +219,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
         def on_train_step_end(self, context):
             iteration = context.state.train_state.step + 1
             if self.hold is None:  # the callback joined at on_train_start (after this one)
-                self.hold = HoldSends(refit_callback.sync, 120)
+                self.hold = HoldRefits(refit_callback.sync, 120)
             out["in_flight"][iteration] = refit_callback.sync.background.in_flight
             self.hold.stepped(iteration)
             force_param_sync(context.model, context.optimizer)
@@ -274,7 +274,7 @@ def _pretrain_overlap_rank(rank, world, port, yaml_path, megatron_port):
 def test_trainer_overlap_inside_bridge_pretrain_deltas_a_failing_replica_and_shutdown_during_a_refit(tmp_path):
     """Bridge's pretrain() (TP1 x DP2, DDP with overlapped param gather, the distributed
     optimizer) with ``refit.overlap: on`` in the training YAML, two engine replicas, deltas.
-    Each refit's sends are held until the next iteration has changed the weights; every version
+    Each refit is held at its start until the next iteration has changed the weights; every version
     lands bit-exactly as Bridge exported it at its iteration; replica 1 fails refit 2 alone and
     is whole again at 3; training ends while refit 4 moves, and on_train_end waits for it."""
     path = tmp_path / "train.yaml"
@@ -283,7 +283,7 @@ def test_trainer_overlap_inside_bridge_pretrain_deltas_a_failing_replica_and_shu
     train, gens = out[:2], out[2:]
     for t in train:
         assert t["iterations"] == PRETRAIN_ITERATIONS and t["closed"] and t["skipped_busy"] == []
-        # at each iteration's end the last refit was still moving (its sends held for this step);
+        # at each iteration's end the last refit was still moving (held until this step ended);
         # version 0, at on_train_start, lands before training starts
         assert t["in_flight"] == {1: None, **{i: i - 1 for i in range(2, PRETRAIN_ITERATIONS + 1)}}
         assert t["at_end"] == PRETRAIN_ITERATIONS and t["last"] == PRETRAIN_ITERATIONS

@@ -249,7 +249,7 @@ class TrainerFleet:
         replica's engine calls around its part (:class:`ReplicaHooks`). Under ``refit.overlap``
         it waits for the refit in flight, then runs this one from a new snapshot to its end."""
         if self.background is not None and not self.background.on_own_thread():
-            self.start_refit(version, full=full, run=lambda: self.refit(version, full=full, hooks=hooks), busy="wait")
+            self.start_refit(version, full=full, run=lambda: self._refit(version, full=full, hooks=hooks), busy="wait")
             self.background.wait()
             return self.background.collect()[-1]
         return self._refit(version, full=full, hooks=hooks)
@@ -274,7 +274,7 @@ class TrainerFleet:
 
             return sent_pieces(self.members.values(), full)
 
-        run = run or (lambda: self.refit(version, full=full))
+        run = run or (lambda: self._refit(version, full=full, hooks=None))
         return self.background.start(version, prepare, run, busy=busy)
 
     def finished(self) -> list[RefitReport]:

@@ -25,17 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_refit.plan.spec import ShardSpec
-
 from megatron_refit.config import OVERLAP_BUSY
+from megatron_refit.plan.spec import ShardSpec
 
 
 @dataclass
 class SnapshotPiece:
-    """A piece as it was at the last snapshot (what the refit in flight sends from)."""
+    """A piece as it was at the last snapshot (what the refit in flight sends from). Its buffer
+    is its own, so it declares no ``follows``: a run of pieces adjacent in the live weights is
+    not adjacent here, and each piece leaves as a message of its own."""
 
     spec: ShardSpec
-    follows: str | None = None
     data: torch.Tensor | None = None
 
     def tensor(self) -> torch.Tensor:
@@ -51,12 +51,10 @@ class Snapshot:
 
     def __init__(self, live: list):
         self.live = {p.spec.name: p for p in live}
-        self.pieces = [SnapshotPiece(p.spec, getattr(p, "follows", None)) for p in live]
+        self.pieces = [SnapshotPiece(p.spec) for p in live]
         self._by_name = {p.spec.name: p for p in self.pieces}
         self.ready: torch.cuda.Event | None = None
         """On a GPU: recorded on the training stream after the copies (the sender waits for it)."""
-        self.seconds = 0.0
-        """How long the last :meth:`take` held the training loop."""
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +92,7 @@ class Snapshot:
         if any(p.data is not None and p.data.is_cuda for p in self.pieces):
             self.ready = torch.cuda.Event()
             self.ready.record()
-        self.seconds = time.perf_counter() - t0
-        return self.seconds
+        return time.perf_counter() - t0
 
 
 def sent_pieces(members, full: bool) -> set[str]:

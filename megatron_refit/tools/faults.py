@@ -58,13 +58,14 @@ def slowed(group, delay_s: float) -> None:
     group.isend = slow
 
 
-class HoldSends:
-    """``refit.overlap`` (``RunSpec.hold_sends`` of the harness, the overlap tests): the background
-    refit of version ``v`` reads and sends nothing before step ``v + 1`` has finished
-    (:meth:`stepped`), so that every refit provably overlaps a training step."""
+class HoldRefits:
+    """``refit.overlap`` (``RunSpec.hold_refits`` of the harness, the overlap tests): the
+    background refit of version ``v`` of the fleet ``sync`` reads and sends nothing before
+    step ``v + 1`` has finished (:meth:`stepped`), so that every refit provably overlaps a
+    training step (at most ``timeout_s`` each)."""
 
     def __init__(self, sync, timeout_s: float):
-        self.background, self.timeout_s = sync.background, timeout_s
+        self.timeout_s = timeout_s
         self.cond, self.steps = threading.Condition(), 0
         refit = sync._refit  # the fleet's refit as the background thread runs it
 

@@ -68,9 +68,10 @@ class RunSpec:
     overlap: bool = False
     """``refit.overlap: on``: each refit sends from a snapshot in the background while the
     next step trains (the export checked against is taken at the step boundary)."""
-    hold_sends: bool = False
-    """``overlap``: each refit's bucket sends wait until the next training step has changed the
-    weights (the last one's until training ends), so every refit provably overlaps a step."""
+    hold_refits: bool = False
+    """``overlap``: each background refit starts (reads nothing) only once the next training
+    step has changed the weights (the last one once training ends), so every refit provably
+    overlaps a step."""
 
     def __post_init__(self) -> None:
         if self.fp8 not in ("", "trainer"):
@@ -147,8 +148,8 @@ def hf_config_for(spec: RunSpec):
 def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.refit import trainer_refit
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.train_step import forward_logits, train_step
-    from megatron_refit.tools.faults import HoldSends
+    from conversion.testing.train_step import train_step
+    from megatron_refit.tools.faults import HoldRefits
     from megatron_refit.tools.progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
@@ -185,7 +186,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
     summary = sync.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
-    hold = HoldSends(sync, spec.timeout_s) if spec.hold_sends else None
+    hold = HoldRefits(sync, spec.timeout_s) if spec.hold_refits else None
     out = []
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
@@ -209,11 +210,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             offloader.onload()  # for the checks below
         item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas)
         if spec.collect:
-            export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
-                built.model, cpu=True, show_progress=False)}
-            with _reference_weights(spec, built):
-                logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
-            item.update(export=export if rank == 0 else None, logits=logits)
+            item.update(_trainer_weights(spec, built, cfg, rank))
         out.append(item)
     if spec.overlap:
         if hold is not None:
@@ -229,19 +226,25 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
 def _overlapped_item(spec: RunSpec, sync, built, cfg, version: int, rank: int, loss) -> dict:
     """``refit.overlap``: the weights at this step boundary (what refit ``version`` must land),
     then the refit started in the background (its report is read when training ends)."""
-    from conversion.testing.train_step import forward_logits
-
     item = dict(version=version, loss=loss, overlapped=False)
-    if spec.collect:  # collective over the train ranks, before the refit starts
-        export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
-            built.model, cpu=True, show_progress=False)}
-        with _reference_weights(spec, built):
-            logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
-        item.update(export=export if rank == 0 else None, logits=logits)
+    if spec.collect:  # before the refit starts
+        item.update(_trainer_weights(spec, built, cfg, rank))
     t0 = time.perf_counter()
     sync.start_refit(version)
     item["start_s"] = time.perf_counter() - t0
     return item
+
+
+def _trainer_weights(spec: RunSpec, built, cfg, rank: int) -> dict:
+    """What the checks compare with: Bridge's export of the trainer's weights now (collective
+    over the train ranks; kept on rank 0) and the trainer's logits."""
+    from conversion.testing.train_step import forward_logits
+
+    export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(built.model, cpu=True,
+                                                                                show_progress=False)}
+    with _reference_weights(spec, built):
+        logits = forward_logits(built, tokens_for(0, cfg.vocab_size))
+    return dict(export=export if rank == 0 else None, logits=logits)
 
 
 def _reference_weights(spec: RunSpec, built):
