@@ -250,10 +250,11 @@ def test_fleet_demo_refuses_a_replica_it_does_not_run(capfd):
 KILL_TIMEOUT_S = 8.0
 
 
-def _member_rank(rank, world, port, scenario, tp, dp, flag):
+def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
     """Train ranks refit versions 1..4; the engine replicas 0..dp-1 start with them; ``tp``
     standby ranks (join, rejoin) start after refit 2 as replica ``dp`` (join) or as the replica
-    that died (rejoin), and join at refit 3."""
+    that died (rejoin), and join at refit 3. ``overlap``: ``refit.overlap`` (each refit then runs
+    in the train ranks' background thread)."""
     import os
 
     from megatron_refit.config import RefitConfig
@@ -263,7 +264,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
-                      timeout_s=KILL_TIMEOUT_S, delta="on", on_replica_failure="continue")
+                      timeout_s=KILL_TIMEOUT_S, delta="on", on_replica_failure="continue", overlap=overlap)
     dies = scenario in ("kill", "rejoin", "stall")
     out = []
     if rank < NUM_TRAIN:
@@ -327,11 +328,11 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag):
     return out
 
 
-def _members(scenario, layout, tmp_path):
+def _members(scenario, layout, tmp_path, overlap="off"):
     tp, dp = LAYOUTS[layout]
     standby = tp if scenario in ("join", "rejoin") else 0
     dead = frozenset({NUM_TRAIN + FAILED_REPLICA * tp}) if scenario in ("kill", "rejoin", "stall") else frozenset()
-    out = run_spawned(_member_rank, NUM_TRAIN + tp * dp + standby, scenario, tp, dp, str(tmp_path / "flag"),
+    out = run_spawned(_member_rank, NUM_TRAIN + tp * dp + standby, scenario, tp, dp, str(tmp_path / "flag"), overlap,
                       timeout_s=240, may_die=dead)
     return tp, dp, out[:NUM_TRAIN], out[NUM_TRAIN:NUM_TRAIN + tp * dp], out[NUM_TRAIN + tp * dp:]
 

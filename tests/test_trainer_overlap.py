@@ -21,7 +21,7 @@ from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.harness import RunSpec, evaluate, run
 from megatron_refit.tools.launch import free_ports, run_spawned
-from tests.test_fleet import NUM_TRAIN, SHAPES, _box, _Storage, _weights
+from tests.test_fleet import FAILED_REPLICA, NUM_TRAIN, SHAPES, _box, _healthy, _members, _Storage, _weights
 from tests.test_refit_callback import TRAIN_YAML
 
 pytestmark = pytest.mark.slow
@@ -139,6 +139,25 @@ def test_trainer_overlap_busy_skip_skips_the_same_refits_on_every_train_rank_and
             assert t["moving_at_close"] == landed[-1] and t["close_s"] > SEND_DELAY_S
     for g in gen:
         assert [r["version"] for r in g] == landed and all(r["exact"] for r in g)
+
+
+def test_trainer_overlap_killed_replica_is_dropped_and_the_others_land_every_version(tmp_path):
+    """A replica's process dies while refit 2 lands, the refit running in the train ranks'
+    background thread: the other replicas land every version bit-exactly in the usual time,
+    the dead one is named and dropped, the train ranks go on (``on_replica_failure: continue``)."""
+    tp, dp, train, gen, _ = _members("kill", "TP1xDP3", tmp_path, overlap="on")
+    for g, outcome in enumerate(gen):
+        if g // tp != FAILED_REPLICA:
+            _healthy(outcome, (1, 2, 3, 4))
+    assert gen[FAILED_REPLICA * tp] is None  # killed
+    survivors = [r for r in range(dp) if r != FAILED_REPLICA]
+    for outcome in train:
+        assert list(outcome[1]["failed"]) == [FAILED_REPLICA] and "Refit" in outcome[1]["failed"][FAILED_REPLICA]
+        # members after each refit (a background refit reads the next one's announcements at its
+        # end: after refit 4 the survivors' leaves may be among them)
+        assert [o["members"] for o in outcome[:3]] == [list(range(dp))] + [survivors] * 2
+        assert set(outcome[3]["members"]) <= set(survivors)
+        assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp - 1, dp - 1, dp - 1]
 
 
 # -- through Megatron (the harness: Bridge's enumeration, Megatron's optimizer steps) -----------------
