@@ -1,7 +1,8 @@
 """Assignment, the one sender assignment: planned from the dry run's compact engine targets
 (``gen_targets``) it equals what ``prepare()`` plans from every gen rank's ShardSpecs
-(``gen_target_classes`` → ``SenderPlan`` / ``RefitPlan.build``), field for field, on reduced
-shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine TP and expert parallel); and it
+(``gen_target_classes`` → ``SenderPlan``, the per-piece reference, and ``RefitPlan.build``),
+field for field, on reduced shipped layouts (DeepSeek-V3, Qwen3-MoE; bf16 and FP8; engine
+TP and expert parallel), with prepare()'s packed pieces and one rank's own transfers; and it
 refuses what the plan refuses, with the same message. Its properties on random tilings
 (exact coverage, balanced senders) are tests/test_plan_properties.py's."""
 
@@ -24,6 +25,7 @@ from megatron_refit.plan.refit_plan import RefitPlan
 from megatron_refit.plan.senders import SenderPlan, gen_classes
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.checks import ITEMSIZE, index_specs
+from megatron_refit.plan.pieces import gen_targets_of, pack, pack_targets
 from megatron_refit.plan.senders import targets_of
 from megatron_refit.plan.spec import ShardSpec, intersect
 from tests.test_plan_properties import SETTINGS, problems
@@ -100,6 +102,20 @@ def test_assignment_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp
     assert assignment.unused_train_params == plan.unused_train_params
     assert {(t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in transfers} == {
         (t.src_rank, t.dst_rank, t.name, t.global_box, t.src_box, t.dst_box) for t in plan.transfers}
+
+    # prepare()'s compact form: the receivers' packed pieces, from the targets without a
+    # ShardSpec per piece, and the targets planned back from them
+    parts = pack_targets(targets)
+    assert parts == {rank: pack(sorted(specs, key=lambda s: s.name)) for rank, specs in gen_specs.items()}
+    assert gen_targets_of(parts) == targets_of(classes)
+    # one rank's transfers and counts, without expanding the others
+    sent, received = assignment.transfer_counts()
+    assert sent == [sum(t.src_rank == r for t in transfers) for r in train]
+    assert received == [sum(t.dst_rank == r for t in transfers) for r in gen_specs]
+    for r in {0, len(train) // 2, max(train, key=sent.__getitem__)}:
+        assert assignment.transfers(src=r) == [t for t in transfers if t.src_rank == r]
+    for r in {0, len(gen_specs) - 1}:
+        assert assignment.transfers(dst=r) == [t for t in transfers if t.dst_rank == r]
 
 
 def _water_filled_loads(train, gen) -> list[int]:

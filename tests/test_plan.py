@@ -299,21 +299,21 @@ def test_local_plan_refuses_other_ranks_buckets():
 
 
 def test_disagreeing_ranks_are_named_the_same_everywhere():
-    from megatron_refit.endpoint.base import _disagreeing
+    from megatron_refit.plan.refit_plan import disagreeing
 
     plan = RefitPlan.build(train_specs(), gen_specs(2))  # 4 train ranks (0-3), 2 gen ranks (4, 5)
     whole = plan.fingerprints()
     prints = [{k: v for k, v in whole.items() if k == "plan" or rank in (plan.train_global[k[0]],
                                                                          plan.gen_global[k[1]])}
               for rank in range(6)]
-    assert _disagreeing(plan, prints) == []
+    assert disagreeing(plan, prints) == []
     pair = min(k for k in prints[5] if k != "plan")
     odd = [dict(p) for p in prints]
     odd[5][pair] = "x"  # one end sees the pair differently: both ends are named
-    assert _disagreeing(plan, odd) == sorted({plan.train_global[pair[0]], 5})
+    assert disagreeing(plan, odd) == sorted({plan.train_global[pair[0]], 5})
     odd = [dict(p) for p in prints]
     odd[2]["plan"] = "x"
-    assert _disagreeing(plan, odd) == [2]
+    assert disagreeing(plan, odd) == [2]
     odd = [dict(p) for p in prints]
     odd[1][(9, 0)] = "x"  # a pair of ranks the plan does not have
-    assert _disagreeing(plan, odd) == [1]
+    assert disagreeing(plan, odd) == [1]

@@ -1,6 +1,6 @@
 """The layers docs/architecture.md draws, enforced: dependencies point one way (down the
 table below) over the whole graph, ``megatron_refit`` and ``conversion`` together, lazy imports
-included; no import cycles; the plan layer imports no torch; no private name crosses a module;
+included; no import cycles; the plan layer (and the wire format) imports no torch; no private name crosses a module;
 invariants raise errors (no ``assert``); transports and engines behind registries."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ENTRY_POINTS = {"megatron_refit.demo", "megatron_refit.dryrun", "megatron_refit.
 
 LAYERS = (
     ("megatron_refit", "megatron_refit.errors", "megatron_refit.families", "megatron_refit.engines.registry"),
-    ("megatron_refit.plan",),
+    ("megatron_refit.plan", "megatron_refit.wire"),
     ("megatron_refit.config",),
     ("megatron_refit.transport",),
     ("megatron_refit.endpoint",),
@@ -125,7 +125,7 @@ def test_runtime_imports_no_tooling_or_test_builders():
 
 
 def test_the_plan_layer_imports_no_torch():
-    modules = sorted(m for m in _files() if m.startswith("megatron_refit.plan"))
+    modules = sorted(m for m in _files() if m.startswith("megatron_refit.plan") or m == "megatron_refit.wire")
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from megatron_refit.transport import wire
+from megatron_refit import wire
 from megatron_refit.plan.spec import ShardSpec, box_along
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -21,7 +21,8 @@ from megatron_refit.endpoint.delta import check_mode as check_delta_mode
 from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
-from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.plan.pieces import pack
+from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan, disagreeing
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
 
@@ -61,30 +62,6 @@ def resolve_direct_bytes(direct_bytes: int | str | None, group: Transport, bucke
     if not group.direct_ok:
         return None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
     return group.auto_direct_bytes(bucket_bytes) if direct_bytes == "auto" else direct_bytes
-
-
-def _disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
-    """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
-    :meth:`~megatron_refit.plan.refit_plan.RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
-    is not the most common one, and both ends of any (train rank, gen rank) pair that they
-    hold differently (one end alone cannot tell which of them is wrong)."""
-    common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
-    bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
-    pairs = set()
-    for rank, theirs in enumerate(prints):
-        for pair in theirs:
-            if pair == "plan":
-                continue
-            if not (isinstance(pair, tuple) and len(pair) == 2 and 0 <= pair[0] < len(plan.train_global)
-                    and 0 <= pair[1] < len(plan.gen_global)):
-                bad.add(rank)  # a pair of ranks this plan does not have
-                continue
-            pairs.add(pair)
-    for src, dst in pairs:
-        ends = (plan.train_global[src], plan.gen_global[dst])
-        if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
-            bad.update(ends)
-    return sorted(bad)
 
 
 def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
@@ -160,24 +137,27 @@ class Endpoint:
     def prepare(self) -> RefitPlan:
         self._begin("prepare")
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
-        mine = (self.role, self._local_specs(), self.verify, self.bucket_bytes, self.direct_bytes, adjacent,
-                self.delta)
-        gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)  # DP replicas' pieces once
+        names, layout = pack(self._local_specs(), adjacent)
+        # names apart from boxes: an engine's TP ranks hold pieces of the same parameters, and
+        # the gather moves each distinct object once (DP replicas' pieces, TP ranks' names)
+        names_gathered, name_digests = self.group.all_gather_unique(names, "prepare", digests=True)
+        mine = (self.role, layout, self.verify, self.bucket_bytes, self.direct_bytes, self.delta)
+        gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
             raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 6)):
+        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 5)):
             values = [g[index] for g in gathered]
             if len(set(values)) != 1:
                 raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
-        key = (tuple(digests), self._local_rank())
+        key = (tuple(name_digests), tuple(digests), self._local_rank())
         plan, prints = self.plans.get(key, (None, None)) if self.plans is not None else (None, None)
         if plan is None:
-            plan, prints = self._build(gathered)
+            plan, prints = self._build([(n, g[1]) for n, g in zip(names_gathered, gathered)])
             if self.plans is not None:
                 self.plans[key] = plan, prints
-        bad = _disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
+        bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
         if bad:
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
@@ -185,27 +165,11 @@ class Endpoint:
         self._digesters = None
         return plan
 
-    def _build(self, gathered: list) -> tuple[RefitPlan, dict]:
-        """The plan of what every rank of the group holds (``gathered``), and its fingerprints."""
-        train_specs = {i: g[1] for i, g in enumerate(gathered[: self.num_train])}
-        gen_specs = {i: g[1] for i, g in enumerate(gathered[self.num_train:])}
-        plan = RefitPlan.build(
-            train_specs,
-            gen_specs,
-            bucket_bytes=self.bucket_bytes,
-            direct_bytes=self.direct_bytes,
-            train_rank_ids=list(range(self.num_train)),
-            gen_rank_ids=list(range(self.num_train, self.num_train + self.num_gen)),
-            train_adjacent={i: g[5] for i, g in enumerate(gathered[: self.num_train])},
-            gen_adjacent={i: g[5] for i, g in enumerate(gathered[self.num_train:])},
-            local=self._local_rank(),
-        )
-        if plan.unused_train_params:
-            names = sorted(plan.unused_train_params)
-            raise ValueError(
-                f"the trainer produces {len(names)} HF parameters that no generation rank holds "
-                f"(the receiver does not know them), e.g. {names[:5]}"
-            )
+    def _build(self, pieces: list[tuple]) -> tuple[RefitPlan, dict]:
+        """The plan of what every rank of the group holds (``pieces``: each rank's
+        :func:`~megatron_refit.plan.pieces.pack`), and its fingerprints."""
+        plan = build_local_plan(pieces, self.num_train, bucket_bytes=self.bucket_bytes,
+                                direct_bytes=self.direct_bytes, local=self._local_rank())
         return plan, plan.fingerprints()
 
     def _local_rank(self) -> tuple[str, int]:

@@ -1,7 +1,8 @@
 """Sender assignment by groups of parameters (pure): the one implementation of who sends
-what. ``prepare()`` gets it through :class:`megatron_refit.plan.senders.SenderPlan` (which lists
-its pieces per gen class), the dry run and cost model use it as it is, without a piece per
-gen class and parameter.
+what. ``prepare()`` (:class:`megatron_refit.plan.refit_plan.RefitPlan`), the dry run and the
+cost model plan with it, without a piece per gen class and parameter; a rank expands only
+its own transfers (:meth:`Assignment.transfers`). :class:`megatron_refit.plan.senders.SenderPlan`
+is the piece-by-piece reference it is tested against.
 
 A full-scale MoE plan has millions of (gen class, parameter) pieces (DeepSeek-V3 on vLLM
 TP32: 45 k parameters x 32 engine TP ranks) but few patterns: the routed experts of one
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.buckets import Transfer
@@ -154,6 +155,34 @@ class Assignment:
                     out[senders[j % len(senders)], gen_rank] += nbytes
         return dict(out)
 
+    def transfer_counts(self) -> tuple[list[int], list[int]]:
+        """Transfers each train rank sends and each gen rank receives (what its local plan
+        expands), without expanding them."""
+        sent = [0] * len(self.train_bytes)
+        per_class = [0] * len(self.class_ranks)
+        for c, ranks in enumerate(self.class_ranks):
+            for *_, pieces in self.replicated[c]:
+                per_class[c] += len(pieces)
+                for _, senders, _ in pieces:
+                    base, extra = divmod(len(ranks), len(senders))
+                    for i, rank in enumerate(senders):
+                        sent[rank] += base + (i < extra)
+        for f in self.groups:
+            fan = [0] * len(f.train_boxes)  # gen ranks that get a piece of each train box
+            for c, (ranks, row) in enumerate(zip(self.class_ranks, f.nbytes)):
+                live = [bool(nbytes) for nbytes in row]
+                per_class[c] += len(f.names) * sum(live)
+                for i, on in enumerate(live):
+                    fan[i] += len(ranks) * on
+            for holders in f.holders:
+                for holder, num in zip(holders, fan):
+                    sent[holder] += num
+        received = [0] * sum(map(len, self.class_ranks))
+        for c, ranks in enumerate(self.class_ranks):
+            for rank in ranks:
+                received[rank] = per_class[c]
+        return sent, received
+
     def items(self, c: int) -> list[Item]:
         """Class ``c``'s gen pieces and their senders, by name (what SenderPlan lists for it)."""
         out = list(self.replicated[c])
@@ -167,18 +196,51 @@ class Assignment:
         out.sort(key=itemgetter(0))
         return out
 
-    def transfers(self) -> list[Transfer]:
-        """Every transfer, ordered by gen rank, then name (as :meth:`SenderPlan.transfers`)."""
+    def transfers(self, *, src: int | None = None, dst: int | None = None) -> list[Transfer]:
+        """Every transfer, ordered by gen rank, then name, then train box (as
+        :meth:`SenderPlan.transfers`); with ``src`` / ``dst`` only those that train rank sends /
+        that gen rank receives, found without expanding the others (a rank's own part of a
+        plan with millions of transfers)."""
         position = {rank: (c, j) for c, ranks in enumerate(self.class_ranks) for j, rank in enumerate(ranks)}
-        items = [self.items(c) for c in range(len(self.class_ranks))]
+        if dst is not None and dst not in position:
+            raise ValueError(f"gen rank {dst} is not in this plan (0..{len(position) - 1})")
+        groups = [(f, list(zip(f.names, f.holders)) if src is None else
+                   [(name, holders) for name, holders in zip(f.names, f.holders) if src in holders])
+                  for f in self.groups]
+        groups = [(f, members) for f, members in groups if members]
+        replicated = [items if src is None else [item for item in items if any(src in senders for _, senders, _
+                                                                                in item[3])]
+                      for items in self.replicated]
+        geometry: dict[tuple[int, int], tuple[Box, Box, Box]] = {}  # by identity: boxes stay alive meanwhile
+
+        def where(train_box: Box, gen_box: Box) -> tuple[Box, Box, Box]:
+            got = geometry.get((id(train_box), id(gen_box)))
+            if got is None:
+                box = intersect(train_box, gen_box)
+                got = geometry[id(train_box), id(gen_box)] = (relative(box, train_box), relative(box, gen_box), box)
+            return got
+
         out = []
-        for gen_rank in range(len(position)):
+        for gen_rank in range(len(position)) if dst is None else (dst,):
             c, j = position[gen_rank]
-            for name, dtype, gen_box, pieces in items[c]:
+            mine = []
+            for name, dtype, gen_box, pieces in replicated[c]:
                 for train_box, senders, nbytes in pieces:
-                    box = intersect(train_box, gen_box)
-                    out.append(Transfer(name, senders[j % len(senders)], gen_rank, relative(box, train_box),
-                                        relative(box, gen_box), box, dtype, nbytes))
+                    sender = senders[j % len(senders)]
+                    if src is None or sender == src:
+                        mine.append(Transfer(name, sender, gen_rank, *where(train_box, gen_box), dtype, nbytes))
+            for f, members in groups:
+                gen_box = f.gen_boxes[c]
+                if gen_box is None:
+                    continue
+                live = [(i, where(train_box, gen_box), nbytes)
+                        for i, (train_box, nbytes) in enumerate(zip(f.train_boxes, f.nbytes[c])) if nbytes]
+                for name, holders in members:
+                    for i, (src_box, dst_box, box), nbytes in live:
+                        if src is None or holders[i] == src:
+                            mine.append(Transfer(name, holders[i], gen_rank, src_box, dst_box, box, f.dtype, nbytes))
+            mine.sort(key=attrgetter("name"))  # stable: a name's pieces stay in train box order
+            out += mine
         return out
 
 

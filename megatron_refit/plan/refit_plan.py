@@ -7,15 +7,19 @@ agree on it. All validation happens in :meth:`RefitPlan.build`, before any trans
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_refit.errors import PlanError
+from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
-from megatron_refit.plan.senders import SenderPlan, gen_classes
+from megatron_refit.plan.gen_layout import GenTargets
+from megatron_refit.plan.pieces import Layout, Names, adjacent_names, gen_targets_of, pack, unpack
 from megatron_refit.plan.spec import ShardSpec, box_shape
 
-__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "SenderPlan", "gc_paused", "gen_classes"]
+__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
 
 
 def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int, list[ShardSpec]],
@@ -34,6 +38,36 @@ def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[in
                                 "does not hold")
         out[rank] = dict(pairs)
     return out
+
+
+def _adjacency(transfers: list[Transfer], direct_bytes: int | None, train_specs: dict[int, list[ShardSpec]],
+               train_next: Callable[[int], dict | None], targets: GenTargets, gen: dict[int, tuple[Names, Layout]]):
+    """``(src_next, dst_next, whole)`` for :func:`~megatron_refit.plan.buckets.bucketize`, for the
+    ranks that ``transfers`` touch only (ranks sharing a names list share one map)."""
+    if direct_bytes is None:
+        return None, None, None
+    src_next = {rank: m for rank in {t.src_rank for t in transfers} if (m := train_next(rank))}
+    maps: dict[int, dict[str, str]] = {}
+    dst_next = {}
+    for rank in {t.dst_rank for t in transfers}:
+        names = gen[rank][0]
+        if id(names) not in maps:
+            maps[id(names)] = adjacent_names(names)
+        if maps[id(names)]:
+            dst_next[rank] = maps[id(names)]
+    if not src_next or not dst_next:
+        return None, None, None
+    class_of = {rank: c for c, ranks in enumerate(targets.ranks) for rank in ranks}
+    shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # by list: DP replicas share one
+
+    def whole(t: Transfer) -> bool:
+        specs = train_specs[t.src_rank]
+        if id(specs) not in shapes:
+            shapes[id(specs)] = {spec.name: spec.shape for spec in specs}
+        shape = box_shape(t.global_box)
+        return shapes[id(specs)].get(t.name) == shape == box_shape(targets.params[t.name][2][class_of[t.dst_rank]])
+
+    return src_next, dst_next, whole
 
 
 def _send_order(bucket: Bucket) -> tuple[int, int]:
@@ -63,7 +97,8 @@ class RefitPlan:
     """Ordered by (src_rank, dst_rank, index); of the local rank only, in a local plan."""
     unused_train_params: tuple[str, ...]
     """Train parameters that no gen rank needs (not sent)."""
-    gen_specs: dict[int, tuple[ShardSpec, ...]] = field(repr=False)
+    gen_parts: dict[int, tuple[Names, Layout]] = field(repr=False)
+    """Every gen rank's pieces in the compact form (:func:`megatron_refit.plan.pieces.pack`)."""
     local: tuple[str, int] | None = None
     """``("train", i)`` / ``("gen", j)`` for a local plan, None for the whole plan."""
     train_bytes: tuple[int, ...] = ()
@@ -101,45 +136,85 @@ class RefitPlan:
         (see :func:`megatron_refit.plan.buckets._units`); a hint only, checked again at each refit.
 
         ``local``: expand only this rank's transfers and buckets (see the class docstring);
-        they equal the whole plan's for that rank. Validation covers the whole plan either way."""
+        they equal the whole plan's for that rank. Validation covers the whole plan either way.
+
+        The gen pieces are planned in the compact form ``prepare()`` gathers
+        (:func:`megatron_refit.plan.pieces.pack`); :meth:`from_pieces` takes that form directly."""
+        train_next = _next_maps(train_adjacent, train_specs, "train")
+        _next_maps(gen_adjacent, gen_specs, "gen")
+        packed: dict[tuple[int, int], tuple] = {}  # ranks given one list (gathered replicas) are packed once
+        gen = {}
+        for rank, specs in gen_specs.items():
+            pairs = (gen_adjacent or {}).get(rank) or ()
+            key = (id(specs), id(pairs))
+            if key not in packed:
+                packed[key] = pack(specs, pairs)
+            gen[rank] = packed[key]
+        return cls._assemble(train_specs, train_next.get, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                             train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids, local=local)
+
+    @classmethod
+    def from_pieces(
+        cls,
+        train: dict[int, tuple[Names, Layout]],
+        gen: dict[int, tuple[Names, Layout]],
+        *,
+        bucket_bytes: int = 64 << 20,
+        direct_bytes: int | None = None,
+        train_rank_ids: list[int] | None = None,
+        gen_rank_ids: list[int] | None = None,
+        local: tuple[str, int] | None = None,
+    ) -> RefitPlan:
+        """:meth:`build` from every rank's pieces in the compact form
+        (:func:`megatron_refit.plan.pieces.pack`: adjacency included), as ``prepare()`` gathers
+        them. Parts that are one object (the gather's equal objects) are read once."""
+        specs: dict[tuple[int, int], list[ShardSpec]] = {}
+        nexts: dict[int, dict[str, str]] = {}
+        train_specs = {}
+        for rank in sorted(train):
+            names, layout = train[rank]
+            key = (id(names), id(layout))
+            if key not in specs:
+                specs[key] = unpack("train", rank, names, layout)
+            train_specs[rank] = specs[key]
+
+        def train_next(rank: int) -> dict[str, str] | None:
+            names = train[rank][0]
+            if id(names) not in nexts:
+                nexts[id(names)] = adjacent_names(names)
+            return nexts[id(names)] or None
+
+        return cls._assemble(train_specs, train_next, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                             train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids, local=local)
+
+    @classmethod
+    def _assemble(cls, train_specs: dict[int, list[ShardSpec]], train_next: Callable[[int], dict | None],
+                  gen: dict[int, tuple[Names, Layout]], *, bucket_bytes: int, direct_bytes: int | None,
+                  train_rank_ids: list[int] | None, gen_rank_ids: list[int] | None,
+                  local: tuple[str, int] | None) -> RefitPlan:
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if direct_bytes is not None and (not isinstance(direct_bytes, int) or direct_bytes < 1):
             raise PlanError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
-        num_train, num_gen = len(train_specs), len(gen_specs)
+        num_train, num_gen = len(train_specs), len(gen)
         train_global = tuple(range(num_train) if train_rank_ids is None else train_rank_ids)
         gen_global = tuple(range(num_train, num_train + num_gen) if gen_rank_ids is None else gen_rank_ids)
         for side, ids, count in (("train", train_global, num_train), ("gen", gen_global, num_gen)):
             if len(ids) != count or len(set(ids)) != count:
                 raise PlanError(f"{side}_rank_ids {list(ids)} must be {count} distinct ranks")
-
         if local is not None and (local[0] not in ("train", "gen") or not isinstance(local[1], int)
                                   or not 0 <= local[1] < (num_train if local[0] == "train" else num_gen)):
             raise PlanError(f"local must be ('train', 0..{num_train - 1}) or ('gen', 0..{num_gen - 1}), got {local!r}")
 
-        classes = gen_classes(gen_specs)
-        senders = SenderPlan.build(train_specs, classes)
-        if local is None:
-            transfers = senders.transfers()
-        else:
-            transfers = senders.transfers(**{"src" if local[0] == "train" else "dst": local[1]})
-        src_next = _next_maps(train_adjacent, train_specs, "train")
-        dst_next = _next_maps(gen_adjacent, gen_specs, "gen")
-        shapes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}  # (side, rank) -> name -> piece shape
-
-        def shape_of(side: int, rank: int, name: str):
-            if (side, rank) not in shapes:
-                specs = (train_specs if side == 0 else gen_specs)[rank]
-                shapes[side, rank] = {spec.name: spec.shape for spec in specs}
-            return shapes[side, rank].get(name)
-
-        def whole(t: Transfer) -> bool:
-            if t.src_rank not in src_next or t.dst_rank not in dst_next:
-                return False
-            shape = box_shape(t.global_box)
-            return shape_of(0, t.src_rank, t.name) == shape == shape_of(1, t.dst_rank, t.name)
-
-        buckets = bucketize(transfers, bucket_bytes, direct_bytes, src_next, dst_next, whole)
+        with gc_paused():
+            targets = gen_targets_of(gen)
+            assignment = Assignment.build(train_specs, targets)
+            if local is None:
+                transfers = assignment.transfers()
+            else:
+                transfers = assignment.transfers(**{"src" if local[0] == "train" else "dst": local[1]})
+            buckets = bucketize(transfers, bucket_bytes, direct_bytes,
+                                *_adjacency(transfers, direct_bytes, train_specs, train_next, targets, gen))
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:
@@ -153,14 +228,13 @@ class RefitPlan:
             gen_global=gen_global,
             transfers=tuple(transfers),
             buckets=tuple(buckets),
-            unused_train_params=senders.unused_train_params,
-            gen_specs={rank: tuple(specs) for rank, specs in gen_specs.items()},
+            unused_train_params=assignment.unused_train_params,
+            gen_parts=dict(gen),
             local=local,
-            train_bytes=senders.train_bytes,
-            num_transfers=senders.num_transfers,
+            train_bytes=assignment.train_bytes,
+            num_transfers=assignment.num_transfers,
             settings=(bucket_bytes, direct_bytes),
-            bytes_minimal=sum(len(ranks) * sum(spec.numel * ITEMSIZE[spec.dtype] for spec in specs)
-                              for ranks, specs in classes),  # once per class of identical gen ranks
+            bytes_minimal=sum(assignment.gen_bytes().values()),  # what the gen ranks hold
             _from={rank: tuple(sorted(b, key=_send_order)) for rank, b in from_.items()},
             _to={rank: tuple(sorted(b, key=_receive_order)) for rank, b in to.items()},
         )
@@ -189,7 +263,8 @@ class RefitPlan:
         return self._held("gen", gen_idx, self._to)
 
     def gen_pieces(self, gen_idx: int) -> list[ShardSpec]:
-        return list(self.gen_specs[gen_idx])
+        """The pieces gen rank ``gen_idx`` holds (by name, then box)."""
+        return unpack("gen", gen_idx, *self.gen_parts[gen_idx])
 
     @property
     def bytes_sent(self) -> int:
@@ -241,3 +316,43 @@ class RefitPlan:
             "min_bytes_from_one_train_rank": min(self.train_bytes, default=0),
             "max_bucket_bytes": max((b.nbytes for b in self.buckets), default=0),
         }
+
+
+def build_local_plan(pieces: list[tuple[Names, Layout]], num_train: int, *, bucket_bytes: int,
+                     direct_bytes: int | None, local: tuple[str, int]) -> RefitPlan:
+    """What each rank's ``prepare()`` builds from every refit rank's gathered pieces (in refit
+    rank order: the train ranks, then the gen ranks); the dry run times the same call. A
+    parameter the trainer produces but no gen rank holds is refused (``ValueError``)."""
+    plan = RefitPlan.from_pieces(dict(enumerate(pieces[:num_train])), dict(enumerate(pieces[num_train:])),
+                                 bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                                 train_rank_ids=list(range(num_train)),
+                                 gen_rank_ids=list(range(num_train, len(pieces))), local=local)
+    if plan.unused_train_params:
+        names = sorted(plan.unused_train_params)
+        raise ValueError(f"the trainer produces {len(names)} HF parameters that no generation rank holds "
+                         f"(the receiver does not know them), e.g. {names[:5]}")
+    return plan
+
+
+def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
+    """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
+    :meth:`RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
+    is not the most common one, and both ends of any (train rank, gen rank) pair that they
+    hold differently (one end alone cannot tell which of them is wrong)."""
+    common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
+    bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
+    pairs = set()
+    for rank, theirs in enumerate(prints):
+        for pair in theirs:
+            if pair == "plan":
+                continue
+            if not (isinstance(pair, tuple) and len(pair) == 2 and 0 <= pair[0] < len(plan.train_global)
+                    and 0 <= pair[1] < len(plan.gen_global)):
+                bad.add(rank)  # a pair of ranks this plan does not have
+                continue
+            pairs.add(pair)
+    for src, dst in pairs:
+        ends = (plan.train_global[src], plan.gen_global[dst])
+        if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
+            bad.update(ends)
+    return sorted(bad)

@@ -1,5 +1,7 @@
-"""Sender assignment per class of identical gen ranks (pure): which train rank sends each
-piece that the gen ranks need, with every piece validated first."""
+"""Sender assignment per class of identical gen ranks, piece by piece (pure): the plain
+reference that :class:`~megatron_refit.plan.assignment.Assignment` (what plans and dry runs
+use, by groups of parameters) is tested against field for field, and the cost model's
+input in tests. It needs a ShardSpec per gen piece, which ``prepare()`` no longer builds."""
 
 from __future__ import annotations
 
@@ -34,9 +36,8 @@ def gen_classes(gen_specs: dict[int, list[ShardSpec]]) -> list[GenClass]:
 class SenderPlan:
     """Validated sender assignment per class of identical gen ranks (pure).
 
-    The compact form of a plan: what :meth:`RefitPlan.build` expands into transfers and
-    buckets. The assignment itself is :class:`megatron_refit.plan.assignment.Assignment`'s, the
-    one the dry run plans with; this lists its pieces per class. Senders are balanced by
+    The reference form of the assignment (see the module docstring): every gen piece of
+    every class with its train pieces, listed one by one. Senders are balanced by
     water-filling: the D gen ranks of a class that need a train box held by h train ranks
     get it from the holders in order of (bytes assigned so far, rank), round robin, so each
     holder sends it D // h or D // h + 1 times (with D = 1 this is the least-loaded holder,

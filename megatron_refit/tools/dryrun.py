@@ -10,12 +10,17 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
 2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
    compute every engine TP rank's targets (:func:`megatron_refit.plan.gen_layout.gen_targets`),
    validate and assign senders (:class:`megatron_refit.plan.assignment.Assignment`: the senders,
-   bytes and transfers of the :class:`megatron_refit.plan.refit_plan.SenderPlan` that
-   ``RefitPlan.build`` expands into buckets, planned once per family of parameters that
-   match box for box). This process imports neither Megatron nor torch.
+   bytes and transfers that ``RefitPlan`` expands into buckets, planned once per family of
+   parameters that match box for box). This process imports neither Megatron nor torch.
+3. *Prepare* (``prepare_seconds``): what each rank's ``prepare()`` does once the pieces are
+   gathered, timed on the train rank that sends the most transfers and the gen rank that
+   receives the most: decoding every distinct gathered part from its wire form, then
+   :func:`megatron_refit.plan.refit_plan.build_local_plan` (the whole plan validated, that
+   rank's transfers and buckets expanded), its pair fingerprints, and every rank's
+   fingerprints decoded and compared (each taken as large as the timed rank's).
 
-``plan_seconds`` and ``peak_rss_mb`` cover step 2 and the whole life of this process
-(reading the YAML included); the enumeration's time is reported apart.
+``plan_seconds`` covers step 2; ``peak_rss_mb`` the whole life of this process (reading the
+YAML included, step 3 too); the enumeration's time is reported apart.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.plan.pieces import pack, pack_targets
+from megatron_refit.plan.refit_plan import build_local_plan, disagreeing
+from megatron_refit import wire
 
 VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
 """Packages whose versions key the enumeration cache."""
@@ -63,6 +71,12 @@ class DryRun:
     cache_path: str
     train_local_bytes: list[int] = field(default_factory=list)
     """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
+    prepare: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
+
+    @property
+    def prepare_seconds(self) -> float:
+        return max((seconds for seconds, _ in self.prepare.values()), default=0.0)
 
     def gen_bytes_max(self) -> int:
         return max(self.senders.gen_bytes().values())
@@ -174,13 +188,50 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
         train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    prepare = time_prepare(train_specs, targets, senders, refit)
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
              for _, specs in sorted(train_specs.items())]
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
-                  train_local_bytes=local)
+                  train_local_bytes=local, prepare=prepare)
+
+
+def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig) -> dict[str, tuple[float, int]]:
+    """Step 3 of the module docstring, with ``refit``'s buckets on NCCL (``direct_mb: null``:
+    one bucket). Each distinct part (equal objects: DP replicas, an engine's TP ranks' names)
+    is encoded once, as the gather moves it."""
+    parts = []
+    packed: dict[int, tuple] = {}
+    for _, specs in sorted(train_specs.items()):
+        if id(specs) not in packed:
+            packed[id(specs)] = pack(specs)
+        parts.append(packed[id(specs)])
+    gen = pack_targets(targets)
+    parts += [gen[rank] for rank in range(len(gen))]
+    blobs: dict[int, bytes] = {}
+    for part in (part for rank_parts in parts for part in rank_parts):
+        if id(part) not in blobs:
+            blobs[id(part)] = wire.dumps(part)
+    num_train = len(train_specs)
+    bucket = refit.bucket_bytes
+    direct = bucket if refit.direct_bytes == "auto" else refit.direct_bytes
+    sent, received = senders.transfer_counts()
+    out = {}
+    for side, counts in (("train", sent), ("gen", received)):
+        rank = max(range(len(counts)), key=counts.__getitem__)
+        start = time.perf_counter()
+        decoded = {key: wire.loads(blob) for key, blob in blobs.items()}
+        gathered = [(decoded[id(names)], decoded[id(layout)]) for names, layout in parts]
+        plan = build_local_plan(gathered, num_train, bucket_bytes=bucket, direct_bytes=direct, local=(side, rank))
+        blob = wire.dumps(plan.fingerprints())
+        # every rank's fingerprints, each as large as this rank's (no rank has more pairs than
+        # the busiest), decoded and compared as prepare() does
+        disagreeing(plan, [wire.loads(blob) for _ in parts])
+        out[f"{side} rank {rank}"] = (time.perf_counter() - start, len(plan.transfers))
+        del plan, gathered, decoded
+    return out
 
 
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
@@ -248,6 +299,9 @@ def summary_lines(run: DryRun) -> list[str]:
         f"plan          {run.plan_seconds:.2f} s wall, {run.plan_cpu_seconds:.2f} s CPU, "
         f"peak RSS {peak_rss_mb():.0f} MB, torch imported: "
         f"{'torch' in sys.modules}",
+        "prepare       " + "; ".join(f"{who} {seconds:.2f} s ({count:,} transfers)"
+                                     for who, (seconds, count) in run.prepare.items())
+        + " (one rank's prepare() after the gather)",
     ]
     if not run.refit.enabled:
         lines.append("note          refit.enabled is false: a training run with this config would not refit")
@@ -269,7 +323,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"ok": False, "model": model or "", "plan_seconds": 0.0, "peak_rss_mb": peak_rss_mb(),
+            print(json.dumps({"ok": False, "model": model or "", "plan_seconds": 0.0, "prepare_seconds": 0.0,
+                              "peak_rss_mb": peak_rss_mb(),
                               "num_params": 0, "bytes_per_gen_rank_max": 0, "bytes_total": 0, "error": str(e)}))
         return 2
     print("\n".join(summary_lines(run)))
@@ -278,6 +333,8 @@ def main(argv=None) -> int:
             "ok": run.senders.num_transfers > 0,
             "model": model,
             "plan_seconds": round(run.plan_seconds, 3),
+            "prepare_seconds": round(run.prepare_seconds, 3),
+            "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0]),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),

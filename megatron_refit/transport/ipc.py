@@ -44,7 +44,7 @@ _STORAGES = ("TypedStorage", "UntypedStorage")
 
 def cuda_handle(reduced: tuple) -> list:
     """``reduce_tensor``'s output for one of our uint8 staging buffers as plain data (what
-    travels to the peers: no classes, no functions; see :mod:`megatron_refit.transport.wire`)."""
+    travels to the peers: no classes, no functions; see :mod:`megatron_refit.wire`)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     rebuild, (tensor_cls, size, stride, offset, storage_cls, dtype, *rest) = reduced

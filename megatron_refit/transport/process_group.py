@@ -13,7 +13,7 @@ colocated handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-s
 the call it belongs to and its sequence number, so ranks in different calls (one side in
 ``prepare()``, the other in ``refit()``) stop with :class:`RefitProtocolError` naming both
 sides' calls instead of reading one message's bytes as another's. Metadata travels as JSON
-(:mod:`megatron_refit.transport.wire`), never as pickles.
+(:mod:`megatron_refit.wire`), never as pickles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_refit.errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
-from megatron_refit.transport import wire
+from megatron_refit import wire
 from megatron_refit.transport.base import Pending, Transport
 from megatron_refit.transport.rendezvous import join, open_store
 
@@ -266,7 +266,7 @@ class RefitGroup(Transport):
         return [t.cpu() for t in out]
 
     def all_gather_object(self, obj, call: str = "message") -> list:
-        """Every rank's ``obj`` (plain data: see :mod:`megatron_refit.transport.wire`), sizes in the header."""
+        """Every rank's ``obj`` (plain data: see :mod:`megatron_refit.wire`), sizes in the header."""
         blob = wire.dumps(obj)
         sizes = [row[0] for row in self.exchange(call, [len(blob)])]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)

@@ -15,15 +15,15 @@ s     :class:`~megatron_refit.plan.spec.ShardSpec`  ``{"s": [name, shape, dtype,
 x     CPU tensor                      ``{"x": [dtype, shape, "<base64>"]}``
 ====  ==============================  =========================================
 
-A ShardSpec from a peer is built through its validating constructor.
+A ShardSpec from a peer is built through its validating constructor. This module imports
+torch only to encode or decode a tensor (the dry run decodes pieces as a rank does, without it).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-
-import torch
+import sys
 
 from megatron_refit.errors import WireError
 from megatron_refit.plan.spec import ShardSpec
@@ -54,7 +54,8 @@ def _plain(obj):
         return {"d": [[_plain(k), _plain(v)] for k, v in obj.items()]}
     if isinstance(obj, (bytes, bytearray)):
         return {"b": base64.b64encode(bytes(obj)).decode()}
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch is imported
+    if torch is not None and isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {"x": [str(t.dtype).removeprefix("torch."), list(t.shape), base64.b64encode(raw).decode()]}
@@ -77,6 +78,8 @@ def _decode(obj: dict):
             return ShardSpec(name=name, global_shape=tuple(shape), dtype=dtype,
                              box=tuple((a, b) for a, b in box), pp_stage=pp_stage, is_expert=is_expert)
         if tag == "x":
+            import torch
+
             dtype, shape, raw = value
             dt = getattr(torch, dtype, None)
             if not isinstance(dt, torch.dtype):

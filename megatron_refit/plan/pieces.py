@@ -1,0 +1,216 @@
+"""A rank's pieces in the compact form ``prepare()`` gathers, and the gen targets built from
+them (pure).
+
+An engine's TP ranks each hold a piece of the same parameters: at DeepSeek-V3 scale (vLLM
+TP32) 45 k names on each of 32 ranks, with a handful of distinct boxes between them. So a
+rank's pieces travel in two parts: its *names* (sorted, with the pairs of pieces adjacent
+in memory as index pairs), which the TP ranks share and the group's de-duplicating gather
+moves once, and its *layout* (the distinct ``(global shape, dtype, box, pp stage, expert)``
+kinds and each name's kind), which is small. The plan is then built from the parts without
+a ShardSpec per gen piece: :func:`gen_targets_of` gives :class:`GenTargets` directly.
+
+Both parts are plain tuples, bytes and numbers (they travel as refit metadata, see
+:mod:`megatron_refit.wire`); :func:`unpack` validates a peer's parts.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.gen_layout import GenTargets
+from megatron_refit.plan.roles import EXPERT_RE
+from megatron_refit.plan.spec import ShardSpec
+
+Names = tuple[tuple[str, ...], tuple[int, ...]]
+"""``(names sorted, flat pairs (a, b, a, b, ...) of indices: piece b starts where a ends)``."""
+
+Layout = tuple[tuple[tuple, ...], bytes]
+"""``(kinds, each name's kind as uint32)``; a kind is ``(global shape, dtype, box, pp stage, expert)``."""
+
+
+def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[Names, Layout]:
+    """``specs`` (and adjacent pairs of them) as ``(names, layout)``. A name listed twice stays
+    twice (the plan refuses it on every rank, naming this one); an adjacent pair naming a piece
+    the rank does not hold becomes index -1 (refused likewise)."""
+    order = sorted(specs, key=lambda s: (s.name, s.box))
+    kinds: dict[tuple, int] = {}
+    kind_of = array("I", (kinds.setdefault((s.global_shape, s.dtype, s.box, s.pp_stage, s.is_expert), len(kinds))
+                          for s in order))
+    names = tuple(s.name for s in order)
+    index: dict[str, int] = {}
+    for i, name in enumerate(names):
+        index.setdefault(name, i)
+    pairs = tuple(index.get(name, -1) for pair in adjacent for name in pair)
+    return (names, pairs), (tuple(kinds), kind_of.tobytes())
+
+
+def kind_indices(side: str, rank: int, names: Names, layout: Layout) -> array:
+    """Each name's kind, checked against the parts (``PlanError`` naming the rank)."""
+    parts = names, layout
+    if not (all(isinstance(part, tuple) and len(part) == 2 for part in parts)
+            and all(isinstance(x, t) for x, t in zip((*names, *layout), (tuple, tuple, tuple, bytes)))):
+        raise PlanError(f"{side} rank {rank}: malformed pieces (expected ((names, pairs), (kinds, bytes)) of tuples)")
+    (name_list, pairs), (kinds, raw) = parts
+    kind_of = array("I")
+    if len(raw) % kind_of.itemsize == 0:
+        kind_of.frombytes(raw)
+    if len(kind_of) != len(name_list) or len(raw) % kind_of.itemsize:
+        raise PlanError(f"{side} rank {rank}: {len(name_list)} names but {len(raw)} bytes of kind indices")
+    if kind_of and max(kind_of) >= len(kinds):
+        raise PlanError(f"{side} rank {rank}: kind index {max(kind_of)} out of range for {len(kinds)} kinds")
+    bad = next((name for name in name_list if not isinstance(name, str)), None)
+    if bad is not None:
+        raise PlanError(f"{side} rank {rank}: a piece name is {bad!r}, not a string")
+    if len(pairs) % 2 or any(not isinstance(i, int) or not 0 <= i < len(name_list) for i in pairs):
+        bad = next((i for i in pairs if not isinstance(i, int) or not 0 <= i < len(name_list)), None)
+        raise PlanError(f"{side}_adjacent of {side} rank {rank}: a pair names a piece the rank does not hold "
+                        f"(index {bad!r} of {len(name_list)})")
+    return kind_of
+
+
+def kind_specs(side: str, rank: int, names: Names, layout: Layout, kind_of: array) -> list[ShardSpec]:
+    """One validated ShardSpec per kind (named after its first name), so that every piece of
+    the rank can be built trusted."""
+    name_list, kinds = names[0], layout[0]
+    first = {}
+    for i, k in enumerate(kind_of):
+        first.setdefault(k, i)
+        if len(first) == len(kinds):
+            break
+    out = []
+    for k, kind in enumerate(kinds):
+        name = name_list[first[k]] if k in first else "(unused kind)"
+        problem = None
+        if not (isinstance(kind, tuple) and len(kind) == 5 and isinstance(kind[0], tuple) and isinstance(kind[1], str)
+                and isinstance(kind[2], tuple) and all(isinstance(d, tuple) for d in kind[2])):
+            problem = "expected (global shape, dtype, box, pp stage, expert)"
+        else:
+            try:
+                shape, dtype, box, pp_stage, is_expert = kind
+                out.append(ShardSpec(name, shape, dtype, box, pp_stage=pp_stage, is_expert=bool(is_expert)))
+            except (TypeError, ValueError) as exc:
+                problem = str(exc)
+        if problem is not None:
+            raise PlanError(f"{side} rank {rank}: malformed piece kind {kind!r}: {problem}")
+    return out
+
+
+def unpack(side: str, rank: int, names: Names, layout: Layout) -> list[ShardSpec]:
+    """The rank's ShardSpecs (by name, then box), validated (``PlanError`` naming the rank)."""
+    kind_of = kind_indices(side, rank, names, layout)
+    kinds = kind_specs(side, rank, names, layout, kind_of)
+    trusted = ShardSpec.trusted
+    return [trusted(name, kinds[k].global_shape, kinds[k].dtype, kinds[k].box, pp_stage=kinds[k].pp_stage,
+                    is_expert=kinds[k].is_expert) for name, k in zip(names[0], kind_of)]
+
+
+def adjacent_names(names: Names) -> dict[str, str]:
+    """``{a: b}`` of the rank's pairs (validated by :func:`kind_indices`)."""
+    name_list, pairs = names
+    return {name_list[pairs[i]]: name_list[pairs[i + 1]] for i in range(0, len(pairs), 2)}
+
+
+def pack_targets(targets: GenTargets) -> dict[int, tuple[Names, Layout]]:
+    """Each gen rank's pieces as its receiver packs them (the ShardSpecs of
+    :func:`~megatron_refit.plan.gen_layout.gen_target_specs`, no adjacency), built from the
+    compact targets without a ShardSpec per piece: names that share their shape, dtype and
+    tuple of boxes share a *signature*, and each class maps signatures to its kinds. Equal
+    names lists are one object, as the gather returns them."""
+    names = sorted(targets.params)
+    signatures: dict[tuple, int] = {}  # in order of first occurrence, as pack() meets kinds
+    sig_of = []
+    for name in names:
+        shape, dtype, boxes = targets.params[name]
+        sig_of.append(signatures.setdefault((shape, dtype, boxes, EXPERT_RE.search(name) is not None),
+                                            len(signatures)))
+    lists: dict[tuple[str, ...], Names] = {}
+    out = {}
+    for c, ranks in enumerate(targets.ranks):
+        kinds: dict[tuple, int] = {}
+        table = [None if boxes[c] is None else kinds.setdefault((shape, dtype, boxes[c], 0, expert), len(kinds))
+                 for shape, dtype, boxes, expert in signatures]
+        if None in table:  # this class holds only some of the parameters
+            held = [(name, table[sig]) for name, sig in zip(names, sig_of) if table[sig] is not None]
+            class_names, kind_of = tuple(name for name, _ in held), array("I", (k for _, k in held))
+        else:
+            class_names, kind_of = tuple(names), array("I", map(table.__getitem__, sig_of))
+        parts = (lists.setdefault(class_names, (class_names, ())), (tuple(kinds), kind_of.tobytes()))
+        out.update(dict.fromkeys(ranks, parts))
+    return out
+
+
+def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
+    """The gen ranks' pieces as :class:`GenTargets`: a class per distinct ``(names, layout)``
+    (ranks holding identical pieces), in order of their first rank; every piece's box, with
+    ``PlanError`` for a name listed twice on a rank, a malformed piece, or a parameter whose
+    global shape or dtype differs between gen ranks. Linear in the distinct names lists plus
+    the classes' name counts, with no ShardSpec per piece."""
+    if sorted(gen) != list(range(len(gen))):
+        raise PlanError(f"gen ranks must be 0..{len(gen) - 1}, got {sorted(gen)}")
+    classes: dict[tuple, list[int]] = {}
+    seen: dict[tuple[int, int], tuple] = {}  # by identity first: the gather returns equal parts as one object
+    indices: dict[tuple, array] = {}
+    for rank in range(len(gen)):
+        names, layout = gen[rank]
+        key = seen.get((id(names), id(layout)))
+        if key is None:  # checked before it is hashed: a peer's parts may be anything
+            kind_of = kind_indices("gen", rank, names, layout)
+            key = seen[id(names), id(layout)] = (names, layout)
+            indices.setdefault(key, kind_of)
+        classes.setdefault(key, []).append(rank)
+    ranks = tuple(tuple(r) for r in classes.values())
+    parts = list(classes)
+    by_names: dict[tuple, list[int]] = {}  # classes sharing one names list (an engine's TP ranks)
+    for c, (names, _) in enumerate(parts):
+        by_names.setdefault(names, []).append(c)
+    kinds = []
+    for c, (names, layout) in enumerate(parts):
+        kind_of = indices[names, layout]
+        specs = kind_specs("gen", ranks[c][0], names, layout, kind_of)
+        kinds.append((kind_of, [(s.global_shape, s.dtype, s.box) for s in specs]))
+    table: dict[str, tuple] = {}
+    interned: dict[tuple, tuple] = {}  # equal box tuples as one object: the assignment groups by identity
+    for names, members in by_names.items():
+        name_list = names[0]
+        if len(set(name_list)) != len(name_list):
+            twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
+            raise PlanError(f"{twice}: listed twice on gen rank {ranks[members[0]][0]}")
+        rows: dict[tuple, tuple] = {}
+        for name, row in zip(name_list, zip(*(kinds[c][0] for c in members))):
+            entry = rows.get(row)
+            if entry is None:
+                entry = rows[row] = _row(name, row, members, kinds, ranks, interned)
+            prev = table.get(name)
+            table[name] = entry if prev is None else _merge(name, prev, entry, interned)
+    params = {name: entry[:3] for name, entry in sorted(table.items())}
+    return GenTargets(ranks=ranks, params=params)
+
+
+def _row(name: str, row: tuple, members: list[int], kinds: list, ranks: tuple, interned: dict) -> tuple:
+    """``(global shape, dtype, box per class, first gen rank)`` of a name whose kind in each
+    class of ``members`` is ``row``."""
+    boxes: list = [None] * len(ranks)
+    shape = dtype = None
+    first = None
+    for c, k in zip(members, row):
+        kind_shape, kind_dtype, box = kinds[c][1][k]
+        if first is None:
+            shape, dtype, first = kind_shape, kind_dtype, ranks[c][0]
+        elif (kind_shape, kind_dtype) != (shape, dtype):
+            raise PlanError(f"{name}: global shape {shape} dtype {dtype} on gen rank {first}, "
+                            f"{kind_shape} {kind_dtype} on gen rank {ranks[c][0]}")
+        boxes[c] = box
+    boxes = tuple(boxes)
+    return shape, dtype, interned.setdefault(boxes, boxes), first
+
+
+def _merge(name: str, a: tuple, b: tuple, interned: dict) -> tuple:
+    """One name held by classes with different names lists (e.g. dense weights under expert
+    parallelism)."""
+    if (a[0], a[1]) != (b[0], b[1]):
+        first, second = sorted((a, b), key=lambda e: e[3])
+        raise PlanError(f"{name}: global shape {first[0]} dtype {first[1]} on gen rank {first[3]}, "
+                        f"{second[0]} {second[1]} on gen rank {second[3]}")
+    boxes = tuple(x if x is not None else y for x, y in zip(a[2], b[2]))
+    return a[0], a[1], interned.setdefault(boxes, boxes), min(a[3], b[3])
