@@ -45,6 +45,40 @@ def test_encode_then_apply_restores_the_new_bytes(word, changed, path):
     assert torch.equal(previous, new)
 
 
+def _bitmask_payload(count: int = 1003, word: int = 2):
+    """A BITMASK payload of a bucket of ``count`` words (not a multiple of 8: the mask's last
+    byte is partial and padding bytes follow), and the bytes before and after."""
+    g = torch.Generator().manual_seed(count)
+    old = torch.randint(0, 256, (count * word,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    new.view(torch.int16)[::6] ^= 1  # 1 word in 6: a bitmask beats indices
+    encoding, payload, changed = encode(new, old.clone(), word)
+    assert encoding == BITMASK and changed == -(-count // 6)
+    return old, new, payload
+
+
+@pytest.mark.parametrize("corrupt, problem", [
+    (None, None),
+    (lambda p, head: p.__setitem__(1003 // 8, p[1003 // 8] | 0x80), "mask bits past the bucket's 1003 words are set"),
+    (lambda p, head: p.__setitem__(head - 1, 1), "mask bits past the bucket's 1003 words are set"),
+    (lambda p, head: p.__setitem__(0, p[0] ^ 0x02), "the mask sets 169 words but 168 values follow"),
+])
+def test_a_bitmask_payload_is_checked_before_it_is_applied(corrupt, problem):
+    from megatron_refit.endpoint.delta import apply, check_payload, mask_bytes
+
+    old, new, payload = _bitmask_payload()
+    head = mask_bytes(1003)
+    assert head == 128 and payload.numel() == head + 168 * 2
+    if corrupt is not None:
+        corrupt(payload, head)
+    assert check_payload(BITMASK, payload, old.numel(), 2) == problem
+    if problem is None:  # a valid payload restores the new bytes
+        apply(old, BITMASK, payload, 2)
+        assert torch.equal(old, new)
+    assert check_payload(BITMASK, payload[:-1], old.numel(), 2) == f"{payload.numel() - 1} bytes are not a " \
+        f"{head}-byte mask then 2-byte values"
+
+
 def test_encoding_choice_follows_density():
     old = torch.zeros(1 << 16, dtype=torch.uint8)
     sparse, dense, mid = old.clone(), old.clone(), old.clone()

@@ -38,6 +38,8 @@ full refit's cost stays measured (the link may have become faster)."""
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_WORD = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_popcount = getattr(np, "bitwise_count", None) or np.array([bin(b).count("1") for b in range(256)], np.uint8).take
+"""Set bits per byte of a uint8 array: numpy's (2.0 on) or a table's."""
 
 
 def check_mode(mode: str) -> str:
@@ -99,10 +101,12 @@ def _encode_host(new: np.ndarray, old: np.ndarray, word: int) -> tuple[int, torc
     if indices <= bitmask:
         head = where.astype(np.int32).view(np.uint8)
     else:
-        head = np.zeros(mask_bytes(a.size), dtype=np.uint8)
-        bits = np.packbits(mask, bitorder="little")
-        head[: bits.size] = bits
-    payload = np.concatenate([head, values.view(np.uint8)])
+        head = np.packbits(mask, bitorder="little")
+    start = head.size if indices <= bitmask else mask_bytes(a.size)  # the mask is padded to 8 bytes
+    payload = np.empty(start + values.nbytes, dtype=np.uint8)  # one copy of each part, the padding zeroed
+    payload[: head.size] = head
+    payload[head.size: start] = 0
+    payload[start:] = values.view(np.uint8)
     return (INDICES if indices <= bitmask else BITMASK), torch.from_numpy(payload), changed
 
 
@@ -138,11 +142,12 @@ def check_payload(encoding: int, payload: torch.Tensor, nbytes: int, word: int) 
     head = mask_bytes(count)
     if p.size < head or (p.size - head) % word:
         return f"{p.size} bytes are not a {head}-byte mask then {word}-byte values"
-    bits = np.unpackbits(p[:head], bitorder="little")
-    if bits[count:].any():
+    # on the packed bytes (no unpacked copy): the bits past the last word, then a popcount
+    if (count % 8 and p[count // 8] >> (count % 8)) or p[-(-count // 8): head].any():
         return f"mask bits past the bucket's {count} words are set"
-    if int(bits.sum()) != (p.size - head) // word:
-        return f"the mask sets {int(bits.sum())} words but {(p.size - head) // word} values follow"
+    ones = int(_popcount(p[:head]).sum(dtype=np.int64))
+    if ones != (p.size - head) // word:
+        return f"the mask sets {ones} words but {(p.size - head) // word} values follow"
     return None
 
 
@@ -159,8 +164,9 @@ def apply(target: torch.Tensor, encoding: int, payload: torch.Tensor, word: int)
         count = p.size // (4 + word)
         t[p[: 4 * count].view(np.int32)] = p[4 * count:].view(_NP_WORD[word])
     else:
-        head = mask_bytes(t.size)
-        t[np.unpackbits(p[:head], count=t.size, bitorder="little").view(bool)] = p[head:].view(_NP_WORD[word])
+        head = mask_bytes(t.size)  # indices, then a scatter: 3x a boolean-mask assignment at 25 % changed
+        changed = np.flatnonzero(np.unpackbits(p[:head], count=t.size, bitorder="little").view(bool))
+        t[changed] = p[head:].view(_NP_WORD[word])
 
 
 def _apply_torch(target: torch.Tensor, encoding: int, payload: torch.Tensor, word: int) -> None:
