@@ -105,18 +105,18 @@ def test_sender_keeps_copies_and_a_failed_refit_leaves_no_base():
     assert sender.base == -1  # a rank failed: the next refit is full
 
 
-def _auto_run(sender, schedule, compare=2e-9):
+def _auto_run(sender, schedule, compare=2e-9, copy=0.0):
     """Drive ``sender`` (``auto``) through refits: ``schedule`` lists, per refit, (seconds per
     byte of the link, density of the change); a full refit costs the link's time for every
     byte, a delta the link's for the changed ones plus the comparison and the receiver's writes
-    (``compare`` per byte each). Returns what each refit was: full, copy (full, copies kept) or
-    delta."""
+    (``compare`` per byte each), a full refit that keeps its copies ``copy`` per byte more.
+    Returns what each refit was: full, copy (full, copies kept) or delta."""
     out, B = [], 1_000_000
     for version, (link, density) in enumerate(schedule, start=1):
         delta = sender.keeps_copies and sender.base == version - 1
         kind = "delta" if delta else "copy" if sender.keeps_copies else "full"
         sent = int(B * density) if delta else B
-        seconds = link * sent + (2 * compare * B if delta else 0.0)
+        seconds = link * sent + (2 * compare * B if delta else copy * B if kind == "copy" else 0.0)
         sender.finish(version, ok=True, bytes_sent=sent, bytes_full=B, was_delta=delta, seconds=seconds,
                       rank_bytes=B)
         out.append(kind)
@@ -149,7 +149,16 @@ def test_auto_decides_from_measured_costs():
     drift = DeltaSender("auto", encode_s_per_byte=2e-9)
     kinds = _auto_run(drift, [(1e-8, 0.1)] * 4 + [(1e-10, 0.1)] * (AUTO_REMEASURE + 4))
     assert kinds[:3] == ["full", "copy", "delta"] and kinds[-2:] == ["full", "full"]
-    assert kinds.count("copy") == 2  # the remeasuring refit kept its copies
+    assert kinds.count("copy") == 1  # the remeasuring refit is a plain full one
+    # the link stays slow: the remeasuring full refit, one that keeps copies again, deltas
+    steady = DeltaSender("auto", encode_s_per_byte=2e-9)
+    kinds = _auto_run(steady, [(1e-8, 0.1)] * (AUTO_REMEASURE + 6))
+    assert kinds == ["full", "copy", *["delta"] * AUTO_REMEASURE, "full", "copy", "delta", "delta"]
+    # a fast link where keeping the copies is slow (allocating them): that refit is not taken
+    # for what a full refit costs, so the first measured delta ends the deltas
+    costly = DeltaSender("auto", encode_s_per_byte=2e-10)
+    kinds = _auto_run(costly, [(1e-9, 0.05)] * 6, compare=1e-9, copy=3e-9)
+    assert kinds == ["full", "copy", "delta", "full", "full", "full"] and costly.held_bytes() == 0
 
 
 def test_auto_predicts_the_comparison_before_its_first_delta():
