@@ -42,7 +42,9 @@ def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[
     for i, name in enumerate(names):
         index.setdefault(name, i)
     pairs = tuple(index.get(name, -1) for pair in adjacent for name in pair)
-    return (names, pairs), (tuple(kinds), kind_of.tobytes())
+    plain = tuple((tuple(shape), dtype, tuple(map(tuple, box)), int(stage), bool(expert))  # as peers decode them
+                  for shape, dtype, box, stage, expert in kinds)
+    return (names, pairs), (plain, kind_of.tobytes())
 
 
 def kind_indices(side: str, rank: int, names: Names, layout: Layout) -> array:
