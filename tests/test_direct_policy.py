@@ -79,7 +79,7 @@ def _shipped_plan(config: str, backend: str) -> tuple[RefitPlan, int]:
     """The runtime plan of a shipped config at full size (every rank's specs from the dry
     run's enumeration cache), as ``prepare()`` would build it on ``backend``; and its bucket size."""
     path = os.path.join(ROOT, "configs", f"{config}.yaml")
-    run = dryrun.build(path)
+    run = dryrun.build(path, prepare=False)
     refit, preset, layout = dryrun.load_config(path)
     key = dryrun.cache_key(refit.model, preset, layout, "bfloat16")
     train_specs, _, params = dryrun._targets(run.cache_path, key, refit, preset, layout, run.gen)

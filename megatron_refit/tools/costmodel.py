@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     try:
         cluster = Cluster(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps,
                           efficiency=args.efficiency, latency_s=args.latency_us * 1e-6)
-        run = build(args.config, cache_dir=args.cache_dir)
+        run = build(args.config, cache_dir=args.cache_dir, prepare=False)
         model = run.refit.model
         mode = args.placement or run.refit.mode
         train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)

@@ -174,8 +174,9 @@ def ensure_cache(path: str, model: str, layout: TrainLayout, key: str, dtype: st
     return time.perf_counter() - start
 
 
-def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16") -> DryRun:
-    """Validate ``config_path`` and build its plan (see the module docstring)."""
+def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16", prepare: bool = True) -> DryRun:
+    """Validate ``config_path`` and build its plan (see the module docstring); ``prepare``:
+    also time the slowest ranks' ``prepare()`` (step 3)."""
     refit, preset, layout = load_config(config_path)
     gen = refit.gen_layout()
     cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(config_path)), "cache")
@@ -188,7 +189,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
         train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    prepare = time_prepare(train_specs, targets, senders, refit)
+    prepare = time_prepare(train_specs, targets, senders, refit) if prepare else {}
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
              for _, specs in sorted(train_specs.items())]
@@ -299,10 +300,11 @@ def summary_lines(run: DryRun) -> list[str]:
         f"plan          {run.plan_seconds:.2f} s wall, {run.plan_cpu_seconds:.2f} s CPU, "
         f"peak RSS {peak_rss_mb():.0f} MB, torch imported: "
         f"{'torch' in sys.modules}",
-        "prepare       " + "; ".join(f"{who} {seconds:.2f} s ({count:,} transfers)"
-                                     for who, (seconds, count) in run.prepare.items())
-        + " (one rank's prepare() after the gather)",
     ]
+    if run.prepare:
+        lines.append("prepare       " + "; ".join(f"{who} {seconds:.2f} s ({count:,} transfers)"
+                                                  for who, (seconds, count) in run.prepare.items())
+                     + " (one rank's prepare() after the gather)")
     if not run.refit.enabled:
         lines.append("note          refit.enabled is false: a training run with this config would not refit")
     return lines
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
             "model": model,
             "plan_seconds": round(run.plan_seconds, 3),
             "prepare_seconds": round(run.prepare_seconds, 3),
-            "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0]),
+            "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0], default=""),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
