@@ -22,11 +22,10 @@ from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_classes, gen_targets
 from megatron_refit.plan.refit_plan import RefitPlan
-from megatron_refit.plan.senders import SenderPlan, gen_classes
+from tests.reference_senders import SenderPlan, gen_classes, targets_of
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.checks import ITEMSIZE, index_specs
 from megatron_refit.plan.pieces import gen_targets_of, pack, pack_targets
-from megatron_refit.plan.senders import targets_of
 from megatron_refit.plan.spec import ShardSpec, intersect
 from tests.test_plan_properties import SETTINGS, problems
 

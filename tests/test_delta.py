@@ -96,12 +96,12 @@ def test_sender_keeps_copies_and_a_failed_refit_leaves_no_base():
     data = torch.arange(64, dtype=torch.uint8)
     assert sender.encode((0, 0), data, 1, use_delta=False)[0] == RAW  # the first refit: full, copy kept
     assert sender.held_bytes() == 64
-    sender.finish(1, ok=True, bytes_sent=64, bytes_full=64, was_delta=False)
+    sender.finish(1, ok=True, bytes_full=64, was_delta=False)
     assert sender.base == 1
     data[3] = 200
     encoding, payload, changed = sender.encode((0, 0), data, 1, use_delta=True)
     assert (encoding, changed) == (INDICES, 1) and payload.numel() == 5
-    sender.finish(2, ok=False, bytes_sent=5, bytes_full=64, was_delta=True)
+    sender.finish(2, ok=False, bytes_full=64, was_delta=True)
     assert sender.base == -1  # a rank failed: the next refit is full
 
 
@@ -117,7 +117,7 @@ def _auto_run(sender, schedule, compare=2e-9, copy=0.0):
         kind = "delta" if delta else "copy" if sender.keeps_copies else "full"
         sent = int(B * density) if delta else B
         seconds = link * sent + (2 * compare * B if delta else copy * B if kind == "copy" else 0.0)
-        sender.finish(version, ok=True, bytes_sent=sent, bytes_full=B, was_delta=delta, seconds=seconds,
+        sender.finish(version, ok=True, bytes_full=B, was_delta=delta, seconds=seconds,
                       rank_bytes=B)
         out.append(kind)
     return out
@@ -164,7 +164,7 @@ def test_auto_decides_from_measured_costs():
 def test_auto_predicts_the_comparison_before_its_first_delta():
     sender = DeltaSender("auto")
     assert sender.predicted() is None  # nothing measured yet: the first refit is full
-    sender.finish(1, ok=True, bytes_sent=10 << 20, bytes_full=10 << 20, was_delta=False, seconds=1.0,
+    sender.finish(1, ok=True, bytes_full=10 << 20, was_delta=False, seconds=1.0,
                   rank_bytes=5 << 20)
     delta, full = sender.predicted()  # the comparison measured on a sample bucket
     assert 0 < sender.encode_s_per_byte < 1e-6 and delta == 2 * sender.encode_s_per_byte * (5 << 20) and full == 1.0

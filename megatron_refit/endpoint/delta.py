@@ -277,8 +277,8 @@ class DeltaSender:
             self.encode_s_per_byte = encode_cost_per_byte()
         return 2 * self.encode_s_per_byte * self.rank_bytes, self.full_s
 
-    def finish(self, version: int, ok: bool, bytes_sent: int, bytes_full: int, was_delta: bool,
-               seconds: float = 0.0, rank_bytes: int = 0) -> None:
+    def finish(self, version: int, ok: bool, bytes_full: int, was_delta: bool, seconds: float = 0.0,
+               rank_bytes: int = 0) -> None:
         """After a refit (``seconds``: the group's wall time; ``rank_bytes``: this rank's bytes of
         a full refit): its version becomes the base if every rank applied it and its copies were
         kept; ``auto`` decides whether the next refits send deltas."""

@@ -226,7 +226,7 @@ class Refitter(Endpoint):
         # every byte left every train rank: the copies are this version's, a base for every
         # receiver that applied it (one that failed shows no base and gets a full refit)
         self._delta.finish(version, ok=not any(rank < self.num_train for rank in failed),
-                           bytes_sent=report.summary["refit/bytes"], bytes_full=report.summary["refit/bytes_full"],
+                           bytes_full=report.summary["refit/bytes_full"],
                            was_delta=bool(delta_to), seconds=report.summary["refit/total_s"],
                            rank_bytes=report.bytes_full)
         self._emit(report)

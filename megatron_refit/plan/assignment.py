@@ -1,8 +1,8 @@
 """Sender assignment by groups of parameters (pure): the one implementation of who sends
 what. ``prepare()`` (:class:`megatron_refit.plan.refit_plan.RefitPlan`), the dry run and the
 cost model plan with it, without a piece per gen class and parameter; a rank expands only
-its own transfers (:meth:`Assignment.transfers`). :class:`megatron_refit.plan.senders.SenderPlan`
-is the piece-by-piece reference it is tested against.
+its own transfers (:meth:`Assignment.transfers`). ``tests/reference_senders.py`` holds the
+piece-by-piece reference it is tested against.
 
 A full-scale MoE plan has millions of (gen class, parameter) pieces (DeepSeek-V3 on vLLM
 TP32: 45 k parameters x 32 engine TP ranks) but few patterns: the routed experts of one
@@ -91,7 +91,7 @@ class Assignment:
         builder = _Builder(ranks, load)
         needed = []
         params = targets.params
-        for name in sorted(params):  # SenderPlan's order: water-filling reads the load so far
+        for name in sorted(params):  # the reference's order: water-filling reads the load so far
             shape, dtype, gen_boxes = params[name]
             if gen_boxes.count(None) == len(gen_boxes):
                 continue
@@ -184,7 +184,7 @@ class Assignment:
         return sent, received
 
     def items(self, c: int) -> list[Item]:
-        """Class ``c``'s gen pieces and their senders, by name (what SenderPlan lists for it)."""
+        """Class ``c``'s gen pieces and their senders, by name (what the reference lists for it)."""
         out = list(self.replicated[c])
         for f in self.groups:
             box, row = f.gen_boxes[c], f.nbytes[c]
@@ -198,7 +198,7 @@ class Assignment:
 
     def transfers(self, *, src: int | None = None, dst: int | None = None) -> list[Transfer]:
         """Every transfer, ordered by gen rank, then name, then train box (as
-        :meth:`SenderPlan.transfers`); with ``src`` / ``dst`` only those that train rank sends /
+        the reference's); with ``src`` / ``dst`` only those that train rank sends /
         that gen rank receives, found without expanding the others (a rank's own part of a
         plan with millions of transfers)."""
         position = {rank: (c, j) for c, ranks in enumerate(self.class_ranks) for j, rank in enumerate(ranks)}
@@ -301,7 +301,7 @@ class _Builder:
         return _Members(group, order, self.copies)
 
     def add_replicated(self, name: str, dtype: str, gen_boxes: tuple, boxes: dict[Box, list[int]]) -> None:
-        """A parameter with a train box held by several ranks: SenderPlan's water-filling, class by class."""
+        """A parameter with a train box held by several ranks: the reference's water-filling, class by class."""
         itemsize = ITEMSIZE[dtype]
         load, overlap = self.load, self.overlap
         by_load = load.__getitem__  # (load, rank) order: holders are in rank order (index_specs), sorts are stable

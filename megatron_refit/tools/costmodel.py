@@ -14,7 +14,6 @@ import sys
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, overlap_stall, placement, predict,
                                       swap_pause)
-from megatron_refit.plan.senders import SenderPlan
 from megatron_refit.tools.dryrun import build
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -32,8 +31,8 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
 """Published refit seconds: (system, layout, low, high)."""
 
 
-def pair_bytes(senders: SenderPlan | Assignment) -> dict[tuple[int, int], int]:
-    """Bytes per (train rank, gen rank) pair of a plan."""
+def pair_bytes(senders: Assignment) -> dict[tuple[int, int], int]:
+    """Bytes per (train rank, gen rank) pair of a plan (or of the tests' per-piece reference)."""
     return senders.pair_bytes()
 
 

@@ -1,7 +1,7 @@
-"""Sender assignment per class of identical gen ranks, piece by piece (pure): the plain
-reference that :class:`~megatron_refit.plan.assignment.Assignment` (what plans and dry runs
-use, by groups of parameters) is tested against field for field, and the cost model's
-input in tests. It needs a ShardSpec per gen piece, which ``prepare()`` no longer builds."""
+"""Sender assignment per class of identical gen ranks, piece by piece: the plain reference
+that :class:`~megatron_refit.plan.assignment.Assignment` (what plans and dry runs use, by
+groups of parameters) is tested against field for field. It needs a ShardSpec per gen
+piece, which the runtime never builds, so it lives with the tests."""
 
 from __future__ import annotations
 
