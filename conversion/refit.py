@@ -25,8 +25,13 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
     check_enabled(cfg, num_train)
     pieces, adapters = local_pieces(bridge, model, hf_config)
     device = next(p for chunk in model for p in chunk.parameters()).device
+    forward = None
+    if cfg.serving_every is not None:  # refit.verify_serving: the model's own forward to compare with
+        from conversion.serving import trainer_forward
+
+        forward = trainer_forward(model, hf_config, lora=bool(adapters))
     return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
-                                     offloader=offloader, on_report=on_report)
+                                     offloader=offloader, on_report=on_report, forward=forward)
 
 
 def local_pieces(bridge, model, hf_config) -> tuple[list, list]:
@@ -46,7 +51,9 @@ def local_pieces(bridge, model, hf_config) -> tuple[list, list]:
 def local_shard_source(bridge, model: list, hf_config):
     """This rank's local shards of Megatron model chunks built through Megatron-Bridge as the
     vLLM trainer engine's :class:`~megatron_refit.engines.vllm.trainer.LocalShardSource`
-    (LoRA adapters of Bridge PEFT wrappers included, with their rank and alpha)."""
+    (LoRA adapters of Bridge PEFT wrappers included, with their rank and alpha), and the model's
+    forward over the serving probe (``refit.verify_serving``)."""
+    from conversion.serving import trainer_forward
     from megatron_refit.engines.vllm.trainer import LocalShardSource
 
     weights, adapters = local_pieces(bridge, model, hf_config)
@@ -54,4 +61,5 @@ def local_shard_source(bridge, model: list, hf_config):
                and hasattr(m, "to_wrap")]
     rank, alpha = (wrapped[0].dim, wrapped[0].alpha) if wrapped else (0, 0.0)
     device = next(p for chunk in model for p in chunk.parameters()).device
-    return LocalShardSource(weights, adapters, lora_rank=rank, lora_alpha=alpha, device=device)
+    return LocalShardSource(weights, adapters, lora_rank=rank, lora_alpha=alpha, device=device,
+                            forward=trainer_forward(model, hf_config, lora=bool(adapters)))

@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_refit.engines.registry import engine_named
 from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.probe import check_probe_spec
 from megatron_refit.plan.layout import TrainLayout
 
 MODES = ("disaggregated", "colocated")
@@ -31,6 +32,9 @@ SWAP = ("in_place", "staged")
 ON_REPLICA_FAILURE = ("raise", "continue")
 OVERLAP = ("off", "on")
 OVERLAP_BUSY = ("wait", "skip")
+VERIFY_SERVING = ("auto", "on", "off")
+AUTO_SERVING_EVERY = 10
+"""``verify_serving: auto``: every this many refits (and the first to each replica)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +157,28 @@ class RefitConfig:
     """``overlap: on``, when a refit is due while the last one still moves (at most one is in
     flight per trainer): ``wait`` for it, then start; ``skip`` this one (every train rank
     alike; counted in ``RefitCallback.skipped_busy``)."""
+    verify_serving: str | int = "auto"
+    """Proof of serving: after a version lands, each engine replica scores a fixed probe
+    (``serving_probe``) through its real serving path (vLLM: ``prompt_logprobs`` of its server
+    or ``LLM``; SGLang: its log-prob path; the HF engine: its forward) and the train ranks compare
+    the per-token log-probs with the trainer model's own forward at that version. Beyond
+    ``serving_tolerance`` that replica has not landed the version: ``ServingMismatchError``,
+    handled by ``on_replica_failure`` like any replica failure, and its next refit is a full one.
+    ``on``: every refit; an int N: every N-th refit; both also the first refit to each replica (its
+    start, a join, after a failure), and both refuse to start where the trainer has no forward to
+    compare with (a trainer of bare pieces) or an engine cannot score. ``auto``: every
+    10th refit and the first to each replica, where both can (off elsewhere, said once in the log;
+    ``refit/serving_checked`` counts the replicas checked). ``off``. (A bare YAML ``on`` / ``off``
+    is taken as the mode.) Cost and what it catches: docs/guide-serving.md."""
+    serving_probe: dict | None = None
+    """The probe of ``verify_serving``: ``{sequences: 4, length: 16, seed: 0}`` (token ids drawn
+    uniformly from the vocabulary with the seed), or ``{tokens: [[id, ...], ...]}``; null: the
+    defaults."""
+    serving_tolerance: float | None = None
+    """Largest |Δ log-prob| per probe token between the engine and the trainer; null: by the
+    engine's dtype (float32 1e-3, bfloat16 0.15, float16 0.05), plus 0.02 under
+    ``trainer_quantize_fp8`` and 1e-3 with LoRA adapters (the measured margins:
+    docs/guide-serving.md)."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the
@@ -180,8 +206,9 @@ class RefitConfig:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
         if isinstance(d.get("delta"), bool):  # YAML 1.1 reads `delta: off` / `on` as booleans
             d = {**d, "delta": "on" if d["delta"] else "off"}
-        if isinstance(d.get("overlap"), bool):
-            d = {**d, "overlap": "on" if d["overlap"] else "off"}
+        for key in ("overlap", "verify_serving"):
+            if isinstance(d.get(key), bool):
+                d = {**d, key: "on" if d[key] else "off"}
         config = cls(**d)  # checked in __post_init__
         ignored = sorted(set(d) - {"enabled", "model", "train_dp"})
         if not config.enabled and ignored:
@@ -197,7 +224,7 @@ class RefitConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the first bad value (also run on construction)."""
-        for name in ("bucket_mb", "direct_mb", "timeout_s", "swap_budget_mb"):
+        for name in ("bucket_mb", "direct_mb", "timeout_s", "swap_budget_mb", "serving_tolerance"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"refit.{name} must be a finite number, got {value!r}")
@@ -221,11 +248,29 @@ class RefitConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"refit.{name} must be positive, got {value!r}")
+        if isinstance(self.verify_serving, str) and self.verify_serving not in VERIFY_SERVING:
+            raise ValueError(f"refit.verify_serving: {self.verify_serving!r} is not one of {list(VERIFY_SERVING)} "
+                             "or a positive int (every N-th refit)")
+        if isinstance(self.verify_serving, int) and self.verify_serving < 1:
+            raise ValueError(f"refit.verify_serving must be 'auto', 'on', 'off' or a positive int, got "
+                             f"{self.verify_serving!r}")
+        check_probe_spec(self.serving_probe)
+        if self.serving_tolerance is not None and self.serving_tolerance <= 0:
+            raise ValueError(f"refit.serving_tolerance must be positive or null, got {self.serving_tolerance!r}")
         if self.swap_budget_mb is not None and self.swap_budget_mb < 0:
             raise ValueError(f"refit.swap_budget_mb must be >= 0 or null, got {self.swap_budget_mb!r}")
         if self.port > 65535:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         engine.check(gen_tp=self.gen_tp, engine_load=self.engine_load, swap=self.swap)
+
+    @property
+    def serving_every(self) -> int | None:
+        """``verify_serving`` as a cadence: check every N-th refit (None: never)."""
+        if self.verify_serving == "off":
+            return None
+        if self.verify_serving == "on":
+            return 1
+        return AUTO_SERVING_EVERY if self.verify_serving == "auto" else self.verify_serving
 
     @property
     def bucket_bytes(self) -> int:

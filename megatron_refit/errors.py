@@ -6,7 +6,8 @@ a row for each message). Imports nothing: every layer raises them.
   :class:`RefitProtocolError`, :class:`WireError`;
 - the endpoints: :class:`RefitAbortedError`, :class:`ReplicaFailedError`, :class:`RefitCorruptionError`,
   :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`;
-- the engines' control calls: :class:`EngineLoadError`.
+- the engines' control calls: :class:`EngineLoadError`;
+- proof of serving (``refit.verify_serving``): :class:`ServingMismatchError`.
 
 Bad arguments and config values are plain ``ValueError``s naming the value.
 """
@@ -73,3 +74,19 @@ class StaleWeightsError(RuntimeError):
 
 class NonFiniteWeightsError(ValueError):
     """``check_finite``: a trainer piece holds NaN or Inf; nothing was sent."""
+
+
+class ServingMismatchError(RuntimeError):
+    """``refit.verify_serving``: an engine replica landed a version's bytes, but what it serves
+    is not the trainer's model: its per-token log-probs on the probe differ from the trainer's
+    own forward at that version by more than the tolerance (an engine's post-load step changed
+    the model, or it could not score the probe). That replica has not landed the version; it is
+    handled as any replica failure (``refit.on_replica_failure``) and its next refit is a full one.
+    ``replica``, ``version``, ``max_dlogprob`` and ``first`` (``(sequence, token)``, or None) say
+    where."""
+
+    def __init__(self, message: str, *, replica: int, version: int, max_dlogprob: float,
+                 first: tuple[int, int] | None):
+        super().__init__(message)
+        self.replica, self.version = replica, version
+        self.max_dlogprob, self.first = max_dlogprob, first

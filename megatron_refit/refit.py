@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.fleet import JOINS, TrainerFleet, announce, member_config, namespace
+from megatron_refit.endpoint.fleet import TrainerFleet, member_config
+from megatron_refit.endpoint.membership import JOINS, announce, namespace
 from megatron_refit.endpoint.sync import EngineRefit, TrainerRefit
 from megatron_refit.transport import RefitGroup, open_transport, transport_name
 
@@ -42,7 +43,7 @@ def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.
             incarnation: str):
     """This rank's end of engine replica ``replica``'s refit group (the train ranks and that
     replica's ``gen_tp`` ranks, in the train ranks' store at ``refit.port`` under the
-    replica's incarnation: :func:`~megatron_refit.endpoint.fleet.namespace`) over ``refit.transport``
+    replica's incarnation: :func:`~megatron_refit.endpoint.membership.namespace`) over ``refit.transport``
     (``auto``: NCCL between GPUs, gloo on CPU; colocated: bucket bytes through shared buffers
     (CUDA IPC / shared memory), control messages over gloo)."""
     world = num_train + cfg.gen_tp
@@ -70,9 +71,11 @@ def check_enabled(cfg: RefitConfig, num_train: int) -> None:
 
 def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *, rank: int, num_train: int,
                               device: str | torch.device = "cpu", offloader=None,
-                              on_report: Callable[[dict], None] | None = None) -> TrainerFleet:
+                              on_report: Callable[[dict], None] | None = None, forward=None) -> TrainerFleet:
     """:func:`conversion.refit.trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
-    local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`)."""
+    local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
+    model's forward over the serving probe (:class:`~megatron_refit.endpoint.serving.TrainerForward`,
+    ``refit.verify_serving``; None: the trainer has none, its refits are not checked)."""
     check_enabled(cfg, num_train)
     if not 0 <= rank < num_train:
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
@@ -110,7 +113,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
                        incarnation=incarnation)
 
     return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report,
-                        background=_background(cfg, snapshot, rank=rank, num_train=num_train))
+                        background=_background(cfg, snapshot, rank=rank, num_train=num_train), forward=forward)
 
 
 def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):

@@ -78,7 +78,7 @@ def _schedule(reps: int, rounds: int) -> tuple[list[int], list[int]]:
 
 def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
     from megatron_refit.config import RefitConfig
-    from megatron_refit.endpoint.fleet import JOINS
+    from megatron_refit.endpoint.membership import JOINS
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.report import SUMMARY_KEYS
+from megatron_refit.endpoint.serving import SERVING_KEYS
 from megatron_refit.tools.launch import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -168,7 +169,8 @@ def _check_isolated(tp, dp, train, gen, bad, error):
         assert report["failed"][FAILED_REPLICA].startswith(f"TP rank 0: {error}: "), report["failed"]
         s = report["summary"]
         assert (s["refit/replicas_ok"], s["refit/replicas_failed"], s["refit/ok"]) == (dp - 1, 1, 0)
-        assert tuple(s) == SUMMARY_KEYS and s == train[0][bad - 1]["summary"]  # the same on every train rank
+        assert tuple(s) == SUMMARY_KEYS + SERVING_KEYS and s == train[0][bad - 1]["summary"]  # same on all
+        assert s["refit/serving_checked"] == 0  # auto: bare pieces, nothing to compare with
         assert s["refit/gen_ranks"] == tp * dp
         if bad == 2:  # a full refit: every replica's bytes once, the failed one's too (it drained them)
             assert s["refit/bytes"] == s["refit/bytes_full"] == s["refit/bytes_minimal"] > 0
@@ -258,7 +260,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
     import os
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.endpoint.fleet import JOINS, LEAVES
+    from megatron_refit.endpoint.membership import JOINS, LEAVES
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces

@@ -245,7 +245,7 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
             if wait_joins and rank == 0:  # the test's joiner has announced itself: the next refit takes it in
                 import time
 
-                from megatron_refit.endpoint.fleet import JOINS
+                from megatron_refit.endpoint.membership import JOINS
 
                 store, deadline = callbacks[0].sync.control.store, time.monotonic() + 200
                 while store.get(JOINS).decode().count(",") < wait_joins and time.monotonic() < deadline:

@@ -17,6 +17,7 @@ import torch
 
 from megatron_refit.plan.layout import TrainLayout
 
+from conversion.forward import cpu_forward  # noqa: F401 -- the test builders' callers use it from here
 from conversion.testing.families import build_context, configure_provider, family
 from conversion.te_shim import import_bridge
 
@@ -169,26 +170,3 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-
-
-@contextlib.contextmanager
-def cpu_forward():
-    """Run Megatron's forward on a machine without CUDA.
-
-    The forward asks ``torch.cuda.current_device()`` (rotary embeddings, MoE router) and
-    forks the CUDA RNG tracker around attention dropout; for the duration, the device
-    answer is "cpu" and the fork is a no-op (the models here use no attention dropout)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    saved_device, saved_fork = torch.cuda.current_device, tracker.fork
-    torch.cuda.current_device = lambda: "cpu"
-    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = saved_device
-        tracker.fork = saved_fork

@@ -13,15 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from conversion.testing.build import BuiltModel, cpu_forward
-
-
-def _inputs(tokens: torch.Tensor):
-    batch, seq = tokens.shape
-    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril().logical_not()
-    mask = causal.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
-    return position_ids, mask
+from conversion.forward import cpu_forward, stage_forward
+from conversion.testing.build import BuiltModel
 
 
 def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
@@ -31,28 +24,12 @@ def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
-    """This stage's forward. Returns ``(output, stage_input)``; activations travel
-    between stages over the PP group (Megatron's own schedules assume CUDA)."""
-    from megatron.core import parallel_state as ps
-
+    """This stage's forward (:func:`conversion.forward.stage_forward`) in eval mode. Returns
+    ``(output, stage_input)``."""
     model = built.model[0]
     model.eval()
-    tokens = tokens.to(next(model.parameters()).device)  # a model moved to a GPU computes there
-    position_ids, mask = _inputs(tokens)
-    stage_input = None
-    if not ps.is_pipeline_first_stage():
-        stage_input = torch.empty(tokens.shape[1], tokens.shape[0], built.config.hidden_size,
-                                  dtype=built.config.params_dtype, device=tokens.device)
-        torch.distributed.recv(stage_input, ps.get_pipeline_model_parallel_prev_rank())
-        stage_input.requires_grad_(torch.is_grad_enabled())
-    from megatron.core.utils import get_attr_wrapped_model
-
-    get_attr_wrapped_model(model, "set_input_tensor")(stage_input)  # through a DDP wrapper too
-    with cpu_forward():
-        output = model(tokens, position_ids, mask, labels=next_tokens(tokens) if labels else None)
-    if not ps.is_pipeline_last_stage():
-        torch.distributed.send(output.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
-    return output, stage_input
+    return stage_forward(model, tokens, hidden_size=built.config.hidden_size, dtype=built.config.params_dtype,
+                         labels=next_tokens(tokens) if labels else None)
 
 
 def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,

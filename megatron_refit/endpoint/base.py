@@ -123,6 +123,9 @@ class Endpoint:
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
         rank uses the same plan."""
         self.version: int | None = None
+        self.probe_due = False
+        """``refit.verify_serving``, in band: the train side sets it before a refit whose replica
+        scores the probe over the group after it; the engine side learns it in the handshake."""
         self._digesters: dict[int, Digester] | None = None
         """Per peer: the digest constants of this rank's buckets with it under this plan (see
         :meth:`_pair_digesters`)."""
@@ -211,7 +214,9 @@ class Endpoint:
             error = exc
         shown = (ANY_VERSION if version is None else version) if error is None else -1
         base = self._delta_base() if self.delta != "off" and error is None else -1
-        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base])
+        probe = int(self.probe_due) if self.role == "train" else 0
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe])
+        self.probe_due = bool(rows[0][4])
         if error is not None:
             raise error
         if version is None:

@@ -3,139 +3,50 @@
 A train rank holds one refit group per engine replica (the train ranks and that replica's
 ``gen_tp`` engine ranks) and the train ranks' own control group (no engine rank in it). All of
 them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's
-group lives there under a namespace of its own (:func:`namespace`, one per incarnation of the
-replica, so a restarted one never meets its predecessor's keys). :class:`TrainerFleet` refits every replica's
+group lives there under a namespace of its own
+(:func:`~megatron_refit.endpoint.membership.namespace`, one per incarnation of the replica, so a
+restarted one never meets its predecessor's keys). :class:`TrainerFleet` refits every replica's
 group at once (one thread each); the train ranks then agree on each replica's outcome over
 the control group, which needs no engine rank alive. A replica whose engine failed but whose
 group is intact (its storage raised, its bytes were corrupted: it drained the rest) stays a
 member and its next refit brings it back; a replica whose group broke (its process died, its
 link stalled past ``refit.timeout_s``) is dropped, and may rejoin.
 
-Membership: an engine replica announces itself (:func:`announce`: ``join`` before it connects,
-``leave`` when it closes) in the control group's store, hosted by train rank 0. At the start
-of every refit train rank 0 reads the announcements and all train ranks act on the same list:
-they drop leaving replicas and connect joining ones (a replica that rejoins under the index of
-a member replaces it), agree on the plan with them and send them the current version in full
-(deltas afterwards). The other replicas' groups and plans are not touched. The plan of a replica
-layout is built once per train rank and shared by every replica with that layout (one that
-joins checks its pieces against it: it meets the cached plan when they match).
+Membership: an engine replica announces itself
+(:func:`~megatron_refit.endpoint.membership.announce`: ``join`` before it connects, ``leave``
+when it closes) in the control group's store, hosted by train rank 0. At the start of every
+refit train rank 0 reads the announcements and all train ranks act on the same list: they drop
+leaving replicas and connect joining ones (a replica that rejoins under the index of a member
+replaces it), agree on the plan with them and send them the current version in full (deltas
+afterwards). The other replicas' groups and plans are not touched. The plan of a replica layout
+is built once per train rank and shared by every replica with that layout (one that joins
+checks its pieces against it: it meets the cached plan when they match).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.membership import JOINS, LEAVES, Announcements, wait_for_starting
+from megatron_refit.endpoint.replica_refit import Probing, ReplicaHooks, refit_replica
 from megatron_refit.endpoint.report import RefitReport, merge_reports
+from megatron_refit.endpoint.serving import ServingCheck
 from megatron_refit.endpoint.sync import TrainerRefit
+from megatron_refit.engines.registry import engine_named
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 
 logger = logging.getLogger(__name__)
-
-JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
-"""Store keys of the announcements: ``replica:incarnation,`` entries, appended. An incarnation
-(a random id per ``engine_refit``) tells a restarted replica from the one it replaces: a leave
-counts only for the incarnation that is a member."""
-ABORT = "megatron_refit/fleet/abort"
-"""Store key: why the starting engines will not join (:func:`abort_start`)."""
-
-
-def namespace(replica: int, incarnation: str) -> str:
-    """Where replica ``replica``'s group (in its incarnation ``incarnation``) keeps its keys."""
-    return f"megatron_refit/replica/{replica}/{incarnation}"
 
 
 def member_config(cfg: RefitConfig) -> RefitConfig:
     """The ``refit:`` section of one replica's group: the same, with one replica."""
     return dataclasses.replace(cfg, gen_dp=1)
 
-
-def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> None:
-    """Tell the train ranks (through the control group's store, at ``refit.host:refit.port``)
-    that engine replica ``replica`` (``incarnation``: this process's id for it) joins or leaves;
-    they act on it at their next refit."""
-    import torch.distributed as dist
-
-    if what not in ("join", "leave"):
-        raise ValueError(f"announce: {what!r} is not 'join' or 'leave'")
-    # a leave is best effort, briefly: the trainer may have finished (then nobody needs it)
-    wait = cfg.timeout_s if what == "join" else min(cfg.timeout_s, 2.0)
-    try:
-        store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=wait))
-        if what == "join":
-            store.set(f"{JOINS}/{replica}", incarnation)  # the latest incarnation of each replica
-        store.append(JOINS if what == "join" else LEAVES, f"{replica}:{incarnation},")
-    except RuntimeError as exc:
-        if what == "join":
-            raise RefitTransportError(f"engine replica {replica}: could not reach the train ranks' store at "
-                                      f"{cfg.host}:{cfg.port} to join within {wait:g} s: {exc}") from exc
-        logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
-
-
-def abort_start(cfg: RefitConfig, reason: str) -> None:
-    """Train rank 0's control calls found that an engine will not join (its connect call
-    failed): the train ranks stop waiting for the starting replicas now, each raising
-    ``reason``, instead of after ``refit.timeout_s``. Best effort (the store may not be up yet:
-    then the wait still ends at its timeout)."""
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=min(cfg.timeout_s, 5.0)))
-        store.set(ABORT, reason[:2000])
-    except RuntimeError as exc:
-        logger.warning("refit: could not tell the train ranks that an engine will not join: %s", exc)
-
-
-def _wait_for_starting(store, cfg: RefitConfig) -> dict:
-    """Train rank 0: the starting replicas' incarnations, or ``{"error": why}`` (one did not
-    join within ``refit.timeout_s``, or :func:`abort_start` said it will not)."""
-    keys = [f"{JOINS}/{r}" for r in range(cfg.gen_dp)]
-    deadline = time.monotonic() + cfg.timeout_s
-    while not store.check(keys):
-        if store.check([ABORT]):
-            return {"error": store.get(ABORT).decode(errors="replace")}
-        if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            return {"error": f"engine replica(s) {missing} of refit.gen_dp={cfg.gen_dp} did not join within "
-                             f"refit.timeout_s={cfg.timeout_s:g} s (started? reaching {cfg.host}:{cfg.port}?)"}
-        time.sleep(0.05)
-    return {r: store.get(key).decode() for r, key in enumerate(keys)}
-
-
-class ReplicaHooks(Protocol):
-    """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
-    control plane: :class:`~megatron_refit.engines.replicas.ReplicaLanes`). Both run in the
-    replica's own refit thread; an error from either fails that replica alone."""
-
-    def start(self, replica: int, version: int, full: bool) -> None:
-        """Before the replica's bytes move (its engine's receiving call, not waited for)."""
-
-    def land(self, replica: int, version: int) -> None:
-        """Once its group carried the refit: the engine makes the version live (or raises)."""
-
-
-class _Announcements:
-    """Train rank 0's reader of the store's announcements (each read once)."""
-
-    def __init__(self, store):
-        self.store = store
-        self.seen = {JOINS: 0, LEAVES: 0}
-
-    def read(self, key: str) -> list[tuple[int, str]]:
-        """The ``(replica, incarnation)`` entries appended since the last read."""
-        if not self.store.check([key]):
-            return []
-        text = self.store.get(key).decode()
-        new, self.seen[key] = text[self.seen[key]:], len(text)
-        return [(int(r), who) for r, _, who in (entry.partition(":") for entry in new.split(",") if entry)]
 
 
 class TrainerFleet:
@@ -144,8 +55,12 @@ class TrainerFleet:
     ``member(group)`` builds its prepared :class:`~megatron_refit.endpoint.sync.TrainerRefit`."""
 
     def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
-                 on_report: Callable[[dict], None] | None = None, background=None):
+                 on_report: Callable[[dict], None] | None = None, background=None, forward=None):
         self.cfg = cfg
+        self.serving = ServingCheck(cfg, forward, rank=control.rank)
+        """``refit.verify_serving`` (``forward``: the trainer model's, to compare with)."""
+        self._probing: dict[int, Probing] = {}
+        """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
         self.background = background
         """``refit.overlap: on``: the :class:`~megatron_refit.endpoint.overlap.BackgroundRefit`
         that sends from its snapshot while training goes on (the members send from the snapshot)."""
@@ -160,12 +75,12 @@ class TrainerFleet:
         self.offloader = offloader
         self.on_report = on_report
         self.members: dict[int, TrainerRefit] = {}
-        self._announcements = _Announcements(control.store) if control.rank == 0 else None
+        self._announcements = Announcements(control.store) if control.rank == 0 else None
         self._incarnation: dict[int, str] = {}
         """Train rank 0: each member's incarnation (a leave of another one is stale)."""
         starting = None
         if self._announcements is not None:  # the replicas a job starts with: every train rank waits for them
-            starting = _wait_for_starting(control.store, cfg)
+            starting = wait_for_starting(control.store, cfg)
         starting = control.all_gather_object(starting, "fleet")[0]
         if "error" in starting:
             control.close()
@@ -184,6 +99,7 @@ class TrainerFleet:
 
     def _drop(self, replica: int) -> None:
         member = self.members.pop(replica)
+        self.serving.forget(replica)
         try:
             member.close()
         except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
@@ -270,6 +186,7 @@ class TrainerFleet:
                 failures = {}
                 self._update_membership(failures)
             self._joined[version] = failures
+            self._probing[version] = self._plan_serving()  # the reference: the weights of this step
             from megatron_refit.endpoint.overlap import sent_pieces
 
             return sent_pieces(self.members.values(), full)
@@ -282,12 +199,22 @@ class TrainerFleet:
         the last call; raises the error of one that failed (its version named). Never waits."""
         return self.background.collect() if self.background is not None else []
 
+    def _plan_serving(self) -> Probing:
+        """Every train rank, in the thread that trains, before a refit's bytes move: which replicas
+        it checks, and the trainer's reference if any (collective over the train ranks)."""
+        probing = Probing(self.serving, due=self.serving.due(sorted(self.members)),
+                          in_band=engine_named(self.cfg.engine).scores == "in_band")
+        if any(probing.due.values()):
+            probing.reference, probing.reference_s = self.serving.take_reference()
+        return probing
+
     def _refit(self, version: int, *, full: bool, hooks: ReplicaHooks | None) -> RefitReport:
         start = time.perf_counter()
         failures: dict[int, str] = self._joined.pop(version, None)
         if failures is None:
             failures = {}
             self._update_membership(failures)
+        probing = self._probing.pop(version, None) or self._plan_serving()
         rows = self.control.exchange("fleet", [version, int(full)])
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
@@ -300,18 +227,20 @@ class TrainerFleet:
             moved["onload"] = time.perf_counter() - t0
         try:
             with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
-                futures = {r: pool.submit(_refit_member, self.members[r], r, version, full, hooks) for r in replicas}
-                outcomes = {r: _outcome(futures[r]) for r in replicas}
+                futures = {r: pool.submit(refit_replica, self.members[r], r, version, full, hooks, probing,
+                                          self.control.rank) for r in replicas}
+                outcomes = {r: futures[r].result() for r in replicas}
         finally:
             if loaded:
                 t0 = time.perf_counter()
                 self.offloader.offload()
                 moved["offload"] = time.perf_counter() - t0
         # each replica's outcome as every train rank saw it: failed (why) and its group broken
-        mine = {r: (_why(o), _broken(o)) for r, o in outcomes.items() if not isinstance(o, RefitReport)}
-        gathered = self.control.all_gather_object((mine, moved), "fleet")
-        seen = [rank_seen for rank_seen, _ in gathered]
-        moved_max = {key: max(m[key] for _, m in gathered) for key in moved}
+        mine = {r: (o.why(), o.broken) for r, o in outcomes.items() if o.error is not None}
+        checked = {r: o.serving for r, o in outcomes.items() if o.serving is not None}  # train rank 0's
+        gathered = self.control.all_gather_object((mine, moved, checked), "fleet")
+        seen = [rank_seen for rank_seen, _, _ in gathered]
+        moved_max = {key: max(m[key] for _, m, _ in gathered) for key in moved}
         for r in replicas:
             theirs = [rank_seen[r] for rank_seen in seen if r in rank_seen]
             if theirs:
@@ -321,12 +250,17 @@ class TrainerFleet:
                                    version, r)
                     self._drop(r)
                     self._incarnation.pop(r, None)
+        found = gathered[0][2]  # train rank 0's serving verdicts
+        for r, verdict in found.items():  # its engine thinks it landed the version: the trainer forgets it did
+            if verdict.get("mismatch") and r in self.members:
+                self.members[r].force_full(adapters=not probing.in_band)
+        serving = self.serving.record(found, failures, probing.reference_s)
         # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
-        carried = [o if isinstance(o, RefitReport) else o.report for o in outcomes.values()
-                   if isinstance(o, RefitReport) or getattr(o, "report", None) is not None]
+        carried = [o.report for o in outcomes.values() if o.report is not None]
         report = merge_reports(version, self.control.rank, carried,
                         replicas=replicas, failures=failures, seconds=time.perf_counter() - start, moved=moved,
                         moved_max=moved_max)
+        report.summary.update(serving)
         if self.on_report is not None:
             self.on_report(report.summary)
         if self.background is not None and self.background.on_own_thread():
@@ -357,38 +291,3 @@ class TrainerFleet:
         self.control.close()
         if error is not None:
             raise error
-
-
-def _refit_member(member: TrainerRefit, replica: int, version: int, full: bool, hooks: ReplicaHooks | None):
-    """One replica's part of a fleet refit, in its own thread, with its engine's calls around it."""
-    if hooks is not None:
-        hooks.start(replica, version, member.is_full(full))
-    report = member.refit(version, full=full)
-    if hooks is not None:
-        try:
-            hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
-        except Exception as exc:
-            exc.report = report  # its bytes moved
-            raise
-    return report
-
-
-def _outcome(future):
-    try:
-        return future.result()
-    except Exception as exc:  # noqa: BLE001 -- one replica's failure is reported, not raised here
-        return exc
-
-
-def _broken(outcome) -> bool:
-    """The replica's group cannot carry another refit (a peer died or stalled: a transport
-    error). Any other failure (a rank's checks, its engine, its bytes) left the group intact."""
-    return isinstance(outcome, RefitTransportError)
-
-
-def _why(outcome: BaseException) -> str:
-    report = getattr(outcome, "report", None)
-    if isinstance(outcome, ReplicaFailedError) and report is not None:  # its engine ranks' own errors
-        first = report.summary["refit/train_ranks"]
-        return "; ".join(f"TP rank {rank - first}: {why}" for rank, why in sorted(report.failed_ranks.items()))
-    return f"{type(outcome).__name__}: {outcome}"[:500]

@@ -115,6 +115,10 @@ class Refitter(Endpoint):
     def _delta_base(self) -> int:
         return self._delta.base
 
+    def forget_delta_base(self) -> None:
+        """The next refit sends every byte, never a delta (its receiver may not hold what it wrote)."""
+        self._delta.base = -1
+
     def _onload(self) -> float:
         """Load offloaded parameters back (seconds it took; 0 if there was nothing to load)."""
         if self.offloader is None or not self.offloader.offloaded:

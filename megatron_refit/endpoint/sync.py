@@ -4,12 +4,14 @@ pieces and, under LoRA adapter sync, one for the adapters only (sharing one vers
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
+from megatron_refit.endpoint.serving import exchange_in_band
 
 
 class _Sync:
@@ -18,9 +20,15 @@ class _Sync:
     full = adapters = None
     _version: int | None = None
 
+    _resend = False
+    """The next refit moves every piece (a replica that failed its last one, its serving check
+    included), not only the LoRA adapters."""
+
     def _endpoint(self, full: bool):
         """All pieces on the first refit, when asked, or without adapters; else the adapters."""
-        return self.full if full or self._version is None or self.adapters is None else self.adapters
+        if full or self._resend or self._version is None or self.adapters is None:
+            return self.full
+        return self.adapters
 
     def endpoint(self, full: bool = False):
         """The endpoint the next refit, called with ``full``, runs (all pieces, or adapters)."""
@@ -67,9 +75,29 @@ class TrainerRefit(_Sync):
     def refit(self, version: int, *, full: bool = False) -> RefitReport:
         """Send this rank's pieces of refit ``version``. Collective over the refit group:
         every train and generation rank calls it with the same ``version`` and ``full``."""
-        report = self._endpoint(full).refit(version)
+        return self.refit_and_probe(version, full=full)[0]
+
+    def refit_and_probe(self, version: int, *, full: bool = False, probe=None) -> tuple[RefitReport, object, float]:
+        """:meth:`refit`, then, with a ``probe`` (``refit.verify_serving``, in band), the engine's
+        answer to it over the group once every rank applied the refit (None: not asked) and the
+        seconds the answer took."""
+        endpoint = self._endpoint(full)
+        endpoint.probe_due = probe is not None
+        report = endpoint.refit(version)
         self._advance(version)
-        return report
+        self._resend = False
+        answer, t0 = None, time.perf_counter()
+        if probe is not None and report.summary["refit/ok"]:
+            answer = exchange_in_band(self.group, self.full.num_train, probe=probe if self.group.rank == 0 else None)
+        return report, answer, time.perf_counter() - t0
+
+    def force_full(self, *, adapters: bool) -> None:
+        """The replica failed this refit: its next one is full (no delta; with ``adapters``, the
+        base weights too under LoRA adapter sync, where its engine follows the trainer's choice)."""
+        for endpoint in (self.full, self.adapters):
+            if endpoint is not None:
+                endpoint.forget_delta_base()
+        self._resend = adapters
 
 
 class EngineRefit(_Sync):
@@ -77,6 +105,9 @@ class EngineRefit(_Sync):
 
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None):
+        self.num_train = num_train
+        self._score = getattr(storage, "score", None)
+        """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
                   replica_size=cfg.gen_tp)
@@ -102,6 +133,8 @@ class EngineRefit(_Sync):
         self._last = self._endpoint(full)
         report = self._last.receive(version)
         self._advance(report.version)
+        if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
+            exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None)
         return report
 
     @property

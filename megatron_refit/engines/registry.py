@@ -39,6 +39,11 @@ class Engine:
     pause); ``None``: any."""
     writes: str = ""
     """How it writes what it receives, said in the errors that refuse a mode."""
+    scores: str = "in_band"
+    """How a replica scores the serving probe (``refit.verify_serving``): ``client`` (train rank 0
+    asks its control client, through the engine's serving path: vLLM, SGLang) or ``in_band`` (its
+    engine ranks' storage scores it with the engine's forward and answers over the refit group:
+    the HF engine; a storage without ``score`` cannot be checked)."""
     control: str | None = None
     """``"module:Class"`` of the :class:`~megatron_refit.engines.base.EngineControl` that
     ``RefitCallback(engines=[client, ...])`` drives this engine's clients with; ``None``: the
@@ -48,6 +53,8 @@ class Engine:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(f"engine name must be an identifier, got {self.name!r}")
+        if self.scores not in ("client", "in_band"):
+            raise ValueError(f"engine {self.name!r}: scores must be 'client' or 'in_band', got {self.scores!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"engine {self.name!r}: layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
 
@@ -105,8 +112,8 @@ def engine_names() -> list[str]:
     return list(_ENGINES)
 
 
-register_engine(Engine(name="vllm", writes="writes through vLLM's weight-transfer backend"))
-register_engine(Engine(name="sglang", engine_loads=("in_place",), swaps=("in_place",),
+register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM's weight-transfer backend"))
+register_engine(Engine(name="sglang", scores="client", engine_loads=("in_place",), swaps=("in_place",),
                        writes="writes in place into SGLang's parameters (its weight loader hook, under SGLang's pause)",
                        control="megatron_refit.engines.sglang.control:SglangControl"))
 register_engine(Engine(name="hf", layout="full", staged_needs=None, writes="writes into a transformers model"))

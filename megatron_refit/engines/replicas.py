@@ -5,7 +5,7 @@ calls from train rank 0 around every refit: before the bytes move (pause, ``upda
 and after (``finish_weight_update`` / resume). With many replicas, one replica's trouble must
 stay with it, so :class:`ReplicaLanes` gives every replica a lane: one thread that runs its
 calls in order, apart from the other replicas'. It is the fleet's
-:class:`~megatron_refit.endpoint.fleet.ReplicaHooks`: the fleet calls :meth:`ReplicaLanes.start`
+:class:`~megatron_refit.endpoint.replica_refit.ReplicaHooks`: the fleet calls :meth:`ReplicaLanes.start`
 in the replica's own refit thread before its bytes move and :meth:`ReplicaLanes.land` once its
 group carried the refit, so a replica whose engine cannot make the version live fails alone,
 named in the report like any other failed replica, and only replicas that landed the version
@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from megatron_refit.endpoint.serving import ServingUnavailableError
 from megatron_refit.errors import EngineLoadError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class ReplicaLanes:
     def connect_call(self, replica: int) -> Callable[[Any], Any]:
         raise NotImplementedError
 
+
     # -- the fleet's hooks -----------------------------------------------------------------------
     def start(self, replica: int, version: int, full: bool) -> None:
         """Before replica ``replica``'s bytes move: its receiving call, queued in its lane."""
@@ -94,6 +96,30 @@ class ReplicaLanes:
         reason = _outcome(lane.submit(self.land_call(version)), self.timeout_s)
         if reason:
             raise EngineLoadError(f"{self.engine} replica {replica}: making version {version} live failed: {reason}")
+
+    def score(self, replica: int, sequences) -> list[list[float]]:
+        """Once replica ``replica`` serves the new version: its per-token log-probs of ``sequences``
+        through its client's ``score`` (its serving path), in its lane, within ``timeout_s``;
+        :class:`~megatron_refit.endpoint.serving.ServingUnavailableError` where its client has none. A
+        replica whose answer fails the check is held (:meth:`hold`) until a version lands."""
+        lane = self.lanes.get(replica)
+        if lane is None or not callable(getattr(lane.client, "score", None)):
+            what = "no control client" if lane is None else f"a {type(lane.client).__name__} without score()"
+            raise ServingUnavailableError(f"train rank 0 holds {what} for {self.engine} replica {replica}")
+        future = lane.submit(lambda client: client.score([list(s) for s in sequences]))
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise EngineLoadError(f"{self.engine} replica {replica}: scoring the serving probe did not return within "
+                                  f"refit.timeout_s={self.timeout_s:g} s") from None
+
+    def hold(self, replica: int) -> None:
+        """Replica ``replica`` failed its serving check: stop it serving (its client's ``hold()``,
+        where it has one: vLLM's server pauses), queued in its lane, not waited for; the next
+        version that lands on it resumes it."""
+        lane = self.lanes.get(replica)
+        if lane is not None and callable(getattr(lane.client, "hold", None)):
+            lane.submit(lambda client: client.hold())
 
     # -- membership ------------------------------------------------------------------------------
     @property

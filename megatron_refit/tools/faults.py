@@ -80,3 +80,45 @@ class HoldRefits:
         with self.cond:
             self.steps = step
             self.cond.notify_all()
+
+
+BREAKS = ("permute_experts", "unload_layer", "stale_scale")
+"""Ways :func:`break_post_load` breaks an engine's post-load step (the serving check must catch
+each): the first MoE layer's experts 0 and 1 swapped after the load; the first decoder layer left
+as it was before the refit (not loaded); one FP8 weight dequantized with the last refit's
+``weight_scale_inv`` (stale)."""
+
+
+def break_post_load(storage, how: str, armed: list[bool]) -> None:
+    """While ``armed[0]`` is set, the post-load step (``finalize``) of ``storage`` (an
+    :class:`~megatron_refit.engines.hf.receiver.HFReceiver`) breaks the model as ``how`` says
+    (:data:`BREAKS`); the bytes the refit wrote are right, the model the engine computes with is not."""
+    if how not in BREAKS:
+        raise ValueError(f"break_post_load: {how!r} is not one of {list(BREAKS)}")
+    finalize, set_state = storage.finalize, storage.set_state
+    layer = "model.layers.0."
+    before: dict = {}
+    scales: dict = {}
+
+    def snapshot(state, version):  # before the refit writes: the layer as it is (unloaded)
+        if state == "updating" and armed[0] and how == "unload_layer":
+            before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
+        set_state(state, version)
+
+    def broken():
+        if armed[0] and how == "stale_scale":
+            name = next(n for n in sorted(storage._staged) if n.endswith("weight_scale_inv") and n in scales)
+            storage._staged[name].copy_(scales[name])
+        scales.update({n: t.clone() for n, t in storage._staged.items() if n.endswith("weight_scale_inv")})
+        finalize()
+        if not armed[0]:
+            return
+        params = dict(storage.model.state_dict(keep_vars=True))
+        if how == "permute_experts":
+            for name in (f"{layer}mlp.experts.gate_up_proj", f"{layer}mlp.experts.down_proj"):
+                params[name].data[[0, 1]] = params[name].data[[1, 0]].clone()
+        elif how == "unload_layer":
+            for name, old in before.items():
+                params[name].data.copy_(old)
+
+    storage.set_state, storage.finalize = snapshot, broken

@@ -68,6 +68,12 @@ class RunSpec:
     overlap: bool = False
     """``refit.overlap: on``: each refit sends from a snapshot in the background while the
     next step trains (the export checked against is taken at the step boundary)."""
+    verify_serving: str | int = "off"
+    """``refit.verify_serving``: replicas score the probe after a version lands (the HF engine in band)."""
+    serving_tolerance: float | None = None
+    breaks: tuple[tuple[int, int, str], ...] = ()
+    """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
+    lands (:func:`~megatron_refit.tools.faults.break_post_load`); the serving check must catch it."""
     hold_refits: bool = False
     """``overlap``: each background refit starts (reads nothing) only once the next training
     step has changed the weights (the last one once training ends), so every refit provably
@@ -134,8 +140,9 @@ def refit_config(spec: RunSpec, port: int):
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
-                       on_replica_failure="continue" if spec.fail_replica else "raise",
-                       overlap="on" if spec.overlap else "off")
+                       on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
+                       overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving,
+                       serving_tolerance=spec.serving_tolerance)
 
 
 def hf_config_for(spec: RunSpec):
@@ -253,9 +260,9 @@ def _reference_weights(spec: RunSpec, built):
 
     if not spec.fp8:
         return contextlib.nullcontext()
-    from conversion.testing.fp8_reference import fp8_weights
+    from conversion.serving import fp8_rounded_weights
 
-    return fp8_weights(built.model, built.config)
+    return fp8_rounded_weights(built.model)
 
 
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
@@ -267,9 +274,12 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
                         lora=lora)
     fail_at = spec.fail_replica[1] if spec.fail_replica and gen_index == spec.fail_replica[0] * spec.gen.tp else None
     armed = _failing(backend) if fail_at else [False]
+    breaks = _breaking(backend, spec, gen_index)
     out = []
     for version in range(1, spec.refits + 1):
         armed[0] = version == fail_at
+        for at, flag in breaks:
+            flag[0] = version == at
         try:
             report = sync.receive(version)
         except Exception as exc:
@@ -284,6 +294,19 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
         out.append(item)
     return dict(role="gen", gen_index=gen_index, refits=out), sync
+
+
+def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bool]]]:
+    """:attr:`RunSpec.breaks` of this engine rank's replica: ``(version, armed flag)`` per break."""
+    from megatron_refit.tools.faults import break_post_load
+
+    out = []
+    for replica, version, how in spec.breaks:
+        if gen_index // spec.gen.tp == replica:
+            armed = [False]
+            break_post_load(storage, how, armed)
+            out.append((version, armed))
+    return out
 
 
 def _failing(storage) -> list[bool]:
@@ -381,6 +404,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             loss=t_items[-1].get("loss"),
             failed_replicas=t_items[0].get("failed_replicas", {}),
             replicas_ok=t_items[0]["report"]["summary"]["refit/replicas_ok"],
+            serving={k.removeprefix("refit/serving_"): v for k, v in t_items[0]["report"]["summary"].items()
+                     if k.startswith("refit/serving_")},
         ))
     diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]
     return dict(

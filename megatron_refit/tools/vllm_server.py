@@ -61,6 +61,8 @@ class VllmServer:
     log: Path
     tp: int = 1
     start_timeout_s: float = 240.0
+    env: dict = field(default_factory=dict)
+    """Extra environment of the server's processes."""
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -75,8 +77,8 @@ class VllmServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(launch_args(self.model, self.port, tp=self.tp, python=str(python)),
-                                            stdout=log, stderr=subprocess.STDOUT, env=server_env(self.tp),
-                                            start_new_session=True)
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            env={**server_env(self.tp), **self.env}, start_new_session=True)
         return self
 
     def wait_ready(self) -> float:
@@ -164,6 +166,12 @@ def weight_version(url: str) -> str | None:
         return json.loads(response.read()).get("weight_version")
 
 
+def is_paused(url: str) -> bool:
+    """Whether the server's generation is paused (``/is_paused``)."""
+    with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as response:
+        return bool(json.loads(response.read()).get("is_paused"))
+
+
 def timed_client(*args, **kwargs):
     """An ``HTTPClient`` (same arguments) that records each call: ``client.calls`` holds
     ``(route, start, end)`` in ``time.monotonic()`` seconds, in order."""
@@ -177,7 +185,7 @@ def timed_client(*args, **kwargs):
         def _post(self, path, body=None):
             t0 = time.monotonic()
             try:
-                super()._post(path, body)
+                return super()._post(path, body)
             finally:
                 self.calls.append((path.split("?")[0], t0, time.monotonic()))
 

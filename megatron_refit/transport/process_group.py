@@ -36,7 +36,8 @@ when refit ``n`` begins (engine ranks between refits wait for it)."""
 MAGIC = 0x52_46_49_54_0003
 """First word of every control header: "RFIT" and the protocol version."""
 
-CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet": 6, "overlap": 7}
+CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet": 6, "overlap": 7, "probe": 8,
+         "served": 9}
 """The calls control messages belong to (the header's second word)."""
 
 HEADER_VALUES = 15

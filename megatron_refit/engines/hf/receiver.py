@@ -145,6 +145,19 @@ class HFReceiver(WeightsState):
         return self.step(tokens)[0]
 
     @torch.no_grad()
+    def score(self, sequences) -> list[list[float]]:
+        """The serving probe (``refit.verify_serving``) through this engine's forward: each
+        sequence's ``log p(token t | tokens < t)`` for every token after the first (a float32
+        log-softmax over the vocabulary)."""
+        out = []
+        for sequence in sequences:
+            tokens = torch.tensor([list(sequence)], dtype=torch.long)
+            logits, _ = self.step(tokens)
+            logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            out.append(logprobs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist())
+        return out
+
+    @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         """One forward pass: the logits and the version of the weights that produced them
         (the pass holds :attr:`serving`, so a swap waits for it and it sees one version)."""

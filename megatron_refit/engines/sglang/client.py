@@ -102,6 +102,30 @@ def torch_reductions():
         reductions.init_reductions()
 
 
+def input_token_logprobs(sequence: list[int], entries: list) -> list[float]:
+    """SGLang's ``meta_info["input_token_logprobs"]`` of one prompt (``(logprob, token id, text)``
+    per prompt token, the first one's logprob None) as the log-prob of each prompt token after the
+    first; ``ValueError`` naming a position whose token is not the prompt's."""
+    entries = list(entries)
+    if len(entries) == len(sequence):
+        entries = entries[1:]  # the first token has no log-prob
+    if len(entries) != len(sequence) - 1:
+        raise ValueError(f"SGLang answered {len(entries)} input_token_logprobs for a prompt of {len(sequence)} tokens")
+    out = []
+    for position, (token, entry) in enumerate(zip(sequence[1:], entries), start=1):
+        logprob, token_id = entry[0], entry[1]
+        if token_id != token or logprob is None:
+            raise ValueError(f"SGLang's input_token_logprobs at position {position} are for token {token_id}, "
+                             f"not the prompt's {token}")
+        out.append(float(logprob))
+    return out
+
+
+GENERATE = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
+            "logprob_start_len": 0}
+"""What the serving probe asks SGLang's ``generate``: every prompt token's log-prob."""
+
+
 class EngineClient:
     """Control calls over an ``sglang.Engine`` in this process (its methods block)."""
 
@@ -143,6 +167,17 @@ class EngineClient:
     def close(self) -> None:
         self._session(close_message(), flush_cache=False)
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The serving probe (``refit.verify_serving``) through ``Engine.generate``'s log-prob path."""
+        out = self.engine.generate(input_ids=[list(s) for s in sequences], **GENERATE)
+        return [input_token_logprobs(list(s), o["meta_info"]["input_token_logprobs"]) for s, o in zip(sequences, out)]
+
+    def hold(self) -> None:
+        """Stop serving (pause): the engine failed its serving check; the next refit resumes it."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        self._tokenizer_call("pause_generation", PauseGenerationReqInput(mode=self.pause_mode))
+
 
 class HTTPClient:
     """Control calls over ``sglang serve`` at ``base_url`` (standard library only). ``tp``:
@@ -158,7 +193,8 @@ class HTTPClient:
         self.pause_mode = _check_pause_mode(pause_mode)
         self.api_key = api_key
 
-    def _post(self, path: str, body: dict[str, Any]) -> None:
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` as JSON; the JSON answer (None if there is none)."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -173,9 +209,10 @@ class HTTPClient:
         try:
             out = json.loads(answer or b"{}")
         except ValueError:
-            return
+            return None
         if isinstance(out, dict) and out.get("success") is False:
             raise RuntimeError(f"SGLang server {self.base_url}: POST /{path} failed: {out.get('message')}")
+        return out
 
     def _session(self, named_tensors, *, flush_cache: bool) -> None:
         payload = serialize(named_tensors)
@@ -199,3 +236,14 @@ class HTTPClient:
 
     def close(self) -> None:
         self._session(close_message(), flush_cache=False)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The serving probe (``refit.verify_serving``) through the server's ``/generate``
+        (token-id prompts, ``return_logprob``, ``logprob_start_len: 0``)."""
+        out = self._post("generate", {"input_ids": [list(s) for s in sequences], **GENERATE})
+        return [input_token_logprobs(list(s), o["meta_info"]["input_token_logprobs"]) for s, o in zip(sequences, out)]
+
+    def hold(self) -> None:
+        """Stop serving (``/pause_generation``): the server failed its serving check; the next
+        refit resumes it."""
+        self._post("pause_generation", {"mode": self.pause_mode})

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_refit.config import refit_section
-from megatron_refit.endpoint.fleet import abort_start
+from megatron_refit.endpoint.membership import abort_start
 from megatron_refit.engines.replicas import ReplicaLanes
 
 

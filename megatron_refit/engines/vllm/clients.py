@@ -53,6 +53,31 @@ class LLMClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The serving probe (``refit.verify_serving``) through ``LLM.generate``: each prompt's
+        ``prompt_logprobs`` (the log-prob vLLM computes for every prompt token after the first)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        return [prompt_token_logprobs(s, [None if e is None else {t: lp.logprob for t, lp in e.items()}
+                                          for e in out.prompt_logprobs]) for s, out in zip(sequences, outputs)]
+
+
+def prompt_token_logprobs(sequence: list[int], entries: list) -> list[float]:
+    """vLLM's ``prompt_logprobs`` of one prompt (per position: None for the first, then a mapping
+    token id -> log-prob that holds the prompt's own token) as the log-prob of each prompt token
+    after the first; ``ValueError`` naming the position where the prompt's token is missing."""
+    if len(entries) != len(sequence):
+        raise ValueError(f"vLLM answered {len(entries)} prompt_logprobs entries for a prompt of {len(sequence)} tokens")
+    out = []
+    for position, (token, entry) in enumerate(zip(sequence[1:], entries[1:]), start=1):
+        found = None if entry is None else entry.get(token, entry.get(str(token)))
+        if found is None:
+            raise ValueError(f"vLLM's prompt_logprobs at position {position} lack the prompt's token {token}")
+        out.append(float(found["logprob"] if isinstance(found, dict) else found))
+    return out
+
 
 class HTTPClient:
     """``VLLMWeightSyncClient`` over ``vllm serve``'s RL routes (as vLLM's own
@@ -72,13 +97,15 @@ class HTTPClient:
         """``staged`` (``refit.swap``): the engine serves during ``update_weights`` (the bytes land
         in staging buffers) and pauses only for ``finish_weight_update``, which loads them."""
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST ``body`` as JSON; the JSON answer (None if there is none)."""
         data = json.dumps(body).encode() if body is not None else b""
         request = urllib.request.Request(f"{self.base_url}/{path}", data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                response.read()
+                answer = response.read()
+            return json.loads(answer) if answer.strip().startswith((b"{", b"[")) else None
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             raise RuntimeError(f"vLLM server {self.base_url}: POST /{path} answered {exc.code}: {detail}") from exc
@@ -102,6 +129,22 @@ class HTTPClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("shutdown_weight_transfer_engine")
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The serving probe (``refit.verify_serving``) through the server's own completions
+        route: one ``/v1/completions`` request (token-id prompts, ``prompt_logprobs: 0``) whose
+        answer holds the log-prob of every prompt token after the first."""
+        body = {"prompt": [list(s) for s in sequences], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        answer = self._post("v1/completions", body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != len(sequences):
+            raise ValueError(f"vLLM server {self.base_url}: {len(choices)} completions for {len(sequences)} prompts")
+        return [prompt_token_logprobs(list(s), c.get("prompt_logprobs") or []) for s, c in zip(sequences, choices)]
+
+    def hold(self) -> None:
+        """Stop serving (``/pause``): the server failed its serving check; the next complete
+        update resumes it."""
+        self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
 
 
 class ReplicaClients(ReplicaLanes):

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron_refit.config import RefitConfig, check_int, refit_section
-from megatron_refit.endpoint.fleet import abort_start
+from megatron_refit.endpoint.membership import abort_start
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
 from megatron_refit.engines.vllm.clients import ReplicaClients
@@ -82,8 +82,10 @@ class LocalShardSource(_SourceBase):
     """This train rank's local pieces (``spec`` + ``tensor()``): weights and LoRA adapters."""
 
     def __init__(self, weights: list, adapters: list = (), *, lora_rank: int = 0, lora_alpha: float = 0.0,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, forward=None):
         self.weights = list(weights)
+        self.forward = forward
+        """The trainer model's forward over the serving probe (``refit.verify_serving``; None: none)."""
         self.adapters = list(adapters)
         if self.adapters and lora_rank < 1:
             raise ValueError(f"LocalShardSource has {len(self.adapters)} LoRA adapter pieces but lora_rank "
@@ -185,7 +187,8 @@ class MegatronRefitTrainerEngine(_EngineBase):
 
         def connect():
             return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
-                                             num_train=init_info.num_train, device=source.device)
+                                             num_train=init_info.num_train, device=source.device,
+                                             forward=source.forward)
 
         if init_info.is_sender and not isinstance(client, ReplicaClients) and cfg.gen_dp == 1:
             # one engine is a fleet of one: a failure in any of its phases (an HTTP 500, a server

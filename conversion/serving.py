@@ -1,0 +1,192 @@
+"""The trainer model's own forward over the serving probe (``refit.verify_serving``): what every
+replica's log-probs are compared with.
+
+:func:`trainer_forward` wraps Megatron model chunks (bare or as Bridge's ``pretrain`` holds them:
+DDP, Float16Module) in a :class:`MegatronForward`. Called on every train rank at once, it runs
+the probe through the model as it is now (every pipeline stage, tensor- and expert-parallel as
+the model trains) and returns each sequence's per-token log-probs on every rank, over the
+Hugging Face vocabulary (Megatron's padded vocabulary rows are left out of the softmax, as an
+engine serving the HF checkpoint has none).
+
+It must not change training: it runs under ``no_grad`` in eval mode (each chunk's mode is put
+back), with the CPU and CUDA generators' states and Megatron's RNG tracker states restored, the
+DDP forward pre-hooks of ``overlap_param_gather`` off (no param all-gather dispatched: the refit
+ran after Bridge's ``force_param_sync``) and no optimizer or gradient buffer touched. Under
+trainer-side FP8 (``refit.trainer_quantize_fp8``) each quantized linear weight computes with its
+FP8 round trip, one layer at a time (what the engine holds), and is put back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from conversion.forward import cpu_forward, stage_forward
+
+QUANTIZED = re.compile(r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
+"""Megatron linear weights whose HF pieces trainer-side FP8 quantizes (experts' too; the router,
+embeddings, output layer and norms stay in the training dtype)."""
+
+
+class MegatronForward:
+    """The serving check's reference forward over Megatron model chunks (see the module docstring)."""
+
+    def __init__(self, model: list, hf_config, *, lora: bool = False):
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_model_config
+
+        if len(model) != 1:
+            raise ValueError(f"refit.verify_serving: the reference forward runs one model chunk per rank (no "
+                             f"virtual pipeline), this rank holds {len(model)}")
+        if ps.get_context_parallel_world_size() > 1:
+            raise ValueError("refit.verify_serving: the reference forward does not split the probe over context "
+                             f"parallelism (context_parallel_size={ps.get_context_parallel_world_size()}); set "
+                             "verify_serving: off")
+        self.model = model
+        self.config = get_model_config(model[0])
+        self.vocab_size = hf_config.vocab_size
+        self.dtype = str(next(model[0].parameters()).dtype).removeprefix("torch.")
+        self.fp8, self.lora = False, lora
+
+    def prepare(self, *, fp8: bool) -> None:
+        """Before the first check: compute with FP8-rounded linear weights (``fp8``: the trainer
+        quantizes what it sends); ``ValueError`` where that cannot match the engine's blocks."""
+        self.fp8 = fp8
+        if fp8:
+            kv_channels = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
+            if kv_channels % 128:
+                raise ValueError(f"refit.verify_serving with trainer_quantize_fp8: kv_channels={kv_channels} splits "
+                                 "attention heads across 128-row FP8 blocks, so the reference forward cannot round "
+                                 "Megatron's fused QKV weight as the engine's HF blocks are; set verify_serving: off")
+
+    @torch.no_grad()
+    def __call__(self, sequences) -> list[list[float]]:
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_length.setdefault(len(seq), []).append(i)
+        out: list = [None] * len(sequences)
+        with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
+            for indices in by_length.values():
+                tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
+                for i, row in zip(indices, self._logprobs(tokens).tolist(), strict=True):
+                    out[i] = row
+        return out
+
+    def _logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, [batch, seq - 1] (float32), on every rank."""
+        from megatron.core import parallel_state as ps
+
+        chunk = self.model[0]
+        output, _ = stage_forward(chunk, tokens, hidden_size=self.config.hidden_size, dtype=self.config.params_dtype)
+        result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=output.device)
+        if ps.is_pipeline_last_stage():
+            with cpu_forward():
+                result.copy_(_vocab_parallel_logprobs(output[:, :-1], tokens[:, 1:].to(output.device),
+                                                      self.vocab_size))
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage gets the last stage's answer
+            torch.distributed.broadcast(result, ps.get_pipeline_model_parallel_last_rank(),
+                                        group=ps.get_pipeline_model_parallel_group())
+        return result.cpu()
+
+    @contextlib.contextmanager
+    def _untouched(self):
+        """Eval mode, the RNG states and DDP's forward pre-hooks, as training left them."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        tracker_states = tracker.get_states()
+        modes = [chunk.training for chunk in self.model]
+        hooked = [c for c in self.model if getattr(c, "use_forward_hook", False) and c.remove_forward_pre_hook_handles]
+        for chunk in hooked:
+            chunk.disable_forward_pre_hook(param_sync=False)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for chunk, mode in zip(self.model, modes, strict=True):
+                chunk.train(mode)
+            for chunk in hooked:
+                chunk.enable_forward_pre_hook()
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            tracker.set_states(tracker_states)
+
+
+@contextlib.contextmanager
+def fp8_rounded_weights(model: list):
+    """While a module of ``model`` (Megatron chunks) runs, each of its linear weights that
+    trainer-side FP8 quantizes holds its blockwise FP8 round trip ``dequantize(quantize(w))``: what
+    an FP8 engine computes with. Their 128x128 blocks in Megatron's local layout are the HF
+    tensors' blocks when every HF piece edge is on the 128 grid (the plan enforces it) and each
+    attention head spans whole blocks (``kv_channels`` a multiple of 128: :meth:`MegatronForward.prepare`
+    checks it). One weight at a time is rounded (the extra memory is one weight's copy); each is
+    put back after its module ran, and all of them if a forward raises."""
+    from megatron_refit.endpoint.fp8 import dequantize_blockwise, quantize_blockwise
+
+    targets: dict[torch.nn.Module, list[str]] = {}
+    for chunk in model:
+        for module_name, module in chunk.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}"
+                if param.dim() == 2 and QUANTIZED.search(full) and ".router." not in full:
+                    targets.setdefault(module, []).append(name)
+    saved: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (param, its training value)
+
+    @torch.no_grad()
+    def before(module, _args):
+        for name in targets[module]:
+            param = getattr(module, name)
+            saved[id(module), name] = param, param.detach().clone()
+            param.copy_(dequantize_blockwise(*quantize_blockwise(param.detach()), dtype=param.dtype))
+
+    @torch.no_grad()
+    def restore(keys) -> None:
+        for key in keys:
+            param, original = saved.pop(key)
+            param.copy_(original)
+
+    def after(module, _args, _output):
+        restore([(id(module), name) for name in targets[module]])
+
+    handles = [h for m in targets for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        restore(list(saved))  # a forward that raised inside a module: its weights as training left them
+
+
+def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``log_softmax(logits)[label]`` over the first ``vocab_size`` columns of vocab-parallel
+    ``logits`` [batch, seq, vocab / TP] (each TP rank holds a contiguous slice), float32."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    logits = logits.float().clone()
+    valid = max(0, min(width, vocab_size - start))
+    logits[..., valid:] = -torch.inf  # Megatron's padding rows: no token of the HF vocabulary
+    peak = logits.max(dim=-1).values
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
+    sums = (logits - peak.unsqueeze(-1)).exp().sum(dim=-1)
+    torch.distributed.all_reduce(sums, group=group)
+    local = labels - start
+    mine = (local >= 0) & (local < valid)
+    picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * mine
+    torch.distributed.all_reduce(picked, group=group)
+    return picked - peak - sums.log()
+
+
+def trainer_forward(model: list, hf_config, *, lora: bool = False) -> MegatronForward:
+    """The serving check's reference over Megatron model chunks built through Bridge (every train
+    rank builds its own; calling it is collective over the train ranks). ``lora``: the chunks
+    carry LoRA adapters (the tolerance allows for the engine's merge)."""
+    return MegatronForward(model, hf_config, lora=lora)

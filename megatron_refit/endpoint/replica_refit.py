@@ -1,0 +1,113 @@
+"""One replica's part of a fleet refit, in that replica's own thread: its engine's calls around
+its group's refit (train rank 0), then, where this refit checks it, its serving probe
+(``refit.verify_serving``). Whatever happens is this replica's outcome alone
+(:class:`ReplicaOutcome`); :class:`~megatron_refit.endpoint.fleet.TrainerFleet` gathers every
+replica's from every train rank and applies the one failure policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.serving import ServingCheck, ServingUnavailableError, served_or_raise
+from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
+
+
+class ReplicaHooks(Protocol):
+    """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
+    control plane: :class:`~megatron_refit.engines.replicas.ReplicaLanes`). All run in the
+    replica's own refit thread; an error from any fails that replica alone."""
+
+    def start(self, replica: int, version: int, full: bool) -> None:
+        """Before the replica's bytes move (its engine's receiving call, not waited for)."""
+
+    def land(self, replica: int, version: int) -> None:
+        """Once its group carried the refit: the engine makes the version live (or raises)."""
+
+    def score(self, replica: int, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Once the version is live: the engine's per-token log-probs of ``sequences`` through its
+        serving path (:class:`~megatron_refit.endpoint.serving.ServingUnavailableError` if it has none)."""
+
+    def hold(self, replica: int) -> None:
+        """It failed its serving check: stop it serving what it serves, where its engine can."""
+
+
+@dataclass
+class Probing:
+    """What one refit checks (every train rank holds the same): the fleet's check, the replicas
+    it checks, the trainer's reference (None where none is checked) and whether replicas answer
+    in band (over their refit group) or through train rank 0's control client."""
+
+    check: ServingCheck
+    due: dict[int, bool] = field(default_factory=dict)
+    reference: Any = None
+    reference_s: float = 0.0
+    in_band: bool = False
+
+
+@dataclass
+class ReplicaOutcome:
+    """One replica's outcome of a refit on this train rank."""
+
+    report: RefitReport | None = None
+    """Its group's report, where the group carried the refit (a replica that failed after its
+    bytes moved, or that drained them, has one)."""
+    error: BaseException | None = None
+    serving: dict | None = None
+    """Train rank 0, a checked replica: its verdict (``max_dlogprob``, ``seconds``; ``mismatch`` where
+    it failed; or ``unable``)."""
+
+    @property
+    def broken(self) -> bool:
+        """The replica's group cannot carry another refit (a peer died or stalled: a transport
+        error). Any other failure (a rank's checks, its engine, its bytes, its serving) left
+        the group intact."""
+        return isinstance(self.error, RefitTransportError)
+
+    def why(self) -> str:
+        report = self.report
+        if isinstance(self.error, ReplicaFailedError) and report is not None and report.failed_ranks:
+            first = report.summary["refit/train_ranks"]  # its engine ranks' own errors
+            return "; ".join(f"TP rank {rank - first}: {why}" for rank, why in sorted(report.failed_ranks.items()))
+        return f"{type(self.error).__name__}: {self.error}"[:1000]
+
+
+def refit_replica(member, replica: int, version: int, full: bool, hooks: ReplicaHooks | None,
+                  probing: Probing | None, rank: int) -> ReplicaOutcome:
+    """Replica ``replica``'s part of refit ``version`` on train rank ``rank`` (``member``: its
+    :class:`~megatron_refit.endpoint.sync.TrainerRefit`): its engine's calls around its group's
+    refit, then its serving check where ``probing`` says so. Never raises: the outcome says."""
+    out = ReplicaOutcome()
+    probe = probing.check.probe if probing is not None and probing.due.get(replica) else None
+    try:
+        if hooks is not None:
+            hooks.start(replica, version, member.is_full(full))
+        answer, answer_s = None, 0.0
+        if probe is not None and probing.in_band:
+            out.report, answer, answer_s = member.refit_and_probe(version, full=full, probe=probe)
+        else:
+            out.report = member.refit(version, full=full)
+        if hooks is not None:
+            hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
+        if probe is not None and rank == 0:
+            if probing.in_band:
+                def score():
+                    return served_or_raise(answer)
+            else:
+                def score():
+                    if hooks is None:
+                        raise ServingUnavailableError("train rank 0 holds no control client of this engine to ask it")
+                    return hooks.score(replica, probe.sequences)
+            out.serving = probing.check.verdict(replica, version, score, probing.reference)
+            out.serving["seconds"] += answer_s  # in band: the engine scored it inside its refit's group
+    except ServingMismatchError as exc:
+        out.error, out.serving = exc, dict(max_dlogprob=exc.max_dlogprob, seconds=0.0, mismatch=True)
+        if hooks is not None:
+            hooks.hold(replica)
+    except Exception as exc:  # noqa: BLE001 -- one replica's failure is its outcome, not raised here
+        out.error = exc
+        if isinstance(exc, ReplicaFailedError) and exc.report is not None:
+            out.report = exc.report
+    return out

@@ -1,0 +1,191 @@
+"""Proof of serving on the train side (``refit.verify_serving``): which replicas a refit checks,
+the trainer's reference, and each replica's verdict.
+
+Every train rank holds one :class:`ServingCheck` per fleet and asks it the same questions in the
+same order, so all of them agree without a message: :meth:`ServingCheck.due` at the start of a
+refit (which replicas this refit checks: every N-th refit, and any replica that has not passed
+a check since it joined or last failed), :meth:`ServingCheck.take_reference` (collective over the
+train ranks: the trainer model's own per-token log-probs on the probe, in the thread that owns
+the model, before the next training step changes it), and :meth:`ServingCheck.record` with what
+train rank 0 found (gathered with the refit's outcomes). Train rank 0 alone compares
+(:meth:`ServingCheck.verdict`); a mismatch fails that replica like any replica failure.
+
+How a replica scores the probe is its engine's: through its control client on train rank 0
+(vLLM's server or ``LLM``, SGLang), or in band over its refit group (an engine without a control
+plane, e.g. the HF engine: :func:`exchange_in_band`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.errors import ServingMismatchError
+from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_probe
+
+logger = logging.getLogger(__name__)
+
+SERVING_KEYS = ("refit/serving_checked", "refit/serving_max_dlogprob", "refit/serving_s",
+                "refit/serving_reference_s")
+"""The fleet summary's serving metrics: replicas checked, their largest |Δ log-prob|, the check's
+seconds (the trainer's reference plus the slowest replica's answer) and the reference's alone;
+each replica's difference also under ``refit/serving_max_dlogprob/replica_<r>`` when it was
+checked."""
+
+
+@runtime_checkable
+class TrainerForward(Protocol):
+    """The trainer model's own forward for the probe (``conversion.serving.trainer_forward``):
+    called on every train rank at once (a collective over the model-parallel groups), returns
+    the per-token log-probs of each sequence on every rank."""
+
+    vocab_size: int
+    dtype: str
+    """The dtype of the weights it sends (the engine's: the tolerance's dtype)."""
+    lora: bool
+    """The model carries LoRA adapters (the engine merges them)."""
+
+    def prepare(self, *, fp8: bool) -> None:
+        """Once, before the first call: ``fp8``, the trainer quantizes what it sends (the reference
+        then computes with the FP8-rounded weights); ``ValueError`` where it cannot."""
+
+    def __call__(self, sequences: tuple[tuple[int, ...], ...]) -> list[list[float]]: ...
+
+
+class ServingUnavailableError(Exception):
+    """A replica's engine has no way to score the probe (a client without ``score``, a storage
+    without ``score``): under ``auto`` that replica is not checked; under ``on`` / N it fails."""
+
+
+class ServingCheck:
+    """One fleet's serving checks on one train rank (see the module docstring)."""
+
+    def __init__(self, cfg: RefitConfig, forward: TrainerForward | None, *, rank: int):
+        self.every = cfg.serving_every
+        self.auto = cfg.verify_serving == "auto"
+        self.rank = rank
+        self.forward = forward
+        if self.every is not None and forward is None:
+            if not self.auto:
+                raise ValueError(f"refit.verify_serving={cfg.verify_serving!r} needs the trainer model's forward to "
+                                 "compare with: refit a Megatron model (RefitCallback, conversion.refit.trainer_refit, "
+                                 "local_shard_source) or pass forward=conversion.serving.trainer_forward(...); "
+                                 "or set verify_serving: off")
+            logger.info("refit.verify_serving auto: off (the trainer refits bare pieces: no forward to compare with)")
+            self.every = None
+        self.probe: Probe | None = None
+        self.tolerance = self.floor = math.inf
+        if self.every is not None:
+            forward.prepare(fp8=cfg.trainer_quantize_fp8)
+            self.probe = make_probe(cfg.serving_probe, forward.vocab_size)
+            self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
+            self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
+        self.refits = 0
+        self.verified: set[int] = set()
+        """Replicas that passed a check since they joined or last failed."""
+        self.unable: set[int] = set()
+        """``auto``: replicas whose engine cannot score the probe (not asked again until they rejoin)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every is not None
+
+    def due(self, replicas) -> dict[int, bool]:
+        """Which of ``replicas`` this refit checks (every train rank calls it once per refit)."""
+        if not self.enabled:
+            return {}
+        self.refits += 1
+        hit = self.refits % self.every == 0
+        return {r: (hit or r not in self.verified) and r not in self.unable for r in replicas}
+
+    def take_reference(self) -> tuple[list[list[float]], float]:
+        """The trainer's log-probs on the probe now (collective over the train ranks) and the
+        seconds they took."""
+        t0 = time.perf_counter()
+        reference = self.forward(self.probe.sequences)
+        return reference, time.perf_counter() - t0
+
+    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference) -> dict:
+        """Train rank 0: replica ``replica``'s score of the probe (``score()``: its log-probs, or
+        raises :class:`ServingUnavailableError`) against ``reference``. Returns what :meth:`record`
+        takes; raises :class:`~megatron_refit.errors.ServingMismatchError` where it differs."""
+        t0 = time.perf_counter()
+        try:
+            served = score()
+        except ServingUnavailableError as exc:
+            if self.auto:
+                return dict(unable=str(exc), seconds=time.perf_counter() - t0)
+            raise ServingMismatchError(f"refit {version}: engine replica {replica} cannot score the serving probe "
+                                       f"({exc}); refit.verify_serving={self.every} asks every replica to",
+                                       replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
+        seconds = time.perf_counter() - t0
+        try:
+            worst = compare(served, reference, self.probe, tolerance=self.tolerance, floor=self.floor,
+                            replica=replica, version=version)
+        except ServingMismatchError as exc:
+            exc.seconds = seconds
+            raise
+        return dict(max_dlogprob=worst, seconds=seconds)
+
+    def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float) -> dict:
+        """Every train rank, after a refit: what train rank 0 found per checked replica
+        (:meth:`verdict`'s results; a mismatch's ``max_dlogprob`` too) and the refit's failures;
+        returns the serving metrics for the fleet summary."""
+        for replica, result in found.items():
+            if "unable" in result:
+                if replica not in self.unable:
+                    logger.info("refit.verify_serving auto: engine replica %d is not checked (%s)", replica,
+                                result["unable"])
+                self.unable.add(replica)
+            elif replica in failures:
+                self.verified.discard(replica)
+            else:
+                self.verified.add(replica)
+        for replica in failures:  # any failure: check it again at its next refit
+            self.verified.discard(replica)
+        checked = {r: v["max_dlogprob"] for r, v in found.items() if "max_dlogprob" in v}
+        metrics = {"refit/serving_checked": len(checked),
+                   "refit/serving_max_dlogprob": max(checked.values(), default=0.0),
+                   "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
+                   "refit/serving_reference_s": reference_s}
+        metrics.update({f"refit/serving_max_dlogprob/replica_{r}": d for r, d in sorted(checked.items())})
+        return metrics
+
+    def forget(self, replica: int) -> None:
+        """Replica ``replica`` left or was dropped: a new one under its index starts unchecked."""
+        self.verified.discard(replica)
+        self.unable.discard(replica)
+
+
+def exchange_in_band(group, num_train: int, *, probe: Probe | None = None,
+                     score: Callable[[tuple], Any] | None = None) -> Any:
+    """A replica group scores the probe in band, after a refit it applied (collective over the
+    group: every train rank passes nothing, train rank 0 the ``probe``; every engine rank its
+    ``score``, or None where its storage cannot score). Returns, on every rank, what the engine's
+    first rank answered: its log-probs, ``{"unable": why}`` or ``{"error": why}``."""
+    sent = group.all_gather_object(list(map(list, probe.sequences)) if probe is not None else None, "probe")
+    sequences = tuple(tuple(s) for s in sent[0])
+    answer = None
+    if group.rank >= num_train:
+        if score is None:
+            answer = {"unable": "its storage has no score method"}
+        else:
+            try:
+                answer = score(sequences)
+            except Exception as exc:  # noqa: BLE001 -- the train ranks learn why this replica could not score
+                answer = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return group.all_gather_object(answer, "served")[num_train]
+
+
+def served_or_raise(answer: Any) -> Any:
+    """An in-band answer (:func:`exchange_in_band`) as :meth:`ServingCheck.verdict`'s ``score()``
+    gives it: the log-probs, or :class:`ServingUnavailableError`; an engine error raises as itself."""
+    if isinstance(answer, dict) and "unable" in answer:
+        raise ServingUnavailableError(f"its engine answered: {answer['unable']}")
+    if isinstance(answer, dict) and "error" in answer:
+        raise RuntimeError(f"scoring the serving probe failed on the engine: {answer['error']}")
+    return answer

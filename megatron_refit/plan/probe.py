@@ -1,0 +1,139 @@
+"""The serving probe (``refit.verify_serving``): its token sequences, the tolerance, the comparison.
+
+A refit is proven only where the engine *serves* the trainer's model: bytes equal to the export
+are necessary, not sufficient (an engine's own post-load step can still change the model). So
+after a version lands, each replica scores a fixed probe (a few short, seeded token sequences)
+through its real serving path, and the train ranks compare its per-token log-probs with the
+trainer model's own forward at that version: ``log p(token t | tokens < t)`` for every token
+after the first of every sequence.
+
+Pure (no torch): the probe is lists of ints, log-probs lists of floats.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_refit.errors import ServingMismatchError
+
+PROBE_KEYS = ("sequences", "length", "seed", "tokens")
+DEFAULT_PROBE = {"sequences": 4, "length": 16, "seed": 0}
+
+TOLERANCES = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.02}
+"""Default largest |Δ log-prob| per probe token, by the dtype the engine computes in (see
+docs/guide-serving.md for the measured margins these leave)."""
+FP8_TOLERANCE = 0.05
+"""Added under ``trainer_quantize_fp8`` (the trainer's reference forward computes with the
+FP8-rounded weights; the engine's FP8 kernels accumulate in another order)."""
+LORA_TOLERANCE = 1e-3
+"""Added with LoRA adapters (the engine merges them into its weights, the trainer adds their
+product to each layer's output: the same model, rounded differently)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The token sequences every replica scores (each at least 2 tokens long)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Scored tokens (all but the first of each sequence)."""
+        return sum(len(s) - 1 for s in self.sequences)
+
+
+def check_probe_spec(spec: Any) -> None:
+    """``ValueError`` naming the first bad value of ``refit.serving_probe`` (a mapping: either
+    ``tokens`` (a list of token-id lists), or any of ``sequences``, ``length``, ``seed``)."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict):
+        raise ValueError(f"refit.serving_probe must be a mapping (sequences, length, seed, or tokens), got {spec!r}")
+    unknown = sorted(set(spec) - set(PROBE_KEYS))
+    if unknown:
+        raise ValueError(f"refit.serving_probe: unknown key(s) {unknown}; expected some of {list(PROBE_KEYS)}")
+    if "tokens" in spec:
+        if set(spec) != {"tokens"}:
+            raise ValueError("refit.serving_probe: give either tokens, or sequences / length / seed, not both")
+        tokens = spec["tokens"]
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError(f"refit.serving_probe.tokens must be a non-empty list of token-id lists, got {tokens!r}")
+        for i, seq in enumerate(tokens):
+            if (not isinstance(seq, list) or len(seq) < 2
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)):
+                raise ValueError(f"refit.serving_probe.tokens[{i}] must be a list of at least 2 non-negative token "
+                                 f"ids, got {seq!r}")
+        return
+    for key, low, high in (("sequences", 1, 64), ("length", 2, 4096), ("seed", 0, 2**63 - 1)):
+        value = spec.get(key, DEFAULT_PROBE[key])
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"refit.serving_probe.{key} must be an int in {low}..{high}, got {value!r}")
+
+
+def make_probe(spec: dict | None, vocab_size: int) -> Probe:
+    """The probe of ``refit.serving_probe`` for a model of ``vocab_size`` tokens: the given
+    ``tokens``, or ``sequences`` sequences of ``length`` token ids drawn uniformly with ``seed``
+    (the same on every rank and every run)."""
+    check_probe_spec(spec)
+    spec = spec or {}
+    if "tokens" in spec:
+        bad = [t for seq in spec["tokens"] for t in seq if t >= vocab_size]
+        if bad:
+            raise ValueError(f"refit.serving_probe.tokens holds token id {bad[0]}, outside the model's vocabulary "
+                             f"of {vocab_size}")
+        return Probe(tuple(tuple(seq) for seq in spec["tokens"]))
+    spec = {**DEFAULT_PROBE, **spec}
+    rng = random.Random(spec["seed"])
+    return Probe(tuple(tuple(rng.randrange(vocab_size) for _ in range(spec["length"]))
+                       for _ in range(spec["sequences"])))
+
+
+def default_tolerance(dtype: str, *, fp8: bool = False, lora: bool = False) -> float:
+    """The default tolerance for an engine computing in ``dtype`` (``TOLERANCES``), plus
+    ``FP8_TOLERANCE`` under trainer-side FP8 and ``LORA_TOLERANCE`` with LoRA adapters."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no default serving tolerance for dtype {dtype!r} (known: {sorted(TOLERANCES)}); "
+                         "set refit.serving_tolerance")
+    return TOLERANCES[dtype] + (FP8_TOLERANCE if fp8 else 0.0) + (LORA_TOLERANCE if lora else 0.0)
+
+
+def compare(served: Any, reference: list[list[float]], probe: Probe, *, tolerance: float, floor: float,
+            replica: int, version: int) -> float:
+    """The largest |Δ log-prob| between what replica ``replica`` served for ``probe`` and the
+    trainer's ``reference`` (one list per sequence, one value per scored token). Raises
+    :class:`~megatron_refit.errors.ServingMismatchError` naming the replica, the version, the
+    largest difference and the first token beyond ``tolerance`` (a NaN, or a reply of another
+    shape, is a mismatch too). ``floor``: this dtype's default tolerance; a mismatch that stays
+    under it says the configured tolerance is tighter than the measured numerical noise."""
+    where = f"refit {version}: engine replica {replica}"
+    shape = [len(s) - 1 for s in probe.sequences]
+    if not isinstance(served, list) or [len(s) if isinstance(s, list) else None for s in served] != shape:
+        got = [len(s) if isinstance(s, list) else type(s).__name__ for s in served] if isinstance(served, list) \
+            else type(served).__name__
+        raise ServingMismatchError(f"{where} answered the serving probe with {got} log-probs per sequence, expected "
+                                   f"{shape}: it does not serve the probe as the trainer scores it",
+                                   replica=replica, version=version, max_dlogprob=math.inf, first=None)
+    worst, first, pair = 0.0, None, None
+    for i, (got, want) in enumerate(zip(served, reference, strict=True)):
+        for t, (g, w) in enumerate(zip(got, want, strict=True)):
+            d = abs(float(g) - float(w)) if g is not None and math.isfinite(float(g)) else math.inf
+            worst = max(worst, d)
+            if d > tolerance and first is None:
+                first, pair = (i, t + 1), (g, w)
+    if first is None:
+        return worst
+    tight = ""
+    if worst <= floor:
+        tight = (f"; every difference is within this dtype's measured numerical noise (default tolerance "
+                 f"{floor:g}): refit.serving_tolerance={tolerance:g} is too tight for it, raise it (or set null)")
+    raise ServingMismatchError(
+        f"{where} does not serve the trainer's model: its log-probs differ from the trainer's by up to "
+        f"{worst:.4g} over the probe's {probe.num_tokens} tokens (tolerance {tolerance:g}); first beyond it at "
+        f"sequence {first[0]}, token {first[1]} (served {pair[0]}, trainer {pair[1]:.6g}). Its bytes landed; the "
+        f"engine computes with "
+        f"something else (e.g. its post-load step). It has not landed version {version}; its next refit is a "
+        f"full one{tight}",
+        replica=replica, version=version, max_dlogprob=worst, first=first)

@@ -1,0 +1,97 @@
+"""What proof of serving (``refit.verify_serving``) costs next to the refit it checks, and that it
+catches a broken engine, in one run.
+
+Megatron train TP2 (real optimizer steps between refits) into two Hugging Face engine replicas
+(gen TP1 x DP2; each scores the probe with its own forward, in band), ``verify_serving: on``:
+
+- ``refit_s``: the median wall time of a refit (its slowest replica's group);
+- ``serving_check_s``: the median time of the check (the trainer's reference forward over the
+  probe, every train rank at once, plus the slowest replica's scoring and answer) and
+  ``check_over_refit`` their ratio, the cost of checking every refit (``verify_serving: N``
+  divides it by N);
+- ``reference_s``: the trainer's forward alone (what the training loop waits for under
+  ``refit.overlap: on``);
+- ``caught_broken``: a second run whose replica 1 keeps its first decoder layer from before the
+  refit at version 3 (:func:`megatron_refit.tools.faults.break_post_load`): the check names
+  replica 1 at version 3 and no other, and the next refit serves right again.
+
+``--larger``: about 5M parameters (``bench_overlap.py``'s model) instead of the tests' one.
+``--json``: the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.tools.cli import reports_user_errors
+from megatron_refit.tools.harness import RunSpec, evaluate, run
+
+LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
+BROKEN_AT = 3
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def measure(shape: dict, refits: int, warmup: int) -> dict:
+    spec = RunSpec(model="qwen3", overrides=shape, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2),
+                   refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving="on")
+    summaries = [r["serving"] | {"total_s": r["seconds"]["total"]} for r in evaluate(spec, run(spec))["refits"]]
+    kept = summaries[warmup:]
+    check = statistics.median(s["s"] for s in kept)
+    refit = statistics.median(s["total_s"] for s in kept)
+    return dict(refit_s=refit, serving_check_s=check, check_over_refit=check / refit,
+                reference_s=statistics.median(s["reference_s"] for s in kept),
+                max_dlogprob=max(s["max_dlogprob"] for s in summaries),
+                checked=[s["checked"] for s in summaries])
+
+
+def caught(shape: dict) -> dict:
+    spec = RunSpec(model="qwen3", overrides=shape, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=4,
+                   bucket_bytes=4 << 20, verify_serving="on", breaks=((1, BROKEN_AT, "unload_layer"),))
+    refits = evaluate(spec, run(spec))["refits"]
+    failed = [sorted(r["failed_replicas"]) for r in refits]
+    named = "ServingMismatchError" in refits[BROKEN_AT - 1]["failed_replicas"].get(1, "")
+    ok = failed == [[] if r["version"] != BROKEN_AT else [1] for r in refits] and named
+    return dict(caught_broken=ok, broken_dlogprob=refits[BROKEN_AT - 1]["serving"]["max_dlogprob/replica_1"],
+                failed_by_version=failed)
+
+
+@reports_user_errors
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--refits", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="refits left out of the medians")
+    parser.add_argument("--larger", action="store_true", help="a 5M-parameter model instead of the tests' one")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args(argv)
+    if args.refits < args.warmup + 3:
+        raise ValueError(f"--refits {args.refits}: needs at least --warmup + 3 = {args.warmup + 3}")
+    shape = LARGER if args.larger else {}
+    t0 = time.perf_counter()
+    result = measure(shape, args.refits, args.warmup)
+    print(f"refit {result['refit_s'] * 1e3:.1f} ms, serving check {result['serving_check_s'] * 1e3:.1f} ms "
+          f"(x{result['check_over_refit']:.2f}), max |dlogprob| {result['max_dlogprob']:.2e}", flush=True)
+    result |= caught(shape)
+    print(f"caught_broken {result['caught_broken']} (replica 1 at version {BROKEN_AT}: "
+          f"|dlogprob| {result['broken_dlogprob']:.3g})", flush=True)
+    result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
+                   refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

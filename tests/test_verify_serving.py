@@ -1,0 +1,197 @@
+"""Proof of serving (``refit.verify_serving``): the probe, the comparison and the cadence alone;
+then real refits (Megatron train ranks, HF engine replicas scoring the probe with their own
+forward, in band) where one replica's post-load step is broken on purpose and the check must
+name exactly that replica, and must be what catches it (the same runs with the check off accept
+the broken replica)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.serving import ServingCheck, ServingUnavailableError
+from megatron_refit.errors import ServingMismatchError
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_probe
+from megatron_refit.tools.harness import RunSpec, evaluate, run
+
+
+class _Forward:
+    """A trainer forward (``TrainerForward``) that counts its calls."""
+
+    vocab_size, dtype, lora = 50, "float32", False
+
+    def __init__(self):
+        self.calls, self.fp8 = 0, None
+
+    def prepare(self, *, fp8):
+        self.fp8 = fp8
+
+    def __call__(self, sequences):
+        self.calls += 1
+        return [[-1.0] * (len(s) - 1) for s in sequences]
+
+
+# -- the probe, the comparison, the cadence (no processes) ---------------------------------------
+
+
+def test_verify_serving_probe_is_seeded_given_or_refused_by_name():
+    a, b = make_probe(None, 100), make_probe({"seed": 0}, 100)
+    assert a == b and len(a.sequences) == 4 and {len(s) for s in a.sequences} == {16}
+    assert make_probe({"seed": 1}, 100) != a and all(0 <= t < 100 for s in a.sequences for t in s)
+    assert make_probe({"sequences": 2, "length": 3}, 7).num_tokens == 4
+    assert make_probe({"tokens": [[1, 2, 3], [4, 5]]}, 10).sequences == ((1, 2, 3), (4, 5))
+    for bad, words in [({"tokens": [[1]]}, "tokens[0] must be a list of at least 2"),
+                       ({"tokens": [[1, 2]], "seed": 3}, "not both"), ({"length": 1}, "length must be an int"),
+                       ({"sequences": True}, "sequences must be an int"), ({"sede": 1}, "unknown key(s) ['sede']"),
+                       ([1, 2], "must be a mapping")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            make_probe(bad, 10)
+    with pytest.raises(ValueError, match="token id 12, outside the model's vocabulary of 10"):
+        make_probe({"tokens": [[1, 12]]}, 10)
+
+
+def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond_the_tolerance():
+    probe = Probe(((1, 2, 3), (4, 5, 6, 7)))
+    reference = [[-1.0, -2.0], [-1.0, -1.5, -3.0]]
+    close = [[-1.0000004, -2.0], [-1.0, -1.5000002, -3.0]]
+    assert compare(close, reference, probe, tolerance=1e-3, floor=1e-3, replica=0, version=1) < 1e-6
+    with pytest.raises(ServingMismatchError) as caught:
+        compare([[-1.0, -2.0], [-1.0, -1.2, -3.5]], reference, probe, tolerance=1e-3, floor=1e-3, replica=3,
+                version=7)
+    err = caught.value
+    assert (err.replica, err.version, err.first) == (3, 7, (1, 2)) and err.max_dlogprob == pytest.approx(0.5)
+    assert "refit 7: engine replica 3 does not serve the trainer's model" in str(err)
+    assert "up to 0.5 over the probe's 5 tokens (tolerance 0.001); first beyond it at sequence 1, token 2" in str(err)
+    with pytest.raises(ServingMismatchError, match="first beyond it at sequence 0, token 1") as caught:
+        compare([[math.nan, -2.0], [-1.0, -1.5, -3.0]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0,
+                version=1)
+    assert caught.value.max_dlogprob == math.inf  # a NaN is never within a tolerance
+    with pytest.raises(ServingMismatchError, match=r"answered the serving probe with \[2, 2\] log-probs per "
+                                                   r"sequence, expected \[2, 3\]"):
+        compare([[-1.0, -2.0], [-1.0, -1.5]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0, version=1)
+
+
+def test_verify_serving_a_tolerance_tighter_than_the_dtypes_noise_says_so():
+    probe = Probe(((1, 2, 3),))
+    noise = [[-1.0 + 3e-6, -2.0]]  # float32 noise (clean runs measure <= 1e-6)
+    with pytest.raises(ServingMismatchError, match=r"within this dtype's measured numerical noise \(default "
+                                                   r"tolerance 0.001\): refit.serving_tolerance=1e-09 is too tight"):
+        compare(noise, [[-1.0, -2.0]], probe, tolerance=1e-9, floor=default_tolerance("float32"), replica=0,
+                version=2)
+    with pytest.raises(ServingMismatchError) as caught:  # a real mismatch does not blame the tolerance
+        compare([[-1.5, -2.0]], [[-1.0, -2.0]], probe, tolerance=1e-9, floor=1e-3, replica=0, version=2)
+    assert "too tight" not in str(caught.value)
+    assert default_tolerance("bfloat16", fp8=True, lora=True) > default_tolerance("bfloat16") > \
+        default_tolerance("float32")
+    with pytest.raises(ValueError, match="no default serving tolerance for dtype 'int8'"):
+        default_tolerance("int8")
+
+
+def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_a_failure():
+    forward = _Forward()
+    check = ServingCheck(RefitConfig(enabled=True, verify_serving=3, trainer_quantize_fp8=False), forward, rank=0)
+    assert forward.fp8 is False and check.tolerance == 1e-3 and check.enabled
+    assert check.due([0, 1]) == {0: True, 1: True}  # the first refit to each replica
+    check.record({0: dict(max_dlogprob=0.0, seconds=0.0), 1: dict(max_dlogprob=0.0, seconds=0.0)}, {}, 0.0)
+    assert check.due([0, 1]) == {0: False, 1: False}
+    assert check.due([0, 1, 2]) == {0: True, 1: True, 2: True}  # the 3rd refit; 2 just joined
+    check.record({r: dict(max_dlogprob=0.0, seconds=0.0) for r in (0, 1, 2)}, {1: "ServingMismatchError: ..."}, 0.0)
+    assert check.due([0, 1, 2]) == {0: False, 1: True, 2: False}  # 1 failed: checked again
+    check.forget(0)
+    assert check.due([0, 2]) == {0: True, 2: False}
+    metrics = check.record({0: dict(max_dlogprob=2e-7, seconds=0.01)}, {}, 0.02)
+    assert metrics == {"refit/serving_checked": 1, "refit/serving_max_dlogprob": 2e-7, "refit/serving_s": 0.03,
+                       "refit/serving_reference_s": 0.02, "refit/serving_max_dlogprob/replica_0": 2e-7}
+
+
+def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
+    assert not ServingCheck(RefitConfig(enabled=True), None, rank=0).enabled  # auto: bare pieces, off
+    with pytest.raises(ValueError, match="refit.verify_serving='on' needs the trainer model's forward"):
+        ServingCheck(RefitConfig(enabled=True, verify_serving="on"), None, rank=0)
+    assert not ServingCheck(RefitConfig(enabled=True, verify_serving="off"), _Forward(), rank=0).enabled
+    auto = ServingCheck(RefitConfig(enabled=True), _Forward(), rank=0)
+
+    def cannot():
+        raise ServingUnavailableError("a client without score()")
+
+    found = auto.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
+    assert "unable" in found
+    auto.record({0: found}, {}, 0.0)
+    assert auto.due([0, 1]) == {0: False, 1: True}  # not asked again; a new replica is
+    on = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
+    with pytest.raises(ServingMismatchError, match="engine replica 0 cannot score the serving probe"):
+        on.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
+    for value, words in [(0, "positive int"), ("sometimes", "not one of"), (-1, "positive int")]:
+        with pytest.raises(ValueError, match=words):
+            RefitConfig(enabled=True, verify_serving=value)
+    assert RefitConfig.from_dict({"enabled": True, "verify_serving": False}).serving_every is None  # YAML `off`
+    assert RefitConfig.from_dict({"enabled": True, "verify_serving": True}).serving_every == 1
+    with pytest.raises(ValueError, match="serving_tolerance must be positive"):
+        RefitConfig(enabled=True, serving_tolerance=0.0)
+
+
+# -- real refits: a broken replica caught, named, and recovered ----------------------------------
+
+BROKEN = 1
+"""The replica whose post-load step is broken (of gen TP1 x DP2)."""
+
+
+def _broken_run(verify: str, model: str, breaks, **kw) -> list[dict]:
+    spec = RunSpec(model=model, train=TrainLayout(tp=2, ep=2 if model == "qwen3-moe" else 1),
+                   gen=GenLayout(tp=1, dp=2), refits=1 + len(breaks) + 1, bucket_bytes=64 << 10, delta="on",
+                   verify_serving=verify, breaks=breaks, **kw)
+    return evaluate(spec, run(spec))["refits"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verify", ["on", "off"])
+def test_verify_serving_catches_permuted_experts_and_an_unloaded_layer_on_exactly_that_replica(verify):
+    """Qwen3-MoE, train TP2xEP2 into gen TP1xDP2, deltas on: replica 1's post-load step swaps
+    two experts (version 2), then leaves a layer unloaded (version 3). With the check off the
+    same refits report success while replica 1 holds other weights: only the check catches it."""
+    refits = _broken_run(verify, "qwen3-moe", ((BROKEN, 2, "permute_experts"), (BROKEN, 3, "unload_layer")))
+    assert [r["bit_exact"] for r in refits] == [True, False, False, True]  # the breaks are real
+    if verify == "off":
+        assert all(r["failed_replicas"] == {} and r["serving"]["checked"] == 0 for r in refits)
+        return
+    for r in refits:
+        assert r["serving"]["checked"] == 2, r  # every replica, every refit (on)
+        assert r["serving"]["max_dlogprob/replica_0"] <= 1e-5  # float32: 100x under the tolerance
+    for r in refits[1:3]:
+        why = r["failed_replicas"][BROKEN]
+        assert list(r["failed_replicas"]) == [BROKEN], r["failed_replicas"]
+        want = f"ServingMismatchError: refit {r['version']}: engine replica {BROKEN} does not serve"
+        assert why.startswith(want), why
+        assert "first beyond it at sequence" in why and r["serving"][f"max_dlogprob/replica_{BROKEN}"] > 1e-2
+        assert r["replicas_ok"] == 1
+    assert refits[3]["failed_replicas"] == {} and refits[3]["serving"]["max_dlogprob"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_verify_serving_catches_a_stale_fp8_scale_and_passes_clean_fp8_with_margin():
+    """Trainer-side FP8 (128-aligned Qwen3, train TP2 into gen TP1xDP2): replica 1 dequantizes
+    one weight with the last refit's ``weight_scale_inv`` at version 2; the reference forward
+    computes with the FP8 round trip, so the clean replica stays at float32 noise."""
+    aligned = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256)
+    refits = _broken_run("on", "qwen3", ((BROKEN, 2, "stale_scale"),), overrides=aligned, fp8="trainer")
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[], [BROKEN], []]
+    assert "ServingMismatchError: refit 2: engine replica 1 does not serve" in refits[1]["failed_replicas"][BROKEN]
+    assert all(r["serving"]["max_dlogprob/replica_0"] <= 1e-5 for r in refits)
+    assert refits[2]["bit_exact"] and not refits[1]["bit_exact"]
+
+
+@pytest.mark.slow
+def test_verify_serving_under_overlap_comes_back_with_the_refits_report():
+    """``refit.overlap: on``: the reference is taken at each step boundary, the check runs in the
+    background refit, and its verdict comes back with that refit's report."""
+    spec = RunSpec(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=3,
+                   bucket_bytes=64 << 10, overlap=True, hold_refits=True, verify_serving="on",
+                   breaks=((BROKEN, 2, "unload_layer"),))
+    refits = evaluate(spec, run(spec))["refits"]
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[], [BROKEN], []]
+    assert all(r["serving"]["checked"] == 2 for r in refits)
+    assert refits[0]["bit_exact"] and refits[2]["bit_exact"]
