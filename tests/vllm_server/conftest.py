@@ -25,3 +25,14 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(session.model_config()).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("moe-model")
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(session.model_config("qwen3-moe")).save_pretrained(path)
+    return path

@@ -19,8 +19,8 @@ import torch
 
 from megatron_refit.engines.vllm.clients import HTTPClient
 from megatron_refit.tools.faults import slow_next_refit
-from megatron_refit.tools.vllm_server import (VllmServer, complete, process_alive, timed_client, wait_healthy,
-                                             weight_version)
+from megatron_refit.tools.vllm_server import (VllmServer, complete, is_paused, process_alive, timed_client,
+                                             wait_healthy, weight_version)
 
 TRAIN_TP = 2
 PROMPT_LEN = 4
@@ -31,10 +31,10 @@ SLOW_RANK_S = 3.0
 engine's update stays open (its worker receiving) that long while the server keeps answering."""
 
 
-def model_config():
+def model_config(model: str = "qwen3"):
     from conversion.testing.hf_configs import hf_config
 
-    return hf_config("qwen3", head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
+    return hf_config(model, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 
 
 def sequence(cfg) -> torch.Tensor:
@@ -82,15 +82,17 @@ def _connect(refit: dict, rank: int, built, cfg, client):
         source=local_shard_source(built.bridge, built.model, cfg))
 
 
-def _trainer(rank: int, world: int, port: int, seed: int):
-    """This train rank's Megatron model (Bridge, TP2), its training sequence, prompt and optimizer."""
+def _trainer(rank: int, world: int, port: int, seed: int, model: str = "qwen3", ep: int = 1):
+    """This train rank's Megatron model (Bridge, TP2; MoE: TP2xEP2), its training sequence,
+    prompt and optimizer."""
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from megatron_refit.plan.layout import TrainLayout
 
     init_gloo(rank, world, port)
-    init_model_parallel(TrainLayout(tp=TRAIN_TP))
-    cfg = model_config()
-    built = build_model(cfg, TrainLayout(tp=TRAIN_TP), seed=seed)
+    layout = TrainLayout(tp=TRAIN_TP, ep=ep)
+    init_model_parallel(layout)
+    cfg = model_config(model)
+    built = build_model(cfg, layout, seed=seed)
     tokens = sequence(cfg)
     optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-2)
     return cfg, built, tokens, tokens[0, :PROMPT_LEN].tolist(), optimizer
@@ -224,3 +226,47 @@ def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, ref
                     megatron=greedy_decode(built, prompt, NEW_TOKENS)), os.path.join(save_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return refits
+
+
+def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, break_file: str):
+    """A tiny Qwen3-MoE (4 experts, top-2) trained at TP2xEP2 into a running server at gen TP1,
+    deltas and ``verify_serving: on``: three refits, each compared by what the server serves (its
+    greedy tokens and its ``prompt_logprobs`` on the probe) with Megatron's own; then one made live
+    by vLLM's fused-MoE reload as it is without megatron_refit's fix (``tests/vllm_server/breaks``:
+    the experts left unpacked), which the serving check must catch on replica 0; then one after it."""
+    from conversion.serving import trainer_forward
+    from conversion.testing.train_step import greedy_decode, train_step
+
+    cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=3, model="qwen3-moe", ep=2)
+    wait_healthy(url, alive=process_alive(server_pid))
+    refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on", verify_serving="on", port=refit_port)
+    engine = _connect(refit, rank, built, cfg, HTTPClient(url))
+    probe = engine.sync.serving.probe.sequences
+    forward = trainer_forward(built.model, cfg)
+
+    def refit_once(step: int) -> dict:
+        for _ in range(2):
+            train_step(built, optimizer, tokens)
+        report = engine.send_weights(step)
+        out = dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
+                   megatron_logprobs=forward(probe),
+                   serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving")})
+        if rank == 0:
+            out.update(tokens=complete(url, prompt, NEW_TOKENS), logprobs=HTTPClient(url).score(probe),
+                       version=weight_version(url))
+        return out
+
+    out = dict(refits=[refit_once(step) for step in (1, 2, 3)])
+    if rank == 0:
+        with open(break_file, "w") as f:
+            f.write("moe_reload")
+    torch.distributed.barrier()
+    out["broken"] = _error(lambda: refit_once(4))
+    if rank == 0:
+        out["paused_after_broken"] = is_paused(url)
+        os.remove(break_file)
+    torch.distributed.barrier()
+    out["after"] = refit_once(5)
+    engine.shutdown()
+    torch.distributed.destroy_process_group()
+    return out

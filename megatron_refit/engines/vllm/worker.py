@@ -14,7 +14,8 @@ point registered it) when the engine's ``weight_transfer_config.backend`` is
   before the call returns: in place, vLLM's post-load step (``process_weights_after_loading``:
   FP8, MoE kernel formats); in ``load_weights`` mode the staged pieces go through vLLM's
   layerwise reload (``initialize_layerwise_reload``, the model's ``load_weights``,
-  ``finalize_layerwise_reload``). vLLM runs no forward pass inside a worker call, so a
+  ``finalize_layerwise_reload``; fused-MoE experts set up again as at a first load:
+  :mod:`~megatron_refit.engines.vllm.moe_reload`). vLLM runs no forward pass inside a worker call, so a
   request scheduled between two phases (a client that does not pause) sees one complete
   version, never a half-reloaded model. Under ``swap: staged`` the call returns at once and
   the pieces land in staging buffers in a thread of this worker while the engine keeps
@@ -42,6 +43,7 @@ from megatron_refit.engines.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.vllm.live import EngineReceiver
+from megatron_refit.engines.vllm.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
@@ -151,6 +153,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                     raise
                 mode, why = "load_weights", f" ({exc})"
         if mode == "load_weights":
+            check_reloadable(self.model)  # MoE experts' post-load step: run again after each reload, or refused
             pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
             backend = StagedPieces(self.model, pieces, self.device)
         if cfg.engine_load == "auto":
@@ -248,8 +251,9 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                                                                      initialize_layerwise_reload)
 
                 initialize_layerwise_reload(self.model)
-                self._backend.load()
-                finalize_layerwise_reload(self.model, self.model_config)
+                with FirstLoadSetup(self.model):  # the experts' post-load step too (moe_reload.py)
+                    self._backend.load()
+                    finalize_layerwise_reload(self.model, self.model_config)
             else:
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 

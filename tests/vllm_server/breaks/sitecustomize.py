@@ -1,0 +1,74 @@
+"""Breaks a running vLLM server's post-load step on purpose (the serving check must catch it).
+
+The running-server tests start the server with this folder on ``PYTHONPATH`` and
+``MEGATRON_REFIT_TEST_BREAK`` naming a file; Python imports ``sitecustomize`` in every process of
+the server (API server, engine core, workers), and the worker's ``megatron_refit`` engine then
+reads the file before making each refit live:
+
+- ``moe_reload``: vLLM's fused-MoE reload as it is without ``megatron_refit``'s fix (the experts'
+  post-load step skipped: on CPU they stay unpacked);
+- ``unload_layer``: the first decoder layer's pieces never reach vLLM's loaders (it keeps its
+  weights from before the refit);
+- empty or absent: nothing is broken.
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = os.environ.get("MEGATRON_REFIT_TEST_BREAK")
+
+
+def _break() -> str:
+    try:
+        with open(_FLAG) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _install() -> None:
+    """Patch the worker engine when vLLM loads the plugin (in every server process; the worker's
+    module is imported then, with vLLM importable)."""
+    import importlib
+
+    from megatron_refit.engines.vllm import plugin
+
+    register = plugin.register
+
+    def register_and_break() -> None:
+        register()
+        _patch(importlib.import_module("megatron_refit.engines.vllm.worker"))
+
+    plugin.register = register_and_break
+
+
+def _patch(worker) -> None:
+    if getattr(worker.MegatronRefitEngine, "_test_break", False):
+        return
+    worker.MegatronRefitEngine._test_break = True
+    from megatron_refit.engines.vllm import moe_reload
+
+    enter = moe_reload.FirstLoadSetup.__enter__
+
+    def maybe_enter(self):
+        return self if _break() == "moe_reload" else enter(self)
+
+    moe_reload.FirstLoadSetup.__enter__ = maybe_enter
+    load = worker.StagedPieces.load
+
+    def maybe_unloaded(self):  # the layer's pieces never reach vLLM's loaders: it keeps its old weights
+        if _break() != "unload_layer":
+            return load(self)
+        pieces = self._pieces
+        self._pieces = [p for p in pieces if not p.name.startswith("model.layers.0.")]
+        try:
+            return load(self)
+        finally:
+            self._pieces = pieces
+
+    worker.StagedPieces.load = maybe_unloaded
+
+
+if _FLAG:
+    _install()
