@@ -3,7 +3,9 @@
 Every train layout of the issue and every generation layout appear (a subset of the cross
 product, to keep CI time sane). Each case: bit-exact against Bridge's export after every
 refit, logits against the Megatron forward where a gen rank holds the whole model, and
-bytes_sent == bytes_minimal.
+bytes_sent == bytes_minimal. Where the engines are HF replicas (gen TP1), every refit also
+runs the serving check (``refit.verify_serving: on``): each replica's log-probs on the probe
+equal the trainer's own forward (PP stages, EP, offloaded parameters) far within the tolerance.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def test_refit_bit_exact(case):
     offload = train.tp == 2 and train.pp == 2
     colocated = train.world_size == 1
     spec = RunSpec(model=model, train=train, gen=gen, refits=2, bucket_bytes=64 << 10, offload=offload,
-                   colocated=colocated)
+                   colocated=colocated, verify_serving="on" if gen.tp == 1 else "off")
     result = evaluate(spec, run(spec))
     if colocated:  # every payload byte of both refits went through the shared buffers
         assert result["bytes_shared"] >= sum(r["bytes_sent"] for r in result["refits"]) > 0
@@ -50,5 +52,7 @@ def test_refit_bit_exact(case):
             (r["seconds"]["onload"] == 0.0 and r["seconds"]["offload"] == 0.0)
     if gen.tp == 1:
         assert result["max_logit_diff"] is not None and result["max_logit_diff"] <= 1e-5
+        for r in result["refits"]:  # float32: measured ~1e-6, the default tolerance 1e-3
+            assert r["serving"]["checked"] == gen.dp and r["serving"]["max_dlogprob"] <= 1e-5, r["serving"]
     # the weights really changed between refits (a real optimizer step ran)
     assert result["refits"][0]["loss"] != result["refits"][1]["loss"]

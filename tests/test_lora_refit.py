@@ -18,10 +18,12 @@ def test_lora_refit_sends_adapters_only_after_the_first():
     from conversion.testing.hf_configs import hf_config
 
     spec = RunSpec(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=3, lora_rank=RANK,
-                   bucket_bytes=64 << 10)
+                   bucket_bytes=64 << 10, verify_serving="on")
     result = evaluate(spec, run(spec))
     assert result["bit_exact"] is True and all(r["bit_exact"] for r in result["refits"])
     assert result["max_logit_diff"] <= 1e-5
+    # the engines merge the adapters, the trainer's forward adds their product: the same model
+    assert all(r["serving"]["checked"] == 2 and r["serving"]["max_dlogprob"] <= 1e-5 for r in result["refits"])
     cfg = hf_config("qwen3")
     h, q, kv, ffn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.intermediate_size

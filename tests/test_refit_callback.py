@@ -208,6 +208,18 @@ refit:
 PRETRAIN_ITERATIONS = 3
 
 
+def _rng_digest() -> str:
+    """The generators' states this rank trains with (CPU, and Megatron's RNG tracker)."""
+    import hashlib
+
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
+        digest.update(name.encode() + state.cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int = 0):
     import os
 
@@ -238,7 +250,9 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
             dtypes = sorted({str(p.dtype) for chunk in context.model for p in chunk.parameters()})
             report = callbacks[0].last_report
             exports[version] = dict(weights=got if rank == 0 else None, dtypes=dtypes, sent=report.bytes_sent,
-                                    seconds=report.seconds["total"], replicas_ok=report.summary["refit/replicas_ok"])
+                                    seconds=report.seconds["total"], replicas_ok=report.summary["refit/replicas_ok"],
+                                    checked=report.summary["refit/serving_checked"],
+                                    dlogprob=report.summary["refit/serving_max_dlogprob"], rng=_rng_digest())
 
         def on_train_start(self, context):
             self._export(context, context.state.train_state.step)
@@ -271,7 +285,7 @@ def _pretrain_rank(rank, world, port, yaml_path, megatron_port, device):
     return _gen(load_training_yaml(yaml_path)[1], range(PRETRAIN_ITERATIONS + 1), num_train=num_train, device=device)
 
 
-def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu") -> dict:
+def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu", verify_serving: str = "auto") -> dict:
     """Bridge's pretrain() on ``num_train`` ranks (TP1 x DP, overlapped param gather when DP > 1)
     with ``RefitCallback`` into one HF generation rank; every refit checked against Bridge's
     export. ``device="cuda"``: one train rank and the engine on one GPU, colocated (CUDA IPC):
@@ -280,7 +294,8 @@ def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu")
 
     path = os.path.join(workdir, "train.yaml")
     with open(path, "w") as f:
-        f.write(TRAIN_YAML + ("  mode: colocated\n" if device == "cuda" else ""))
+        f.write(TRAIN_YAML + ("  mode: colocated\n" if device == "cuda" else "")
+                + f"  verify_serving: {verify_serving}\n")
     out = run_spawned(_pretrain_rank, num_train + 1, path, free_ports(1)[0], device, timeout_s=300)
     train, gen = out[:num_train], out[num_train]
     checks = {}
@@ -289,7 +304,9 @@ def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu")
         diff = [n for n, t in refit["weights"].items() if not torch.equal(t, want["weights"][n])]
         checks[version] = dict(bit_exact=not diff, diff=diff[:5], dtypes=want["dtypes"],
                                bytes_sent=sum(t["exports"][version]["sent"] for t in train),
-                               bytes_minimal=refit["minimal"],
+                               bytes_minimal=refit["minimal"], weights=refit["weights"],
+                               **{key: train[0]["exports"][version][key] for key in ("checked", "dlogprob")},
+                               rng=[t["exports"][version]["rng"] for t in train],
                                seconds=max(refit["seconds"], *(t["exports"][version]["seconds"] for t in train)))
     return dict(versions=sorted(gen["refits"]), checks=checks, iterations=train[0]["record"]["iterations"],
                 losses=train[0]["record"]["losses"], closed=all(t["closed"] for t in train))
@@ -308,6 +325,25 @@ def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
         assert check["bytes_sent"] == check["bytes_minimal"] > 0
     losses = result["losses"]
     assert len(losses) == PRETRAIN_ITERATIONS and len(set(losses)) == PRETRAIN_ITERATIONS
+
+
+def test_callback_verify_serving_inside_bridge_pretrain_changes_no_training(tmp_path):
+    """The serving check's reference forward runs where the callback runs, inside Bridge's own
+    pretrain() (bf16, DistributedOptimizer, overlap_param_gather, TP1 x DP2): with the check on
+    every refit, the losses, every rank's generator states after every step and the weights the
+    engine holds are those of the same training with the check off, bit for bit."""
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    on = run_pretrain_refit(str(tmp_path / "on"), verify_serving="on")
+    off = run_pretrain_refit(str(tmp_path / "off"), verify_serving="off")
+    assert on["losses"] == off["losses"] and len(set(on["losses"])) == PRETRAIN_ITERATIONS
+    for version in on["versions"]:
+        a, b = on["checks"][version], off["checks"][version]
+        assert a["bit_exact"] and b["bit_exact"], version
+        assert a["rng"] == b["rng"], version  # no generator drawn from, nothing restored wrongly
+        assert all(torch.equal(t, b["weights"][n]) for n, t in a["weights"].items()), version
+        assert a["checked"] == 1 and a["dlogprob"] <= 0.05 / 5, a  # bf16: 5x under the default tolerance
+        assert b["checked"] == 0
 
 
 def _pretrain_fleet_rank(rank, world, port, yaml_path, megatron_port):

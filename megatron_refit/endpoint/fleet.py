@@ -214,7 +214,7 @@ class TrainerFleet:
         if failures is None:
             failures = {}
             self._update_membership(failures)
-        probing = self._probing.pop(version, None) or self._plan_serving()
+        probing = self._probing.pop(version, None)  # overlap: planned at the step boundary
         rows = self.control.exchange("fleet", [version, int(full)])
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
@@ -226,6 +226,7 @@ class TrainerFleet:
             self.offloader.onload()
             moved["onload"] = time.perf_counter() - t0
         try:
+            probing = probing or self._plan_serving()  # the reference reads the weights: after their onload
             with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
                 futures = {r: pool.submit(refit_replica, self.members[r], r, version, full, hooks, probing,
                                           self.control.rank) for r in replicas}

@@ -3,7 +3,8 @@ trainer side too): train ranks' saved Megatron pieces (``session.session_tp2``) 
 ``WeightTransferTrainerFactory.trainer_init`` (after ``load_general_plugins()``: vLLM's own
 trainer factory finds our engine by name) through ``LLMClient`` into an ``LLM`` whose
 ``weight_transfer_config`` selects ``megatron_refit``; its greedy tokens must equal the
-Megatron model's. Prints one JSON line.
+Megatron model's, and its log-probs on the serving probe (``LLMClient.score``) Megatron's.
+Prints one JSON line.
 
     python tests/vllm_server/offline.py SAVE_DIR CHECKPOINT
 """
@@ -49,6 +50,9 @@ def _rank(rank: int, world: int, port: int, save_dir: str, checkpoint: str, refi
         generated = llm.generate([{"prompt_token_ids": saved["prompt"]}],
                                  SamplingParams(temperature=0.0, max_tokens=len(saved["megatron"]), ignore_eos=True))
         out["tokens"] = list(generated[0].outputs[0].token_ids)
+        served = client.score(saved["probe"])  # the serving probe through LLM.generate's prompt_logprobs
+        out["max_dlogprob"] = max(abs(a - b) for got, want in zip(served, saved["logprobs"], strict=True)
+                                  for a, b in zip(got, want, strict=True))
     engine.shutdown()
     return out
 

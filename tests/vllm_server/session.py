@@ -202,30 +202,50 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     return out
 
 
-def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, save_dir: str):
-    """Gen TP2 in one server (two vLLM workers): two refits (the second a delta), then this
+def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, save_dir: str,
+                break_file: str):
+    """Gen TP2 in one server (two vLLM workers), ``verify_serving: on``: two refits (the second a
+    delta); a third whose first decoder layer never reaches vLLM's loaders (``tests/vllm_server/
+    breaks``), which the serving check must catch on replica 0; a fourth, right again; then this
     rank's pieces of the last version saved for the offline ``LLM`` run (``offline.py``)."""
     from conversion.refit import local_pieces
+    from conversion.serving import trainer_forward
     from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.plan.probe import make_probe
 
     cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=2)
     wait_healthy(url, alive=process_alive(server_pid))
-    engine = _connect(dict(engine="vllm", gen_tp=2, timeout_s=60, delta="on", port=refit_port), rank, built, cfg,
-                      HTTPClient(url))
+    engine = _connect(dict(engine="vllm", gen_tp=2, timeout_s=60, delta="on", verify_serving="on", port=refit_port),
+                      rank, built, cfg, HTTPClient(url))
     refits = []
-    for step in (1, 2):
+
+    def refit_once(step: int) -> dict:
         train_step(built, optimizer, tokens)
         report = engine.send_weights(step)
         served = dict(tokens=complete(url, prompt, NEW_TOKENS), version=weight_version(url)) if rank == 0 else {}
-        refits.append(dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
-                           **served))
+        return dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
+                    checked=report.summary["refit/serving_checked"],
+                    dlogprob=report.summary["refit/serving_max_dlogprob"], **served)
+
+    refits = [refit_once(step) for step in (1, 2)]
+    if rank == 0:
+        with open(break_file, "w") as f:
+            f.write("unload_layer")
+    torch.distributed.barrier()
+    broken = _error(lambda: refit_once(3))
+    if rank == 0:
+        os.remove(break_file)
+    torch.distributed.barrier()
+    refits.append(refit_once(4))
     engine.shutdown()
     train_step(built, optimizer, tokens)  # a version the offline engine has not seen
     weights, adapters = local_pieces(built.bridge, built.model, cfg)
+    probe = make_probe(None, cfg.vocab_size).sequences  # what LLMClient.score is asked in offline.py
     torch.save(dict(weights=[(p.spec, p.tensor().detach().clone()) for p in weights], prompt=prompt,
-                    megatron=greedy_decode(built, prompt, NEW_TOKENS)), os.path.join(save_dir, f"rank{rank}.pt"))
+                    megatron=greedy_decode(built, prompt, NEW_TOKENS), probe=[list(q) for q in probe],
+                    logprobs=trainer_forward(built.model, cfg)(probe)), os.path.join(save_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
-    return refits
+    return dict(refits=refits, broken=broken)
 
 
 def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, break_file: str):
