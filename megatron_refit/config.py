@@ -176,7 +176,7 @@ class RefitConfig:
     defaults."""
     serving_tolerance: float | None = None
     """Largest |Δ log-prob| per probe token between the engine and the trainer; null: by the
-    engine's dtype (float32 1e-3, bfloat16 0.15, float16 0.05), plus 0.02 under
+    engine's dtype (float32 1e-3, bfloat16 0.05, float16 0.02), plus 0.02 under
     ``trainer_quantize_fp8`` and 1e-3 with LoRA adapters (the measured margins:
     docs/guide-serving.md)."""
     swap_budget_mb: float | None = None

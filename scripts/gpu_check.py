@@ -31,7 +31,8 @@ import torch
 
 from bench_refit import BENCH_SHAPE  # scripts/: the benchmark's model shape
 from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.tools.harness import RunSpec, evaluate, run
+from megatron_refit.tools.evaluate import evaluate
+from megatron_refit.tools.harness import RunSpec, run
 from megatron_refit.plan.layout import TrainLayout
 
 

@@ -356,7 +356,8 @@ def _spec(fields):
 def test_delta_refit_end_to_end_is_bit_exact_and_small(fields):
     """bf16 training with fp32 main params at lr 1e-6: after the first refit only the
     changed elements travel, and the engine's weights equal Bridge's export bit for bit."""
-    from megatron_refit.tools.harness import evaluate, run
+    from megatron_refit.tools.evaluate import evaluate
+    from megatron_refit.tools.harness import run
 
     spec = _spec(fields)
     result = evaluate(spec, run(spec))
@@ -370,7 +371,8 @@ def test_delta_refit_end_to_end_is_bit_exact_and_small(fields):
 
 @pytest.mark.slow
 def test_lora_delta_sends_changed_adapter_elements_only():
-    from megatron_refit.tools.harness import evaluate, run
+    from megatron_refit.tools.evaluate import evaluate
+    from megatron_refit.tools.harness import run
 
     spec = _spec(dict(model="qwen3", gen=dict(tp=1, dp=1), lora_rank=4, refits=4))
     result = evaluate(spec, run(spec))

@@ -19,7 +19,8 @@ from megatron_refit import families
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.spec import intersect
-from megatron_refit.tools.harness import RunSpec, evaluate, run
+from megatron_refit.tools.evaluate import evaluate
+from megatron_refit.tools.harness import RunSpec, run
 from megatron_refit.tools.launch import run_spawned
 from tests import workers
 

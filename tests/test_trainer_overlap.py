@@ -19,7 +19,8 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.tools.harness import RunSpec, evaluate, run
+from megatron_refit.tools.evaluate import evaluate
+from megatron_refit.tools.harness import RunSpec, run
 from megatron_refit.tools.launch import free_ports, run_spawned
 from tests.test_fleet import FAILED_REPLICA, NUM_TRAIN, SHAPES, _box, _healthy, _members, _Storage, _weights
 from tests.test_refit_callback import TRAIN_YAML

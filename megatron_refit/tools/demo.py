@@ -19,7 +19,8 @@ from megatron_refit.families import FAMILIES, PRESETS
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import USER_ERRORS
-from megatron_refit.tools.harness import RunSpec, hf_config_for, evaluate, run
+from megatron_refit.tools.evaluate import evaluate
+from megatron_refit.tools.harness import RunSpec, hf_config_for, run
 from megatron_refit.tools.launch import SpawnError
 
 MODELS = [name for family in FAMILIES for name in family.demo]
@@ -138,6 +139,7 @@ def spec_from_args(args) -> RunSpec:
         delta=args.delta,
         swap=args.swap,
         fail_replica=fail_replica,
+        verify_serving="on" if args.gen_tp == 1 else "off",  # HF replicas score the probe with their forward
     )
 
 
@@ -148,17 +150,21 @@ def format_table(result: dict) -> str:
         f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
         f"train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
         f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
-        f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'bytes sent':>11} {'minimal':>11} "
-        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'GB/s':>6}"
+        f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'served':>8} {'bytes sent':>11} {'minimal':>11} "
+        f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'check s':>8} {'GB/s':>6}"
         + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else ""),
     ]
     for r in result["refits"]:
         s = r["seconds"]
         diff = "n/a" if r["max_logit_diff"] is None else f"{r['max_logit_diff']:.2e}"
-        gbps = r["bytes_sent"] / s["total"] / 1e9 if s["total"] else 0.0
+        checked = r.get("serving", {}).get("checked")
+        served = f"{r['serving']['max_dlogprob']:.1e}" if checked else "n/a"
+        check = f"{r['serving']['s']:.4f}" if checked else "n/a"
+        gbps = r["bytes_sent"] / r["refit_s"] / 1e9 if r.get("refit_s") else 0.0
         lines.append(
-            f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {r['bytes_sent']:>11,} {r['bytes_minimal']:>11,} "
-            f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {gbps:>6.2f}"
+            f"{r['version']:>3} {str(r['bit_exact']):>9} {diff:>11} {served:>8} {r['bytes_sent']:>11,} "
+            f"{r['bytes_minimal']:>11,} "
+            f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {check:>8} {gbps:>6.2f}"
             + (f" {r['bytes_full']:>11,} {r['bytes_sent'] / r['bytes_full']:>9.3f} {r['density']:>8.4f}"
                if deltas else "")
         )

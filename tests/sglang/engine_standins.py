@@ -109,9 +109,11 @@ class RankEngine:
             serialized_named_tensors=payloads, load_format=load_format, flush_cache=flush_cache)))
 
 
-def serve_http(manager) -> tuple[str, list[str], ThreadingHTTPServer]:
+def serve_http(manager, generate=None) -> tuple[str, list[str], ThreadingHTTPServer]:
     """An HTTP server on 127.0.0.1 answering SGLang's weight-update, pause and version routes
-    for this TP worker: ``(base_url, calls, server)``."""
+    for this TP worker: ``(base_url, calls, server)``. ``generate(input_ids)``: ``/generate``'s
+    prefill log-probs (``return_logprob``, ``logprob_start_len: 0``) as the ``meta_info`` of each
+    prompt (:func:`~tests.sglang.sglang_cpu.prefill_logprobs`: SGLang's own forward)."""
     import pydantic
     from sglang.srt.managers import io_struct
 
@@ -125,6 +127,14 @@ def serve_http(manager) -> tuple[str, list[str], ThreadingHTTPServer]:
         "update_weight_version": (io_struct.UpdateWeightVersionReqInput,
                                   lambda req: calls.append(f"version:{req.new_version}")),
     }
+    if generate is not None:
+        def answer(req):
+            calls.append("generate")
+            if not (req.return_logprob and req.logprob_start_len == 0):
+                raise ValueError("this stand-in answers the prompt log-probs of a refit's serving probe only")
+            return [dict(meta_info=dict(input_token_logprobs=lp)) for lp in generate(req.input_ids)]
+
+        routes["generate"] = (io_struct.GenerateReqInput, answer)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -145,9 +155,11 @@ def serve_http(manager) -> tuple[str, list[str], ThreadingHTTPServer]:
             out = handle(req)
             if out is None:
                 return self._reply(200, {"status": "ok"})
+            if isinstance(out, list):  # /generate: one answer per prompt
+                return self._reply(200, out)
             self._reply(200 if out.success else 400, {"success": out.success, "message": out.message})
 
-        def _reply(self, code: int, content: dict):
+        def _reply(self, code: int, content):
             data = json.dumps(content).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")

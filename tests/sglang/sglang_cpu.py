@@ -88,3 +88,60 @@ def weight_updater(model: torch.nn.Module, model_dir: str):
                          model_config=ModelConfig(model_dir, dtype="float32"),
                          custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: model,
                          update_model_fields=absent, recapture_cuda_graph=absent, get_model_runner=absent)
+
+
+def prefill_logprobs(model: torch.nn.Module, model_dir: str, sequences: list[list[int]]) -> list[list[tuple]]:
+    """What ``Engine.generate(input_ids=sequences, return_logprob=True, logprob_start_len=0)``
+    answers in ``meta_info["input_token_logprobs"]`` for each sequence (``(logprob, token id,
+    None)`` per prompt token, the first one's logprob None), computed by SGLang's own code on this
+    TP rank: one prefill (EXTEND) batch through the model's forward with SGLang's real memory pools
+    and its torch-native attention backend, and its ``LogitsProcessor``'s input log-probs. The
+    scheduler's part (slots, the batch's fields, the log-prob token ids) is done here as
+    ``ScheduleBatch.prepare_for_extend`` / ``ForwardBatch.init_new`` would."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.runtime_context import get_parallel
+
+    config = ModelConfig(model_dir, dtype="float32")
+    seqs = [torch.tensor(s, dtype=torch.int64) for s in sequences]
+    lens = [len(s) for s in seqs]
+    total = sum(lens)
+    req_pool = ReqToTokenPool(size=len(seqs), max_context_len=config.context_len, device="cpu",
+                              enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(size=total, page_size=1, dtype=torch.float32,
+                               head_num=config.get_num_kv_heads(get_parallel().tp_size), head_dim=config.head_dim,
+                               layer_num=config.num_hidden_layers, device="cpu", enable_memory_saver=False)
+    backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=req_pool,
+                                                     token_to_kv_pool=kv_pool))
+    extend = torch.tensor(lens, dtype=torch.int32)
+    slots = torch.arange(1, total + 1, dtype=torch.int64)  # slot 0 is SGLang's padding row
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=len(seqs), input_ids=torch.cat(seqs),
+        req_pool_indices=torch.arange(1, len(seqs) + 1, dtype=torch.int64), seq_lens=extend.long(),
+        seq_lens_cpu=extend.long(), seq_lens_sum=total, out_cache_loc=slots,
+        positions=torch.cat([torch.arange(n) for n in lens]), extend_num_tokens=total, extend_seq_lens=extend,
+        extend_prefix_lens=torch.zeros_like(extend), extend_start_loc=torch.cumsum(extend, 0) - extend,
+        extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=[0] * len(seqs), return_logprob=True,
+        extend_logprob_start_lens_cpu=[0] * len(seqs), top_logprobs_nums=[0] * len(seqs),
+        token_ids_logprobs=[None] * len(seqs),
+        # the scheduler's extend_input_logprob_token_ids: each prompt shifted by one, a 0 after its last token
+        extend_input_logprob_token_ids_gpu=torch.cat([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs]),
+        capture_hidden_mode=CaptureHiddenMode.NULL)
+    start = 0
+    for i, n in enumerate(lens):
+        req_pool.write((i + 1, slice(0, n)), slots[start:start + n].int())
+        start += n
+    backend.init_forward_metadata(batch)
+    with torch.inference_mode(), forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
+        logprobs = model.forward(batch.input_ids, batch.positions, batch).input_token_logprobs.tolist()
+    out, start = [], 0
+    for seq in sequences:  # per sequence: len(seq) values, the last for the placeholder token
+        values = logprobs[start:start + len(seq)]
+        out.append([(None, seq[0], None)] + [(values[i - 1], seq[i], None) for i in range(1, len(seq))])
+        start += len(seq)
+    return out

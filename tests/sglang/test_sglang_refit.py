@@ -255,8 +255,10 @@ def test_sglang_weight_update_path_runs_the_refit(tp, case, spawned):
 # -- a fleet of SGLang engines driven by the trainer (SglangControl over HTTP) ---------------
 
 FLEET_ENGINES = 3
-FLEET_VERSIONS = (1, 2, 3, 4)
-"""Versions 1..4 carry Bridge's saved steps 1, 2, 1, 2."""
+FLEET_VERSIONS = (1, 2, 3, 4, 5)
+"""Versions 1..5 carry Bridge's saved steps 1, 2, 1, 2, 1."""
+BROKEN_AT = 4
+"""Engine 0's post-load step leaves its first layer as it was while this version lands."""
 
 
 def _step(version: int) -> int:
@@ -265,8 +267,9 @@ def _step(version: int) -> int:
 
 def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir):
     """An SGLang engine (TP1) behind ``serve_http``: publishes its URL, then answers the test's
-    requests (check its weights, fail its next refit) while its HTTP server takes the trainer's
-    control calls."""
+    requests (check its weights, fail its next refit, break its next post-load step) while its
+    HTTP server takes the trainer's control calls and scores the serving probe with SGLang's own
+    forward (``/generate``)."""
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
@@ -274,7 +277,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
     from megatron_refit.tools.faults import fail_next_refit
 
     from .engine_standins import scheduler_updater, serve_http
-    from .sglang_cpu import build_model, init_sglang, write_model_dir
+    from .sglang_cpu import build_model, init_sglang, prefill_logprobs, write_model_dir
 
     gen = rank - NUM_TRAIN
     model_dir = write_model_dir(model_config("qwen3"), os.path.join(workdir, f"fleet.gen{gen}"))
@@ -284,7 +287,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
         for param in (*model.parameters(), *reference.parameters()):
             param.fill_(float("nan"))
     manager = scheduler_updater(model, model_dir)
-    url, calls, server = serve_http(manager)
+    url, calls, server = serve_http(manager, generate=lambda ids: prefill_logprobs(model, model_dir, ids))
     replies[gen].put(url)
     while True:
         op, arg = requests[gen].get(timeout=600)
@@ -294,6 +297,9 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
         if op == "fail_next":  # the engine's storage raises while the next refit lands
             fail_next_refit(model._megatron_refit.full.storage)
             replies[gen].put(None)
+        elif op == "break_next":  # its next post-load step leaves the first layer as it was
+            _break_next_post_load(model)
+            replies[gen].put(None)
         elif op == "check":
             reference.load_weights(iter(load(bridge_dir, "qwen3", arg, 0)["export"].items()))
             mine, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
@@ -301,11 +307,51 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
                                   **refit_state(model)))
 
 
+def _break_next_post_load(model) -> None:
+    storage = model._megatron_refit.full.storage
+    layer = model.model.layers[0]
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    finalize = storage.finalize
+
+    def broken():
+        storage.finalize = finalize
+        finalize()
+        with torch.no_grad():
+            for n, p in layer.named_parameters():
+                p.copy_(before[n])
+
+    storage.finalize = broken
+
+
+class _RecordedForward:
+    """The trainer's forward over the serving probe (``TrainerForward``): the Megatron model's own
+    log-probs of each saved step, recorded by ``bridge_shards.py`` in the Megatron environment
+    (this one has no Megatron)."""
+
+    dtype, lora = "float32", False
+
+    def __init__(self, bridge_dir: str, rank: int, vocab_size: int):
+        self.bridge_dir, self.rank, self.vocab_size, self.step = bridge_dir, rank, vocab_size, 1
+
+    def prepare(self, *, fp8: bool) -> None:
+        pass
+
+    def __call__(self, sequences):
+        from bridge_shards import load
+
+        saved = load(self.bridge_dir, "qwen3", self.step, self.rank)
+        if [list(s) for s in sequences] != saved["probe"]:
+            raise ValueError("the serving probe is not the one bridge_shards.py recorded")
+        return saved["probe_logprobs"]
+
+
 def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdir):
-    """Train ranks under ``on_replica_failure: continue``: engines 0 and 1 start; engine 1's
-    storage raises while refit 2 lands; engine 2 joins (``SglangControl.add``) before refit 3."""
+    """Train ranks under ``on_replica_failure: continue`` and ``verify_serving: on``: engines 0
+    and 1 start; engine 1's storage raises while refit 2 lands; engine 2 joins
+    (``SglangControl.add``) before refit 3; engine 0's post-load step breaks its model while
+    refit 4 lands (caught by its serving probe)."""
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
-    from bridge_shards import load
+    from bridge_shards import load, model_config
 
     from megatron_refit.config import RefitConfig
     from megatron_refit.endpoint.sender import TensorPiece
@@ -314,14 +360,15 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
     from megatron_refit.refit import trainer_refit_from_pieces
 
     section = dict(engine="sglang", gen_tp=1, gen_dp=2, port=port, bucket_mb=0.25, timeout_s=60,
-                   on_replica_failure="continue")
+                   on_replica_failure="continue", verify_serving="on")
+    forward = _RecordedForward(bridge_dir, rank, model_config("qwen3").vocab_size)
     cfg = RefitConfig.from_dict({"enabled": True, **section})
     clients = [HTTPClient(replies[g].get(timeout=600), tp=1, timeout=120) for g in range(FLEET_ENGINES)] \
         if rank == 0 else []
     control = engine_control(section, clients[:2])
     pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
-    sync = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN),
-                           rank=rank, num_train=NUM_TRAIN)
+    sync = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
+                                                             forward=forward), rank=rank, num_train=NUM_TRAIN)
 
     def ask(gen, op, arg=None):
         requests[gen].put((op, arg))
@@ -331,14 +378,18 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
     for version in FLEET_VERSIONS:
         for piece, (_, tensor) in zip(pieces, load(bridge_dir, "qwen3", _step(version), rank)["weights"]):
             piece.data = tensor
+        forward.step = _step(version)
         item = dict(joined=None, checks=None)
         if rank == 0 and version == 2:
             ask(1, "fail_next")
+        if rank == 0 and version == BROKEN_AT:
+            ask(0, "break_next")
         if rank == 0 and version == 3:
             item["joined"] = control.add(clients[2])
         report = control.refit(sync, version, rank=rank)
         item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
-                    members=sorted(sync.members))
+                    members=sorted(sync.members),
+                    serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving_max_dlogprob/")})
         if rank == 0:
             item["checks"] = [ask(g, "check", _step(version)) for g in range(3 if version >= 3 else 2)]
         out.append(item)
@@ -368,25 +419,41 @@ def fleet(bridge_dir, tmp_path_factory):
 def test_sglang_fleet_engine_error_stays_on_its_replica_and_a_new_engine_joins(fleet):
     """SglangControl over HTTP: an engine whose storage raises mid-refit fails alone (named; the
     others land the version bit for bit and resume; it stays paused and stale until the next
-    refit brings it back); an engine started later joins through ``SglangControl.add``."""
+    refit brings it back); an engine started later joins through ``SglangControl.add``. With
+    ``verify_serving: on`` every replica that landed a version scores the probe through SGLang's
+    own forward and ``/generate``'s log-prob path, equal to Megatron's; one whose post-load step
+    breaks its model is caught and named alone, held, and right again at the next refit."""
     train = fleet[:NUM_TRAIN]
     for rank_items in train:
         items = rank_items
-        assert [item["members"] for item in items] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
-        assert [sorted(item["failed"]) for item in items] == [[], [1], [], []]
+        assert [item["members"] for item in items] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2]]
+        assert [sorted(item["failed"]) for item in items] == [[], [1], [], [0], []]
         assert "CUDA error: an illegal memory access" in items[1]["failed"][1]
-        assert [item["replicas_ok"] for item in items] == [2, 1, 3, 3]
+        assert items[3]["failed"][0].startswith("ServingMismatchError: refit 4: engine replica 0 does not serve")
+        assert [item["replicas_ok"] for item in items] == [2, 1, 3, 2, 3]
     items, engines = train[0], fleet[NUM_TRAIN:]
     assert items[2]["joined"] == 2
+    checked = [sorted(int(k.rsplit("_", 1)[1]) for k in item["serving"]) for item in items]
+    assert checked == [[0, 1], [0], [0, 1, 2], [0, 1, 2], [0, 1, 2]]  # 1 failed at 2: not served, not asked
+    for item in items:
+        for key, dlogprob in item["serving"].items():
+            assert dlogprob <= (1e-5 if not (item is items[3] and key.endswith("_0")) else float("inf")), (key, item)
+    assert items[3]["serving"]["refit/serving_max_dlogprob/replica_0"] > 1e-2
     for version, item in zip(FLEET_VERSIONS, items):
         for replica, check in enumerate(item["checks"]):
             if (version, replica) == (2, 1):  # failed: stale at version 1
                 assert check["state"] == "stale" and check["weights_version"] == 1
                 continue
+            if (version, replica) == (BROKEN_AT, 0):  # its bytes landed; its model is not the trainer's
+                assert check["diff"] and all(".layers.0." in p for p in check["diff"]), check["diff"]
+                continue
             assert check["diff"] == [], (version, replica, check["diff"][:5])
             assert check["state"] == "ready" and check["weights_version"] == version, (version, replica)
-    resumed = [[c for c in engine["calls"] if c.startswith("version:")] for engine in engines]
-    assert resumed == [["version:1", "version:2", "version:3", "version:4"],
-                       ["version:1", "version:3", "version:4"],  # stayed paused after its failed refit 2
-                       ["version:3", "version:4"]]
+    resumed = [[c for c in engine["calls"] if c.startswith(("version:", "pause"))] for engine in engines]
+    assert resumed[0][-4:] == ["version:4", "pause:retract", "pause:retract", "version:5"]  # held after 4
+    resumed = [[c for c in calls if c.startswith("version:")] for calls in resumed]
+    assert resumed == [["version:1", "version:2", "version:3", "version:4", "version:5"],
+                       ["version:1", "version:3", "version:4", "version:5"],  # stayed paused after its failed 2
+                       ["version:3", "version:4", "version:5"]]
+    assert all(engine["calls"].count("generate") >= 3 for engine in engines)
     assert all(engine["state"]["connected"] is False for engine in engines)

@@ -6,8 +6,10 @@ the Megatron environment: two train ranks build a tiny model through Bridge at t
 (:data:`VARIANTS`: their own layout) and,
 per version, save their HF-named local shards (``enumerate_local_shards``: the pieces and
 boxes a trainer sends, QKV splits and vocab padding included), their LoRA adapter shards,
-and rank 0 Bridge's ``export_hf_weights`` (the reference; LoRA merged). Version 1 is the
-initial model, every later version follows one real optimizer step.
+and rank 0 Bridge's ``export_hf_weights`` (the reference; LoRA merged), and the model's own
+log-probs on the default serving probe (``conversion.serving.trainer_forward``: what an engine
+scoring the probe must serve). Version 1 is the initial model, every later version follows one
+real optimizer step.
 
     .venv/bin/python tests/vllm/bridge_shards.py OUT_DIR MODEL [MODEL ...] [--versions N] [--lora RANK]
 """
@@ -46,7 +48,9 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     from conversion.testing.train_step import train_step
     from megatron_refit.tools.harness import tokens_for
     from conversion.refit import local_pieces
+    from conversion.serving import trainer_forward
     from megatron_refit.plan.layout import TrainLayout
+    from megatron_refit.plan.probe import make_probe
 
     init_gloo(rank, world, port)
     for name in models:
@@ -63,10 +67,13 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
             if version > 1:
                 train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
             weights, adapters = local_pieces(built.bridge, built.model, cfg)
+            probe = make_probe(None, cfg.vocab_size).sequences
             saved = {
                 "weights": [(p.spec, p.tensor().detach().clone()) for p in weights],
                 "adapters": [(p.spec, p.tensor().detach().clone()) for p in adapters],
                 "lora": (lora, LORA_ALPHA) if adapters else None,
+                "probe": [list(q) for q in probe],
+                "probe_logprobs": trainer_forward(built.model, cfg, lora=bool(adapters))(probe),
             }
             export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(
                 built.model, cpu=True, show_progress=False)}
