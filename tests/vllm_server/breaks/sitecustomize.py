@@ -9,6 +9,8 @@ reads the file before making each refit live:
   post-load step skipped: on CPU they stay unpacked);
 - ``unload_layer``: the first decoder layer's pieces never reach vLLM's loaders (it keeps its
   weights from before the refit);
+- ``permute_experts``: after the refit is live, the first MoE layer's experts 0 and 1 swapped
+  (their weights, as vLLM holds them);
 - empty or absent: nothing is broken.
 """
 
@@ -68,6 +70,19 @@ def _patch(worker) -> None:
             self._pieces = pieces
 
     worker.StagedPieces.load = maybe_unloaded
+    make_live = worker.MegatronRefitEngine._make_live
+
+    def maybe_permuted(self):
+        make_live(self)
+        if _break() == "permute_experts":
+            import torch
+
+            experts = next(m for m in self.model.model.layers[0].modules() if hasattr(m, "w13_weight"))
+            with torch.no_grad():
+                for weight in (experts.w13_weight, experts.w2_weight):
+                    weight.data[[0, 1]] = weight.data[[1, 0]].clone()
+
+    worker.MegatronRefitEngine._make_live = maybe_permuted
 
 
 if _FLAG:
