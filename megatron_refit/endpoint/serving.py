@@ -122,6 +122,10 @@ class ServingCheck:
             raise ServingMismatchError(f"refit {version}: engine replica {replica} cannot score the serving probe "
                                        f"({exc}); refit.verify_serving={self.every} asks every replica to",
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
+        except Exception as exc:  # noqa: BLE001 -- an engine that cannot serve the probe has not proven the version
+            why = f"{type(exc).__name__}: {exc}"[:500]
+            raise ServingMismatchError(f"refit {version}: engine replica {replica} failed to serve the probe ({why})",
+                                       replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
         try:
             worst = compare(served, reference, self.probe, tolerance=self.tolerance, floor=self.floor,
