@@ -16,7 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_refit.engines.registry import engine_named
+from megatron_refit.registry import engine_named
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.probe import check_probe_spec
 from megatron_refit.plan.layout import TrainLayout
@@ -49,7 +49,7 @@ class RefitConfig:
     engine: str = "vllm"
     """Generation engine on the receiving side: ``vllm``, ``sglang`` or ``hf`` (Hugging Face
     transformers, CPU reference at gen TP 1), or another registered with
-    ``megatron_refit.engines.registry.register_engine``. (Formerly ``backend``.)"""
+    ``megatron_refit.registry.register_engine``. (Formerly ``backend``.)"""
     transport: str = "auto"
     """How bucket bytes travel: ``auto`` (``ipc`` when ``mode: colocated``, else ``nccl`` between
     GPUs and ``gloo`` on CPU) or a transport registered with
@@ -293,7 +293,7 @@ class RefitConfig:
     @property
     def gen_style(self) -> str:
         """How the engine shards a tensor (:func:`~megatron_refit.plan.gen_layout.gen_targets`):
-        the engine's :attr:`~megatron_refit.engines.registry.Engine.layout`: ``full`` for ``hf``;
+        the engine's :attr:`~megatron_refit.registry.Engine.layout`: ``full`` for ``hf``;
         ``vllm`` for vLLM and SGLang, whose parallel layers (fused ``qkv_proj`` /
         ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64) shard alike
         (tests/sglang checks SGLang's real model classes against this plan)."""

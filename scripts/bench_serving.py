@@ -12,7 +12,7 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
 - ``reference_s``: the trainer's forward alone (what the training loop waits for under
   ``refit.overlap: on``);
 - ``caught_broken``: a second run whose replica 1 keeps its first decoder layer from before the
-  refit at version 3 (:func:`megatron_refit.tools.faults.break_post_load`): the check names
+  refit at version 3 (:func:`megatron_refit.testing.faults.break_post_load`): the check names
   replica 1 at version 3 and no other, and the next refit serves right again.
 
 ``--larger``: about 5M parameters (``bench_overlap.py``'s model) instead of the tests' one.
@@ -30,8 +30,8 @@ import time
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import reports_user_errors
-from megatron_refit.tools.evaluate import evaluate
-from megatron_refit.tools.harness import RunSpec, run
+from megatron_refit.testing.evaluate import evaluate
+from megatron_refit.testing.harness import RunSpec, run
 
 LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
 BROKEN_AT = 3

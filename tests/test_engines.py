@@ -11,8 +11,8 @@ import torch
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.engines.base import EngineControl, NoControl, engine_control
-from megatron_refit.engines.registry import Engine, engine_named, engine_names, register_engine
-from megatron_refit.tools.launch import run_spawned
+from megatron_refit.registry import Engine, engine_named, engine_names, register_engine
+from megatron_refit.testing.launch import run_spawned
 
 SHAPES = {"w": ((8, 6), "float32"), "n": ((6,), "bfloat16")}
 
@@ -101,7 +101,7 @@ def test_a_toy_engine_config_is_checked_by_its_own_rules():
 
 def test_engine_load_auto_is_the_default_and_resolves_per_engine():
     from megatron_refit.config import RefitConfig
-    from megatron_refit.engines.registry import resolved_load
+    from megatron_refit.registry import resolved_load
 
     assert RefitConfig().engine_load == "auto"
     assert RefitConfig(engine="vllm", swap="staged").engine_load == "auto"  # a staged swap takes auto

@@ -15,7 +15,7 @@ import torch
 
 from megatron_refit.endpoint.report import SUMMARY_KEYS
 from megatron_refit.endpoint.serving import SERVING_KEYS
-from megatron_refit.tools.launch import run_spawned
+from megatron_refit.testing.launch import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 

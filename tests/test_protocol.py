@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_refit.tools.launch import run_spawned
+from megatron_refit.testing.launch import run_spawned
 from tests.test_reliability import NAMES, NUM_GEN, NUM_TRAIN, _Backend, _full, _stall_after, _train_pieces
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -167,7 +167,7 @@ def test_a_world_size_mismatch_is_named_at_connect():
 def test_the_store_listens_only_on_the_configured_address():
     import datetime
 
-    from megatron_refit.tools.launch import free_port
+    from megatron_refit.testing.launch import free_port
     from megatron_refit.transport.rendezvous import open_store
 
     port = free_port()

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from megatron_refit.tools.launch import free_ports, run_spawned
+from megatron_refit.testing.launch import free_ports, run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
     from conversion.testing.megatron_optim import distributed_optimizer
     from conversion.refit_callback import RefitCallback
     from conversion.testing.train_step import train_step
-    from megatron_refit.tools.harness import tokens_for
+    from megatron_refit.testing.harness import tokens_for
     from megatron_refit.plan.layout import TrainLayout
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
 

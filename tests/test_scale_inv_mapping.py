@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.tools.launch import run_spawned
+from megatron_refit.testing.launch import run_spawned
 from tests import workers
 
 pytestmark = pytest.mark.slow

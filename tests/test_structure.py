@@ -19,7 +19,7 @@ ENTRY_POINTS = {"megatron_refit.demo", "megatron_refit.dryrun", "megatron_refit.
 """``python -m megatron_refit.<name>``: thin shims over ``megatron_refit.tools``."""
 
 LAYERS = (
-    ("megatron_refit", "megatron_refit.errors", "megatron_refit.families", "megatron_refit.engines.registry"),
+    ("megatron_refit", "megatron_refit.errors", "megatron_refit.families", "megatron_refit.registry"),
     ("megatron_refit.plan", "megatron_refit.wire"),
     ("megatron_refit.config",),
     ("megatron_refit.transport",),
@@ -28,12 +28,14 @@ LAYERS = (
     ("megatron_refit.engines",),
     ("conversion",),
     ("conversion.testing",),
+    ("megatron_refit.testing",),
     ("megatron_refit.tools", *sorted(ENTRY_POINTS)),
 )
 """Bottom to top: a module imports modules of its own layer or of layers below, never above.
-A module belongs to the layer of the longest prefix that names it (``megatron_refit.engines``
-is the engines, except ``megatron_refit.engines.registry``, which every layer may ask). The
-runtime is everything below ``conversion.testing``: it never imports test builders or tools."""
+A module belongs to the layer of the longest prefix that names it (``megatron_refit.registry``,
+the engines by name, is layer 0: every layer may ask it). The
+runtime is everything below ``conversion.testing``: it never imports test builders, test
+support (``megatron_refit.testing``) or tools."""
 
 
 def _module(path: Path) -> str:
@@ -111,7 +113,7 @@ def test_dependencies_point_down_the_layers():
 
 def test_the_layer_check_catches_an_upward_import():
     assert _layer("megatron_refit.endpoint.sender") < _layer("megatron_refit.engines.vllm.live")
-    assert _layer("megatron_refit.engines.registry") < _layer("megatron_refit.config")
+    assert _layer("megatron_refit.registry") < _layer("megatron_refit.config")
     assert _layer("conversion.refit_callback") < _layer("conversion.testing.build") < _layer("megatron_refit.tools")
 
 
@@ -119,7 +121,8 @@ def test_runtime_imports_no_tooling_or_test_builders():
     graph = _graph()
     runtime = [m for m in graph if _layer(m) < _layer("conversion.testing")]
     assert "megatron_refit.endpoint.sender" in runtime and "conversion.refit_callback" in runtime
-    bad = {m: sorted(t for t in graph[m] if t.startswith(("megatron_refit.tools", "conversion.testing")))
+    bad = {m: sorted(t for t in graph[m] if t.startswith(("megatron_refit.tools", "megatron_refit.testing",
+                                                          "conversion.testing")))
            for m in runtime}
     assert not {m: t for m, t in bad.items() if t}
 
@@ -134,9 +137,10 @@ def test_the_plan_layer_imports_no_torch():
 
 
 def test_the_root_holds_the_entry_points_and_little_else():
+    """Layer 0 (config, errors, the engine registry, the wire format) and the entry points."""
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert len(root) <= 8, root
-    assert {"__init__.py", "config.py", "errors.py", "refit.py"} <= set(root)
+    assert len(root) <= 9, root
+    assert {"__init__.py", "config.py", "errors.py", "registry.py", "refit.py"} <= set(root)
 
 
 def test_no_private_name_crosses_a_module():
@@ -189,7 +193,7 @@ def test_transport_registry():
 def test_a_registered_transport_serves_a_refit_group():
     """``open_transport`` with the built-in gloo transport: a one-rank group that exchanges
     a control message with itself."""
-    from megatron_refit.tools.launch import free_ports
+    from megatron_refit.testing.launch import free_ports
     from megatron_refit.transport import RefitGroup, open_transport
 
     (port,) = free_ports(1)

@@ -19,9 +19,9 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.tools.evaluate import evaluate
-from megatron_refit.tools.harness import RunSpec, run
-from megatron_refit.tools.launch import free_ports, run_spawned
+from megatron_refit.testing.evaluate import evaluate
+from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.testing.launch import free_ports, run_spawned
 from tests.test_fleet import FAILED_REPLICA, NUM_TRAIN, SHAPES, _box, _healthy, _members, _Storage, _weights
 from tests.test_refit_callback import TRAIN_YAML
 
@@ -37,7 +37,7 @@ def _overlap_rank(rank, world, port, scenario, versions):
     from megatron_refit.errors import RefitTransportError
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
-    from megatron_refit.tools.faults import slowed
+    from megatron_refit.testing.faults import slowed
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=TIMEOUT_S, overlap="on", delta="on",
@@ -215,7 +215,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
     from conversion.testing.hf_configs import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
-    from megatron_refit.tools.faults import HoldRefits
+    from megatron_refit.testing.faults import HoldRefits
 
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -262,7 +262,7 @@ def _pretrain_overlap_gen(refit, gen_index, num_train):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.engines.hf.receiver import HFReceiver
     from megatron_refit.refit import engine_refit
-    from megatron_refit.tools.harness import _failing
+    from megatron_refit.testing.harness import _failing
 
     backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
     armed = _failing(backend)

@@ -16,8 +16,8 @@ from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_probe
-from megatron_refit.tools.evaluate import evaluate
-from megatron_refit.tools.harness import RunSpec, run
+from megatron_refit.testing.evaluate import evaluate
+from megatron_refit.testing.harness import RunSpec, run
 
 
 class _Forward:

@@ -1,4 +1,4 @@
-"""The running-server tools (``megatron_refit.tools.vllm_server``) without a server: a train
+"""The running-server tools (``megatron_refit.testing.vllm_server``) without a server: a train
 rank waiting for a server that died stops at once, and the launch line is the guide's."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from megatron_refit.tools.vllm_server import launch_args, process_alive, wait_healthy
-from megatron_refit.tools.launch import free_port
+from megatron_refit.testing.vllm_server import launch_args, process_alive, wait_healthy
+from megatron_refit.testing.launch import free_port
 
 
 def test_vllm_server_tools_wait_stops_once_the_server_process_ended():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_refit.engines.registry import Engine, register_engine
+from megatron_refit.registry import Engine, register_engine
 from megatron_refit.plan.spec import ShardSpec, full_box
 
 

@@ -37,7 +37,7 @@ from megatron_refit.endpoint.replica_refit import Probing, ReplicaHooks, refit_r
 from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.endpoint.serving import ServingCheck
 from megatron_refit.endpoint.sync import TrainerRefit
-from megatron_refit.engines.registry import engine_named
+from megatron_refit.registry import engine_named
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from megatron_refit.engines.registry import engine_named, engine_names
+from megatron_refit.registry import engine_named, engine_names
 
 
 @runtime_checkable

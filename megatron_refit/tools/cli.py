@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-from megatron_refit.tools.launch import SpawnError
+from megatron_refit.testing.launch import SpawnError
 
 USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
 """Errors a rank raises on a bad layout or model (the message names the bad value)."""
@@ -44,6 +44,6 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
 def check_layout(spec) -> None:
     """``ValueError`` naming the bad value if ``spec``'s model does not divide by its train layout."""
     from conversion.testing.validate import check_train_layout
-    from megatron_refit.tools.harness import hf_config_for
+    from megatron_refit.testing.harness import hf_config_for
 
     check_train_layout(hf_config_for(spec), spec.train)

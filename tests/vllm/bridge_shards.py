@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.lora import apply_lora
     from conversion.testing.train_step import train_step
-    from megatron_refit.tools.harness import tokens_for
+    from megatron_refit.testing.harness import tokens_for
     from conversion.refit import local_pieces
     from conversion.serving import trainer_forward
     from megatron_refit.plan.layout import TrainLayout
@@ -89,7 +89,7 @@ def load(out_dir: str, name: str, version: int, rank: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_refit.tools.launch import run_spawned
+    from megatron_refit.testing.launch import run_spawned
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.tools.vllm_server import server_python
+from megatron_refit.testing.vllm_server import server_python
 from tests.vllm_server import session
 
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 from megatron_refit.engines.vllm.clients import HTTPClient
-from megatron_refit.tools.faults import slow_next_refit
-from megatron_refit.tools.vllm_server import (VllmServer, complete, is_paused, process_alive, timed_client,
+from megatron_refit.testing.faults import slow_next_refit
+from megatron_refit.testing.vllm_server import (VllmServer, complete, is_paused, process_alive, timed_client,
                                              wait_healthy, weight_version)
 
 TRAIN_TP = 2

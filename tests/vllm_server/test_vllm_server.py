@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.tools.launch import free_ports, run_spawned
-from megatron_refit.tools.vllm_server import VllmServer
+from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.vllm_server import VllmServer
 from tests.vllm_server import session as s
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 
-from megatron_refit.tools.launch import free_ports, run_spawned
-from megatron_refit.tools.vllm_server import ROOT, VllmServer, server_env, server_python
+from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.vllm_server import ROOT, VllmServer, server_env, server_python
 from tests.vllm_server import session as s
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ class RunSpec:
     """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
     progress: bool = False
-    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.tools.progress`: terminals only)."""
+    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.testing.progress`: terminals only)."""
     lr: float = 1e-2
     """Learning rate of the step before each refit."""
     delta: str = "off"
@@ -72,7 +72,7 @@ class RunSpec:
     serving_tolerance: float | None = None
     breaks: tuple[tuple[int, int, str], ...] = ()
     """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
-    lands (:func:`~megatron_refit.tools.faults.break_post_load`); the serving check must catch it."""
+    lands (:func:`~megatron_refit.testing.faults.break_post_load`); the serving check must catch it."""
     hold_refits: bool = False
     """``overlap``: each background refit starts (reads nothing) only once the next training
     step has changed the weights (the last one once training ends), so every refit provably
@@ -155,8 +155,8 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.refit import trainer_refit
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import train_step
-    from megatron_refit.tools.faults import HoldRefits
-    from megatron_refit.tools.progress import Bar
+    from megatron_refit.testing.faults import HoldRefits
+    from megatron_refit.testing.progress import Bar
 
     init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
@@ -297,7 +297,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
 
 def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bool]]]:
     """:attr:`RunSpec.breaks` of this engine rank's replica: ``(version, armed flag)`` per break."""
-    from megatron_refit.tools.faults import break_post_load
+    from megatron_refit.testing.faults import break_post_load
 
     out = []
     for replica, version, how in spec.breaks:
@@ -343,8 +343,8 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order).
-    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.tools.launch`)."""
-    from megatron_refit.tools.launch import free_ports, run_spawned
+    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.testing.launch`)."""
+    from megatron_refit.testing.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)

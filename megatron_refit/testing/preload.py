@@ -2,8 +2,8 @@
 
 Every multi-process test starts 2–10 ranks, and each fresh interpreter imports torch,
 transformers and Megatron-Core / Bridge again: 6–7 s of CPU per rank on the 2-core CI
-machine, most of a short test's time. With ``REFIT_SPAWN_PRELOAD=megatron_refit.tools.preload``
-(``tests/conftest.py`` sets it) :func:`megatron_refit.tools.launch.run_spawned` forks ranks
+machine, most of a short test's time. With ``REFIT_SPAWN_PRELOAD=megatron_refit.testing.preload``
+(``tests/conftest.py`` sets it) :func:`megatron_refit.testing.launch.run_spawned` forks ranks
 from a forkserver that imported this module once per test session: the same modules, in
 the same state, as a rank that imported them itself (Bridge through ``conversion``'s TE
 shim, as every rank does). Their import-time warnings are dropped here, once.
@@ -12,7 +12,7 @@ shim, as every rank does). Their import-time warnings are dropped here, once.
 import logging
 import warnings
 
-from megatron_refit.tools.launch import THIRD_PARTY_WARNINGS
+from megatron_refit.testing.launch import THIRD_PARTY_WARNINGS
 
 with warnings.catch_warnings():
     for _module in THIRD_PARTY_WARNINGS:

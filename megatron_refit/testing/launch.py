@@ -138,7 +138,7 @@ def _entry(fn, rank, world_size, port, args, results, env):
 
 PRELOAD_ENV = "REFIT_SPAWN_PRELOAD"
 """Comma-separated modules: when set, ranks fork from a forkserver that imported them once
-(see :mod:`megatron_refit.tools.preload`); unset, every rank is a fresh interpreter."""
+(see :mod:`megatron_refit.testing.preload`); unset, every rank is a fresh interpreter."""
 
 
 def _context():
