@@ -50,11 +50,11 @@ def local_pieces(bridge, model, hf_config) -> tuple[list, list]:
 
 def local_shard_source(bridge, model: list, hf_config):
     """This rank's local shards of Megatron model chunks built through Megatron-Bridge as the
-    vLLM trainer engine's :class:`~megatron_refit.engines.vllm.trainer.LocalShardSource`
+    vLLM trainer engine's :class:`~megatron_refit.engines.vllm.trainer.engine.LocalShardSource`
     (LoRA adapters of Bridge PEFT wrappers included, with their rank and alpha), and the model's
     forward over the serving probe (``refit.verify_serving``)."""
     from conversion.serving import trainer_forward
-    from megatron_refit.engines.vllm.trainer import LocalShardSource
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource
 
     weights, adapters = local_pieces(bridge, model, hf_config)
     wrapped = [m.adapter for chunk in model for m in chunk.modules() if hasattr(m, "adapter")

@@ -33,9 +33,9 @@ own iteration, and one that failed raises there, its version named. Ctrl-C does 
 sending thread is a daemon, and the engines see the trainer's ranks go (their next wait fails).
 
 Each of these calls goes through the engine's control
-(:func:`megatron_refit.engines.base.engine_control` for ``refit.engine``): with ``engines``
+(:func:`megatron_refit.engines.control.engine_control` for ``refit.engine``): with ``engines``
 (control clients, one per engine replica: SGLang's, from
-:mod:`megatron_refit.engines.sglang.client`), train rank 0 also drives the engines around
+:mod:`megatron_refit.engines.sglang.trainer.client`), train rank 0 also drives the engines around
 each call (SGLang: connect, then per refit pause / update / resume, close); without, the
 trainer's call runs alone (vLLM engines are driven by vLLM's weight-transfer API, the HF
 receiver by its own loop).
@@ -53,7 +53,7 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.engines.base import engine_control
+from megatron_refit.engines.control import engine_control
 from megatron_refit.endpoint.report import RefitReport
 
 from conversion.te_shim import import_bridge
@@ -121,7 +121,7 @@ class RefitCallback(Callback):
         self.engines = list(engines or [])
         """Control clients, one per engine replica (used on train rank 0)."""
         self.control = engine_control(dataclasses.asdict(cfg), self.engines)
-        """The engine's control (:class:`~megatron_refit.engines.base.EngineControl`)."""
+        """The engine's control (:class:`~megatron_refit.engines.control.EngineControl`)."""
         self.rank = 0
         self.sync = None
         """The :class:`~megatron_refit.endpoint.fleet.TrainerFleet` of this rank (after ``on_train_start``)."""

@@ -3,7 +3,7 @@
 An :class:`Engine` declares what the ``refit:`` section may ask of that engine (how it shards
 a tensor, which ``engine_load`` and ``swap`` modes it offers) and, where train rank 0 drives
 the engine's control plane around every refit, the class that does it (an
-:class:`~megatron_refit.engines.base.EngineControl`, named by import path so that nothing is
+:class:`~megatron_refit.engines.control.EngineControl`, named by import path so that nothing is
 imported before it is used). Everything else of an engine (its storage, post-load step,
 control client and entry point) lives in its own folder, ``megatron_refit/engines/<name>/``.
 
@@ -45,7 +45,7 @@ class Engine:
     engine ranks' storage scores it with the engine's forward and answers over the refit group:
     the HF engine; a storage without ``score`` cannot be checked)."""
     control: str | None = None
-    """``"module:Class"`` of the :class:`~megatron_refit.engines.base.EngineControl` that
+    """``"module:Class"`` of the :class:`~megatron_refit.engines.control.EngineControl` that
     ``RefitCallback(engines=[client, ...])`` drives this engine's clients with; ``None``: the
     engine needs no control calls from the trainer (it is driven by its own API, or by its
     own loop)."""
@@ -115,5 +115,5 @@ def engine_names() -> list[str]:
 register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM's weight-transfer backend"))
 register_engine(Engine(name="sglang", scores="client", engine_loads=("in_place",), swaps=("in_place",),
                        writes="writes in place into SGLang's parameters (its weight loader hook, under SGLang's pause)",
-                       control="megatron_refit.engines.sglang.control:SglangControl"))
+                       control="megatron_refit.engines.sglang.trainer.control:SglangControl"))
 register_engine(Engine(name="hf", layout="full", staged_needs=None, writes="writes into a transformers model"))

@@ -69,7 +69,7 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     from conversion.refit import local_shard_source
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import greedy_decode, train_step
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
     from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.testing.vllm_server import post, timed_client, wait_healthy
 

@@ -3,7 +3,7 @@
 On one GPU, for Qwen3 and Qwen3-MoE in turn (``--models``): this script, in the SGLang
 environment (``.venv-sglang``), writes a tiny model (config and random weights as
 safetensors, no hub), starts a real ``sglang.Engine`` (TP1, no CUDA graphs) with
-``custom_weight_loader=[megatron_refit.engines.sglang.loader.LOADER, this module's probe]`` and
+``custom_weight_loader=[megatron_refit.engines.sglang.worker.loader.LOADER, this module's probe]`` and
 starts a Megatron trainer process in the Megatron environment (``.venv``) on the same GPU:
 Megatron TP1 built through Bridge in bf16, real Adam steps, bucket bytes to the engine
 through CUDA IPC (``mode: colocated``; one GPU cannot run NCCL between two processes). The
@@ -62,8 +62,8 @@ def probe_loader(model, named_tensors) -> None:
 
     from megatron_refit.plan.gen_layout import GenLayout, gen_target_specs
     from megatron_refit.engines.checkpoint import hf_param_table, model_shape
-    from megatron_refit.engines.vllm.live import resolve_names
-    from megatron_refit.engines.vllm.layout import expected_storage
+    from megatron_refit.engines.fused.live import resolve_names
+    from megatron_refit.engines.fused.layout import expected_storage
 
     for name, _ in named_tensors:
         request = json.loads(name.removeprefix("probe:"))
@@ -109,8 +109,8 @@ def controller(args, model: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_refit.engines.sglang.loader import LOADER
-    from megatron_refit.engines.sglang.client import EngineClient
+    from megatron_refit.engines.sglang.messages import LOADER
+    from megatron_refit.engines.sglang.trainer.client import EngineClient
 
     workdir = tempfile.mkdtemp(prefix="gpu_check_sglang_")
     cfg = tiny_config(model)
@@ -154,7 +154,7 @@ class _ControllerClient(ControllerConnection):
 def trainer(model: str, workdir: str, port: int) -> None:
     from megatron_refit.config import RefitConfig
     from conversion.refit import trainer_refit
-    from megatron_refit.engines.sglang.control import SglangControl
+    from megatron_refit.engines.sglang.trainer.control import SglangControl
     from megatron_refit.testing.launch import free_port
 
     client = _ControllerClient(port)

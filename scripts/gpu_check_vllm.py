@@ -62,7 +62,7 @@ def _engine_params(model):
 def _expected(export: dict, cfg) -> dict:
     from megatron_refit.plan.gen_layout import GenLayout, gen_target_specs
     from megatron_refit.engines.checkpoint import hf_param_table, model_shape
-    from megatron_refit.engines.vllm.layout import expected_storage
+    from megatron_refit.engines.fused.layout import expected_storage
 
     pieces = gen_target_specs(hf_param_table(cfg, "bfloat16"), GenLayout(tp=1), model_shape(cfg), style="vllm")[0]
     return expected_storage(export, pieces, model_shape(cfg), 1)
@@ -72,7 +72,7 @@ def _check(llm, cfg, export_path: str) -> dict:
     from safetensors.torch import load_file
     from vllm import SamplingParams
 
-    from megatron_refit.engines.vllm.live import resolve_names
+    from megatron_refit.engines.fused.live import resolve_names
 
     export = load_file(export_path)
     want = _expected(export, cfg)
@@ -92,7 +92,7 @@ def controller(args, model: str) -> dict:
     from vllm import LLM
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from megatron_refit.engines.vllm.clients import LLMClient
+    from megatron_refit.engines.vllm.trainer.clients import LLMClient
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
     workdir = tempfile.mkdtemp(prefix="gpu_check_vllm_")
@@ -136,7 +136,7 @@ class _ControllerClient(ControllerConnection):
 def trainer(model: str, workdir: str, port: int) -> None:
     from megatron_refit.testing.launch import free_port
     from conversion.refit import local_shard_source
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     client = _ControllerClient(port)
     built, optimizer, cfg = train_model(model)

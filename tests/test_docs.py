@@ -211,7 +211,7 @@ def _python_blocks(page: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
-ENGINE_SIDE = ("megatron_refit.engines.vllm.worker", "megatron_refit.engines.vllm.info")
+ENGINE_SIDE = ("megatron_refit.engines.vllm.worker.engine", "megatron_refit.engines.vllm.worker.info")
 """Modules that import vLLM itself: their snippets' imports are checked in tests/vllm."""
 
 
@@ -256,7 +256,7 @@ def test_engine_guide_snippets_parse_and_bind():
 
     blocks = _python_blocks(ROOT / "docs" / "guide-engines.md") + _python_blocks(ROOT / "README.md")
     assert len(blocks) >= 6
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     inspect.signature(MegatronRefitTrainerEngine.trainer_init).bind(
         MegatronRefitTrainerInitInfo(refit={}, num_train=1, rank=0), client=None, source=None)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.engines.base import EngineControl, NoControl, engine_control
+from megatron_refit.engines.control import EngineControl, NoControl, engine_control
 from megatron_refit.registry import Engine, engine_named, engine_names, register_engine
 from megatron_refit.testing.launch import run_spawned
 
@@ -38,7 +38,7 @@ def test_engine_control_by_name():
     assert isinstance(engine_control({"engine": "sglang"}, []), NoControl)  # train ranks other than 0
     with pytest.raises(ValueError, match="control clients were given for refit.engine 'vllm'"):
         engine_control({"engine": "vllm"}, [object()])
-    from megatron_refit.engines.sglang.control import SglangControl
+    from megatron_refit.engines.sglang.trainer.control import SglangControl
 
     control = engine_control({"engine": "sglang"}, [object()])
     assert isinstance(control, SglangControl) and isinstance(control, EngineControl)

@@ -22,7 +22,7 @@ from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 from megatron_refit.testing.launch import run_spawned
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.engines.vllm.layout import expected_storage, fused_layout
+from megatron_refit.engines.fused.layout import expected_storage, fused_layout
 from megatron_refit.plan.spec import intersect
 from tests import workers
 

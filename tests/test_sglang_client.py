@@ -12,8 +12,10 @@ import threading
 import pytest
 import torch
 
-from megatron_refit.engines.sglang.loader import LOADER, parse_message, refit_loader, refit_state
-from megatron_refit.engines.sglang.client import HTTPClient, connect_message, refit_message, serialize
+from megatron_refit.engines.sglang.messages import LOADER, parse_message
+from megatron_refit.engines.sglang.worker.loader import refit_loader, refit_state
+from megatron_refit.engines.sglang.messages import connect_message, refit_message
+from megatron_refit.engines.sglang.trainer.client import HTTPClient, serialize
 
 
 def test_control_messages_round_trip_through_the_wire_format():
@@ -120,7 +122,7 @@ class _Fleet:
 
 
 def _control(clients):
-    from megatron_refit.engines.sglang.control import SglangControl
+    from megatron_refit.engines.sglang.trainer.control import SglangControl
 
     control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients)})
     control._num_train = 2

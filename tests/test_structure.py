@@ -112,7 +112,7 @@ def test_dependencies_point_down_the_layers():
 
 
 def test_the_layer_check_catches_an_upward_import():
-    assert _layer("megatron_refit.endpoint.sender") < _layer("megatron_refit.engines.vllm.live")
+    assert _layer("megatron_refit.endpoint.sender") < _layer("megatron_refit.engines.fused.live")
     assert _layer("megatron_refit.registry") < _layer("megatron_refit.config")
     assert _layer("conversion.refit_callback") < _layer("conversion.testing.build") < _layer("megatron_refit.tools")
 

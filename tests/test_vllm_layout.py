@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.engines.vllm.live import EngineReceiver, resolve_names
-from megatron_refit.engines.vllm.layout import VllmLayoutReceiver, expected_storage, fused_layout
+from megatron_refit.engines.fused.live import EngineReceiver, resolve_names
+from megatron_refit.engines.fused.layout import VllmLayoutReceiver, expected_storage, fused_layout
 
 H, HD, HEADS, KV, FFN, E, MI, V = 16, 4, 4, 2, 16, 4, 8, 100
 SHAPE = ModelShape(num_attention_heads=HEADS, num_kv_heads=KV, vocab_size=V, num_experts=E)
@@ -141,7 +141,7 @@ def test_engine_receiver_follows_reallocated_parameters_and_refuses_reshaped_one
 
 
 def test_sglang_post_load_calls_the_models_hook_when_it_has_one():
-    from megatron_refit.engines.sglang.loader import sglang_post_load
+    from megatron_refit.engines.sglang.worker.loader import sglang_post_load
 
     class WithHook(torch.nn.Module):
         calls = 0

@@ -20,16 +20,17 @@ import pytest
 def test_weight_transfer_trainer_side_imports_without_vllm():
     code = ("import sys, importlib.util\n"
             "assert importlib.util.find_spec('vllm') is None, 'this check needs an environment without vLLM'\n"
-            "from megatron_refit.engines.vllm import trainer, clients, payload, plugin\n"
-            "assert not trainer.HAVE_VLLM and 'vllm' not in sys.modules\n"
-            "info = trainer.MegatronRefitTrainerInitInfo(refit={'gen_tp': 2}, num_train=2, rank=0)\n"
+            "from megatron_refit.engines.vllm import payload, plugin\n"
+            "from megatron_refit.engines.vllm.trainer import clients, engine\n"
+            "assert not engine.HAVE_VLLM and 'vllm' not in sys.modules\n"
+            "info = engine.MegatronRefitTrainerInitInfo(refit={'gen_tp': 2}, num_train=2, rank=0)\n"
             "assert info.is_sender and info.config.gen_tp == 2 and info.backend == 'megatron_refit'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_weight_transfer_trainer_init_info_names_the_bad_field():
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerInitInfo
 
     with pytest.raises(ValueError, match=r"init_info\.rank 2 outside 0\.\.1"):
         MegatronRefitTrainerInitInfo(refit={}, num_train=2, rank=2)
@@ -52,7 +53,7 @@ class _RecordingLLM:
 
 
 def test_weight_transfer_llm_client_resets_the_prefix_cache_after_each_update():
-    from megatron_refit.engines.vllm.clients import LLMClient
+    from megatron_refit.engines.vllm.trainer.clients import LLMClient
 
     llm = _RecordingLLM()
     client = LLMClient(llm)
@@ -90,7 +91,7 @@ def server():
 
 
 def test_weight_transfer_http_client_pauses_generation_around_each_update(server):
-    from megatron_refit.engines.vllm.clients import HTTPClient
+    from megatron_refit.engines.vllm.trainer.clients import HTTPClient
     from megatron_refit.engines.vllm.payload import update_payload
 
     url, seen = server
@@ -123,7 +124,7 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
 
 
 def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
-    from megatron_refit.engines.vllm.clients import HTTPClient, ReplicaClients
+    from megatron_refit.engines.vllm.trainer.clients import HTTPClient, ReplicaClients
 
     url, seen = server
     ReplicaClients([HTTPClient(url), HTTPClient(url)]).init_weight_transfer_engine({"num_train": 1})
@@ -179,7 +180,7 @@ def _refused_rank(rank, world, port):
     import torch
 
     from megatron_refit.endpoint.sender import TensorPiece
-    from megatron_refit.engines.vllm.trainer import (
+    from megatron_refit.engines.vllm.trainer.engine import (
         LocalShardSource,
         MegatronRefitTrainerEngine,
         MegatronRefitTrainerInitInfo,

@@ -2,7 +2,7 @@
 
 1. Storage: an object with ``target_specs()`` / ``buffer(name)`` / ``finalize()``
    (:class:`megatron_refit.endpoint.storage.Storage`); here whole tensors in a dict.
-2. Optionally a control (:class:`megatron_refit.engines.base.EngineControl`): the calls train
+2. Optionally a control (:class:`megatron_refit.engines.control.EngineControl`): the calls train
    rank 0 makes to the engine's control plane around the trainer's own; here it logs them.
 3. One registration line: ``register_engine(Engine(name=...))``. From then on
    ``refit: {engine: toy}`` is a valid config and ``engine_control`` finds the control.

@@ -14,7 +14,7 @@ from megatron_refit.testing.harness import RunSpec, hf_config_for, make_gen_back
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     """Check every refit of a :func:`run` and summarise it in the demo's JSON shape."""
-    from megatron_refit.engines.vllm.layout import expected_storage
+    from megatron_refit.engines.fused.layout import expected_storage
 
     train = [r for r in results if r["role"] == "train"]
     gens = [r for r in results if r["role"] == "gen"]

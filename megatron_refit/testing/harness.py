@@ -333,7 +333,7 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
             return StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
                                                 budget_bytes=spec.swap_budget_bytes)
         return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
-    from megatron_refit.engines.vllm.layout import VllmLayoutReceiver
+    from megatron_refit.engines.fused.layout import VllmLayoutReceiver
 
     params = hf_param_table(cfg, dtype)
     if spec.fp8:

@@ -175,7 +175,7 @@ def is_paused(url: str) -> bool:
 def timed_client(*args, **kwargs):
     """An ``HTTPClient`` (same arguments) that records each call: ``client.calls`` holds
     ``(route, start, end)`` in ``time.monotonic()`` seconds, in order."""
-    from megatron_refit.engines.vllm.clients import HTTPClient
+    from megatron_refit.engines.vllm.trainer.clients import HTTPClient
 
     class TimedClient(HTTPClient):
         def __init__(self, *args, **kwargs):

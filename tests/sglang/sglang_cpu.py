@@ -8,7 +8,7 @@ the model through SGLang's own ``ModelConfig`` and dummy loader (``get_model_loa
 ``DummyModelLoader.load_model``: the model class from its registry, random weights,
 post-load), and :mod:`.engine_standins` drive SGLang's weight-update path in the worker as
 an ``Engine`` or HTTP server would, with megatron_refit's custom weight loader
-(:data:`~megatron_refit.engines.sglang.loader.LOADER`).
+(:data:`~megatron_refit.engines.sglang.worker.loader.LOADER`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from megatron_refit.engines.sglang.loader import LOADER
+from megatron_refit.engines.sglang.messages import LOADER
 
 
 def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str) -> None:

@@ -100,7 +100,7 @@ def _train(rank, world, refit_ports):
 
 def _gen(rank, world, sglang_port, refit_ports, workdir):
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.sglang.loader import engine_refit_for
+    from megatron_refit.engines.sglang.worker.loader import engine_refit_for
 
     from .sglang_cpu import init_sglang
     from .sglang_fp8 import build_fp8_model, write_fp8_model_dir

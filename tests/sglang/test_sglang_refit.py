@@ -6,10 +6,10 @@ builds ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` through SGLang's ``ModelCo
 dummy loader, and receives with an ``EngineReceiver`` writing in place into that model's
 fused parameters (``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
 vocab rows), either directly or inside SGLang's real weight-update path: the trainer's
-control client (``megatron_refit.engines.sglang.client``) over an ``Engine``'s methods or HTTP
+control client (``megatron_refit.engines.sglang.trainer.client``) over an ``Engine``'s methods or HTTP
 (:mod:`.engine_standins`), the scheduler's ``SchedulerWeightUpdaterManager`` (sessions,
 per-rank payloads) and the model runner's ``WeightUpdater``, whose custom weight loader
-(``megatron_refit.engines.sglang.loader.refit_loader``) runs the refit in the TP worker. A full
+(``megatron_refit.engines.sglang.worker.loader.refit_loader``) runs the refit in the TP worker. A full
 ``Engine`` does not start on CPU from the registry's wheels (its CPU path needs an
 ``sgl_kernel`` built from source).
 
@@ -54,7 +54,7 @@ CASES = {
 }
 """Per generation TP size: TP2 is one engine of 2 ranks, TP1 two independent engines. How
 the engine receives: ``direct`` (our receiver over SGLang's model), or the trainer's
-control client (``megatron_refit.engines.sglang.client``) driving SGLang's weight-update path with
+control client (``megatron_refit.engines.sglang.trainer.client``) driving SGLang's weight-update path with
 our custom weight loader, over an ``Engine``'s methods (``engine``) or HTTP (``http``)."""
 SESSION = ["begin", "update", "end"]
 
@@ -70,8 +70,8 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
-    from megatron_refit.engines.sglang.loader import engine_refit_for, refit_state
-    from megatron_refit.engines.sglang.client import EngineClient, HTTPClient
+    from megatron_refit.engines.sglang.worker.loader import engine_refit_for, refit_state
+    from megatron_refit.engines.sglang.trainer.client import EngineClient, HTTPClient
 
     from .engine_standins import RankEngine, scheduler_updater, serve_http
     from .sglang_cpu import build_model, init_sglang, write_model_dir
@@ -273,7 +273,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
-    from megatron_refit.engines.sglang.loader import refit_state
+    from megatron_refit.engines.sglang.worker.loader import refit_state
     from megatron_refit.testing.faults import fail_next_refit
 
     from .engine_standins import scheduler_updater, serve_http
@@ -355,8 +355,8 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
 
     from megatron_refit.config import RefitConfig
     from megatron_refit.endpoint.sender import TensorPiece
-    from megatron_refit.engines.base import engine_control
-    from megatron_refit.engines.sglang.client import HTTPClient
+    from megatron_refit.engines.control import engine_control
+    from megatron_refit.engines.sglang.trainer.client import HTTPClient
     from megatron_refit.refit import trainer_refit_from_pieces
 
     section = dict(engine="sglang", gen_tp=1, gen_dp=2, port=port, bucket_mb=0.25, timeout_s=60,

@@ -1,4 +1,4 @@
-"""``megatron_refit.engines.vllm.moe_reload`` against vLLM 0.33's own classes: which fused-MoE
+"""``megatron_refit.engines.vllm.worker.moe_reload`` against vLLM 0.33's own classes: which fused-MoE
 layers a reload sets up again (those whose experts' post-load step vLLM skips on a weight update:
 CPU's prepacking experts, not Triton's), that a layer the reload did not process gets its kernel
 back, and that an unquantized MoE method without ``moe_kernel`` is refused by name. (The running
@@ -37,7 +37,7 @@ def _model():
 
 
 def test_moe_reload_sets_up_again_only_the_layers_whose_post_load_vllm_skips():
-    from megatron_refit.engines.vllm.moe_reload import FirstLoadSetup, check_reloadable
+    from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 
     model = _model()
     cpu, triton = model.cpu_experts.quant_method, model.triton_experts.quant_method
@@ -52,7 +52,7 @@ def test_moe_reload_sets_up_again_only_the_layers_whose_post_load_vllm_skips():
 
 
 def test_moe_reload_refuses_an_unquantized_method_it_cannot_set_up_again():
-    from megatron_refit.engines.vllm.moe_reload import check_reloadable
+    from megatron_refit.engines.vllm.worker.moe_reload import check_reloadable
 
     model = _model()
     del model.cpu_experts.quant_method.moe_kernel

@@ -115,7 +115,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.endpoint.fp8_pieces import quantize_pieces
     from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.engines.checkpoint import model_shape
-    from megatron_refit.engines.vllm.live import EngineReceiver
+    from megatron_refit.engines.fused.live import EngineReceiver
     from megatron_refit.plan.spec import ShardSpec, box_along, full_box
     from megatron_refit.transport import RefitGroup
 

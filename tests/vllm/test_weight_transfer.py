@@ -284,8 +284,8 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     from vllm.plugins import load_general_plugins
 
     from bridge_shards import load
-    from megatron_refit.engines.vllm.clients import ReplicaClients
-    from megatron_refit.engines.vllm.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
 
     load_general_plugins()
     gens = list(range(world - NUM_TRAIN))
@@ -342,8 +342,8 @@ def _fleet(rank, requests, replies, port, bridge_dir):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from bridge_shards import load
-    from megatron_refit.engines.vllm.clients import ReplicaClients
-    from megatron_refit.engines.vllm.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
 
     clients = [_QueueClient(requests, replies, [g], "fleet") for g in range(TP1_ENGINES)]
     if rank == 0:
@@ -542,8 +542,8 @@ def test_weight_transfer_backend_is_found_by_name_after_plugin_loading(engine):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from megatron_refit.engines.vllm.plugin import register
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine
-    from megatron_refit.engines.vllm.worker import MegatronRefitEngine
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine
+    from megatron_refit.engines.vllm.worker.engine import MegatronRefitEngine
 
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "megatron_refit"] == [
         "megatron_refit.engines.vllm.plugin:register"]
@@ -620,7 +620,7 @@ def test_weight_transfer_a_version_that_fails_to_go_live_is_never_finished_as_re
 def test_weight_transfer_trainer_refuses_a_source_without_local_shards():
     from vllm.distributed.weight_transfer import ModuleSource
 
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     info = MegatronRefitTrainerInitInfo(refit={}, num_train=1, rank=0)
     with pytest.raises(ValueError, match="pass a LocalShardSource"):

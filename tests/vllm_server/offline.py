@@ -25,8 +25,8 @@ def _rank(rank: int, world: int, port: int, save_dir: str, checkpoint: str, refi
     from vllm.plugins import load_general_plugins
 
     from megatron_refit.endpoint.sender import TensorPiece
-    from megatron_refit.engines.vllm.clients import LLMClient
-    from megatron_refit.engines.vllm.trainer import LocalShardSource, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.clients import LLMClient
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
 
     load_general_plugins()
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

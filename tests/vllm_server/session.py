@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatron_refit.engines.vllm.clients import HTTPClient
+from megatron_refit.engines.vllm.trainer.clients import HTTPClient
 from megatron_refit.testing.faults import slow_next_refit
 from megatron_refit.testing.vllm_server import (VllmServer, complete, is_paused, process_alive, timed_client,
                                              wait_healthy, weight_version)
@@ -80,7 +80,7 @@ class Load:
 
 def _connect(refit: dict, rank: int, built, cfg, client):
     from conversion.refit import local_shard_source
-    from megatron_refit.engines.vllm.trainer import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     return MegatronRefitTrainerEngine.trainer_init(
         MegatronRefitTrainerInitInfo(refit=refit, num_train=TRAIN_TP, rank=rank), client=client,

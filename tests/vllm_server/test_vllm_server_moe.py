@@ -2,7 +2,7 @@
 TP2xEP2 train ranks, deltas and ``refit.verify_serving: on``.
 
 vLLM's own reload of a fused-MoE layer skips the experts' post-load step (on CPU: their prepack),
-so without ``megatron_refit.engines.vllm.moe_reload`` every refit after the first start served
+so without ``megatron_refit.engines.vllm.worker.moe_reload`` every refit after the first start served
 another model while its bytes were exact. Checked by what the server serves: after each refit its
 greedy tokens equal Megatron's greedy decode and its ``prompt_logprobs`` on the probe equal
 Megatron's log-probs; the serving check ran on every refit; and a refit made live the old way (the

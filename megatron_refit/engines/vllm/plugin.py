@@ -26,7 +26,8 @@ def register() -> None:
         return
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    WeightTransferEngineFactory.register_engine(BACKEND, "megatron_refit.engines.vllm.worker", "MegatronRefitEngine")
-    WeightTransferTrainerFactory.register_engine(BACKEND, "megatron_refit.engines.vllm.trainer",
+    WeightTransferEngineFactory.register_engine(BACKEND, "megatron_refit.engines.vllm.worker.engine",
+                                                "MegatronRefitEngine")
+    WeightTransferTrainerFactory.register_engine(BACKEND, "megatron_refit.engines.vllm.trainer.engine",
                                                  "MegatronRefitTrainerEngine")
     _registered = True

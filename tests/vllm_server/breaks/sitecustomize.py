@@ -40,7 +40,7 @@ def _install() -> None:
 
     def register_and_break() -> None:
         register()
-        _patch(importlib.import_module("megatron_refit.engines.vllm.worker"))
+        _patch(importlib.import_module("megatron_refit.engines.vllm.worker.engine"))
 
     plugin.register = register_and_break
 
@@ -49,7 +49,7 @@ def _patch(worker) -> None:
     if getattr(worker.MegatronRefitEngine, "_test_break", False):
         return
     worker.MegatronRefitEngine._test_break = True
-    from megatron_refit.engines.vllm import moe_reload
+    from megatron_refit.engines.vllm.worker import moe_reload
 
     enter = moe_reload.FirstLoadSetup.__enter__
 

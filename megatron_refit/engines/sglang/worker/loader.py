@@ -5,8 +5,8 @@ The hook is SGLang's own **custom weight loader**: an engine started with
 :func:`refit_loader` in every TP worker, on its scheduler thread and with the live model, for
 each ``update_weights_from_tensor(named_tensors, load_format=LOADER)`` of a weight-update
 session (``begin_weight_update`` … ``end_weight_update``). The named tensors carry only small
-control messages (:mod:`megatron_refit.engines.sglang.client` builds them): ``connect`` joins the
-refit group and builds the plan (an :class:`~megatron_refit.engines.vllm.live.EngineReceiver` over the model's own
+control messages (:mod:`megatron_refit.engines.sglang.trainer.client` builds them): ``connect`` joins the
+refit group and builds the plan (an :class:`~megatron_refit.engines.fused.live.EngineReceiver` over the model's own
 fused parameters: ``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
 vocabulary rows), ``refit`` receives one version in place over the refit group (NCCL or
 gloo: no weight byte passes through SGLang's control plane), ``close`` leaves the group.
@@ -21,43 +21,25 @@ at ``connect``, inside the worker).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
 import torch
 
-LOADER = "megatron_refit.engines.sglang.loader.refit_loader"
-"""Import path of :func:`refit_loader`: the engine's ``custom_weight_loader`` entry and the
-``load_format`` of every ``update_weights_from_tensor`` call that drives a refit."""
-PREFIX = "megatron_refit."
-"""A control message is one named tensor named ``PREFIX + op + ":" + JSON`` (an empty tensor)."""
-OPS = ("connect", "refit", "close")
+from megatron_refit.engines.sglang.messages import parse_message
 
 log = logging.getLogger(__name__)
-
-
-def parse_message(name: str) -> tuple[str, dict]:
-    """``(op, args)`` of a control message's name; ``ValueError`` naming a name that is none."""
-    op, sep, args = name.removeprefix(PREFIX).partition(":")
-    if not name.startswith(PREFIX) or not sep or op not in OPS:
-        raise ValueError(f"{name[:200]!r} is no megatron_refit control message "
-                         f"(expected {PREFIX}<op>:<json> with op one of {list(OPS)})")
-    parsed = json.loads(args)
-    if not isinstance(parsed, dict):
-        raise ValueError(f"megatron_refit control message {op!r}: arguments must be a JSON object, got {args[:200]!r}")
-    return op, parsed
 
 
 def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
                      tp_rank: int | None = None):
     """Join the refit group as TP rank ``tp_rank`` (default: this worker's) of engine
-    ``replica`` and build the plan: an :class:`~megatron_refit.engines.vllm.live.EngineReceiver` writing in place into
-    ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
+    ``replica`` and build the plan: an :class:`~megatron_refit.engines.fused.live.EngineReceiver`
+    writing in place into ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
     from megatron_refit.engines.checkpoint import hf_param_table, model_shape
-    from megatron_refit.engines.vllm.live import EngineReceiver
+    from megatron_refit.engines.fused.live import EngineReceiver
     from megatron_refit.refit import engine_refit
 
     cfg = refit_section({"engine": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")

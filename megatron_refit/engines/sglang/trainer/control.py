@@ -1,4 +1,4 @@
-"""``refit.engine: sglang``'s :class:`~megatron_refit.engines.base.EngineControl`: train rank 0
+"""``refit.engine: sglang``'s :class:`~megatron_refit.engines.control.EngineControl`: train rank 0
 drives every SGLang engine replica's control client around the train ranks' refit.
 
 Every call to one replica runs in that replica's lane
@@ -22,8 +22,8 @@ from megatron_refit.engines.replicas import ReplicaLanes
 
 class SglangControl(ReplicaLanes):
     """Control of SGLang engine replicas (``clients``: an
-    :class:`~megatron_refit.engines.sglang.client.EngineClient` or
-    :class:`~megatron_refit.engines.sglang.client.HTTPClient` per replica, replica ``i`` =
+    :class:`~megatron_refit.engines.sglang.trainer.client.EngineClient` or
+    :class:`~megatron_refit.engines.sglang.trainer.client.HTTPClient` per replica, replica ``i`` =
     ``clients[i]``; train rank 0 drives them, the other train ranks pass them or none).
     ``refit``: the ``refit:`` section as a mapping (sent to every engine at connect)."""
 

@@ -3,8 +3,8 @@ engine's own parameters, then the engine's post-load step runs.
 
 Both engines store a layer's projections fused the same way (``qkv_proj``,
 ``gate_up_proj``, FusedMoE ``w13_weight`` / ``w2_weight``), so the layout of
-:mod:`megatron_refit.engines.vllm.layout` applies to both; only parameter-name spellings and the
-post-load hook differ (SGLang's: :func:`megatron_refit.engines.sglang.loader.sglang_post_load`).
+:mod:`megatron_refit.engines.fused.layout` applies to both; only parameter-name spellings and the
+post-load hook differ (SGLang's: :func:`megatron_refit.engines.sglang.worker.loader.sglang_post_load`).
 Parameters are updated with ``copy_`` into existing storage: replacing ``Parameter``
 objects would break CUDA-graph pointers and lose ``weight_loader`` attributes.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit import families
-from megatron_refit.engines.vllm.layout import VllmLayoutReceiver, fused_layout
+from megatron_refit.engines.fused.layout import VllmLayoutReceiver, fused_layout
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec

@@ -1,7 +1,7 @@
 """The trainer's side of a refit into SGLang engines (SGLang 0.5.23): the control calls.
 
 Each engine replica runs with ``custom_weight_loader=[LOADER]``
-(:mod:`megatron_refit.engines.sglang.loader`); every call here is one weight-update session of
+(:mod:`megatron_refit.engines.sglang.worker.loader`); every call here is one weight-update session of
 SGLang's own API: ``begin_weight_update`` → ``update_weights_from_tensor(<control message>,
 load_format=LOADER)`` → ``end_weight_update``. The weights themselves travel over the refit
 group, from every train rank's local shards to the TP workers that need them.
@@ -9,7 +9,7 @@ group, from every train rank's local shards to the TP workers that need them.
 - :class:`EngineClient` over an offline ``sglang.Engine`` in this process;
 - :class:`HTTPClient` over ``sglang serve`` (``POST /begin_weight_update`` …; the control
   message travels base64 in the body, as ``MultiprocessingSerializer`` writes it);
-- :class:`~megatron_refit.engines.sglang.control.SglangControl` drives them (one per replica)
+- :class:`~megatron_refit.engines.sglang.trainer.control.SglangControl` drives them (one per replica)
   around every train rank's own side of the refit.
 
 Around each refit the engine is paused (``retract``: running requests go back to the queue
@@ -31,32 +31,12 @@ from typing import Any
 
 import torch
 
-from megatron_refit.engines.sglang.loader import LOADER, PREFIX
+from megatron_refit.engines.sglang.messages import LOADER, close_message, connect_message, refit_message
 
 PAUSE_MODES = ("retract", "abort")
 """SGLang's pause modes a refit can use: ``retract`` requeues running requests (recomputed
 after the refit), ``abort`` ends them. (``in_place`` keeps their KV cache from the old
 weights and makes SGLang refuse the flush: not offered.)"""
-
-
-def control_message(op: str, **args: Any) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of one control message: the message is the name, the tensor
-    empty (it pickles without shared memory, so it also travels in an HTTP body)."""
-    return [(f"{PREFIX}{op}:{json.dumps(args)}", torch.empty(0, dtype=torch.uint8))]
-
-
-def connect_message(refit: dict, *, num_train: int, replica: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Makes every TP worker of engine ``replica`` join the refit group (``refit``: the
-    ``refit:`` section as a mapping)."""
-    return control_message("connect", refit=dict(refit), num_train=num_train, replica=replica)
-
-
-def refit_message(version: int, full: bool = False) -> list[tuple[str, torch.Tensor]]:
-    return control_message("refit", version=version, full=full)
-
-
-def close_message() -> list[tuple[str, torch.Tensor]]:
-    return control_message("close")
 
 
 def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> str:

@@ -15,7 +15,7 @@ point registered it) when the engine's ``weight_transfer_config.backend`` is
   FP8, MoE kernel formats); in ``load_weights`` mode the staged pieces go through vLLM's
   layerwise reload (``initialize_layerwise_reload``, the model's ``load_weights``,
   ``finalize_layerwise_reload``; fused-MoE experts set up again as at a first load:
-  :mod:`~megatron_refit.engines.vllm.moe_reload`). vLLM runs no forward pass inside a worker call, so a
+  :mod:`~megatron_refit.engines.vllm.worker.moe_reload`). vLLM runs no forward pass inside a worker call, so a
   request scheduled between two phases (a client that does not pause) sees one complete
   version, never a half-reloaded model. Under ``swap: staged`` the call returns at once and
   the pieces land in staging buffers in a thread of this worker while the engine keeps
@@ -41,9 +41,9 @@ from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
-from megatron_refit.engines.vllm.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
-from megatron_refit.engines.vllm.live import EngineReceiver
-from megatron_refit.engines.vllm.moe_reload import FirstLoadSetup, check_reloadable
+from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
+from megatron_refit.engines.fused.live import EngineReceiver
+from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs

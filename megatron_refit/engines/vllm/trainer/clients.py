@@ -155,7 +155,7 @@ class ReplicaClients(ReplicaLanes):
     lane of its own (:class:`~megatron_refit.engines.replicas.ReplicaLanes`): per refit
     ``start_weight_update`` + ``update_weights`` while its bytes move and
     ``finish_weight_update`` once its group carried them, so one engine's failure stays with it;
-    :meth:`~megatron_refit.engines.vllm.trainer.MegatronRefitTrainerEngine.add_engine` takes in
+    :meth:`~megatron_refit.engines.vllm.trainer.engine.MegatronRefitTrainerEngine.add_engine` takes in
     a new engine while the trainer runs."""
 
     engine = "vLLM engine"

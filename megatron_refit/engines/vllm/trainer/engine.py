@@ -35,7 +35,7 @@ from megatron_refit.config import RefitConfig, check_int, refit_section
 from megatron_refit.endpoint.membership import abort_start
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
-from megatron_refit.engines.vllm.clients import ReplicaClients
+from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
 from megatron_refit.engines.vllm.payload import init_payload, update_payload
 from megatron_refit.refit import trainer_refit_from_pieces
 
@@ -244,7 +244,7 @@ class MegatronRefitTrainerEngine(_EngineBase):
         ``VLLMWeightSyncClient``) joins as replica ``replica`` (default: a new index; a dead
         replica's index to restart it). Its ``init_weight_transfer_engine`` runs now, against
         the running trainer, and the next ``send_weights`` sends it the current version in full,
-        deltas afterwards. Needs a :class:`~megatron_refit.engines.vllm.clients.ReplicaClients`
+        deltas afterwards. Needs a :class:`~megatron_refit.engines.vllm.trainer.clients.ReplicaClients`
         client; returns the replica's index."""
         if not self.is_sender or not isinstance(self.client, ReplicaClients):
             raise ValueError("add_engine: only train rank 0 whose client is a ReplicaClients (one client per engine "
