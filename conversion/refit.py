@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.fleet import TrainerFleet
+from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.refit import check_enabled, trainer_refit_from_pieces
 
 

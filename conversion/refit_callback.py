@@ -123,8 +123,8 @@ class RefitCallback(Callback):
         self.control = engine_control(dataclasses.asdict(cfg), self.engines)
         """The engine's control (:class:`~megatron_refit.engines.control.EngineControl`)."""
         self.rank = 0
-        self.sync = None
-        """The :class:`~megatron_refit.endpoint.fleet.TrainerFleet` of this rank (after ``on_train_start``)."""
+        self.fleet = None
+        """The :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank (after ``on_train_start``)."""
         self.last_report: RefitReport | None = None
         self.skipped: list[int] = []
         """Iterations that were skipped (and not refitted)."""
@@ -142,7 +142,7 @@ class RefitCallback(Callback):
 
         from conversion.refit import trainer_refit
 
-        if self.sync is not None:
+        if self.fleet is not None:
             raise RuntimeError("RefitCallback: on_train_start twice; one callback serves one training run")
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank = rank
@@ -151,7 +151,7 @@ class RefitCallback(Callback):
             return trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
                                  offloader=self.offloader, on_report=self.on_report)
 
-        self.sync = self.control.connect(join, rank=rank, num_train=world)
+        self.fleet = self.control.connect(join, rank=rank, num_train=world)
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
             step = context.state.train_state.step
@@ -159,23 +159,23 @@ class RefitCallback(Callback):
             log_to_bridge(context.state, self.last_report.summary, step)
 
     def on_train_step_end(self, context) -> None:
-        if self.sync is None:
+        if self.fleet is None:
             raise RuntimeError("RefitCallback: on_train_step_end before on_train_start")
         iteration = context.state.train_state.step + 1  # Bridge counts the step after this event
-        self._log_finished(context, self.sync.finished())  # overlap: a failed one raises here
+        self._log_finished(context, self.fleet.finished())  # overlap: a failed one raises here
         if context.skipped_iter:
             self.skipped.append(iteration)
             return
         if iteration % self.cfg.every_n_steps:
             return
         force_param_sync(context.model, context.optimizer)
-        if self.sync.background is None:
+        if self.fleet.background is None:
             self._log_finished(context, [self._refit(iteration)])
-        elif not self.sync.start_refit(iteration, run=lambda: self._refit(iteration)):
+        elif not self.fleet.start_refit(iteration, run=lambda: self._refit(iteration)):
             self.skipped_busy.append(iteration)
 
     def _refit(self, version: int) -> RefitReport:
-        return self.control.refit(self.sync, version, rank=self.rank)
+        return self.control.refit(self.fleet, version, rank=self.rank)
 
     def _log_finished(self, context, reports: list[RefitReport]) -> None:
         for report in reports:
@@ -183,11 +183,11 @@ class RefitCallback(Callback):
             log_to_bridge(context.state, report.summary, report.version)
 
     def on_train_end(self, context) -> None:
-        if self.sync is not None:
-            sync, self.sync = self.sync, None
+        if self.fleet is not None:
+            fleet, self.fleet = self.fleet, None
             try:
-                if sync.background is not None:  # the refit in flight lands (or fails) first
-                    sync.background.wait()
-                    self._log_finished(context, sync.finished())
+                if fleet.background is not None:  # the refit in flight lands (or fails) first
+                    fleet.background.wait()
+                    self._log_finished(context, fleet.finished())
             finally:
-                self.control.close(sync, rank=self.rank)
+                self.control.close(fleet, rank=self.rank)

@@ -5,10 +5,10 @@ Train ranks (:func:`conversion.refit.trainer_refit` enumerates a Megatron model'
 shards, then calls :func:`trainer_refit_from_pieces`)::
 
     bridge_cfg, refit_cfg = load_training_yaml("train.yaml")      # refit: {enabled: true, ...}
-    sync = trainer_refit(refit_cfg, bridge, model, hf_config, rank=rank, num_train=world)
+    fleet = trainer_refit(refit_cfg, bridge, model, hf_config, rank=rank, num_train=world)
     for step in ...:
         train_step(...)
-        sync.refit(step)                                           # after every optimizer step
+        fleet.refit(step)                                          # after every optimizer step
 
 Generation ranks hold the engine's storage (vLLM, SGLang, HF: a
 :class:`~megatron_refit.endpoint.storage.Storage`) and call
@@ -18,7 +18,7 @@ generation rank needs. With LoRA adapters on the trainer, the first refit (and a
 called with ``full=True``, e.g. after the engine dropped its weights) moves base weights
 and adapters; the others move the adapters only. Each engine replica has a refit group of its
 own (the train ranks, then its ``gen_tp`` ranks) and a failure of one replica stays with it
-(:mod:`megatron_refit.endpoint.fleet`); replicas may join and leave between refits.
+(:mod:`megatron_refit.fleet.trainer_fleet`); replicas may join and leave between refits.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.fleet import TrainerFleet, member_config
-from megatron_refit.endpoint.membership import JOINS, announce, namespace
-from megatron_refit.endpoint.sync import EngineRefit, TrainerRefit
-from megatron_refit.transport import RefitGroup, open_transport, transport_name
+from megatron_refit.fleet.trainer_fleet import TrainerFleet, member_config
+from megatron_refit.fleet.store import JOINS, announce, namespace
+from megatron_refit.fleet.member import EngineMember, TrainerMember
+from megatron_refit.transport import ProcessGroupTransport, open_transport, transport_name
 
 
 CONTROL_TIMEOUTS = 3
@@ -43,7 +43,7 @@ def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.
             incarnation: str):
     """This rank's end of engine replica ``replica``'s refit group (the train ranks and that
     replica's ``gen_tp`` ranks, in the train ranks' store at ``refit.port`` under the
-    replica's incarnation: :func:`~megatron_refit.endpoint.membership.namespace`) over ``refit.transport``
+    replica's incarnation: :func:`~megatron_refit.fleet.store.namespace`) over ``refit.transport``
     (``auto``: NCCL between GPUs, gloo on CPU; colocated: bucket bytes through shared buffers
     (CUDA IPC / shared memory), control messages over gloo)."""
     world = num_train + cfg.gen_tp
@@ -74,7 +74,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
                               on_report: Callable[[dict], None] | None = None, forward=None) -> TrainerFleet:
     """:func:`conversion.refit.trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
     local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
-    model's forward over the serving probe (:class:`~megatron_refit.endpoint.serving.TrainerForward`,
+    model's forward over the serving probe (:class:`~megatron_refit.fleet.serving.TrainerForward`,
     ``refit.verify_serving``; None: the trainer has none, its refits are not checked)."""
     check_enabled(cfg, num_train)
     if not 0 <= rank < num_train:
@@ -86,7 +86,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
         if offloader is not None:
             raise ValueError("refit.overlap: on with a ParamOffloader: offloaded parameters are not trained while "
                              "they are away, so there is no next step to overlap; set refit.overlap: off")
-        from megatron_refit.endpoint.overlap import Snapshot
+        from megatron_refit.fleet.overlap import Snapshot
 
         snapshot = Snapshot(list(pieces) + list(adapters))  # the members send from it; FP8 quantizes from it
         pieces, adapters = snapshot.pieces[:len(pieces)], snapshot.pieces[len(pieces):]
@@ -100,13 +100,13 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
     device = torch.device(device)
     # a replica that stalls holds each train rank's thread for it up to refit.timeout_s, at
     # different times on different train ranks: the train ranks' own group waits longer
-    control = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
-                                 timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
+    control = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
+                                            backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
     member_cfg = member_config(cfg)
     plans: dict = {}  # one plan per replica layout, whatever the number of replicas
 
-    def member(group) -> TrainerRefit:
-        return TrainerRefit(group, pieces, adapters, member_cfg, num_train=num_train, plans=plans)
+    def member(group) -> TrainerMember:
+        return TrainerMember(group, pieces, adapters, member_cfg, num_train=num_train, plans=plans)
 
     def join(replica: int, incarnation: str):
         return connect(cfg, refit_rank=rank, num_train=num_train, device=device, replica=replica,
@@ -121,18 +121,19 @@ def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
     ``overlap_busy: skip``, a gate group of the train ranks that agrees on each skip)."""
     if snapshot is None:
         return None
-    from megatron_refit.endpoint.overlap import BackgroundRefit
+    from megatron_refit.fleet.overlap import BackgroundRefit
 
     gate = None
     if cfg.overlap_busy == "skip":
-        gate = RefitGroup.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train, backend="gloo",
-                                  timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s, namespace="megatron_refit/overlap")
+        gate = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
+                                             backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s,
+                                             namespace="megatron_refit/overlap")
     return BackgroundRefit(snapshot, busy=cfg.overlap_busy, gate=gate)
 
 
 def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, device: str | torch.device = "cpu",
                  lora: tuple[int, float] | None = None,
-                 on_report: Callable[[dict], None] | None = None) -> EngineRefit:
+                 on_report: Callable[[dict], None] | None = None) -> EngineMember:
     """Join the refit as engine rank ``gen_index`` (replica ``gen_index // gen_tp``, its TP rank
     ``gen_index % gen_tp``) with the engine's ``storage`` (``target_specs`` / ``buffer`` /
     ``finalize``) and build the plan. The replicas ``0..gen_dp-1`` are those the trainer starts
@@ -148,10 +149,10 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
     incarnation = _incarnation(cfg, replica, tp_rank)
     group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
                     replica=replica, incarnation=incarnation)
-    sync = EngineRefit(group, storage, member_config(cfg), num_train=num_train, lora=lora, on_report=on_report)
+    member = EngineMember(group, storage, member_config(cfg), num_train=num_train, lora=lora, on_report=on_report)
     if tp_rank == 0:
-        sync.on_close = lambda: announce(cfg, "leave", replica, incarnation)
-    return sync
+        member.on_close = lambda: announce(cfg, "leave", replica, incarnation)
+    return member
 
 
 def _incarnation(cfg: RefitConfig, replica: int, tp_rank: int) -> str:

@@ -78,7 +78,7 @@ def _schedule(reps: int, rounds: int) -> tuple[list[int], list[int]]:
 
 def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
     from megatron_refit.config import RefitConfig
-    from megatron_refit.endpoint.membership import JOINS
+    from megatron_refit.fleet.store import JOINS
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
@@ -92,22 +92,22 @@ def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
         box = ((rank * half, (rank + 1) * half), (0, dim))
         pieces = [TensorPiece(ShardSpec(name=f"layer{i}.w", global_shape=(dim, dim), dtype="float32", box=box),
                               torch.empty(0)) for i in range(layers)]
-        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         seconds = {"failed": {}}
         for version in range(1, last + 1):
             if version in joins and rank == 0:  # replica 1 restarts; refit once its join is in the store
                 open(flags[joins.index(version)], "w").close()
-                while sync.control.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
+                while fleet.control.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
                     time.sleep(0.001)
             weights = _weights(version, dim, layers)
             for piece in pieces:
                 piece.data = weights[piece.spec.name][rank * half:(rank + 1) * half].clone()
             start = time.perf_counter()
-            report = sync.refit(version)
+            report = fleet.refit(version)
             seconds[version] = time.perf_counter() - start
             if report.failed_replicas:
                 seconds["failed"][version] = sorted(report.failed_replicas)
-        sync.close()
+        fleet.close()
         return seconds
     gen = rank - NUM_TRAIN
     versions, index = list(range(1, last + 1)), gen
@@ -123,17 +123,17 @@ def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
     if kill is not None:  # the next kill is this incarnation's
         storage.die_at = (kill, 2)
     start = time.perf_counter()
-    sync = engine_refit(cfg, storage, gen_index=index, num_train=NUM_TRAIN)
+    member = engine_refit(cfg, storage, gen_index=index, num_train=NUM_TRAIN)
     out = {"exact": True}
     for version in versions:
         storage.version, storage.calls = version, 0
         t0 = time.perf_counter()
-        sync.receive(version)
+        member.receive(version)
         out[version] = time.perf_counter() - t0
         out["exact"] &= all(torch.equal(storage.t[n], w) for n, w in _weights(version, dim, layers).items())
         if version == versions[0] and gen >= replicas:
             out["join_s"] = time.perf_counter() - start
-    sync.close()
+    member.close()
     return out
 
 

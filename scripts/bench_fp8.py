@@ -36,11 +36,11 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.endpoint.fp8_pieces import quantize_pieces
     from megatron_refit.testing.harness import hf_config_for, make_gen_backend
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
     cfg = hf_config_for(spec)
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
     kw = dict(num_train=spec.num_train, num_gen=spec.num_gen, bucket_bytes=spec.bucket_bytes)
     is_train = rank < spec.num_train
     endpoints = {}

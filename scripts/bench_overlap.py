@@ -67,7 +67,7 @@ def _train(rank, args, arm, refit):
             if refit_callback is not None:
                 got = bridge.export_hf_weights(context.model, cpu=True, show_progress=False)
                 out["export"] = {n: t.detach().clone() for n, t in got} if rank == 0 else None
-                background = refit_callback.sync.background
+                background = refit_callback.fleet.background
                 if background is not None:
                     out["snapshot_mb"] = background.snapshot.nbytes / 1e6
 
@@ -75,7 +75,7 @@ def _train(rank, args, arm, refit):
     callbacks = [Timing()] + ([refit_callback] if refit_callback else []) + [After()]
     snapshot_s = []
     if refit_callback is not None and refit.overlap == "on":
-        from megatron_refit.endpoint.overlap import Snapshot
+        from megatron_refit.fleet.overlap import Snapshot
 
         take = Snapshot.take
 
@@ -94,17 +94,17 @@ def _train(rank, args, arm, refit):
 
 def _gen(refit, args):
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.refit import engine_refit
 
     if args.engine_nice:  # the engine's process yields these shared cores to the trainer's
         os.nice(args.engine_nice)
-    backend = HFReceiver.from_config(hf_config("qwen3", **args.shape), dtype=torch.bfloat16)
-    sync = engine_refit(refit, backend, gen_index=0, num_train=2)
+    backend = HFStorage.from_config(hf_config("qwen3", **args.shape), dtype=torch.bfloat16)
+    member = engine_refit(refit, backend, gen_index=0, num_train=2)
     for version in range(args.iters + 1):
-        sync.receive(version)
+        member.receive(version)
     weights = {n: t.clone() for n, t in backend.state_dict_hf().items()}
-    sync.close()
+    member.close()
     return dict(weights=weights)
 
 

@@ -70,11 +70,11 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
     from megatron_refit.testing.harness import hf_config_for, make_gen_backend
     from megatron_refit.plan.spec import ShardSpec, full_box
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
     cfg = hf_config_for(spec)
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=600)
     T, G = spec.num_train, spec.num_gen
     kw = dict(num_train=T, num_gen=G, bucket_bytes=spec.bucket_bytes)
     is_train = rank < T

@@ -46,17 +46,17 @@ def _train(rank, spec: RunSpec, cfg, refit_cfg):
     init_gloo(rank, spec.num_train, spec.megatron_port)
     init_model_parallel(spec.train)
     built = build_model(cfg, spec.train, dtype=torch.float32)
-    sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train)
+    fleet = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train)
     optimizer = torch.optim.Adam([p for chunk in built.model for p in chunk.parameters()], lr=1e-4)
     exports = {}
     for version in range(1, spec.refits + 1):
         if version > 1:
             train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
-        sync.refit(version)
+        fleet.refit(version)
         export = {n: t.detach().clone() for n, t in built.bridge.export_hf_weights(built.model, cpu=True,
                                                                                     show_progress=False)}
         exports[version] = export if rank == 0 else None
-    sync.close()
+    fleet.close()
     return dict(role="train", exports=exports)
 
 
@@ -78,8 +78,8 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
     from megatron_refit.testing.harness import make_gen_backend
 
     backend = make_gen_backend(spec, cfg, 0)
-    sync = engine_refit(refit_cfg, backend, gen_index=0, num_train=spec.num_train)
-    sync.receive(1)  # the engine starts from the trainer's weights, then serves
+    member = engine_refit(refit_cfg, backend, gen_index=0, num_train=spec.num_train)
+    member.receive(1)  # the engine starts from the trainer's weights, then serves
     passes, refits, weights = [], [], {1: backend.state_dict_hf()}
     stop = threading.Event()
     thread = threading.Thread(target=_generate, args=(backend, stop, passes), daemon=True)
@@ -87,7 +87,7 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
     try:
         for version in range(2, spec.refits + 1):
             time.sleep(0.05)  # serve a while between refits
-            report = sync.receive(version)
+            report = member.receive(version)
             end = time.perf_counter()
             transfer = report.seconds["total"]  # from the handshake (the trainer's step is done) to applied
             pause = getattr(backend, "last_pause_s", None)  # staged: the swap; in place: all of it
@@ -98,11 +98,11 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
     finally:
         stop.set()
         thread.join()
-    sync.close()
+    member.close()
     # every pass against a forward of exactly the weights of the version it was tagged with
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
-    reference = HFReceiver(backend.model.__class__(backend.model.config).eval())
+    reference = HFStorage(backend.model.__class__(backend.model.config).eval())
     expected = {}
     for version, state in weights.items():
         for name, t in state.items():

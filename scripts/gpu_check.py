@@ -138,10 +138,10 @@ def check_colocated_speed(device: str, refits: int = 6) -> dict:
 
 
 def _nccl_rank(rank, world, port):
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
     torch.cuda.set_device(0)
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, backend="nccl",
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, backend="nccl",
                                timeout_s=30)
     t = torch.full((4,), float(rank), device="cuda")
     if rank == 0:

@@ -162,16 +162,16 @@ def trainer(model: str, workdir: str, port: int) -> None:
     section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
     control = SglangControl([client], section)
-    sync = control.connect(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),
+    fleet = control.connect(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),
                            rank=0, num_train=1)
     reports = []
     for version in range(1, REFITS + 1):
         train_steps(built, optimizer)
         t0 = time.perf_counter()
-        report = control.refit(sync, version, rank=0)
+        report = control.refit(fleet, version, rank=0)
         reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
         client.call("check", save_export(built, workdir, version))
-    control.close(sync, rank=0)
+    control.close(fleet, rank=0)
     client.call("done", reports)
 
 

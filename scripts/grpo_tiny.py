@@ -116,7 +116,7 @@ def _train(rank, args, cfg):
     bar = Bar(steps, desc="GRPO steps") if rank == 0 else None
     for step in bar or steps:
         # the generation rank's rollouts to every rank (one small object per step)
-        sequences, gen_logprobs = refit.sync.group.all_gather_object(None)[num_train]
+        sequences, gen_logprobs = refit.fleet.group.all_gather_object(None)[num_train]
         train_logprobs = token_logprobs(forward_logits(built, sequences), sequences, args.prompt_len)
         diff = float((train_logprobs - gen_logprobs).abs().max())
         reward = rewards(sequences, args.prompt_len)
@@ -136,21 +136,21 @@ def _train(rank, args, cfg):
 
 def _generate(rank, args, cfg):
     from megatron_refit.refit import engine_refit
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     num_train = args.spec.num_train
-    backend = HFReceiver.from_config(cfg)
-    sync = engine_refit(args.refit, backend, gen_index=rank - num_train, num_train=num_train)
+    backend = HFStorage.from_config(cfg)
+    member = engine_refit(args.refit, backend, gen_index=rank - num_train, num_train=num_train)
     g = torch.Generator().manual_seed(1234)
     metrics = []
     for step in range(1, args.steps + 2):
         start = time.perf_counter()
-        report = sync.receive(step - 1)  # the policy after step - 1 updates
+        report = member.receive(step - 1)  # the policy after step - 1 updates
         metrics.append(dict(step=step, refit_s=time.perf_counter() - start, report_s=report.seconds["total"],
                             bytes=report.bytes_received))
         if step <= args.steps:
-            sync.group.all_gather_object(_rollouts(backend, g, args, cfg.vocab_size))
-    sync.close()
+            member.group.all_gather_object(_rollouts(backend, g, args, cfg.vocab_size))
+    member.close()
     return metrics[: args.steps]
 
 

@@ -220,9 +220,9 @@ def _delta_rank(rank, world, port, mode, schedule, bucket_bytes):
     rank's post-load fails at that refit: it misses the version)."""
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     if mode == "auto" and rank < NUM_TRAIN:  # a slow link (40 kB/s): deltas pay unless the change is dense
         import time
 

@@ -17,26 +17,26 @@ import torch
 from megatron_refit.endpoint.base import resolve_direct_bytes
 from megatron_refit.plan.gen_layout import ModelShape, gen_target_specs
 from megatron_refit.plan.refit_plan import RefitPlan
-from megatron_refit.transport import RefitGroup
-from megatron_refit.transport.ipc import IpcGroup
+from megatron_refit.transport import ProcessGroupTransport
+from megatron_refit.transport.ipc import IpcTransport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _group(device: str, rank: int = 0) -> RefitGroup:
-    """A RefitGroup's policy without a process group: what its buffers' device decides."""
-    group = object.__new__(RefitGroup)
+def _group(device: str, rank: int = 0) -> ProcessGroupTransport:
+    """A ProcessGroupTransport's policy without a process group: what its buffers' device decides."""
+    group = object.__new__(ProcessGroupTransport)
     group.device, group.rank, group.world_size = torch.device(device), rank, 2
     return group
 
 
-def _ipc(device: str) -> IpcGroup:
-    return IpcGroup(_group(device), num_train=1)
+def _ipc(device: str) -> IpcTransport:
+    return IpcTransport(_group(device), num_train=1)
 
 
 def test_auto_is_each_transports_own():
     gloo, nccl = _group("cpu"), _group("cuda")
-    assert resolve_direct_bytes("auto", gloo, 64 << 20) == RefitGroup.HOST_DIRECT_BYTES == 1 << 20
+    assert resolve_direct_bytes("auto", gloo, 64 << 20) == ProcessGroupTransport.HOST_DIRECT_BYTES == 1 << 20
     assert resolve_direct_bytes("auto", nccl, 64 << 20) == 64 << 20
     assert resolve_direct_bytes(4096, nccl, 64 << 20) == 4096
     assert resolve_direct_bytes(None, gloo, 64 << 20) is None

@@ -51,15 +51,15 @@ class _Store:
 def _rank(rank, world, port, mode, bucket_bytes, direct_bytes=None):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     num_train = 2
     verify = "full" if mode == "colocated" else "sampled"
     if mode == "colocated":
-        from megatron_refit.transport.ipc import IpcGroup
+        from megatron_refit.transport.ipc import IpcTransport
 
-        group = IpcGroup(group, num_train=num_train)
+        group = IpcTransport(group, num_train=num_train)
     if rank < num_train:  # train TP2: dim-0 halves of every 2-D tensor, norms replicated
         pieces = []
         for name, (shape, dtype) in GLOBAL.items():
@@ -164,9 +164,9 @@ def test_colocated_refit_through_shared_buffers():
 
 
 def _unique_rank(rank, world, port):
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     objs = [{"role": "a", "n": list(range(1000))}, {"role": "a", "n": list(range(1000))}, ("b", rank), None]
     got = group.all_gather_unique(objs[rank])
     # equal objects come back as one object; every rank gets what each rank gave
@@ -195,9 +195,9 @@ def _agreement_rank(rank, world, port):
     where a generation rank's own check fails, then a good one on the same group."""
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     kw = dict(num_train=2, num_gen=2, bucket_bytes=1 << 20)
     if rank < 2:
         pieces = {n: TensorPiece(ShardSpec(name=n, global_shape=GLOBAL[n][0], dtype=GLOBAL[n][1],

@@ -66,21 +66,21 @@ def _toy_rank(rank, world, port, refit):
                               _full("n"))]
         calls = []  # the toy engine's one replica: rank 0 logs its control calls here
         control = engine_control(asdict(cfg), [calls] if rank == 0 else [])
-        sync = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=num_train),
+        fleet = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=num_train),
                                rank=rank, num_train=num_train)
         for version in (1, 2):
-            control.refit(sync, version, rank=rank)
-        control.close(sync, rank=rank)
+            control.refit(fleet, version, rank=rank)
+        control.close(fleet, rank=rank)
         return calls
     from tests.toy_engine import ToyStorage
 
     storage = ToyStorage(SHAPES)
-    sync = engine_refit(cfg, storage, gen_index=0, num_train=num_train)
+    member = engine_refit(cfg, storage, gen_index=0, num_train=num_train)
     for version in (1, 2):
-        sync.receive(version)
-    sync.close()
+        member.receive(version)
+    member.close()
     return dict(exact=all(torch.equal(storage.tensors[n], _full(n)) for n in SHAPES),
-                finalized=storage.finalized, state=sync.state)
+                finalized=storage.finalized, state=member.state)
 
 
 @pytest.mark.slow

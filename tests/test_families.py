@@ -145,12 +145,12 @@ def test_bf16_router_bias_stays_float32_on_both_ends(fake_world_specs):
     """Megatron's router keeps expert_bias in float32 (and restores it on every forward);
     transformers and vLLM hold e_score_correction_bias in float32 too."""
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     train = fake_world_specs[4]
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert train[bias] == "float32" and train["model.layers.1.self_attn.q_b_proj.weight"] == "bfloat16"
-    receiver = HFReceiver.from_config(hf_config("deepseek-v3"), dtype=torch.bfloat16)
+    receiver = HFStorage.from_config(hf_config("deepseek-v3"), dtype=torch.bfloat16)
     gen = {s.name: s.dtype for s in receiver.target_specs()}
     assert gen[bias] == "float32" and gen["model.layers.1.self_attn.q_b_proj.weight"] == "bfloat16"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.report import SUMMARY_KEYS
-from megatron_refit.endpoint.serving import SERVING_KEYS
+from megatron_refit.fleet.serving import SERVING_KEYS
 from megatron_refit.testing.launch import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -82,7 +82,7 @@ def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
     delta = "on" if scenario.startswith("corrupt") else "off"
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
@@ -92,13 +92,13 @@ def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
     if scenario.startswith("corrupt") and rank == 0:
         from megatron_refit.endpoint.base import DELTA_TAG
 
-        def isend(self, buffer, peer, tag, _send=RefitGroup.isend):
+        def isend(self, buffer, peer, tag, _send=ProcessGroupTransport.isend):
             # one delta bucket's payload on the wire to the victim (its header and digests untouched)
             # (the replica's own group, where its TP rank 0 is refit rank NUM_TRAIN)
             mine = (self.namespace or "").startswith(f"megatron_refit/replica/{FAILED_REPLICA}/")
             if self.version == bad_version and mine and peer == NUM_TRAIN and tag < DELTA_TAG and buffer.numel() \
-                    and not RefitGroup.corrupted:
-                RefitGroup.corrupted = True
+                    and not ProcessGroupTransport.corrupted:
+                ProcessGroupTransport.corrupted = True
                 buffer = buffer.clone()
                 if scenario == "corrupt-zero":  # indices all 0: malformed, caught before it is applied
                     buffer.zero_()
@@ -106,42 +106,42 @@ def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
                     buffer[-1] ^= 0x04
             return _send(self, buffer, peer, tag)
 
-        RefitGroup.isend = isend
-    RefitGroup.version, RefitGroup.corrupted = 0, False
+        ProcessGroupTransport.isend = isend
+    ProcessGroupTransport.version, ProcessGroupTransport.corrupted = 0, False
     out = []
     if rank < NUM_TRAIN:  # train TP2: row halves
         pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
                               torch.empty(0)) for n, s in SHAPES.items()]
-        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         for version in (1, 2, 3, 4):
-            RefitGroup.version = version
+            ProcessGroupTransport.version = version
             weights = _weights(version)
             for piece in pieces:
                 piece.data = weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)].clone()
             start = time.monotonic()
             try:
-                report = sync.refit(version)
+                report = fleet.refit(version)
                 out.append(dict(ok=True, failed=report.failed_replicas, summary=report.summary, delta=report.delta))
             except Exception as exc:  # noqa: BLE001 -- the test reads what the trainer raised
                 out.append(dict(ok=False, error=type(exc).__name__, message=str(exc)))
             out[-1]["seconds"] = time.monotonic() - start
-        sync.close()
+        fleet.close()
         return out
     gen = rank - NUM_TRAIN
     storage = _Storage(gen % tp, tp)
-    sync = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    member = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
     for version in (1, 2, 3, 4):
-        RefitGroup.version = version
+        ProcessGroupTransport.version = version
         storage.calls = 0
         storage.fail_at = 2 if scenario == "engine-error" and version == bad_version and rank == victim else None
         start = time.monotonic()
         try:
-            report = sync.receive(version)
+            report = member.receive(version)
             out.append(dict(ok=True, delta=report.delta))
         except Exception as exc:  # noqa: BLE001
             out.append(dict(ok=False, error=type(exc).__name__, message=str(exc)))
-        out[-1].update(seconds=time.monotonic() - start, state=sync.state, exact=storage.exact(version))
-    sync.close()
+        out[-1].update(seconds=time.monotonic() - start, state=member.state, exact=storage.exact(version))
+    member.close()
     return out
 
 
@@ -260,7 +260,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
     import os
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.endpoint.membership import JOINS, LEAVES
+    from megatron_refit.fleet.store import JOINS, LEAVES
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
@@ -272,26 +272,26 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
     if rank < NUM_TRAIN:
         pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
                               torch.empty(0)) for n, s in SHAPES.items()]
-        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         for version in (1, 2, 3, 4):
             if version == 3 and rank == 0 and scenario in ("join", "rejoin", "leave"):  # their announcement is in
                 if scenario in ("join", "rejoin"):
                     open(flag, "w").close()  # the standby replica may start now
                 key = LEAVES if scenario == "leave" else JOINS
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and (scenario == "leave" and not sync.control.store.check([key])
+                while time.monotonic() < deadline and (scenario == "leave" and not fleet.control.store.check([key])
                                                        or scenario != "leave" and
-                                                       sync.control.store.get(JOINS).decode().count(",") <= dp):
+                                                       fleet.control.store.get(JOINS).decode().count(",") <= dp):
                     time.sleep(0.05)
             weights = _weights(version)
             for piece in pieces:
                 piece.data = weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)].clone()
             start = time.monotonic()
-            report = sync.refit(version)
-            out.append(dict(failed=report.failed_replicas, summary=report.summary, members=sorted(sync.members),
+            report = fleet.refit(version)
+            out.append(dict(failed=report.failed_replicas, summary=report.summary, members=sorted(fleet.members),
                             seconds=time.monotonic() - start, delta=report.delta,
-                            plans=len({id(m.plan) for m in sync.members.values()})))
-        sync.close()
+                            plans=len({id(m.plan) for m in fleet.members.values()})))
+        fleet.close()
         return out
     gen = rank - NUM_TRAIN
     first, versions = gen, (1, 2, 3, 4)
@@ -315,18 +315,18 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
             return buffer(name)
 
         storage.buffer = dying
-    sync = engine_refit(cfg, storage, gen_index=first, num_train=NUM_TRAIN)
+    member = engine_refit(cfg, storage, gen_index=first, num_train=NUM_TRAIN)
     for version in versions:
         start = time.monotonic()
         try:
-            report = sync.receive(version)
+            report = member.receive(version)
             out.append(dict(version=version, ok=True, delta=report.delta))
         except Exception as exc:  # noqa: BLE001 -- the other TP rank of a replica that died
             out.append(dict(version=version, ok=False, error=type(exc).__name__))
         out[-1].update(seconds=time.monotonic() - start, exact=storage.exact(version))
         if not out[-1]["ok"] or scenario == "leave" and first // tp == 0 and version == 2:
             break  # replica 0 leaves after refit 2
-    sync.close()
+    member.close()
     return out
 
 

@@ -40,12 +40,12 @@ def test_lora_refit_sends_adapters_only_after_the_first():
 def test_lora_receiver_refuses_adapters_without_base():
     from transformers import Qwen3Config
 
-    from megatron_refit.engines.hf.receiver import HFReceiver
-    from megatron_refit.endpoint.lora import LoraReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
+    from megatron_refit.endpoint.lora import LoraStorage
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    lora = LoraReceiver(HFReceiver.from_config(cfg), rank=2, alpha=4)
+    lora = LoraStorage(HFStorage.from_config(cfg), rank=2, alpha=4)
     names = {s.name for s in lora.adapters().target_specs()}
     assert "model.layers.0.self_attn.q_proj.lora_A.weight" in names and len(names) == 14
     assert not any("mlp.gate.weight" in n or "embed" in n or "norm" in n for n in names)
@@ -61,4 +61,4 @@ def test_lora_receiver_refuses_adapters_without_base():
     with pytest.raises(RuntimeError, match="full refit"):
         lora.adapters().finalize()
     with pytest.raises(ValueError, match="rank must be a positive int"):
-        LoraReceiver(lora.hf, rank=0, alpha=1)
+        LoraStorage(lora.hf, rank=0, alpha=1)

@@ -30,9 +30,9 @@ def _outcome(fn):
 def _endpoint(rank, world, port, check_finite=False):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify="sampled")
     if rank < NUM_TRAIN:
         return Refitter(group, _train_pieces(rank), check_finite=check_finite, **kw), None
@@ -134,7 +134,7 @@ def test_a_timed_out_group_reports_itself_broken_until_reconnected():
 
 
 def _join_rank(rank, world, port, scenario):
-    from megatron_refit.transport import RefitGroup, RefitTransportError
+    from megatron_refit.transport import ProcessGroupTransport, RefitTransportError
 
     refit_rank, refit_world = rank, world
     if scenario == "duplicate" and rank == world - 1:
@@ -143,7 +143,8 @@ def _join_rank(rank, world, port, scenario):
     if scenario == "world" and rank == world - 1:
         refit_world = world + 1
     try:
-        RefitGroup.connect(host="127.0.0.1", port=port, rank=refit_rank, world_size=refit_world, timeout_s=2.0)
+        ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=refit_rank, world_size=refit_world,
+                                      timeout_s=2.0)
     except RefitTransportError as exc:
         return str(exc)
     return "ok"
@@ -210,13 +211,13 @@ def _hf_realloc_rank(rank, world, port):
     that changed dtype is refused by name before any byte moves."""
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
-    from megatron_refit.engines.hf.receiver import HFReceiver
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.engines.hf.storage import HFStorage
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     kw = dict(num_train=1, num_gen=1, bucket_bytes=1 << 14, verify="sampled")
     torch.manual_seed(0)
-    recv = HFReceiver.from_config(_hf_cfg())
+    recv = HFStorage.from_config(_hf_cfg())
     if rank == 0:  # the trainer's weights: another model of the same shape, changed per version
         pieces = [TensorPiece(spec, recv.buffer(spec.name).clone()) for spec in recv.target_specs()]
         endpoint = Refitter(group, pieces, **kw)
@@ -262,12 +263,12 @@ def test_a_broken_colocated_group_still_frees_its_shared_buffers():
     meet: the owner frees its shared memory anyway instead of raising on the way out."""
     from multiprocessing import shared_memory
 
-    from megatron_refit.transport.ipc import IpcGroup, _create
-    from megatron_refit.transport import RefitGroup, RefitTransportError
+    from megatron_refit.transport.ipc import IpcTransport, _create
+    from megatron_refit.transport import ProcessGroupTransport, RefitTransportError
 
-    group = RefitGroup(object(), rank=0, world_size=2, backend="gloo", timeout_s=1.0)
+    group = ProcessGroupTransport(object(), rank=0, world_size=2, backend="gloo", timeout_s=1.0)
     group.broken = "receive from rank 1 timed out after 1 s at refit 3"
-    ipc = IpcGroup(group, num_train=1)
+    ipc = IpcTransport(group, num_train=1)
     ipc._own = [_create(64, torch.device("cpu"))]
     name = ipc._own[0].handle[1]
     ipc.close()

@@ -63,7 +63,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
         before = [p.detach().clone() for chunk in built.model for p in chunk.parameters()]
         manager.fire("on_train_step_end", context(skipped_iter=it + 1 in skipped, loss_dict={"lm loss": loss}))
         after = [p.detach() for chunk in built.model for p in chunk.parameters()]
-        pending = sum(not torch.equal(a, b) for a, b in zip(before, after))  # finished by the callback's sync
+        pending = sum(not torch.equal(a, b) for a, b in zip(before, after))  # finished by the callback's fleet
         report = callback.last_report
         refitted = report is not None and report.version == it + 1
         export = None
@@ -76,7 +76,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
                         sent=report.bytes_sent if refitted else 0, summary=report.summary if refitted else None))
         state.train_state.step += 1
     manager.fire("on_train_end", context())
-    return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.sync is None,
+    return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.fleet is None,
                 start=start if rank == 0 else None, scalars=writer.scalars if writer else None,
                 engine_calls=[e.calls for e in engines] if engines else None)
 
@@ -113,16 +113,16 @@ class _Writer:
 def _gen(refit, versions, num_train, device="cpu", gen_index=0):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.refit import engine_refit
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
-    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
-    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train, device=device)
+    backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
+    member = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train, device=device)
     out = {}
     for version in versions:
-        report = sync.receive(version)
+        report = member.receive(version)
         out[version] = dict(weights={n: t.cpu() for n, t in backend.state_dict_hf().items()},
                             minimal=report.bytes_minimal, seconds=report.seconds["total"])
-    sync.close()
+    member.close()
     return dict(role="gen", refits=out)
 
 def _rank(rank, world, port, refit, tp, overlap, skipped, versions, megatron_port):
@@ -259,9 +259,9 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
             if wait_joins and rank == 0:  # the test's joiner has announced itself: the next refit takes it in
                 import time
 
-                from megatron_refit.endpoint.membership import JOINS
+                from megatron_refit.fleet.store import JOINS
 
-                store, deadline = callbacks[0].sync.control.store, time.monotonic() + 200
+                store, deadline = callbacks[0].fleet.control.store, time.monotonic() + 200
                 while store.get(JOINS).decode().count(",") < wait_joins and time.monotonic() < deadline:
                     time.sleep(0.05)
 
@@ -270,7 +270,7 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
 
     record = run_tiny_pretrain(cfg, train_iters=PRETRAIN_ITERATIONS, callbacks=callbacks + [Export()], dp=num_train,
                                overlap_param_gather=num_train > 1)
-    return dict(exports=exports, record=record, closed=callbacks[0].sync is None)
+    return dict(exports=exports, record=record, closed=callbacks[0].fleet is None)
 
 
 def _pretrain_rank(rank, world, port, yaml_path, megatron_port, device):
@@ -394,16 +394,16 @@ def _joining_gen(refit, num_train, gen_index=1):
     """An engine replica that was not there when training started (replica 1 of a run
     configured with one): it joins the running trainer and takes each version it sends."""
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.errors import RefitTransportError
     from megatron_refit.refit import engine_refit
 
-    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
-    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
+    backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
+    member = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
     out = {}
     while True:
         try:
-            report = sync.receive()  # the version the trainer sends next
+            report = member.receive()  # the version the trainer sends next
         except RefitTransportError:  # the trainer finished: its ranks are gone
             break
         out[report.version] = dict(weights={n: t.cpu() for n, t in backend.state_dict_hf().items()},

@@ -99,13 +99,13 @@ def _train_pieces(rank, on_read=None, names=NAMES):
 def _rank(rank, world, port, scenario):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group_cls = RefitGroup
+    group_cls = ProcessGroupTransport
     if scenario == "corrupt":
         from megatron_refit.endpoint.base import DIGEST_TAG
 
-        class Corrupting(RefitGroup):
+        class Corrupting(ProcessGroupTransport):
             """What travels of bucket 1 (what the sender's digest was computed over is untouched):
             version 2 one flipped byte; version 3 zeros, the digest message zeroed too;
             version 4 version 1's bucket and digests replayed (stale, but internally consistent)."""
@@ -237,11 +237,11 @@ def test_hf_receiver_refuses_to_generate_while_stale():
     from transformers import Qwen3Config
 
     from megatron_refit.errors import StaleWeightsError
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    recv = HFReceiver.from_config(cfg)
+    recv = HFStorage.from_config(cfg)
     tokens = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(StaleWeightsError, match="stale"):
         recv.logits(tokens)

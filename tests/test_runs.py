@@ -127,9 +127,9 @@ class _Fused:
 def _rank(rank, world, port, sender_fused, receiver_fused):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     kw = dict(num_train=2, num_gen=2, bucket_bytes=1 << 20, direct_bytes=32)
     if rank < 2:
         _, _, fused = _fused_halves(rank)

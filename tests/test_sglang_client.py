@@ -166,7 +166,7 @@ def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_ne
     started = threading.Event()
     control = _control([_Client(calls, started, replica=0)])
     fleet = _Fleet(started, members=(0,))
-    control._sync = fleet
+    control._fleet = fleet
     joiner = _Client(calls, started, replica=5)
     joiner.connected = threading.Event()
     # the join is announced once its connect call ran (engine_refit announces, then waits for the train ranks)
@@ -194,7 +194,7 @@ def test_sglang_control_a_replica_that_never_announces_is_refused_in_its_timeout
     started = threading.Event()
     control = _control([_Client(calls, started)])
     control.timeout_s = 0.3
-    control._sync = _Fleet(started, members=(0,))
+    control._fleet = _Fleet(started, members=(0,))
     silent = _Client(calls, started)
     silent.connected = threading.Event()  # blocks, never announces
     with pytest.raises(EngineLoadError, match="replica 1 did not announce its join within refit.timeout_s=0.3 s"):

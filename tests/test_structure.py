@@ -24,6 +24,7 @@ LAYERS = (
     ("megatron_refit.config",),
     ("megatron_refit.transport",),
     ("megatron_refit.endpoint",),
+    ("megatron_refit.fleet",),
     ("megatron_refit.refit",),
     ("megatron_refit.engines",),
     ("conversion",),
@@ -175,11 +176,12 @@ def test_invariants_raise_errors_not_asserts():
 
 
 def test_transport_registry():
-    from megatron_refit.transport import RefitGroup, Transport, open_transport, register_transport, transport_names
-    from megatron_refit.transport.ipc import IpcGroup
+    from megatron_refit.transport import (ProcessGroupTransport, Transport, open_transport, register_transport,
+                                          transport_names)
+    from megatron_refit.transport.ipc import IpcTransport
 
     assert {"gloo", "nccl", "ipc"} <= set(transport_names())
-    assert issubclass(RefitGroup, Transport) and issubclass(IpcGroup, Transport)
+    assert issubclass(ProcessGroupTransport, Transport) and issubclass(IpcTransport, Transport)
     with pytest.raises(ValueError, match=r"unknown transport 'rdma'; registered: \["):
         open_transport("rdma", host="127.0.0.1", port=1, rank=0, world_size=1, timeout_s=1, num_train=1)
     with pytest.raises(ValueError, match="'gloo' is already registered"):
@@ -194,12 +196,12 @@ def test_a_registered_transport_serves_a_refit_group():
     """``open_transport`` with the built-in gloo transport: a one-rank group that exchanges
     a control message with itself."""
     from megatron_refit.testing.launch import free_ports
-    from megatron_refit.transport import RefitGroup, open_transport
+    from megatron_refit.transport import ProcessGroupTransport, open_transport
 
     (port,) = free_ports(1)
     group = open_transport("gloo", host="127.0.0.1", port=port, rank=0, world_size=1, timeout_s=30, num_train=1)
     try:
-        assert isinstance(group, RefitGroup) and group.backend == "gloo" and group.direct_ok
+        assert isinstance(group, ProcessGroupTransport) and group.backend == "gloo" and group.direct_ok
         assert group.auto_direct_bytes(64 << 20) == 1 << 20  # host memory: 1 MiB goes direct
         from megatron_refit.transport.process_group import HEADER_VALUES
 

@@ -61,11 +61,11 @@ def test_in_place_generation_waits_for_the_whole_refit():
 def test_staged_receiver_keeps_serving_after_a_failed_refit_and_follows_a_reallocated_model():
     from transformers import Qwen3Config
 
-    from megatron_refit.engines.hf.staged import StagedHFReceiver
+    from megatron_refit.engines.hf.staged import StagedHFStorage
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    recv = StagedHFReceiver.from_config(cfg)
+    recv = StagedHFStorage.from_config(cfg)
     tokens = torch.zeros(1, 4, dtype=torch.long)
     name = "model.embed_tokens.weight"
     # version 1 into the shadow; the swap makes it live at once, tagged 1

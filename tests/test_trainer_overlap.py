@@ -47,8 +47,8 @@ def _overlap_rank(rank, world, port, scenario, versions):
         pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
                               torch.zeros(tuple(b - a for a, b in _box(n, rank, NUM_TRAIN))))
                   for n, s in SHAPES.items()]
-        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
-        for member in sync.members.values():
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        for member in fleet.members.values():
             slowed(member.group, SEND_DELAY_S)
         out = dict(started=[], errors=[], in_flight=[], reports=[])
         pending = list(versions)
@@ -58,7 +58,7 @@ def _overlap_rank(rank, world, port, scenario, versions):
             for piece in pieces:  # this step's weights, in the tensors the trainer keeps
                 piece.data.copy_(weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)])
             try:
-                started = sync.start_refit(version)
+                started = fleet.start_refit(version)
             except Exception as exc:  # noqa: BLE001 -- the last refit's failure, raised here
                 out["errors"].append(dict(at=version, error=type(exc).__name__, message=str(exc),
                                           notes=getattr(exc, "__notes__", [])))
@@ -67,32 +67,32 @@ def _overlap_rank(rank, world, port, scenario, versions):
                 continue  # the same step again
             pending.pop(0)
             out["started"].append(version) if started else None
-            out["in_flight"].append(sync.background.in_flight)
+            out["in_flight"].append(fleet.background.in_flight)
             for piece in pieces:  # the next step changes them while the bytes move
                 piece.data.mul_(-3.0).add_(1.0)
             time.sleep(0.05)
-            out["reports"] += [r.version for r in sync.finished()]
-        t0, moving = time.monotonic(), sync.background.in_flight
-        sync.close()  # a refit in flight lands first
-        out.update(close_s=time.monotonic() - t0, moving_at_close=moving, skipped=sync.background.skipped,
-                   snapshot_bytes=sync.background.snapshot.nbytes,
-                   reports=out["reports"] + [r.version for r in sync.finished()])
+            out["reports"] += [r.version for r in fleet.finished()]
+        t0, moving = time.monotonic(), fleet.background.in_flight
+        fleet.close()  # a refit in flight lands first
+        out.update(close_s=time.monotonic() - t0, moving_at_close=moving, skipped=fleet.background.skipped,
+                   snapshot_bytes=fleet.background.snapshot.nbytes,
+                   reports=out["reports"] + [r.version for r in fleet.finished()])
         return out
     gen = rank - NUM_TRAIN
     storage = _Storage(0, 1)
-    sync = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    member = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
     out = []
     while True:
         storage.calls = 0
         storage.fail_at = 2 if scenario in ("raise", "continue") and gen == 1 and len(out) == 1 else None
         try:
-            report = sync.receive()  # whatever version the trainer sends next
+            report = member.receive()  # whatever version the trainer sends next
             out.append(dict(version=report.version, ok=True, exact=storage.exact(report.version), delta=report.delta))
         except RefitTransportError:  # the trainer closed
             break
         except Exception as exc:  # noqa: BLE001
             out.append(dict(ok=False, error=type(exc).__name__))
-    sync.close()
+    member.close()
     return out
 
 
@@ -239,8 +239,8 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
         def on_train_step_end(self, context):
             iteration = context.state.train_state.step + 1
             if self.hold is None:  # the callback joined at on_train_start (after this one)
-                self.hold = HoldRefits(refit_callback.sync, 120)
-            out["in_flight"][iteration] = refit_callback.sync.background.in_flight
+                self.hold = HoldRefits(refit_callback.fleet, 120)
+            out["in_flight"][iteration] = refit_callback.fleet.background.in_flight
             self.hold.stepped(iteration)
             force_param_sync(context.model, context.optimizer)
             got = {n: t.detach().cpu().clone() for n, t in bridge.export_hf_weights(context.model, cpu=True,
@@ -248,35 +248,35 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
             out["exports"][iteration] = got if rank == 0 else None
 
         def on_train_end(self, context):
-            out["at_end"] = refit_callback.sync.background.in_flight  # on_train_end waits for it
+            out["at_end"] = refit_callback.fleet.background.in_flight  # on_train_end waits for it
             self.hold.stepped(float("inf"))
 
     steps = Steps()
     record = run_tiny_pretrain(cfg, train_iters=PRETRAIN_ITERATIONS, callbacks=[steps, refit_callback],
                                dp=num_train, overlap_param_gather=True)
-    return dict(out, iterations=record["iterations"], closed=refit_callback.sync is None,
+    return dict(out, iterations=record["iterations"], closed=refit_callback.fleet is None,
                 last=refit_callback.last_report.version, skipped_busy=refit_callback.skipped_busy)
 
 
 def _pretrain_overlap_gen(refit, gen_index, num_train):
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.refit import engine_refit
     from megatron_refit.testing.harness import _failing
 
-    backend = HFReceiver.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
+    backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
     armed = _failing(backend)
-    sync = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
+    member = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
     out = {}
     for version in range(PRETRAIN_ITERATIONS + 1):
         armed[0] = (gen_index, version) == FAILING
         try:
-            report = sync.receive(version)
+            report = member.receive(version)
         except RuntimeError as exc:
             out[version] = dict(error=str(exc))
             continue
         out[version] = dict(weights={n: t.clone() for n, t in backend.state_dict_hf().items()}, delta=report.delta)
-    sync.close()
+    member.close()
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 from conversion.testing.hf_configs import hf_config
 from conversion.testing.validate import check_train_layout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.transport import RefitGroup
+from megatron_refit.transport import ProcessGroupTransport
 
 pytestmark = pytest.mark.reliability
 
@@ -41,7 +41,7 @@ def test_layout_values():
 ])
 def test_refit_group_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
-        RefitGroup.connect(host="127.0.0.1", port=1, **kw)
+        ProcessGroupTransport.connect(host="127.0.0.1", port=1, **kw)
 
 
 def test_endpoint_world_must_match_train_plus_gen():

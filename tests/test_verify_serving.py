@@ -11,7 +11,7 @@ import math
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.serving import ServingCheck, ServingUnavailableError
+from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout

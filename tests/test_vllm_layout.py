@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
-from megatron_refit.engines.fused.live import EngineReceiver, resolve_names
-from megatron_refit.engines.fused.layout import VllmLayoutReceiver, expected_storage, fused_layout
+from megatron_refit.engines.fused.live import LiveModelStorage, resolve_names
+from megatron_refit.engines.fused.layout import FusedLayoutStorage, expected_storage, fused_layout
 
 H, HD, HEADS, KV, FFN, E, MI, V = 16, 4, 4, 2, 16, 4, 8, 100
 SHAPE = ModelShape(num_attention_heads=HEADS, num_kv_heads=KV, vocab_size=V, num_experts=E)
@@ -79,7 +79,7 @@ def test_fused_storage_matches_vllm_loader_semantics(tp):
 
 def test_receiver_views_write_engine_storage_in_place():
     specs = gen_target_specs(_params(), GenLayout(tp=2), SHAPE, style="vllm")[1]
-    recv = VllmLayoutReceiver.allocate(_params(), GenLayout(tp=2), SHAPE, gen_index=1)
+    recv = FusedLayoutStorage.allocate(_params(), GenLayout(tp=2), SHAPE, gen_index=1)
     full = _full()
     for s in specs:
         recv.buffer(s.name).copy_(full[s.name][tuple(slice(a, b) for a, b in s.box)])
@@ -109,7 +109,7 @@ def test_engine_receiver_refuses_dtype_mismatch():
             return iter((n, torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16))) for n, (s, _) in shapes.items())
 
     with pytest.raises(ValueError, match="is torch.bfloat16 at construction, the trainer sends float32"):
-        EngineReceiver(Fake(), specs, SHAPE, 1)
+        LiveModelStorage(Fake(), specs, SHAPE, 1)
 
 
 def test_engine_receiver_follows_reallocated_parameters_and_refuses_reshaped_ones():
@@ -127,7 +127,7 @@ def test_engine_receiver_follows_reallocated_parameters_and_refuses_reshaped_one
             return iter(self.live.items())
 
     engine = Engine()
-    receiver = EngineReceiver(engine, specs, SHAPE, 1)
+    receiver = LiveModelStorage(engine, specs, SHAPE, 1)
     assert receiver.refresh_targets() is False and receiver.rebinds == 0
     piece = next(p for p in specs if p.name.endswith("self_attn.k_proj.weight"))
     fused = placements[piece.name].vllm_name

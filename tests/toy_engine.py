@@ -50,15 +50,15 @@ class ToyControl:
         self._log(rank, f"connect {self.refit_section['engine']} {num_train}")
         return join()
 
-    def refit(self, sync, version: int, *, rank: int, full: bool = False):
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False):
         self._log(rank, f"pause {version}")
-        report = sync.refit(version, full=full)
+        report = fleet.refit(version, full=full)
         self._log(rank, f"resume {version}")
         return report
 
-    def close(self, sync, *, rank: int) -> None:
+    def close(self, fleet, *, rank: int) -> None:
         self._log(rank, "close")
-        sync.close()
+        fleet.close()
 
 
 register_engine(Engine(name="toy", layout="full", staged_needs=None, writes="writes whole tensors into a dict",

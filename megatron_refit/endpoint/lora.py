@@ -8,8 +8,8 @@ the weight itself, so sending it would save nothing over sending merged weights.
 
 The engine computes with merged weights: after each refit every adapted weight becomes
 ``base + (alpha / rank) * (B @ A)``, in float32 and cast back — Megatron-Bridge's merge,
-so the result equals Bridge's merged export. :class:`LoraReceiver` does that over a
-:class:`~megatron_refit.engines.hf.receiver.HFReceiver` (gen TP 1) and offers two receiver
+so the result equals Bridge's merged export. :class:`LoraStorage` does that over a
+:class:`~megatron_refit.engines.hf.storage.HFStorage` (gen TP 1) and offers two receiver
 backends over one state: :meth:`full` (base + adapters) and :meth:`adapters`.
 """
 
@@ -26,7 +26,7 @@ def lora_names(weight: str) -> tuple[str, str]:
     return f"{base}.lora_A.weight", f"{base}.lora_B.weight"
 
 
-class LoraReceiver:
+class LoraStorage:
     """Base weights and adapters of a receiver's adapted projections; merges on finalize.
 
     ``hf``: any storage (``target_specs`` / ``buffer`` / ``finalize``): the HF
@@ -97,7 +97,7 @@ class LoraReceiver:
 
 
 class _Backend:
-    def __init__(self, lora: LoraReceiver, specs: list[ShardSpec], *, full: bool):
+    def __init__(self, lora: LoraStorage, specs: list[ShardSpec], *, full: bool):
         self.lora, self.specs, self.full = lora, specs, full
 
     def target_specs(self) -> list[ShardSpec]:

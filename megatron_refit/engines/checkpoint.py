@@ -36,10 +36,10 @@ def hf_param_table(hf_config, dtype: torch.dtype | str) -> dict[str, tuple[tuple
     checkpoints carry (DeepSeek's ``e_score_correction_bias``) included."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    return {s.name: (s.global_shape, s.dtype) for s in HFReceiver(model).target_specs()}
+    return {s.name: (s.global_shape, s.dtype) for s in HFStorage(model).target_specs()}

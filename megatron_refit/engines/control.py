@@ -3,7 +3,7 @@
 ``RefitCallback`` (and any training loop) asks :func:`engine_control` for the control of
 ``refit.engine`` and makes the same three calls whatever the engine: ``connect`` once, ``refit``
 per version, ``close`` at the end. Each wraps the trainer's own call (``join()``,
-``sync.refit(version)``, ``sync.close()``): an engine with a control plane (SGLang: pause,
+``fleet.refit(version)``, ``fleet.close()``): an engine with a control plane (SGLang: pause,
 update session, resume) runs its client calls on train rank 0 around it; one without
 (:class:`NoControl`: vLLM, driven by vLLM's own weight-transfer API, or an engine that runs its
 own receive loop) makes the trainer's call alone.
@@ -26,11 +26,11 @@ class EngineControl(Protocol):
         """Run ``join()`` (joins the refit group, returns the trainer's refit) while the
         engines join too; returns what ``join()`` returned."""
 
-    def refit(self, sync, version: int, *, rank: int, full: bool = False) -> Any:
-        """``sync.refit(version, full=full)`` while the engines receive; returns its report."""
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
+        """``fleet.refit(version, full=full)`` while the engines receive; returns its report."""
 
-    def close(self, sync, *, rank: int) -> None:
-        """``sync.close()`` while the engines leave the group."""
+    def close(self, fleet, *, rank: int) -> None:
+        """``fleet.close()`` while the engines leave the group."""
 
 
 class NoControl:
@@ -39,11 +39,11 @@ class NoControl:
     def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
         return join()
 
-    def refit(self, sync, version: int, *, rank: int, full: bool = False) -> Any:
-        return sync.refit(version, full=full)
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
+        return fleet.refit(version, full=full)
 
-    def close(self, sync, *, rank: int) -> None:
-        sync.close()
+    def close(self, fleet, *, rank: int) -> None:
+        fleet.close()
 
 
 def engine_control(refit: dict, clients: Sequence = ()) -> EngineControl:

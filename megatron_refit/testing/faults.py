@@ -60,21 +60,21 @@ def slowed(group, delay_s: float) -> None:
 
 class HoldRefits:
     """``refit.overlap`` (``RunSpec.hold_refits`` of the harness, the overlap tests): the
-    background refit of version ``v`` of the fleet ``sync`` reads and sends nothing before
+    background refit of version ``v`` of the fleet ``fleet`` reads and sends nothing before
     step ``v + 1`` has finished (:meth:`stepped`), so that every refit provably overlaps a
     training step (at most ``timeout_s`` each)."""
 
-    def __init__(self, sync, timeout_s: float):
+    def __init__(self, fleet, timeout_s: float):
         self.timeout_s = timeout_s
         self.cond, self.steps = threading.Condition(), 0
-        refit = sync._refit  # the fleet's refit as the background thread runs it
+        refit = fleet._refit  # the fleet's refit as the background thread runs it
 
         def held(version, **kw):
             with self.cond:
                 self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
             return refit(version, **kw)
 
-        sync._refit = held
+        fleet._refit = held
 
     def stepped(self, step: float) -> None:
         with self.cond:
@@ -91,7 +91,7 @@ as it was before the refit (not loaded); one FP8 weight dequantized with the las
 
 def break_post_load(storage, how: str, armed: list[bool]) -> None:
     """While ``armed[0]`` is set, the post-load step (``finalize``) of ``storage`` (an
-    :class:`~megatron_refit.engines.hf.receiver.HFReceiver`) breaks the model as ``how`` says
+    :class:`~megatron_refit.engines.hf.storage.HFStorage`) breaks the model as ``how`` says
     (:data:`BREAKS`); the bytes the refit wrote are right, the model the engine computes with is not."""
     if how not in BREAKS:
         raise ValueError(f"break_post_load: {how!r} is not one of {list(BREAKS)}")

@@ -119,13 +119,13 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
         torch.cuda.set_device(0)
     refit_cfg = refit_config(spec, port)
     if rank < spec.num_train:
-        out, sync = _train_rank(rank, spec, cfg, refit_cfg)
+        out, side = _train_rank(rank, spec, cfg, refit_cfg)
     else:
-        out, sync = _gen_rank(rank - spec.num_train, spec, cfg, refit_cfg)
+        out, side = _gen_rank(rank - spec.num_train, spec, cfg, refit_cfg)
     if spec.colocated:
-        groups = [m.group for m in sync.members.values()] if hasattr(sync, "members") else [sync.group]
+        groups = [m.group for m in side.members.values()] if hasattr(side, "members") else [side.group]
         out["bytes_shared"] = sum(group.bytes_shared for group in groups)
-    sync.close()
+    side.close()
     return out
 
 
@@ -189,10 +189,10 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         offloader = ParamOffloader(params)
     versions = range(1, spec.refits + 1)
     bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
-    sync = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
+    fleet = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
-    summary = sync.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
-    hold = HoldRefits(sync, spec.timeout_s) if spec.hold_refits else None
+    summary = fleet.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
+    hold = HoldRefits(fleet, spec.timeout_s) if spec.hold_refits else None
     out = []
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
@@ -200,16 +200,16 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         loss = train_step(built, optimizer, tokens_for(version, cfg.vocab_size))
         if spec.overlap:
             if out:  # was the last refit still moving while this step changed the weights?
-                out[-1]["overlapped"] = sync.background.in_flight == version - 1
+                out[-1]["overlapped"] = fleet.background.in_flight == version - 1
             if hold is not None:
                 hold.stepped(version)
-            out.append(_overlapped_item(spec, sync, built, cfg, version, rank, loss))
+            out.append(_overlapped_item(spec, fleet, built, cfg, version, rank, loss))
             continue
         if offloader is not None:
             offloader.offload()  # between steps the parameters wait in host memory
             if any(p.numel() for p in params):
                 raise RuntimeError("offload left parameters in place")
-        report = sync.refit(version)
+        report = fleet.refit(version)
         if offloader is not None:
             if not offloader.offloaded:  # the refit puts them back where it found them
                 raise RuntimeError(f"refit {version} left offloaded parameters loaded")
@@ -221,22 +221,22 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     if spec.overlap:
         if hold is not None:
             hold.stepped(float("inf"))
-        sync.background.wait()
-        reports = {r.version: r for r in sync.finished()}
+        fleet.background.wait()
+        reports = {r.version: r for r in fleet.finished()}
         for item in out:
             item.update(report=reports[item.pop("version")].as_dict())
             item["failed_replicas"] = item["report"]["failed_replicas"]
-    return dict(role="train", summary=summary, refits=out), sync
+    return dict(role="train", summary=summary, refits=out), fleet
 
 
-def _overlapped_item(spec: RunSpec, sync, built, cfg, version: int, rank: int, loss) -> dict:
+def _overlapped_item(spec: RunSpec, fleet, built, cfg, version: int, rank: int, loss) -> dict:
     """``refit.overlap``: the weights at this step boundary (what refit ``version`` must land),
     then the refit started in the background (its report is read when training ends)."""
     item = dict(version=version, loss=loss, overlapped=False)
     if spec.collect:  # before the refit starts
         item.update(_trainer_weights(spec, built, cfg, rank))
     t0 = time.perf_counter()
-    sync.start_refit(version)
+    fleet.start_refit(version)
     item["start_s"] = time.perf_counter() - t0
     return item
 
@@ -269,7 +269,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
 
     backend = make_gen_backend(spec, cfg, gen_index)
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
-    sync = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
+    member = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
                         lora=lora)
     fail_at = spec.fail_replica[1] if spec.fail_replica and gen_index == spec.fail_replica[0] * spec.gen.tp else None
     armed = _failing(backend) if fail_at else [False]
@@ -280,7 +280,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
         for at, flag in breaks:
             flag[0] = version == at
         try:
-            report = sync.receive(version)
+            report = member.receive(version)
         except Exception as exc:
             if version != fail_at:
                 raise
@@ -292,7 +292,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
         out.append(item)
-    return dict(role="gen", gen_index=gen_index, refits=out), sync
+    return dict(role="gen", gen_index=gen_index, refits=out), member
 
 
 def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bool]]]:
@@ -326,19 +326,19 @@ def _failing(storage) -> list[bool]:
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1:
-        from megatron_refit.engines.hf.receiver import HFReceiver
-        from megatron_refit.engines.hf.staged import StagedHFReceiver
+        from megatron_refit.engines.hf.storage import HFStorage
+        from megatron_refit.engines.hf.staged import StagedHFStorage
 
         if spec.swap == "staged":
-            return StagedHFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
+            return StagedHFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
                                                 budget_bytes=spec.swap_budget_bytes)
-        return HFReceiver.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
-    from megatron_refit.engines.fused.layout import VllmLayoutReceiver
+        return HFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
+    from megatron_refit.engines.fused.layout import FusedLayoutStorage
 
     params = hf_param_table(cfg, dtype)
     if spec.fp8:
         params = fp8_param_table(params)
-    return VllmLayoutReceiver.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
+    return FusedLayoutStorage.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
 
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:

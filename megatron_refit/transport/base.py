@@ -31,9 +31,9 @@ class Pending:
 
 
 class Transport(ABC):
-    """A refit group. Implementations: :class:`~megatron_refit.transport.process_group.RefitGroup`
+    """A refit group. Implementations: :class:`~megatron_refit.transport.process_group.ProcessGroupTransport`
     (torch.distributed P2P: gloo on CPU, NCCL between GPUs) and
-    :class:`~megatron_refit.transport.ipc.IpcGroup` (colocated: shared staging buffers)."""
+    :class:`~megatron_refit.transport.ipc.IpcTransport` (colocated: shared staging buffers)."""
 
     rank: int
     world_size: int
@@ -93,7 +93,7 @@ class Transport(ABC):
 
     @abstractmethod
     def exchange(self, call: str, values=()) -> list[list[int]]:
-        """A control collective with a header naming the call (see ``RefitGroup.exchange``)."""
+        """A control collective with a header naming the call (see ``ProcessGroupTransport.exchange``)."""
 
     @abstractmethod
     def all_gather_object(self, obj, call: str = "message") -> list: ...

@@ -1,6 +1,6 @@
 """Colocated refit: trainer and engine share devices; bucket bytes go through shared buffers.
 
-``IpcGroup`` wraps a :class:`~megatron_refit.transport.RefitGroup` for the endpoint. Each train
+``IpcTransport`` wraps a :class:`~megatron_refit.transport.ProcessGroupTransport` for the endpoint. Each train
 rank's two staging buffers (the endpoint's double buffer) live in memory the other processes
 map: CUDA IPC handles (``torch.multiprocessing``'s ``reduce_tensor``) on a GPU, POSIX shared
 memory on CPU. A sender packs a bucket into its buffer and sends a 24-byte control message
@@ -18,7 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from megatron_refit.transport.base import Pending, Transport
-from megatron_refit.transport.process_group import RefitGroup
+from megatron_refit.transport.process_group import ProcessGroupTransport
 
 
 @dataclass
@@ -95,15 +95,15 @@ class _Both:
             work.wait(timeout)
 
 
-class IpcGroup(Transport):
+class IpcTransport(Transport):
     """A refit group whose bucket bytes travel through shared staging buffers; control
-    messages and collectives go over the :class:`RefitGroup` it wraps."""
+    messages and collectives go over the :class:`ProcessGroupTransport` it wraps."""
 
     direct_ok = False
     """The endpoint packs every item (only the staging buffers are shared)."""
     shares_buffers = True
 
-    def __init__(self, group: RefitGroup, *, num_train: int, device: torch.device | str | None = None):
+    def __init__(self, group: ProcessGroupTransport, *, num_train: int, device: torch.device | str | None = None):
         self.group = group
         self.num_train = num_train
         self.device = torch.device(device) if device is not None else group.device

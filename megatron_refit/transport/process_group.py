@@ -9,7 +9,7 @@ the rank that reported the first failure in the group; after one, the group is b
 says so at every later call until the ranks reconnect.
 
 Every control collective (``prepare()``'s metadata, the per-refit handshake and summary,
-colocated handles, ``close``) starts with :meth:`RefitGroup.exchange`: a fixed-size header carrying
+colocated handles, ``close``) starts with :meth:`ProcessGroupTransport.exchange`: a fixed-size header carrying
 the call it belongs to and its sequence number, so ranks in different calls (one side in
 ``prepare()``, the other in ``refit()``) stop with :class:`RefitProtocolError` naming both
 sides' calls instead of reading one message's bytes as another's. Metadata travels as JSON
@@ -50,7 +50,7 @@ FIRST_FAILURE = "megatron_refit_first_failure"
 BACKENDS = ("gloo", "nccl")
 
 
-class RefitGroup(Transport):
+class ProcessGroupTransport(Transport):
     """The refit process group over torch.distributed P2P: ranks ``0..num_train-1`` train,
     then generation ranks; gloo on CPU, NCCL between GPUs."""
 
@@ -87,7 +87,7 @@ class RefitGroup(Transport):
         backend: str = "gloo",
         timeout_s: float = 120.0,
         namespace: str | None = None,
-    ) -> RefitGroup:
+    ) -> ProcessGroupTransport:
         """Rendezvous at ``host:port`` (rank 0 hosts the store) and build the group.
         ``namespace``: a group of its own in a store another group's rank 0 already hosts
         there (every rank is its client; the keys live under the namespace), as each engine
@@ -217,7 +217,8 @@ class RefitGroup(Transport):
             raise RefitTransportError(f"refit rank {self.rank}: the refit group is closed")
         if self.broken is not None:
             raise RefitTransportError(f"refit rank {self.rank}: the refit group is broken ({self.broken}); "
-                                      f"every rank must reconnect (RefitGroup.connect) before the next refit")
+                                      f"every rank must reconnect (ProcessGroupTransport.connect) before the "
+                                      "next refit")
         return self._pg
 
     def _broke(self, what: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.transport.base import Transport
-from megatron_refit.transport.process_group import RefitGroup
+from megatron_refit.transport.process_group import ProcessGroupTransport
 
 TransportFactory = Callable[..., Transport]
 """``factory(*, host, port, rank, world_size, timeout_s, num_train, device, namespace) -> Transport``
@@ -61,17 +61,17 @@ def open_transport(name: str, *, host: str, port: int, rank: int, world_size: in
 
 def _p2p(backend: str) -> TransportFactory:
     def factory(*, host, port, rank, world_size, timeout_s, num_train, device, namespace=None):
-        return RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
+        return ProcessGroupTransport.connect(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
                                   timeout_s=timeout_s, namespace=namespace)
     return factory
 
 
 def _ipc(*, host, port, rank, world_size, timeout_s, num_train, device, namespace=None):
-    from megatron_refit.transport.ipc import IpcGroup
+    from megatron_refit.transport.ipc import IpcTransport
 
-    control = RefitGroup.connect(host=host, port=port, rank=rank, world_size=world_size, backend="gloo",
+    control = ProcessGroupTransport.connect(host=host, port=port, rank=rank, world_size=world_size, backend="gloo",
                                  timeout_s=timeout_s, namespace=namespace)
-    return IpcGroup(control, num_train=num_train, device=device)
+    return IpcTransport(control, num_train=num_train, device=device)
 
 
 register_transport("gloo", _p2p("gloo"))

@@ -53,12 +53,12 @@ def _bf16_tensors(model_name: str, seed: int) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     cfg = hf_config(model_name, **ALIGNED)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return {n: t.bfloat16() for n, t in HFReceiver(hf).state_dict_hf().items()}, cfg
+    return {n: t.bfloat16() for n, t in HFStorage(hf).state_dict_hf().items()}, cfg
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _train(rank, world, refit_ports):
 
     out = {}
     for model_name, port in zip(MODELS, refit_ports):
-        sync, pieces, reports = None, {}, []
+        fleet, pieces, reports = None, {}, []
         for version, seed in VERSIONS.items():
             full, _ = _bf16_tensors(model_name, seed)
             for name, t in full.items():
@@ -88,12 +88,12 @@ def _train(rank, world, refit_ports):
                 else:
                     spec = ShardSpec(name=name, global_shape=shape, dtype="bfloat16", box=box)
                     pieces[name] = TensorPiece(spec, data)
-            if sync is None:  # quantized on the trainer (refit.trainer_quantize_fp8), as the engine's hook expects
+            if fleet is None:  # quantized on the trainer (refit.trainer_quantize_fp8), as the engine's hook expects
                 cfg = RefitConfig(enabled=True, engine="sglang", gen_tp=GEN_TP, port=port, timeout_s=120,
                                   bucket_mb=BUCKET_BYTES / (1 << 20), trainer_quantize_fp8=True)
-                sync = trainer_refit_from_pieces(cfg, list(pieces.values()), [], rank=rank, num_train=NUM_TRAIN)
-            reports.append(sync.refit(version).as_dict())
-        sync.close()
+                fleet = trainer_refit_from_pieces(cfg, list(pieces.values()), [], rank=rank, num_train=NUM_TRAIN)
+            reports.append(fleet.refit(version).as_dict())
+        fleet.close()
         out[model_name] = reports
     return out
 
@@ -117,9 +117,9 @@ def _gen(rank, world, sglang_port, refit_ports, workdir):
                 param.fill_(float("nan"))
         # the shipped hook's connect: the plan from SGLang's own config, FP8 tables for the
         # trainer-side quantization (refit.trainer_quantize_fp8)
-        sync = engine_refit_for(model, dict(gen_tp=GEN_TP, port=port, bucket_mb=BUCKET_BYTES / (1 << 20),
+        member = engine_refit_for(model, dict(gen_tp=GEN_TP, port=port, bucket_mb=BUCKET_BYTES / (1 << 20),
                                             timeout_s=120, trainer_quantize_fp8=True), num_train=NUM_TRAIN)
-        backend, receiver = sync.full.storage, sync
+        backend, receiver = member.full.storage, member
         checks = []
         for version, seed in VERSIONS.items():
             report = receiver.receive(version)

@@ -3,7 +3,7 @@
 The engine side is SGLang's own as far as it runs without an engine on CPU
 (:mod:`.sglang_cpu`): every generation rank sets up SGLang's distributed state at its TP size,
 builds ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` through SGLang's ``ModelConfig`` and
-dummy loader, and receives with an ``EngineReceiver`` writing in place into that model's
+dummy loader, and receives with an ``LiveModelStorage`` writing in place into that model's
 fused parameters (``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
 vocab rows), either directly or inside SGLang's real weight-update path: the trainer's
 control client (``megatron_refit.engines.sglang.trainer.client``) over an ``Engine``'s methods or HTTP
@@ -94,13 +94,13 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
             mine, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
             return dict(names_equal=set(mine) == set(theirs), num_params=len(mine),
                         diff=sorted(p for p in mine if p in theirs and not torch.equal(mine[p], theirs[p])),
-                        state=sync.state, weights_version=sync.full.weights_version, report=report)
+                        state=member.state, weights_version=member.full.weights_version, report=report)
 
         refit = _refit_section(tp, refit_ports[n])
         if path == "direct":
-            sync = engine_refit_for(model, refit, num_train=NUM_TRAIN, replica=replica)
-            results[case] = dict(checks=[check(v, sync.receive(v).as_dict()) for v in VERSIONS])
-            sync.close()
+            member = engine_refit_for(model, refit, num_train=NUM_TRAIN, replica=replica)
+            results[case] = dict(checks=[check(v, member.receive(v).as_dict()) for v in VERSIONS])
+            member.close()
             continue
         manager = scheduler_updater(model, dirs[case])
         if path == "engine":
@@ -110,7 +110,7 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
             url, calls, server = serve_http(manager)
             client = HTTPClient(url, tp=tp, timeout=120)
         client.connect(refit, num_train=NUM_TRAIN, replica=replica)
-        sync = model._megatron_refit
+        member = model._megatron_refit
         checks = []
         for version in VERSIONS:
             client.refit(version)
@@ -148,20 +148,20 @@ def _train(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
         saved = load(bridge_dir, name, 1, rank)
         pieces = [TensorPiece(spec, tensor) for spec, tensor in saved["weights"]]
         cfg = RefitConfig.from_dict({"enabled": True, "engine": "sglang", **_refit_section(tp, refit_ports[n])})
-        sync = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         reports, refused = [], None
         for version in VERSIONS:
             if version > 1:  # the next step's weights, in place of the old (as a live model's)
                 for piece, (_, tensor) in zip(pieces, load(bridge_dir, name, version, rank)["weights"]):
                     piece.data = tensor
-            reports.append(sync.refit(version).as_dict())
+            reports.append(fleet.refit(version).as_dict())
         if path != "direct":
             try:
-                sync.refit(AFTER_REFUSED)
+                fleet.refit(AFTER_REFUSED)
             except RefitAbortedError as exc:
                 refused = str(exc)
-            reports.append(sync.refit(AFTER_REFUSED).as_dict())
-        sync.close()
+            reports.append(fleet.refit(AFTER_REFUSED).as_dict())
+        fleet.close()
         results[case] = dict(reports=reports, refused=refused)
     return results
 
@@ -367,7 +367,7 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         if rank == 0 else []
     control = engine_control(section, clients[:2])
     pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
-    sync = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
+    fleet = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
                                                              forward=forward), rank=rank, num_train=NUM_TRAIN)
 
     def ask(gen, op, arg=None):
@@ -386,14 +386,14 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
             ask(0, "break_next")
         if rank == 0 and version == 3:
             item["joined"] = control.add(clients[2])
-        report = control.refit(sync, version, rank=rank)
+        report = control.refit(fleet, version, rank=rank)
         item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
-                    members=sorted(sync.members),
+                    members=sorted(fleet.members),
                     serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving_max_dlogprob/")})
         if rank == 0:
             item["checks"] = [ask(g, "check", _step(version)) for g in range(3 if version >= 3 else 2)]
         out.append(item)
-    control.close(sync, rank=rank)
+    control.close(fleet, rank=rank)
     if rank == 0:
         for g in range(FLEET_ENGINES):
             requests[g].put(("stop", None))

@@ -30,12 +30,12 @@ def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object
     from transformers import AutoModelForCausalLM
 
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.engines.hf.receiver import HFReceiver
+    from megatron_refit.engines.hf.storage import HFStorage
 
     cfg = hf_config(model_name, **overrides)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return HFReceiver(hf).state_dict_hf(), cfg
+    return HFStorage(hf).state_dict_hf(), cfg
 
 
 def _vllm_model(cfg, tp: int, rank: int, port: int, workdir: str, quant: dict | None = None,
@@ -115,12 +115,12 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.endpoint.fp8_pieces import quantize_pieces
     from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.engines.checkpoint import model_shape
-    from megatron_refit.engines.fused.live import EngineReceiver
+    from megatron_refit.engines.fused.live import LiveModelStorage
     from megatron_refit.plan.spec import ShardSpec, box_along, full_box
-    from megatron_refit.transport import RefitGroup
+    from megatron_refit.transport import ProcessGroupTransport
 
     num_train = 2
-    group = RefitGroup.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
     versions = {1: 11, 2: 22}
     if rank < num_train:
         out = []
@@ -154,7 +154,7 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
                                dtype="bfloat16")
     model = build()
     params = fp8_param_table({n: (tuple(t.shape), "bfloat16") for n, t in full.items()})
-    backend = EngineReceiver.for_model(model, params, GenLayout(tp=gen_tp), model_shape(cfg), gen_index=gen_index)
+    backend = LiveModelStorage.for_model(model, params, GenLayout(tp=gen_tp), model_shape(cfg), gen_index=gen_index)
     receiver = Receiver(group, backend, num_train=num_train, num_gen=gen_tp, bucket_bytes=256 << 10)
     receiver.prepare()
     results = []

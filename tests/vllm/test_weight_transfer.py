@@ -180,13 +180,13 @@ class _Engine:
         return dict(names_equal=set(mine) == set(theirs), num_params=len(mine),
                     diff=sorted(n for n in mine if n in theirs and not torch.equal(mine[n].data, theirs[n].data)),
                     state=engine.state, weights_version=engine.weights_version,
-                    report=engine.last_report.as_dict(), rebinds=getattr(engine.sync.full.storage, "rebinds", None))
+                    report=engine.last_report.as_dict(), rebinds=getattr(engine.member.full.storage, "rebinds", None))
 
     def fail_next(self) -> None:
         """The engine's storage raises while the next refit's second bucket lands (once)."""
         from megatron_refit.testing.faults import fail_next_refit
 
-        fail_next_refit(self.worker.weight_transfer_engine.sync.full.storage)
+        fail_next_refit(self.worker.weight_transfer_engine.member.full.storage)
 
     def reallocate(self, shrink: str | None = None) -> None:
         """What a reload or a wake-up does to the engine: fresh storage for every parameter
@@ -365,7 +365,7 @@ def _fleet(rank, requests, replies, port, bridge_dir):
         if rank == 0 and version == 3:
             item["joined"] = engine.add_engine(clients[2])
         report = engine.send_weights(version)
-        item.update(failed=report.failed_replicas, summary=report.summary, members=sorted(engine.sync.members))
+        item.update(failed=report.failed_replicas, summary=report.summary, members=sorted(engine.fleet.members))
         if rank == 0:
             item["checks"] = [c.call("check", version=step)[0] for c in clients[:3 if version >= 3 else 2]]
         out.append(item)
@@ -607,7 +607,7 @@ def test_weight_transfer_a_version_that_fails_to_go_live_is_never_finished_as_re
         def load(self):
             raise RuntimeError("load_weights failed (injected)")
 
-    engine.sync, engine._backend, engine._mode = Received(), FailingLoad(), "load_weights"
+    engine.member, engine._backend, engine._mode = Received(), FailingLoad(), "load_weights"
     engine.start_weight_update()
     with pytest.raises(RuntimeError, match=r"load_weights failed \(injected\)"):
         engine.update_weights({"version": 1})

@@ -269,7 +269,7 @@ def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, ref
     wait_healthy(url, alive=process_alive(server_pid))
     refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on", verify_serving="on", port=refit_port)
     engine = _connect(refit, rank, built, cfg, HTTPClient(url))
-    probe = engine.sync.serving.probe.sequences
+    probe = engine.fleet.serving.probe.sequences
     forward = trainer_forward(built.model, cfg)
 
     def refit_once(step: int) -> dict:

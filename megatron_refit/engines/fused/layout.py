@@ -7,7 +7,7 @@ I_tp]``) and pads vocab-parallel rows per rank. Given the HF pieces a rank needs
 (:func:`megatron_refit.plan.gen_layout.gen_target_specs`), :func:`fused_layout` says where each
 piece lives in that storage; received bytes are then unpacked straight into it.
 
-This module imports no vLLM: :class:`VllmLayoutReceiver` allocates vLLM-shaped tensors
+This module imports no vLLM: :class:`FusedLayoutStorage` allocates vLLM-shaped tensors
 itself (CPU tests without the engine); the real receiver applies the same layout to the
 engine's own parameters.
 """
@@ -93,7 +93,7 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
     return shapes, placements
 
 
-class VllmLayoutReceiver(WeightsState):
+class FusedLayoutStorage(WeightsState):
     """Storage over vLLM-shaped storage of one generation TP rank (``state`` /
     ``require_ready``: the weights' state, for the engine loop that serves them)."""
 
@@ -130,7 +130,7 @@ class VllmLayoutReceiver(WeightsState):
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
-                 *, gen_index: int, device: str | torch.device = "cpu") -> VllmLayoutReceiver:
+                 *, gen_index: int, device: str | torch.device = "cpu") -> FusedLayoutStorage:
         pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
         shapes, placements = fused_layout(pieces, model, layout.tp)
         storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)

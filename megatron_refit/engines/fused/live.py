@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit import families
-from megatron_refit.engines.fused.layout import VllmLayoutReceiver, fused_layout
+from megatron_refit.engines.fused.layout import FusedLayoutStorage, fused_layout
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
@@ -44,7 +44,7 @@ def resolve_names(layout_names, params: dict[str, torch.Tensor]) -> dict[str, to
     return out
 
 
-class EngineReceiver(VllmLayoutReceiver):
+class LiveModelStorage(FusedLayoutStorage):
     """Storage over an engine model's parameters on one generation TP rank.
 
     The engine may re-allocate its parameters between refits (vLLM's reload or sleep/wake,

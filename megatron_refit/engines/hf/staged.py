@@ -1,6 +1,6 @@
 """Zero-downtime refits (``refit.swap: staged``) into a Hugging Face transformers engine.
 
-:class:`StagedHFReceiver` keeps a shadow copy of the model's tensors. A refit streams into
+:class:`StagedHFStorage` keeps a shadow copy of the model's tensors. A refit streams into
 the shadow while the model keeps serving the live version; at the end of the refit the swap
 exchanges the storage of every parameter (``param.data``: a pointer swap, no copy) under the
 engine's :attr:`~megatron_refit.endpoint.storage.WeightsState.serving` lock, which every
@@ -24,12 +24,12 @@ import time
 import torch
 
 from megatron_refit.endpoint.fp8 import dequantize_blockwise
-from megatron_refit.engines.hf.receiver import HFReceiver
+from megatron_refit.engines.hf.storage import HFStorage
 from megatron_refit.plan.fp8_layout import scale_name
 
 
-class StagedHFReceiver(HFReceiver):
-    """An :class:`HFReceiver` that takes refits into a shadow and swaps (see the module docstring)."""
+class StagedHFStorage(HFStorage):
+    """An :class:`HFStorage` that takes refits into a shadow and swaps (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, fp8: bool = False, budget_bytes: int | None = None):
         super().__init__(model, fp8=fp8)

@@ -57,7 +57,7 @@ def _patch(worker) -> None:
         return self if _break() == "moe_reload" else enter(self)
 
     moe_reload.FirstLoadSetup.__enter__ = maybe_enter
-    load = worker.StagedPieces.load
+    load = worker.StagedPiecesStorage.load
 
     def maybe_unloaded(self):  # the layer's pieces never reach vLLM's loaders: it keeps its old weights
         if _break() != "unload_layer":
@@ -69,7 +69,7 @@ def _patch(worker) -> None:
         finally:
             self._pieces = pieces
 
-    worker.StagedPieces.load = maybe_unloaded
+    worker.StagedPiecesStorage.load = maybe_unloaded
     make_live = worker.MegatronRefitEngine._make_live
 
     def maybe_permuted(self):

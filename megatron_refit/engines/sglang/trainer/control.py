@@ -2,7 +2,7 @@
 drives every SGLang engine replica's control client around the train ranks' refit.
 
 Every call to one replica runs in that replica's lane
-(:class:`~megatron_refit.engines.replicas.ReplicaLanes`): per refit, its update session
+(:class:`~megatron_refit.fleet.lanes.ReplicaLanes`): per refit, its update session
 (pause, then ``update_weights_from_tensor`` with the ``refit`` message, which returns once its
 workers received) while its bytes move, and its resume (tagged with the version) once its group
 carried the refit. A replica that failed stays paused (its weights are no complete version);
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_refit.config import refit_section
-from megatron_refit.endpoint.membership import abort_start
-from megatron_refit.engines.replicas import ReplicaLanes
+from megatron_refit.fleet.store import abort_start
+from megatron_refit.fleet.lanes import ReplicaLanes
 
 
 class SglangControl(ReplicaLanes):
@@ -38,7 +38,7 @@ class SglangControl(ReplicaLanes):
         self.cfg = cfg
         self.refit_section = dict(refit)
         self._num_train: int | None = None
-        self._sync = None
+        self._fleet = None
 
     # -- the calls of one replica ----------------------------------------------------------------
     def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
@@ -64,28 +64,28 @@ class SglangControl(ReplicaLanes):
                 abort_start(self.cfg, f"SGLang engine replica {replica}'s connect failed: {type(exc).__name__}: {exc}")
                 raise
 
-        self._sync = self.all(connect_engine, "connect", local=join)
-        return self._sync
+        self._fleet = self.all(connect_engine, "connect", local=join)
+        return self._fleet
 
-    def refit(self, sync, version: int, *, rank: int, full: bool = False):
-        """Every train rank, every step: ``sync.refit(version)``; rank 0 pauses and updates each
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False):
+        """Every train rank, every step: ``fleet.refit(version)``; rank 0 pauses and updates each
         replica while its bytes move and resumes each one that landed the version."""
         if rank != 0:
-            return sync.refit(version, full=full)
-        return super().refit(sync, version, full=full)
+            return fleet.refit(version, full=full)
+        return super().refit(fleet, version, full=full)
 
-    def close(self, sync, *, rank: int) -> None:
+    def close(self, fleet, *, rank: int) -> None:
         """Every train rank: leave the refit while rank 0 closes every replica's side."""
         if rank != 0:
-            sync.close()
+            fleet.close()
             return
-        self.all(lambda replica, client: client.close(), "close", local=sync.close)
+        self.all(lambda replica, client: client.close(), "close", local=fleet.close)
         super().close()
 
     def add(self, client, *, replica: int | None = None) -> int:
         """Train rank 0, between refits: engine ``client`` joins as replica ``replica`` (default:
         a new index; a dead replica's index to restart it) and gets the current version in full
         at the next refit; returns its index."""
-        if self._sync is None:
+        if self._fleet is None:
             raise ValueError("SglangControl.add: only train rank 0, after connect, takes in engines")
-        return super().add(client, replica=replica, announced=self._sync.announced)
+        return super().add(client, replica=replica, announced=self._fleet.announced)

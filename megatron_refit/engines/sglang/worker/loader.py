@@ -6,7 +6,7 @@ The hook is SGLang's own **custom weight loader**: an engine started with
 each ``update_weights_from_tensor(named_tensors, load_format=LOADER)`` of a weight-update
 session (``begin_weight_update`` … ``end_weight_update``). The named tensors carry only small
 control messages (:mod:`megatron_refit.engines.sglang.trainer.client` builds them): ``connect`` joins the
-refit group and builds the plan (an :class:`~megatron_refit.engines.fused.live.EngineReceiver` over the model's own
+refit group and builds the plan (an :class:`~megatron_refit.engines.fused.live.LiveModelStorage` over the model's own
 fused parameters: ``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
 vocabulary rows), ``refit`` receives one version in place over the refit group (NCCL or
 gloo: no weight byte passes through SGLang's control plane), ``close`` leaves the group.
@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
                      tp_rank: int | None = None):
     """Join the refit group as TP rank ``tp_rank`` (default: this worker's) of engine
-    ``replica`` and build the plan: an :class:`~megatron_refit.engines.fused.live.EngineReceiver`
+    ``replica`` and build the plan: an :class:`~megatron_refit.engines.fused.live.LiveModelStorage`
     writing in place into ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
     from megatron_refit.engines.checkpoint import hf_param_table, model_shape
-    from megatron_refit.engines.fused.live import EngineReceiver
+    from megatron_refit.engines.fused.live import LiveModelStorage
     from megatron_refit.refit import engine_refit
 
     cfg = refit_section({"engine": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
@@ -65,7 +65,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
 
         params = fp8_param_table(params)
     gen_index = replica * cfg.gen_tp + tp_rank
-    backend = EngineReceiver.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
+    backend = LiveModelStorage.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
                                        gen_index=tp_rank, post_load=sglang_post_load(model))
     return engine_refit(cfg, backend, gen_index=gen_index, num_train=num_train,
                         device=next(model.parameters()).device)
@@ -106,15 +106,15 @@ def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Te
                 model._megatron_refit = engine_refit_for(model, args["refit"], num_train=args["num_train"],
                                                          replica=args.get("replica", 0))
             else:
-                sync = getattr(model, "_megatron_refit", None)
-                if sync is None:
+                member = getattr(model, "_megatron_refit", None)
+                if member is None:
                     raise RuntimeError(f"megatron_refit {op}: this engine never connected to a refit group "
                                        "(send the connect message first)")
                 if op == "refit":
-                    sync.receive(args["version"], full=args.get("full", False))
+                    member.receive(args["version"], full=args.get("full", False))
                 else:
                     model._megatron_refit = None
-                    sync.close()
+                    member.close()
         except Exception as exc:  # noqa: BLE001 -- see the docstring: raising would end the engine
             log.exception("megatron_refit %s failed", op)
             model.megatron_refit_error = f"{type(exc).__name__}: {exc}"
@@ -124,7 +124,7 @@ def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Te
 def refit_state(model: torch.nn.Module) -> dict:
     """What a TP worker's model says about its refits: the receiver's ``state`` and
     ``weights_version`` (``None`` before ``connect``) and the last call's error."""
-    sync = getattr(model, "_megatron_refit", None)
-    return dict(connected=sync is not None, state=getattr(sync, "state", None),
-                weights_version=None if sync is None else sync.full.weights_version,
+    member = getattr(model, "_megatron_refit", None)
+    return dict(connected=member is not None, state=getattr(member, "state", None),
+                weights_version=None if member is None else member.full.weights_version,
                 error=getattr(model, "megatron_refit_error", None))

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from megatron_refit.engines.replicas import ReplicaLanes
+from megatron_refit.fleet.lanes import ReplicaLanes
 from megatron_refit.engines.vllm.payload import update_payload
 
 PAUSE_MODES = ("wait", "abort")
@@ -152,7 +152,7 @@ class ReplicaClients(ReplicaLanes):
     vLLM's client protocol fans every call out to all of them at once (an engine's
     ``update_weights`` returns only once every engine has received its part) and gives each
     ``init_info`` its ``replica`` index. Under the trainer engine each replica's calls run in a
-    lane of its own (:class:`~megatron_refit.engines.replicas.ReplicaLanes`): per refit
+    lane of its own (:class:`~megatron_refit.fleet.lanes.ReplicaLanes`): per refit
     ``start_weight_update`` + ``update_weights`` while its bytes move and
     ``finish_weight_update`` once its group carried them, so one engine's failure stays with it;
     :meth:`~megatron_refit.engines.vllm.trainer.engine.MegatronRefitTrainerEngine.add_engine` takes in

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron_refit.config import RefitConfig, check_int, refit_section
-from megatron_refit.endpoint.membership import abort_start
+from megatron_refit.fleet.store import abort_start
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
 from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
@@ -166,13 +166,13 @@ class MegatronRefitTrainerEngine(_EngineBase):
 
     init_info_cls = MegatronRefitTrainerInitInfo
 
-    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, sync,
+    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, fleet,
                  timeout_s: float) -> None:
         # what vLLM's base __init__ sets, set here so that the class works without vLLM too
         self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
         self.timeout_s = timeout_s
-        self.sync = sync
-        """The prepared :class:`~megatron_refit.endpoint.fleet.TrainerFleet` of this rank."""
+        self.fleet = fleet
+        """The prepared :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank."""
         self.version: int | None = None
 
     @classmethod
@@ -212,29 +212,29 @@ class MegatronRefitTrainerEngine(_EngineBase):
                                      f"{type(exc).__name__}: {exc}")
                     raise
 
-            sync = _concurrently(init_engines, connect, cfg.timeout_s)
+            fleet = _concurrently(init_engines, connect, cfg.timeout_s)
         else:
-            sync = connect()
-        return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, sync=sync,
+            fleet = connect()
+        return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, fleet=fleet,
                    timeout_s=cfg.timeout_s)
 
     def send_weights(self, version: int | None = None, *, full: bool = False) -> RefitReport:
         """One refit: every train rank sends its pieces; rank 0 drives ``start_weight_update``,
         ``update_weights`` (concurrently with the sends) and ``finish_weight_update`` (with
         the version as vLLM's weight version). ``version``: the training step (default: one
-        past the last); ``full``: resend base weights under LoRA adapter sync (e.g. after the
+        past the last); ``full``: resend base weights under LoRA adapter fleet (e.g. after the
         engine slept at level 2). Every train rank calls it with the same arguments."""
         if version is None:
             version = 1 if self.version is None else self.version + 1
         if not self.is_sender:
-            report = self.sync.refit(version, full=full)
+            report = self.fleet.refit(version, full=full)
         elif isinstance(self.client, ReplicaClients):  # each replica's calls in its lane, around its part
-            report = self.client.refit(self.sync, version, full=full)
+            report = self.client.refit(self.fleet, version, full=full)
         else:
-            update = update_payload(version, full=self.sync.is_full(full))
+            update = update_payload(version, full=self.fleet.is_full(full))
             self.client.start_weight_update()
             report = _concurrently(lambda: self.client.update_weights(update),
-                                   lambda: self.sync.refit(version, full=full), self.timeout_s)
+                                   lambda: self.fleet.refit(version, full=full), self.timeout_s)
             self.client.finish_weight_update(str(version))
         self.version = version
         return report
@@ -250,16 +250,16 @@ class MegatronRefitTrainerEngine(_EngineBase):
             raise ValueError("add_engine: only train rank 0 whose client is a ReplicaClients (one client per engine "
                              f"replica) takes in engines; this is train rank {self.rank} with a "
                              f"{type(self.client).__name__}")
-        return self.client.add(client, replica=replica, announced=self.sync.announced)
+        return self.client.add(client, replica=replica, announced=self.fleet.announced)
 
     def shutdown(self) -> None:
         """Release the refit group; rank 0 also releases the engine's side (when the client
         offers ``shutdown_weight_transfer_engine``)."""
-        if self.sync is None:
+        if self.fleet is None:
             return
         release = getattr(self.client, "shutdown_weight_transfer_engine", None)
         if self.is_sender and release is not None:
-            _concurrently(release, self.sync.close, self.timeout_s)
+            _concurrently(release, self.fleet.close, self.timeout_s)
         else:
-            self.sync.close()
-        self.sync = None
+            self.fleet.close()
+        self.fleet = None

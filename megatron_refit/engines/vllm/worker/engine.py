@@ -42,7 +42,7 @@ from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
-from megatron_refit.engines.fused.live import EngineReceiver
+from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
@@ -53,7 +53,7 @@ from megatron_refit.refit import engine_refit
 logger = logging.getLogger("megatron_refit")
 
 
-class StagedPieces:
+class StagedPiecesStorage:
     """Storage of ``load_weights`` mode: one staging tensor per piece; :meth:`load` feeds each
     piece to the model's own ``load_weights`` as its HF tensor (the piece in its box, zeros
     elsewhere: vLLM's loaders read only this rank's part, which is the box). The worker engine
@@ -110,7 +110,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.sync = None
+        self.member = None
         self.gen_index: int | None = None
         self.state = "stale"
         """``stale`` (no complete refit, or the last one failed), ``updating`` (between
@@ -130,7 +130,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     # -- phase 1 --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MegatronRefitInitInfo) -> None:
-        if self.sync is not None:
+        if self.member is not None:
             raise RuntimeError("megatron_refit: init_weight_transfer_engine called twice; call "
                                "shutdown_weight_transfer_engine first")
         cfg = init_info.config
@@ -146,7 +146,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         backend, why = None, ""
         if mode in (None, "in_place"):
             try:
-                backend = EngineReceiver.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
+                backend = LiveModelStorage.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
                 mode = "in_place"
             except RepackedParameterError as exc:
                 if mode == "in_place":  # asked for: refused by name, before any byte moves
@@ -155,14 +155,14 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if mode == "load_weights":
             check_reloadable(self.model)  # MoE experts' post-load step: run again after each reload, or refused
             pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
-            backend = StagedPieces(self.model, pieces, self.device)
+            backend = StagedPiecesStorage(self.model, pieces, self.device)
         if cfg.engine_load == "auto":
             logger.info("megatron_refit: engine_load auto: %s%s", mode, why)
         self._mode = mode
         self._backend = backend
         self._timeout_s = cfg.timeout_s
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
-        self.sync = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
+        self.member = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
         self.state = "stale"
 
@@ -196,7 +196,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         return replica * cfg.gen_tp + get_tensor_model_parallel_rank()
 
     def _check_initialised(self, what: str) -> None:
-        if self.sync is None:
+        if self.member is None:
             raise RuntimeError(f"megatron_refit: {what} before init_weight_transfer_engine")
 
     # -- phases 2 to 4 --------------------------------------------------------------------
@@ -231,7 +231,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     def _receive(self, update_info: MegatronRefitUpdateInfo) -> None:
         try:
-            report = self.sync.receive(update_info.version, full=update_info.full)
+            report = self.member.receive(update_info.version, full=update_info.full)
             report.engine_load = self._mode
         except BaseException:
             if not self._staged_swap:  # staged: only the staging was written, the model serves on
@@ -286,7 +286,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self.state = "ready"
 
     def shutdown(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
-            self.sync = None
+        if self.member is not None:
+            self.member.close()
+            self.member = None
             self.state = "stale"

@@ -1,5 +1,5 @@
-"""One refit group's endpoints as the entry points hand them out: :class:`TrainerRefit` on a
-train rank, :class:`EngineRefit` on an engine rank, each with one prepared endpoint for all
+"""One refit group's endpoints as the entry points hand them out: :class:`TrainerMember` on a
+train rank, :class:`EngineMember` on an engine rank, each with one prepared endpoint for all
 pieces and, under LoRA adapter sync, one for the adapters only (sharing one version)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
-from megatron_refit.endpoint.serving import exchange_in_band
+from megatron_refit.fleet.serving import exchange_in_band
 
 
 class _Sync:
@@ -54,7 +54,7 @@ class _Sync:
         self.group.close()
 
 
-class TrainerRefit(_Sync):
+class TrainerMember(_Sync):
     """Train side of the refit (one per train rank); see the module docstring. ``plans``: plans
     built already (shared by a train rank's replica groups: one plan per replica layout)."""
 
@@ -100,7 +100,7 @@ class TrainerRefit(_Sync):
         self._resend = adapters
 
 
-class EngineRefit(_Sync):
+class EngineMember(_Sync):
     """Generation side of the refit (one per generation rank)."""
 
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
@@ -114,9 +114,9 @@ class EngineRefit(_Sync):
         self.group = group
         self.adapters = None
         if lora is not None:
-            from megatron_refit.endpoint.lora import LoraReceiver
+            from megatron_refit.endpoint.lora import LoraStorage
 
-            merge = LoraReceiver(storage, rank=lora[0], alpha=lora[1])
+            merge = LoraStorage(storage, rank=lora[0], alpha=lora[1])
             self.full = Receiver(group, merge.full(), **kw)
             self.plan = self.full.prepare()
             if cfg.lora_sync != "full":
@@ -128,7 +128,7 @@ class EngineRefit(_Sync):
         self._last = self.full
 
     def receive(self, version: int | None = None, *, full: bool = False) -> RefitReport:
-        """Receive refit ``version`` into the engine (see :meth:`TrainerRefit.refit`); None:
+        """Receive refit ``version`` into the engine (see :meth:`TrainerMember.refit`); None:
         the version the train ranks send next (a replica that joined a running trainer)."""
         self._last = self._endpoint(full)
         report = self._last.receive(version)

@@ -28,7 +28,7 @@ from megatron_refit.plan.fp8_layout import fp8_specs, is_quantized, scale_name, 
 from megatron_refit.plan.spec import ShardSpec, full_box
 
 
-class HFReceiver(WeightsState):
+class HFStorage(WeightsState):
     """Storage over a transformers causal LM (all pieces whole: gen TP 1)."""
 
     def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
@@ -105,7 +105,7 @@ class HFReceiver(WeightsState):
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
-                    device: str | torch.device = "cpu", **kwargs) -> HFReceiver:
+                    device: str | torch.device = "cpu", **kwargs) -> HFStorage:
         """A receiver over a fresh model of ``hf_config``; ``kwargs`` go to the class (e.g. a
         staged receiver's ``budget_bytes``)."""
         from transformers import AutoModelForCausalLM

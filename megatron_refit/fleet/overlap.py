@@ -97,7 +97,7 @@ class Snapshot:
 
 def sent_pieces(members, full: bool) -> set[str]:
     """The snapshot pieces that the next refit of ``members`` (a fleet's
-    :class:`~megatron_refit.endpoint.sync.TrainerRefit` per replica), called with ``full``,
+    :class:`~megatron_refit.fleet.member.TrainerMember` per replica), called with ``full``,
     sends from on this rank, in every member's plan."""
     names = set()
     for member in members:

@@ -4,7 +4,7 @@ A train rank holds one refit group per engine replica (the train ranks and that 
 ``gen_tp`` engine ranks) and the train ranks' own control group (no engine rank in it). All of
 them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's
 group lives there under a namespace of its own
-(:func:`~megatron_refit.endpoint.membership.namespace`, one per incarnation of the replica, so a
+(:func:`~megatron_refit.fleet.store.namespace`, one per incarnation of the replica, so a
 restarted one never meets its predecessor's keys). :class:`TrainerFleet` refits every replica's
 group at once (one thread each); the train ranks then agree on each replica's outcome over
 the control group, which needs no engine rank alive. A replica whose engine failed but whose
@@ -13,7 +13,7 @@ member and its next refit brings it back; a replica whose group broke (its proce
 link stalled past ``refit.timeout_s``) is dropped, and may rejoin.
 
 Membership: an engine replica announces itself
-(:func:`~megatron_refit.endpoint.membership.announce`: ``join`` before it connects, ``leave``
+(:func:`~megatron_refit.fleet.store.announce`: ``join`` before it connects, ``leave``
 when it closes) in the control group's store, hosted by train rank 0. At the start of every
 refit train rank 0 reads the announcements and all train ranks act on the same list: they drop
 leaving replicas and connect joining ones (a replica that rejoins under the index of a member
@@ -32,11 +32,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.membership import JOINS, LEAVES, Announcements, wait_for_starting
-from megatron_refit.endpoint.replica_refit import Probing, ReplicaHooks, refit_replica
+from megatron_refit.fleet.store import JOINS, LEAVES, Announcements, wait_for_starting
+from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
 from megatron_refit.endpoint.report import RefitReport, merge_reports
-from megatron_refit.endpoint.serving import ServingCheck
-from megatron_refit.endpoint.sync import TrainerRefit
+from megatron_refit.fleet.serving import ServingCheck
+from megatron_refit.fleet.member import TrainerMember
 from megatron_refit.registry import engine_named
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 
@@ -52,7 +52,7 @@ def member_config(cfg: RefitConfig) -> RefitConfig:
 class TrainerFleet:
     """Train side of a refit to every engine replica (one per train rank): see the module
     docstring. ``connect(replica, incarnation)`` opens that replica's group (this rank's end);
-    ``member(group)`` builds its prepared :class:`~megatron_refit.endpoint.sync.TrainerRefit`."""
+    ``member(group)`` builds its prepared :class:`~megatron_refit.fleet.member.TrainerMember`."""
 
     def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
                  on_report: Callable[[dict], None] | None = None, background=None, forward=None):
@@ -62,7 +62,7 @@ class TrainerFleet:
         self._probing: dict[int, Probing] = {}
         """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
         self.background = background
-        """``refit.overlap: on``: the :class:`~megatron_refit.endpoint.overlap.BackgroundRefit`
+        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`
         that sends from its snapshot while training goes on (the members send from the snapshot)."""
         self._joined: dict[int, dict] = {}
         """Overlap: per version, the joins' failures of the membership update done at its start."""
@@ -74,7 +74,7 @@ class TrainerFleet:
         self._connect, self._member = connect, member
         self.offloader = offloader
         self.on_report = on_report
-        self.members: dict[int, TrainerRefit] = {}
+        self.members: dict[int, TrainerMember] = {}
         self._announcements = Announcements(control.store) if control.rank == 0 else None
         self._incarnation: dict[int, str] = {}
         """Train rank 0: each member's incarnation (a leave of another one is stale)."""
@@ -94,7 +94,7 @@ class TrainerFleet:
             self._pending = [(r, who) for r, who in self._announcements.read(JOINS) if starting.get(r) != who]
 
     # -- membership ----------------------------------------------------------------------------
-    def _join(self, replica: int, incarnation: str) -> TrainerRefit:
+    def _join(self, replica: int, incarnation: str) -> TrainerMember:
         return self._member(self._connect(replica, incarnation))
 
     def _drop(self, replica: int) -> None:
@@ -187,7 +187,7 @@ class TrainerFleet:
                 self._update_membership(failures)
             self._joined[version] = failures
             self._probing[version] = self._plan_serving()  # the reference: the weights of this step
-            from megatron_refit.endpoint.overlap import sent_pieces
+            from megatron_refit.fleet.overlap import sent_pieces
 
             return sent_pieces(self.members.values(), full)
 

@@ -1,7 +1,7 @@
 """One replica's part of a fleet refit, in that replica's own thread: its engine's calls around
 its group's refit (train rank 0), then, where this refit checks it, its serving probe
 (``refit.verify_serving``). Whatever happens is this replica's outcome alone
-(:class:`ReplicaOutcome`); :class:`~megatron_refit.endpoint.fleet.TrainerFleet` gathers every
+(:class:`ReplicaOutcome`); :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` gathers every
 replica's from every train rank and applies the one failure policy."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.serving import ServingCheck, ServingUnavailableError, served_or_raise
+from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
 
 
 class ReplicaHooks(Protocol):
     """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
-    control plane: :class:`~megatron_refit.engines.replicas.ReplicaLanes`). All run in the
+    control plane: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`). All run in the
     replica's own refit thread; an error from any fails that replica alone."""
 
     def start(self, replica: int, version: int, full: bool) -> None:
@@ -28,7 +28,7 @@ class ReplicaHooks(Protocol):
 
     def score(self, replica: int, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Once the version is live: the engine's per-token log-probs of ``sequences`` through its
-        serving path (:class:`~megatron_refit.endpoint.serving.ServingUnavailableError` if it has none)."""
+        serving path (:class:`~megatron_refit.fleet.serving.ServingUnavailableError` if it has none)."""
 
     def hold(self, replica: int) -> None:
         """It failed its serving check: stop it serving what it serves, where its engine can."""
@@ -77,7 +77,7 @@ class ReplicaOutcome:
 def refit_replica(member, replica: int, version: int, full: bool, hooks: ReplicaHooks | None,
                   probing: Probing | None, rank: int) -> ReplicaOutcome:
     """Replica ``replica``'s part of refit ``version`` on train rank ``rank`` (``member``: its
-    :class:`~megatron_refit.endpoint.sync.TrainerRefit`): its engine's calls around its group's
+    :class:`~megatron_refit.fleet.member.TrainerMember`): its engine's calls around its group's
     refit, then its serving check where ``probing`` says so. Never raises: the outcome says."""
     out = ReplicaOutcome()
     probe = probing.check.probe if probing is not None and probing.due.get(replica) else None

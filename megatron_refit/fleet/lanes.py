@@ -5,7 +5,7 @@ calls from train rank 0 around every refit: before the bytes move (pause, ``upda
 and after (``finish_weight_update`` / resume). With many replicas, one replica's trouble must
 stay with it, so :class:`ReplicaLanes` gives every replica a lane: one thread that runs its
 calls in order, apart from the other replicas'. It is the fleet's
-:class:`~megatron_refit.endpoint.replica_refit.ReplicaHooks`: the fleet calls :meth:`ReplicaLanes.start`
+:class:`~megatron_refit.fleet.replica.ReplicaHooks`: the fleet calls :meth:`ReplicaLanes.start`
 in the replica's own refit thread before its bytes move and :meth:`ReplicaLanes.land` once its
 group carried the refit, so a replica whose engine cannot make the version live fails alone,
 named in the report like any other failed replica, and only replicas that landed the version
@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from megatron_refit.endpoint.serving import ServingUnavailableError
+from megatron_refit.fleet.serving import ServingUnavailableError
 from megatron_refit.errors import EngineLoadError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class ReplicaLanes:
     def score(self, replica: int, sequences) -> list[list[float]]:
         """Once replica ``replica`` serves the new version: its per-token log-probs of ``sequences``
         through its client's ``score`` (its serving path), in its lane, within ``timeout_s``;
-        :class:`~megatron_refit.endpoint.serving.ServingUnavailableError` where its client has none. A
+        :class:`~megatron_refit.fleet.serving.ServingUnavailableError` where its client has none. A
         replica whose answer fails the check is held (:meth:`hold`) until a version lands."""
         lane = self.lanes.get(replica)
         if lane is None or not callable(getattr(lane.client, "score", None)):
@@ -131,7 +131,7 @@ class ReplicaLanes:
         joins under index ``replica`` (default: one past every index so far; the index of a
         replica that died, to restart it). Its connect call starts in a lane of its own;
         returns (the index) once its join is announced (``announced(replica)``: the replica's
-        latest announced incarnation, :meth:`~megatron_refit.endpoint.fleet.TrainerFleet.announced`),
+        latest announced incarnation, :meth:`~megatron_refit.fleet.trainer_fleet.TrainerFleet.announced`),
         so the train ranks take it in at their next refit."""
         if replica is None:
             replica = self._highest + 1
@@ -162,14 +162,14 @@ class ReplicaLanes:
         if lane is not None:
             lane.pool.shutdown(wait=False, cancel_futures=True)
 
-    def refit(self, sync, version: int, *, full: bool = False):
-        """Train rank 0's refit through ``sync`` (a :class:`~megatron_refit.endpoint.fleet.TrainerFleet`)
+    def refit(self, fleet, version: int, *, full: bool = False):
+        """Train rank 0's refit through ``fleet`` (a :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`)
         with each replica's calls in its lane around its part; then the lanes of replicas the
         fleet no longer holds are dropped."""
         try:
-            return sync.refit(version, full=full, hooks=self)
+            return fleet.refit(version, full=full, hooks=self)
         finally:
-            self.keep(sync.members)
+            self.keep(fleet.members)
 
     def keep(self, members) -> None:
         """After a refit: drop the lanes of replicas the fleet no longer holds (left, or their
