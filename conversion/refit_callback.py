@@ -34,11 +34,11 @@ sending thread is a daemon, and the engines see the trainer's ranks go (their ne
 
 Each of these calls goes through the engine's control
 (:func:`megatron_refit.engines.control.engine_control` for ``refit.engine``): with ``engines``
-(control clients, one per engine replica: SGLang's, from
-:mod:`megatron_refit.engines.sglang.trainer.client`), train rank 0 also drives the engines around
-each call (SGLang: connect, then per refit pause / update / resume, close); without, the
-trainer's call runs alone (vLLM engines are driven by vLLM's weight-transfer API, the HF
-receiver by its own loop).
+(control clients, one per engine replica: vLLM's ``HTTPClient`` / ``LLMClient``, SGLang's
+``EngineClient`` / ``HTTPClient``), train rank 0 also drives the engines around each call
+(vLLM: ``init_weight_transfer_engine``, then per refit start / update / finish, shutdown;
+SGLang: connect, then per refit pause / update / resume, close); without, the trainer's call
+runs alone (an engine that runs its own receive loop, the HF engine).
 
 Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
 …) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
@@ -171,7 +171,7 @@ class RefitCallback(Callback):
         force_param_sync(context.model, context.optimizer)
         if self.fleet.background is None:
             self._log_finished(context, [self._refit(iteration)])
-        elif not self.fleet.start_refit(iteration, run=lambda: self._refit(iteration)):
+        elif not self.fleet.start_refit(iteration):  # the engine control's calls: attached to the fleet
             self.skipped_busy.append(iteration)
 
     def _refit(self, version: int) -> RefitReport:

@@ -112,7 +112,8 @@ def engine_names() -> list[str]:
     return list(_ENGINES)
 
 
-register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM's weight-transfer backend"))
+register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM's weight-transfer backend",
+                       control="megatron_refit.engines.vllm.trainer.control:VllmControl"))
 register_engine(Engine(name="sglang", scores="client", engine_loads=("in_place",), swaps=("in_place",),
                        writes="writes in place into SGLang's parameters (its weight loader hook, under SGLang's pause)",
                        control="megatron_refit.engines.sglang.trainer.control:SglangControl"))

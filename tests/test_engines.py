@@ -36,12 +36,15 @@ def test_the_old_backend_key_is_refused_naming_engine():
 def test_engine_control_by_name():
     assert isinstance(engine_control({"engine": "vllm"}), NoControl)
     assert isinstance(engine_control({"engine": "sglang"}, []), NoControl)  # train ranks other than 0
-    with pytest.raises(ValueError, match="control clients were given for refit.engine 'vllm'"):
-        engine_control({"engine": "vllm"}, [object()])
+    with pytest.raises(ValueError, match="control clients were given for refit.engine 'hf'"):
+        engine_control({"engine": "hf"}, [object()])
     from megatron_refit.engines.sglang.trainer.control import SglangControl
+    from megatron_refit.engines.vllm.trainer.control import VllmControl
 
     control = engine_control({"engine": "sglang"}, [object()])
     assert isinstance(control, SglangControl) and isinstance(control, EngineControl)
+    control = engine_control({"engine": "vllm", "gen_dp": 2}, [object(), object()])  # one client per replica
+    assert isinstance(control, VllmControl) and isinstance(control, EngineControl)
 
 
 def _full(name):

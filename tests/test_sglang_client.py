@@ -8,6 +8,7 @@ import base64
 import io
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -68,9 +69,13 @@ class _Client:
 
     def __init__(self, calls: list, started: threading.Event, fail: str | None = None, replica: int = 0):
         self.calls, self.started, self.fail, self.replica = calls, started, fail, replica
+        self.connected = threading.Event()
+        self.connected.set()  # a starting replica: the train ranks take it in at once
 
     def connect(self, refit, *, num_train, replica=0):
         self.calls.append(("connect", replica))
+        if self.fail == "connect":
+            raise RuntimeError("the engine refused: gen_tp mismatch")
         self.connected.wait(5)  # SGLang's connect returns once the train ranks took it in
 
     def refit(self, version, *, full=False):
@@ -89,26 +94,42 @@ class _Client:
 
 
 class _Fleet:
-    """The train ranks' side as :class:`TrainerFleet` runs it on rank 0: each member replica's
-    engine calls around its part (``broken``: replicas whose group breaks: no landing, dropped)."""
+    """The train ranks' side as :class:`TrainerFleet` runs it on rank 0: its runner, the hooks the
+    control attaches, each member replica's engine calls around its part (``broken``: replicas
+    whose group breaks: no landing, dropped and forgotten)."""
 
     def __init__(self, started: threading.Event, members=(0, 1), broken=()):
+        from megatron_refit.fleet.runner import Runner
+
+        self.runner = Runner()
         self.started, self.members, self.broken = started, dict.fromkeys(members), set(broken)
         self.landed: dict = {}
         self.joins: dict = {}
+        self.aborted: dict = {}
+        self.hooks = None
 
-    def refit(self, version, *, full=False, hooks=None):
-        if hooks is None:  # a train rank other than 0
+    def attach(self, hooks):
+        self.hooks = hooks
+
+    def await_start(self):
+        pass
+
+    def abort_join(self, replica, reason):
+        self.aborted[replica] = reason
+
+    def refit(self, version, *, full=False):
+        if self.hooks is None:  # a train rank other than 0
             return f"report {version}"
         for replica in self.members:
-            hooks.start(replica, version, full)
+            self.hooks.start(replica, version, full)
         assert self.started.wait(5), "the engines' calls must run while the trainer refits"
         for replica in list(self.members):
             if replica in self.broken:
                 del self.members[replica]
+                self.hooks.forget(replica)
                 continue
             try:
-                hooks.land(replica, version)
+                self.hooks.land(replica, version)
                 self.landed[replica] = "ok"
             except Exception as exc:  # noqa: BLE001 -- what the fleet records as the replica's failure
                 self.landed[replica] = str(exc)
@@ -118,14 +139,14 @@ class _Fleet:
         return self.joins.get(replica)
 
     def close(self):
-        pass
+        assert self.runner.close() == []
 
 
-def _control(clients):
+def _connected(clients, fleet, rank=0):
     from megatron_refit.engines.sglang.trainer.control import SglangControl
 
-    control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients)})
-    control._num_train = 2
+    control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients) or 2})  # rank > 0: no clients
+    assert control.connect(lambda: fleet, rank=rank, num_train=2) is fleet
     return control
 
 
@@ -133,13 +154,16 @@ def test_sglang_control_drives_every_replica_and_resumes_only_those_that_landed(
     calls: list = []
     started = threading.Event()
     clients = [_Client(calls, started, replica=r) for r in range(2)]
-    control = _control(clients)
     fleet = _Fleet(started)
+    control = _connected(clients, fleet)
     assert control.refit(fleet, 3, rank=0) == "report 3"
-    assert sorted(calls) == [("refit", 3, 0), ("refit", 3, 1), ("resume", 3, 0), ("resume", 3, 1)]
+    assert sorted(c for c in calls if c[0] != "connect") == [("refit", 3, 0), ("refit", 3, 1), ("resume", 3, 0),
+                                                             ("resume", 3, 1)]
+    assert sorted(c for c in calls if c[0] == "connect") == [("connect", 0), ("connect", 1)]
     calls.clear()
-    assert control.refit(fleet, 4, rank=1) == "report 4"  # other train ranks send only
-    assert calls == []
+    other = _Fleet(started)
+    assert _connected([], other, rank=1).refit(other, 4, rank=1) == "report 4"  # other train ranks send only
+    assert calls == [] and other.hooks is None
     control.close(fleet, rank=0)
     assert sorted(calls) == [("close", 0), ("close", 1)]
 
@@ -150,7 +174,7 @@ def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
     clients = [_Client(calls, started, replica=0), _Client(calls, started, fail="refit", replica=1),
                _Client(calls, started, fail="resume", replica=2), _Client(calls, started, replica=3)]
     fleet = _Fleet(started, members=(0, 1, 2, 3), broken=(3,))
-    control = _control(clients)
+    control = _connected(clients, fleet)
     control.refit(fleet, 6, rank=0)
     assert fleet.landed[0] == "ok"
     assert fleet.landed[1] == ("SGLang engine replica 1: receiving version 6 failed: RuntimeError: "
@@ -159,16 +183,29 @@ def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
         fleet.landed[2]
     assert ("resume", 6, 0) in calls and ("resume", 6, 1) not in calls and ("resume", 6, 3) not in calls
     assert control.replicas == [0, 1, 2]  # replica 3's group broke: its lane is gone, not waited for
+    control.close(fleet, rank=0)
+
+
+def test_sglang_control_an_engine_refusing_connect_aborts_its_join_at_once():
+    calls: list = []
+    started = threading.Event()
+    fleet = _Fleet(started)
+    control = _connected([_Client(calls, started), _Client(calls, started, fail="connect", replica=1)], fleet)
+    deadline = time.monotonic() + 5
+    while 1 not in fleet.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fleet.aborted == {1: "the SGLang engine's connect call failed: RuntimeError: the engine refused: "
+                                "gen_tp mismatch"}
+    control.close(fleet, rank=0)
 
 
 def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_next_refit():
     calls: list = []
     started = threading.Event()
-    control = _control([_Client(calls, started, replica=0)])
     fleet = _Fleet(started, members=(0,))
-    control._fleet = fleet
+    control = _connected([_Client(calls, started, replica=0)], fleet)
     joiner = _Client(calls, started, replica=5)
-    joiner.connected = threading.Event()
+    joiner.connected.clear()
     # the join is announced once its connect call ran (engine_refit announces, then waits for the train ranks)
     original = joiner.connect
 
@@ -185,6 +222,7 @@ def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_ne
     assert fleet.landed == {0: "ok", 5: "ok"}
     with pytest.raises(ValueError, match="replica must be a non-negative int, got -1"):
         control.add(_Client(calls, started), replica=-1)
+    control.close(fleet, rank=0)
 
 
 def test_sglang_control_a_replica_that_never_announces_is_refused_in_its_timeout():
@@ -192,15 +230,18 @@ def test_sglang_control_a_replica_that_never_announces_is_refused_in_its_timeout
 
     calls: list = []
     started = threading.Event()
-    control = _control([_Client(calls, started)])
+    fleet = _Fleet(started, members=(0,))
+    control = _connected([_Client(calls, started)], fleet)
     control.timeout_s = 0.3
-    control._fleet = _Fleet(started, members=(0,))
     silent = _Client(calls, started)
-    silent.connected = threading.Event()  # blocks, never announces
+    silent.connected.clear()  # blocks, never announces
     with pytest.raises(EngineLoadError, match="replica 1 did not announce its join within refit.timeout_s=0.3 s"):
         control.add(silent)
     assert control.replicas == [0]
     silent.connected.set()
+    control.close(fleet, rank=0)
+    with pytest.raises(ValueError, match="SglangControl.add: only train rank 0, after connect, takes in engines"):
+        _connected([], _Fleet(started), rank=1).add(silent)
 
 
 def test_engine_sglang_plans_the_engine_layout_and_writes_in_place():

@@ -123,14 +123,22 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
         HTTPClient(url, swap="sometimes")
 
 
-def test_weight_transfer_replica_clients_give_each_engine_its_replica(server):
+def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
     from megatron_refit.engines.vllm.trainer.clients import HTTPClient, ReplicaClients
+    from megatron_refit.engines.vllm.trainer.control import VllmControl
 
     url, seen = server
-    ReplicaClients([HTTPClient(url), HTTPClient(url)]).init_weight_transfer_engine({"num_train": 1})
-    assert sorted(body["init_info"]["replica"] for _, body in seen) == [0, 1]
+    control = VllmControl([HTTPClient(url), HTTPClient(url)], {"gen_dp": 2}, lora=(4, 8.0))
+    control.num_train = 3
+    for replica, client in enumerate(control.clients):
+        control.connect_call(replica)(client)
+    infos = [body["init_info"] for _, body in seen]
+    assert [i["replica"] for i in infos] == [0, 1]
+    assert all(i["num_train"] == 3 and (i["lora_rank"], i["lora_alpha"]) == (4, 8.0) for i in infos)
     with pytest.raises(ValueError, match="at least one client"):
         ReplicaClients([])
+    with pytest.raises(ValueError, match=r"1 engine clients for refit.gen_dp=2"):
+        VllmControl([HTTPClient(url)], {"gen_dp": 2})
 
 
 def _source_rank(rank, world, port):
@@ -208,6 +216,8 @@ def test_weight_transfer_an_engine_refusing_init_reaches_every_train_rank_in_sec
     out = run_spawned(_refused_rank, 2, timeout_s=120)
     assert all(r["seconds"] < 15 for r in out), out
     assert "answered 500: init_info.refit.gen_tp=2" in out[0]["error"], out[0]
-    assert out[1]["error"].startswith("RefitTransportError: refit: the engines did not start: the vLLM engine's "
-                                      "init_weight_transfer_engine failed: RuntimeError: vLLM engine replica 0: its "
-                                      "init_weight_transfer_engine call failed: vLLM server"), out[1]
+    for rank in out:  # every train rank names the replica and the engine's own error
+        assert rank["error"].startswith("RefitTransportError: refit: the engines did not start: replica 0: joining "
+                                        "failed: RefitTransportError: train rank 0 aborted the join: the vLLM engine's "
+                                        "connect call failed: "), rank
+        assert "answered 500: init_info.refit.gen_tp=2" in rank["error"], rank

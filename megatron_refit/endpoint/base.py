@@ -30,8 +30,6 @@ logger = logging.getLogger("megatron_refit")
 
 MAX_DIRECT_IN_FLIGHT = 16
 
-DIGEST_TAG = 1 << 30
-"""Message tag of a pair's bucket digests (bucket messages use the bucket's index)."""
 DELTA_TAG = 1 << 29
 """Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
 

@@ -5,18 +5,17 @@ engine's storage (a :class:`~megatron_refit.endpoint.storage.Storage`) and keeps
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import DIGEST_TAG, Endpoint, adjacent_pieces, delta_tag
+from megatron_refit.endpoint.base import Endpoint, adjacent_pieces, delta_tag
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size
-from megatron_refit.endpoint.integrity import chunk_sums
+from megatron_refit.endpoint.stages import Drain, ReceiveDigests
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
-from megatron_refit.errors import RefitCorruptionError, RefitTransportError
+from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
@@ -96,93 +95,32 @@ class Receiver(Endpoint):
         return report
 
     def _receive(self, version: int, delta_from: set[int] = frozenset()) -> RefitReport:
+        """Every bucket of this rank's part of refit ``version``, through the stages: digest
+        (:class:`~megatron_refit.endpoint.stages.ReceiveDigests`), delta (a header before each
+        bucket from ``delta_from``'s senders), drain (:class:`~megatron_refit.endpoint.stages.Drain`:
+        after this rank's own failure, every bucket is still taken); then the engine's post-load
+        step. This rank's failure is raised after every rank knows of it."""
         start = time.perf_counter()
         report = RefitReport(version=version, role="gen", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal, delta=bool(delta_from))
         buckets = self.plan.buckets_to(self.gen_index)
         report.bytes_full = sum(b.payload_bytes for b in buckets)
-        received: dict[int, list] = {}  # sender -> [(bucket, chunk sums)] in plan order
         digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
-        left = Counter(self.plan.global_src(b) for b in buckets)  # buckets still to come, per sender
-        computed: dict[int, torch.Tensor] = {}  # sender -> digests of what arrived
-        sent = {}  # sender -> its digest message, posted before the first bucket
-        if self.verify != "off":
-            sent = {src: self.group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
-                    for src, n in left.items()}
-        codes = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
-        scratch = []
-        unchecked = []  # buckets in engine storage whose digest pass waits until the next bucket is posted
-        failure: list[Exception] = []
-        """This rank's first error (its storage, a payload): from then on every bucket is
-        received into staging and dropped, so that every sender's messages are still taken."""
-
-        def fail(exc: Exception) -> None:
-            if isinstance(exc, RefitTransportError):  # the group itself failed: there is nothing to drain
-                raise exc
-            failure[:1] = failure[:1] or [exc]
-            unchecked.clear()
-
-        def check_arrived():
-            t0 = time.perf_counter()
-            for bucket, buf in unchecked:
-                src = self.plan.global_src(bucket)
-                received.setdefault(src, []).append((bucket, chunk_sums(buf, self.verify)))
-                left[src] -= 1
-                if not left[src]:
-                    computed[src] = digesters[src]([s for _, s in received[src]], version).cpu()
-            unchecked.clear()
-            report.seconds["verify"] += time.perf_counter() - t0
-
-        def post(bucket, buf):
-            src = self.plan.global_src(bucket)
-            encoding, size = RAW, bucket.nbytes
-            if src in delta_from:
-                header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), src, delta_tag(bucket.index))
-                self.group.wait(header)
-                encoding, size = codes[bucket.src_rank, bucket.index] = header.buffer.cpu().tolist()
-                problem = check_header(encoding, size, bucket.nbytes)
-                if problem is not None:  # the payload's size is unknown: it cannot even be drained
-                    raise RefitCorruptionError(f"refit {version}: {self._bucket_name(bucket)}: its delta header is "
-                                               f"malformed ({problem})")
-            direct = None
-            if not failure and encoding == RAW:
-                try:
-                    direct = self._direct_view(bucket, self.storage.buffer, "dst")
-                except Exception as exc:  # noqa: BLE001 -- this rank's storage failed: drain the rest
-                    fail(exc)
-            self._route(report, direct is not None)
-            if direct is not None:  # straight into engine storage
-                pending = self.group.irecv(direct, src, bucket.index)
-                pending.direct = True
-                return pending
-            return self.group.irecv(buf[:size], src, bucket.index)  # staging (delta: the changed elements)
-
-        def retire(bucket, pending):
-            buf = pending.buffer
-            encoding, size = codes.get((bucket.src_rank, bucket.index), (RAW, 0))
-            report.bytes_received += bucket.payload_bytes if encoding == RAW else size
-            report.bytes_wire += buf.numel()
-            if failure:  # dropped
-                return
-            try:
-                self._apply(bucket, pending, encoding, buf, scratch, unchecked, report, version)
-            except Exception as exc:  # noqa: BLE001 -- this rank's storage or payload failed: drain the rest
-                fail(exc)
-                return
-            if unchecked and not (pending.direct and encoding == RAW):  # a staging or scratch buffer, reused next
-                check_arrived()
-
+        digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report)
+        run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
         with torch.no_grad():
-            self._run(buckets, post, retire, report)
-            if failure:  # every message of the refit taken: the group is intact; the trainer learns why
-                for pending in sent.values():
-                    self.group.wait(pending)
+            self._run(buckets, run.post, run.retire, report)
+            if run.drain.draining:  # every message of the refit taken: the group is intact; the trainer learns why
+                digests.wait_sent()
                 report.seconds["total"] = time.perf_counter() - start
-                self._summarize(report, failure[0])
-                raise failure[0]
-            check_arrived()
+                self._summarize(report, run.drain.failure)
+                raise run.drain.failure
+            digests.flush()
             try:
-                self._check_and_finalize(version, sent, computed, received, report)
+                digests.compare()
+                t0 = time.perf_counter()
+                self.storage.finalize()
+                report.seconds["load"] += time.perf_counter() - t0
             except Exception as exc:
                 try:  # every byte arrived: the group is intact, tell the trainer this rank failed
                     self._summarize(report, exc)
@@ -193,22 +131,6 @@ class Receiver(Endpoint):
         report.seconds["total"] = time.perf_counter() - start
         self._summarize(report)
         return report
-
-    def _apply(self, bucket, pending, encoding: int, buf: torch.Tensor, scratch: list, unchecked: list,
-               report: RefitReport, version: int) -> None:
-        """One arrived bucket into engine storage: unpacked from staging, or a delta checked
-        and written over the previous version's bytes; queued for its digest pass."""
-        if encoding != RAW:  # onto the previous version's bytes, in engine storage
-            t0 = time.perf_counter()
-            buf = self._apply_delta(bucket, encoding, buf, scratch, version)
-            report.seconds["load"] += time.perf_counter() - t0
-        if self.verify != "off":  # of the bytes as they arrived (in engine storage when direct)
-            unchecked.append((bucket, buf))
-        if pending.direct or encoding != RAW:  # already in engine storage
-            return
-        t0 = time.perf_counter()
-        unpack_bucket(bucket, buf, self.storage.buffer)
-        report.seconds["load"] += time.perf_counter() - t0
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})
@@ -237,26 +159,82 @@ class Receiver(Endpoint):
         unpack_bucket(bucket, target, self.storage.buffer)
         return target
 
-    def _check_and_finalize(self, version: int, sent: dict, computed: dict, received: dict,
-                            report: RefitReport) -> None:
-        """Compare the digests each sender computed with what arrived, then run the
-        engine's post-load step."""
-        if self.verify != "off":
+
+class _ReceiveRun:
+    """One refit's bucket loop on a receiver: ``post`` and ``retire`` for
+    :meth:`~megatron_refit.endpoint.base.Endpoint._run`, chaining the stages."""
+
+    def __init__(self, receiver: Receiver, version: int, delta_from: set[int], digests: ReceiveDigests, drain: Drain,
+                 report: RefitReport):
+        self.rx, self.version, self.delta_from = receiver, version, delta_from
+        self.digests, self.drain, self.report = digests, drain, report
+        self.codes: dict = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
+        self.scratch: list[torch.Tensor] = []
+
+    def post(self, bucket, buf):
+        rx = self.rx
+        src = rx.plan.global_src(bucket)
+        encoding, size = RAW, bucket.nbytes
+        if src in self.delta_from:
+            encoding, size = self._header(bucket, src)
+        direct = None
+        if not self.drain.draining and encoding == RAW:
+            try:
+                direct = rx._direct_view(bucket, rx.storage.buffer, "dst")
+            except Exception as exc:  # noqa: BLE001 -- this rank's storage failed: drain the rest
+                self._fail(exc)
+        rx._route(self.report, direct is not None)
+        if direct is not None:  # straight into engine storage
+            pending = rx.group.irecv(direct, src, bucket.index)
+            pending.direct = True
+            return pending
+        return rx.group.irecv(buf[:size], src, bucket.index)  # staging (delta: the changed elements)
+
+    def _header(self, bucket, src: int) -> tuple[int, int]:
+        """A delta bucket's header: ``(encoding, size)``. A malformed one fails this rank (named)
+        and the bucket is drained at its largest size, the whole bucket (a payload never exceeds it)."""
+        rx = self.rx
+        header = rx.group.recv_small(torch.zeros(2, dtype=torch.int64), src, delta_tag(bucket.index))
+        rx.group.wait(header)
+        encoding, size = header.buffer.cpu().tolist()
+        problem = check_header(encoding, size, bucket.nbytes)
+        if problem is not None:
+            self._fail(RefitCorruptionError(f"refit {self.version}: {rx._bucket_name(bucket)}: its delta header is "
+                                            f"malformed ({problem}); the bucket is dropped"))
+            encoding, size = RAW, bucket.nbytes
+        self.codes[bucket.src_rank, bucket.index] = encoding, size
+        return encoding, size
+
+    def _fail(self, exc: Exception) -> None:
+        self.drain.fail(exc)
+        self.digests.drop_queued()
+
+    def retire(self, bucket, pending) -> None:
+        buf = pending.buffer
+        encoding, size = self.codes.get((bucket.src_rank, bucket.index), (RAW, 0))
+        self.report.bytes_received += bucket.payload_bytes if encoding == RAW else size
+        self.report.bytes_wire += buf.numel()
+        if self.drain.draining:  # dropped
+            return
+        try:
+            self._apply(bucket, pending, encoding, buf)
+        except Exception as exc:  # noqa: BLE001 -- this rank's storage or payload failed: drain the rest
+            self._fail(exc)
+            return
+        if self.digests.unchecked and not (pending.direct and encoding == RAW):  # staging / scratch, reused next
+            self.digests.flush()
+
+    def _apply(self, bucket, pending, encoding: int, buf: torch.Tensor) -> None:
+        """One arrived bucket into engine storage: unpacked from staging, or a delta checked
+        and written over the previous version's bytes; queued for its digest pass."""
+        rx, report = self.rx, self.report
+        if encoding != RAW:  # onto the previous version's bytes, in engine storage
             t0 = time.perf_counter()
-            corrupted = []
-            for src, pending in sent.items():
-                self.group.wait(pending)
-                mismatch = (computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
-                corrupted += [received[src][i][0] for i in mismatch]
-            report.seconds["verify"] += time.perf_counter() - t0
-            if corrupted:
-                names = sorted({item.transfer.name for b in corrupted for item in b.items})
-                sources = sorted({self.plan.global_src(b) for b in corrupted})
-                raise RefitCorruptionError(
-                    f"refit {version}: digest mismatch in {len(corrupted)} bucket(s) from refit rank(s) "
-                    f"{sources} (bytes changed in flight, or misrouted); parameters "
-                    f"{names[:8]}{' ...' if len(names) > 8 else ''}"
-                )
+            buf = rx._apply_delta(bucket, encoding, buf, self.scratch, self.version)
+            report.seconds["load"] += time.perf_counter() - t0
+        self.digests.queue(bucket, buf)  # the bytes as they arrived (in engine storage when direct)
+        if pending.direct or encoding != RAW:  # already in engine storage
+            return
         t0 = time.perf_counter()
-        self.storage.finalize()
+        unpack_bucket(bucket, buf, rx.storage.buffer)
         report.seconds["load"] += time.perf_counter() - t0

@@ -1,12 +1,18 @@
 """How train ranks drive an engine's control plane around the refit: one protocol for every engine.
 
-``RefitCallback`` (and any training loop) asks :func:`engine_control` for the control of
-``refit.engine`` and makes the same three calls whatever the engine: ``connect`` once, ``refit``
-per version, ``close`` at the end. Each wraps the trainer's own call (``join()``,
-``fleet.refit(version)``, ``fleet.close()``): an engine with a control plane (SGLang: pause,
-update session, resume) runs its client calls on train rank 0 around it; one without
-(:class:`NoControl`: vLLM, driven by vLLM's own weight-transfer API, or an engine that runs its
-own receive loop) makes the trainer's call alone.
+``RefitCallback``, the vLLM trainer engine and any training loop ask :func:`engine_control` for
+the control of ``refit.engine`` and make the same three calls whatever the engine: ``connect``
+once, ``refit`` per version, ``close`` at the end. Each wraps the trainer's own call (``join()``,
+``fleet.refit(version)``, ``fleet.close()``): an engine with a control plane (vLLM's
+weight-transfer API, SGLang's update sessions: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`)
+runs its client calls on train rank 0 around it, in the fleet's lanes; one without
+(:class:`NoControl`: an engine that runs its own receive loop, the HF engine) makes the
+trainer's call alone.
+
+What ``join()`` returns is the fleet (:class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`):
+a control attaches itself to it (``fleet.attach``), runs its calls on the fleet's runner, and
+aborts a replica whose engine will not join (``fleet.abort_join``): it imports nothing of the
+fleet's.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ class EngineControl(Protocol):
     """Train ranks' calls around the refit (every train rank calls each, with its ``rank``)."""
 
     def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
-        """Run ``join()`` (joins the refit group, returns the trainer's refit) while the
-        engines join too; returns what ``join()`` returned."""
+        """``join()`` (the train ranks' fleet) while the engines join too; returns the fleet once
+        its starting replicas joined (or failed to, each named; it raises if none joined)."""
 
     def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
         """``fleet.refit(version, full=full)`` while the engines receive; returns its report."""
@@ -37,7 +43,9 @@ class NoControl:
     """The trainer's calls alone: the engine needs none from the trainer."""
 
     def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
-        return join()
+        fleet = join()
+        fleet.await_start()
+        return fleet
 
     def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
         return fleet.refit(version, full=full)
@@ -63,4 +71,3 @@ def engine_control(refit: dict, clients: Sequence = ()) -> EngineControl:
     if not isinstance(control, EngineControl):
         raise TypeError(f"engine {engine.name!r}: {engine.control} is not an EngineControl")
     return control
-

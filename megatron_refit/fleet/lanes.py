@@ -1,99 +1,202 @@
-"""Train rank 0's control calls to each engine replica: one lane per replica.
+"""Train rank 0's control calls to each engine replica, one lane per replica: the base of every
+engine control with a control plane (vLLM's weight-transfer calls, SGLang's update sessions).
 
-An engine with a control plane (vLLM's weight-transfer calls, SGLang's update sessions) takes
-calls from train rank 0 around every refit: before the bytes move (pause, ``update_weights``)
-and after (``finish_weight_update`` / resume). With many replicas, one replica's trouble must
-stay with it, so :class:`ReplicaLanes` gives every replica a lane: one thread that runs its
-calls in order, apart from the other replicas'. It is the fleet's
-:class:`~megatron_refit.fleet.replica.ReplicaHooks`: the fleet calls :meth:`ReplicaLanes.start`
-in the replica's own refit thread before its bytes move and :meth:`ReplicaLanes.land` once its
-group carried the refit, so a replica whose engine cannot make the version live fails alone,
-named in the report like any other failed replica, and only replicas that landed the version
-resume serving. A replica that failed stays paused (its weights are no complete version) until
-a refit lands on it; one whose group broke is dropped with its lane, without waiting for it.
+An engine with a control plane takes calls from train rank 0 around every refit: before the bytes
+move (pause, ``update_weights``) and after (``finish_weight_update`` / resume); once when it joins
+(``init_weight_transfer_engine`` / connect) and when it leaves. With many replicas, one replica's
+trouble must stay with it, so every replica's client gets a lane of the fleet's runner
+(:class:`~megatron_refit.fleet.runner.Runner`: one named thread running its calls in order, apart
+from the other replicas'). :class:`ReplicaLanes` is the fleet's
+:class:`~megatron_refit.fleet.replica.ReplicaHooks` (attached at connect): the fleet calls
+:meth:`~ReplicaLanes.start` in the replica's own refit lane before its bytes move and
+:meth:`~ReplicaLanes.land` once its group carried the refit, so a replica whose engine cannot make
+the version live fails alone, named in the report like any other failed replica, and only
+replicas that landed the version resume serving. A replica that failed stays paused (its weights
+are no complete version) until a refit lands on it; one the fleet drops is forgotten with its
+lane, without waiting for it.
 
-A replica that joins a running trainer (:meth:`ReplicaLanes.add`) has its connect call run
-first in its new lane: it blocks until the train ranks take the replica in at their next
-refit, and the refit's calls queue behind it. ``add`` returns once the replica's join is
-announced, so the next refit takes it in.
+Subclasses say what each call is (:meth:`connect_call`, :meth:`receive_call`, :meth:`land_call`,
+:meth:`close_call`). The fleet holds every thread; this class only submits to it, under one lock,
+so a replica added by the training thread and one the fleet drops in a background refit are
+ordered.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait
+from dataclasses import dataclass
 from typing import Any
 
-from megatron_refit.fleet.serving import ServingUnavailableError
+from megatron_refit.config import RefitConfig, refit_section
 from megatron_refit.errors import EngineLoadError
+from megatron_refit.fleet.serving import ServingUnavailableError
 
 logger = logging.getLogger(__name__)
 
+_LANE_IDS = itertools.count()
 
-class _Lane:
-    """One replica's client and the thread that runs its calls in order."""
+CLOSE_WAIT_S = 10.0
+"""How long :meth:`ReplicaLanes.close` waits for the engines' close calls (each told at once)."""
 
-    def __init__(self, replica: int, client) -> None:
-        self.client = client
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"refit-replica-{replica}")
-        self.pending: Future | None = None
-        """The call whose outcome :meth:`ReplicaLanes.land` waits for (the receiving one)."""
 
-    def submit(self, call: Callable[[Any], Any]) -> Future:
-        return self.pool.submit(call, self.client)
+@dataclass
+class _Client:
+    """One replica's control client and its lane (a new lane per client: a restarted replica's
+    calls never queue behind its dead predecessor's)."""
+
+    client: Any
+    lane: str
+    pending: Future | None = None
+    """The call whose outcome :meth:`ReplicaLanes.land` waits for (the receiving one)."""
 
 
 class ReplicaLanes:
-    """Control calls to every engine replica (see the module docstring). ``clients``: replica
-    index -> control client. Subclasses say what a refit calls: :meth:`receive_call` runs while
-    the replica receives, :meth:`land_call` after its group carried the refit, and
-    :meth:`connect_call` when a replica joins. ``timeout_s``: the longest a landing replica's
-    calls may take (``refit.timeout_s``)."""
+    """Control calls to every engine replica (see the module docstring). ``clients``: one control
+    client per replica the job starts with (replica ``i`` = ``clients[i]``; train rank 0 passes
+    them, the other train ranks may pass them or none). ``refit``: the ``refit:`` section (a
+    mapping or a ``RefitConfig``)."""
 
     engine = "engine"
 
-    def __init__(self, clients: dict[int, Any], *, timeout_s: float) -> None:
-        if not clients:
-            raise ValueError("ReplicaLanes needs at least one engine replica's client")
-        self.timeout_s = timeout_s
-        self.lanes = {replica: _Lane(replica, client) for replica, client in sorted(clients.items())}
-        self._highest = max(self.lanes)
+    def __init__(self, clients: Sequence, refit: dict | RefitConfig):
+        self.cfg = refit_section(refit, "control")
+        if clients and len(clients) != self.cfg.gen_dp:
+            raise ValueError(f"{type(self).__name__}: {len(clients)} engine clients for refit.gen_dp={self.cfg.gen_dp} "
+                             "replicas: pass one client per starting replica (engines that start later join through "
+                             "add)")
+        self.timeout_s = self.cfg.timeout_s
+        self._clients: dict[int, _Client] = {r: self._new(r, c) for r, c in enumerate(clients)}
+        self._lock = threading.Lock()
+        self.fleet = None
+        self.num_train: int | None = None
 
-    # -- what one refit calls (the engine's) -----------------------------------------------------
+    @staticmethod
+    def _new(replica: int, client) -> _Client:
+        return _Client(client, f"control-{replica}-{next(_LANE_IDS)}")
+
+    # -- what each call is (the engine's) --------------------------------------------------------
+    def connect_call(self, replica: int) -> Callable[[Any], Any]:
+        raise NotImplementedError
+
     def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
         raise NotImplementedError
 
     def land_call(self, version: int) -> Callable[[Any], Any]:
         raise NotImplementedError
 
-    def connect_call(self, replica: int) -> Callable[[Any], Any]:
-        raise NotImplementedError
+    def close_call(self) -> Callable[[Any], Any] | None:
+        """What a replica's engine is told when the trainer closes (None: nothing)."""
+        return None
 
+    # -- EngineControl -----------------------------------------------------------------------------
+    def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
+        """Every train rank: the fleet ``join()`` returns, then (train rank 0) each replica's connect
+        call in its lane, while the fleet's starting replicas join. A replica whose connect call
+        fails is aborted at once (the train ranks stop waiting for it) and fails joining, named.
+        Returns once the starting replicas joined or failed (the fleet raises if none joined)."""
+        self.num_train = num_train
+        fleet = join()
+        if rank == 0:
+            self.fleet = fleet
+            fleet.attach(self)
+            with self._lock:
+                for replica, entry in self._clients.items():
+                    future = self._submit(entry, self.connect_call(replica))
+                    future.add_done_callback(lambda f, r=replica: self._connected(r, f))
+        fleet.await_start()
+        return fleet
 
-    # -- the fleet's hooks -----------------------------------------------------------------------
+    def _connected(self, replica: int, future: Future) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None and self.fleet is not None:
+            self.fleet.abort_join(replica, f"the {self.engine}'s connect call failed: {type(exc).__name__}: {exc}")
+
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False):
+        """Every train rank: ``fleet.refit(version)``; on train rank 0 each replica's calls run in
+        its lane around its part (the fleet calls this object's hooks)."""
+        return fleet.refit(version, full=full)
+
+    def close(self, fleet, *, rank: int) -> None:
+        """Every train rank: (train rank 0) every replica's engine is told, each in its lane, all at
+        once, waited for up to :data:`CLOSE_WAIT_S` (an engine that hangs is not waited for
+        longer: it is told, its lane ends with the call); then the fleet closes."""
+        call = self.close_call() if rank == 0 and self.fleet is not None else None
+        if call is not None:
+            with self._lock:
+                futures = {r: self._submit(e, call) for r, e in self._clients.items()}
+            wait(list(futures.values()), timeout=min(self.timeout_s, CLOSE_WAIT_S))
+            for replica, future in sorted(futures.items()):
+                reason = _outcome(future, 0.0)
+                if reason:
+                    logger.warning("refit: telling %s replica %d to close failed: %s", self.engine, replica, reason)
+        fleet.close()
+
+    def add(self, client, *, replica: int | None = None) -> int:
+        """Train rank 0, between refits: a new engine replica (``client``: its control client)
+        joins under index ``replica`` (default: one past every index so far; the index of a
+        replica that died, to restart it). Its connect call starts in a lane of its own; returns
+        (the index) once its join is announced, so the train ranks take it in at their next refit."""
+        if self.fleet is None:
+            raise ValueError(f"{type(self).__name__}.add: only train rank 0, after connect, takes in engines")
+        with self._lock:
+            if replica is None:
+                replica = max([*self._clients, *self.fleet.members, -1]) + 1
+            if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
+                raise ValueError(f"replica must be a non-negative int, got {replica!r}")
+            before = self.fleet.announced(replica)
+            old = self._clients.pop(replica, None)
+            if old is not None:  # a restart under its index: the old lane's engine is gone
+                self.fleet.runner.retire(old.lane)
+            entry = self._clients[replica] = self._new(replica, client)
+            connecting = self._submit(entry, self.connect_call(replica))
+        deadline = time.monotonic() + self.timeout_s
+        while self.fleet.announced(replica) == before:
+            if connecting.done():  # it failed before it announced: nothing will take it in
+                self.forget(replica)
+                connecting.result()
+                raise RuntimeError(f"{self.engine} replica {replica}: its connect call returned before it joined")
+            if time.monotonic() > deadline:
+                self.forget(replica)
+                raise EngineLoadError(f"{self.engine} replica {replica} did not announce its join within "
+                                      f"refit.timeout_s={self.timeout_s:g} s")
+            time.sleep(0.02)
+        return replica
+
+    # -- the fleet's hooks -------------------------------------------------------------------------
+    def _submit(self, entry: _Client, call: Callable[[Any], Any]) -> Future:
+        return self.fleet.runner.submit(entry.lane, call, entry.client)
+
+    def _entry(self, replica: int) -> _Client | None:
+        with self._lock:
+            return self._clients.get(replica)
+
     def start(self, replica: int, version: int, full: bool) -> None:
         """Before replica ``replica``'s bytes move: its receiving call, queued in its lane."""
-        lane = self.lanes.get(replica)
-        if lane is None:  # a member that joined without a client: nothing drives its engine here
+        entry = self._entry(replica)
+        if entry is None:  # a member that joined without a client: nothing drives its engine here
             logger.warning("refit %d: engine replica %d has no control client on this train rank", version, replica)
             return
-        lane.pending = lane.submit(self.receive_call(version, full))
+        entry.pending = self._submit(entry, self.receive_call(version, full))
 
     def land(self, replica: int, version: int) -> None:
         """After replica ``replica``'s group carried refit ``version``: its receiving call's
         outcome, then the call that makes the version live (``EngineLoadError`` if either failed)."""
-        lane = self.lanes.get(replica)
-        if lane is None:
+        entry = self._entry(replica)
+        if entry is None:
             return
-        pending, lane.pending = lane.pending, None
+        pending, entry.pending = entry.pending, None
         if pending is not None:
             reason = _outcome(pending, self.timeout_s)
             if reason:
                 raise EngineLoadError(f"{self.engine} replica {replica}: receiving version {version} failed: {reason}")
-        reason = _outcome(lane.submit(self.land_call(version)), self.timeout_s)
+        reason = _outcome(self._submit(entry, self.land_call(version)), self.timeout_s)
         if reason:
             raise EngineLoadError(f"{self.engine} replica {replica}: making version {version} live failed: {reason}")
 
@@ -102,11 +205,11 @@ class ReplicaLanes:
         through its client's ``score`` (its serving path), in its lane, within ``timeout_s``;
         :class:`~megatron_refit.fleet.serving.ServingUnavailableError` where its client has none. A
         replica whose answer fails the check is held (:meth:`hold`) until a version lands."""
-        lane = self.lanes.get(replica)
-        if lane is None or not callable(getattr(lane.client, "score", None)):
-            what = "no control client" if lane is None else f"a {type(lane.client).__name__} without score()"
+        entry = self._entry(replica)
+        if entry is None or not callable(getattr(entry.client, "score", None)):
+            what = "no control client" if entry is None else f"a {type(entry.client).__name__} without score()"
             raise ServingUnavailableError(f"train rank 0 holds {what} for {self.engine} replica {replica}")
-        future = lane.submit(lambda client: client.score([list(s) for s in sequences]))
+        future = self._submit(entry, lambda client: client.score([list(s) for s in sequences]))
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -117,85 +220,39 @@ class ReplicaLanes:
         """Replica ``replica`` failed its serving check: stop it serving (its client's ``hold()``,
         where it has one: vLLM's server pauses), queued in its lane, not waited for; the next
         version that lands on it resumes it."""
-        lane = self.lanes.get(replica)
-        if lane is not None and callable(getattr(lane.client, "hold", None)):
-            lane.submit(lambda client: client.hold())
+        entry = self._entry(replica)
+        if entry is not None and callable(getattr(entry.client, "hold", None)):
+            self._submit(entry, lambda client: client.hold())
 
-    # -- membership ------------------------------------------------------------------------------
+    def forget(self, replica: int) -> None:
+        """The fleet dropped replica ``replica`` (it left, or its group broke): its client and lane
+        go, without waiting for its calls (its engine may hang)."""
+        with self._lock:
+            entry = self._clients.pop(replica, None)
+        if entry is not None and self.fleet is not None:
+            self.fleet.runner.retire(entry.lane)
+
     @property
     def replicas(self) -> list[int]:
-        return sorted(self.lanes)
+        with self._lock:
+            return sorted(self._clients)
 
-    def add(self, client, *, replica: int | None = None, announced: Callable[[int], str | None]) -> int:
-        """Train rank 0, between refits: a new engine replica (``client``: its control client)
-        joins under index ``replica`` (default: one past every index so far; the index of a
-        replica that died, to restart it). Its connect call starts in a lane of its own;
-        returns (the index) once its join is announced (``announced(replica)``: the replica's
-        latest announced incarnation, :meth:`~megatron_refit.fleet.trainer_fleet.TrainerFleet.announced`),
-        so the train ranks take it in at their next refit."""
-        if replica is None:
-            replica = self._highest + 1
-        if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
-            raise ValueError(f"replica must be a non-negative int, got {replica!r}")
-        if replica in self.lanes:
-            self.drop(replica)  # a restart under its index: the old lane's engine is gone
-        self._highest = max(self._highest, replica)
-        before = announced(replica)
-        lane = self.lanes[replica] = _Lane(replica, client)
-        connecting = lane.submit(self.connect_call(replica))
-        deadline = time.monotonic() + self.timeout_s
-        while announced(replica) == before:
-            if connecting.done():  # it failed before it announced: nothing will take it in
-                self.drop(replica)
-                connecting.result()
-                raise RuntimeError(f"{self.engine} replica {replica}: its connect call returned before it joined")
-            if time.monotonic() > deadline:
-                self.drop(replica)
-                raise EngineLoadError(f"{self.engine} replica {replica} did not announce its join within "
-                                      f"refit.timeout_s={self.timeout_s:g} s")
-            time.sleep(0.02)
-        return replica
+    @property
+    def clients(self) -> list:
+        """The current replicas' clients, by replica index."""
+        with self._lock:
+            return [self._clients[r].client for r in sorted(self._clients)]
 
-    def drop(self, replica: int) -> None:
-        """Forget replica ``replica``'s lane without waiting for its calls (its engine may hang)."""
-        lane = self.lanes.pop(replica, None)
-        if lane is not None:
-            lane.pool.shutdown(wait=False, cancel_futures=True)
-
-    def refit(self, fleet, version: int, *, full: bool = False):
-        """Train rank 0's refit through ``fleet`` (a :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`)
-        with each replica's calls in its lane around its part; then the lanes of replicas the
-        fleet no longer holds are dropped."""
-        try:
-            return fleet.refit(version, full=full, hooks=self)
-        finally:
-            self.keep(fleet.members)
-
-    def keep(self, members) -> None:
-        """After a refit: drop the lanes of replicas the fleet no longer holds (left, or their
-        group broke)."""
-        for replica in [r for r in self.lanes if r not in members]:
-            logger.info("refit: engine replica %d is no longer a member; its control client is dropped", replica)
-            self.drop(replica)
-
-    def all(self, call: Callable[[int, Any], Any], what: str, *, local: Callable[[], Any] | None = None):
-        """``call(replica, client)`` in every lane at once, while this thread runs ``local()``
-        (the train rank's side of the same collective); returns what ``local`` returned.
-        Raises ``local``'s error first, else the first replica's, named, once every call
-        returned."""
-        futures = {r: lane.submit(lambda c, r=r: call(r, c)) for r, lane in self.lanes.items()}
-        try:
-            out = local() if local is not None else None
-        finally:
-            errors = {r: f.exception() for r, f in futures.items()}
-        for replica, exc in sorted(errors.items()):
-            if exc is not None:
-                raise RuntimeError(f"{self.engine} replica {replica}: its {what} call failed: {exc}") from exc
-        return out
-
-    def close(self) -> None:
-        for replica in list(self.lanes):
-            self.drop(replica)
+    def all(self, call: Callable[[int, Any], Any], what: str) -> None:
+        """``call(replica, client)`` in every lane at once; raises the first replica's error, named,
+        once every call returned (or ``timeout_s`` passed)."""
+        with self._lock:
+            futures = {r: self._submit(e, lambda client, r=r: call(r, client)) for r, e in self._clients.items()}
+        wait(list(futures.values()), timeout=self.timeout_s)
+        for replica, future in sorted(futures.items()):
+            reason = _outcome(future, 0.0)
+            if reason:
+                raise RuntimeError(f"{self.engine} replica {replica}: its {what} call failed: {reason}")
 
 
 def _outcome(future: Future, timeout_s: float) -> str:

@@ -59,17 +59,16 @@ class TrainerMember(_Sync):
     built already (shared by a train rank's replica groups: one plan per replica layout)."""
 
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
-                 offloader=None, on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
+                 on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp, plans=plans)
+                  replica_size=cfg.gen_tp, plans=plans, check_finite=cfg.check_finite)
         self.group = group
-        kw.update(check_finite=cfg.check_finite, on_replica_failure=cfg.on_replica_failure)
-        self.full = Refitter(group, pieces + adapters, offloader=offloader, **kw)
+        self.full = Refitter(group, pieces + adapters, **kw)
         self.plan = self.full.prepare()
         self.adapters = None
         if adapters and cfg.lora_sync != "full":
-            self.adapters = Refitter(group, adapters, offloader=offloader, **kw)
+            self.adapters = Refitter(group, adapters, **kw)
             self.adapters.prepare()
 
     def refit(self, version: int, *, full: bool = False) -> RefitReport:

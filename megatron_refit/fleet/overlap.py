@@ -18,9 +18,9 @@ send runs on a CUDA stream of its own that waits for that copy only.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -117,9 +117,11 @@ def check_busy(busy: str) -> None:
 
 
 class BackgroundRefit:
-    """At most one refit of this train rank in flight, on a thread of its own (see the module
-    docstring). ``gate``: a group of the train ranks alone (``exchange``), used under
-    ``busy="skip"`` so that every train rank skips the same refits."""
+    """At most one refit of this train rank in flight, in the fleet runner's ``background`` lane
+    (see the module docstring). ``gate``: a group of the train ranks alone (``exchange``), used
+    under ``busy="skip"`` so that every train rank skips the same refits."""
+
+    LANE = "background"
 
     def __init__(self, snapshot: Snapshot, *, busy: str = "wait", gate=None):
         check_busy(busy)
@@ -128,10 +130,10 @@ class BackgroundRefit:
         self.snapshot = snapshot
         self.busy = busy
         self.gate = gate
-        self._thread: threading.Thread | None = None
+        self.runner = None
+        """The fleet's runner (:meth:`attach`): the background refits run in its lane."""
+        self._future: Future | None = None
         self._version: int | None = None
-        self._result = None
-        self._error: BaseException | None = None
         self._finished: list = []
         self.skipped: list[int] = []
         """Versions skipped because the last refit was still moving (``busy: skip``)."""
@@ -140,13 +142,13 @@ class BackgroundRefit:
         self.last_report = None
         """The report of the last refit that finished."""
 
+    def attach(self, runner) -> None:
+        self.runner = runner
+
     @property
     def in_flight(self) -> int | None:
         """The version being sent, if one is."""
-        return self._version if self._thread is not None and self._thread.is_alive() else None
-
-    def on_own_thread(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        return self._version if self._future is not None and not self._future.done() else None
 
     def start(self, version: int, prepare: Callable[[], set[str]], run: Callable[[], object],
               *, busy: str | None = None) -> bool:
@@ -166,45 +168,40 @@ class BackgroundRefit:
         self._reap()  # the last one's error, if it failed, is raised here (named)
         self.snapshot.take(prepare())
         ready = self.snapshot.ready
-        stream = torch.cuda.Stream() if ready is not None else None
-        self._version, self._result, self._error = version, None, None
 
         def body():
-            try:
-                if stream is None:
-                    self._result = run()
-                else:
-                    with torch.cuda.stream(stream):
-                        stream.wait_event(ready)
-                        self._result = run()
-                        stream.synchronize()
-            except BaseException as exc:  # noqa: BLE001 -- raised in the training thread, at the next call
-                self._error = exc
+            if ready is None:
+                return run()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                result = run()
+                stream.synchronize()
+            return result
 
-        self._thread = threading.Thread(target=body, name=f"refit-{version}", daemon=True)
-        self._thread.start()
+        self._version = version
+        self._future = self.runner.submit(self.LANE, body)
         return True
 
     def _join(self, timeout_s: float | None = None) -> bool:
-        thread = self._thread
-        if thread is None:
+        if self._future is None:
             return True
-        thread.join(timeout_s)
-        return not thread.is_alive()
+        done, _ = wait([self._future], timeout=timeout_s)
+        return bool(done)
 
     def _reap(self) -> None:
         """Take the finished refit's outcome; raise its error, its version named."""
-        if self._thread is None or self._thread.is_alive():
+        if self._future is None or not self._future.done():
             return
-        self._thread = None
-        version, error, result = self._version, self._error, self._result
-        self._version = self._error = self._result = None
+        future, version = self._future, self._version
+        self._future = self._version = None
+        error = future.exception()
         if error is not None:
             error.add_note(f"refit.overlap: refit {version} failed in the background (taken at its step "
                            f"boundary); raised at the next refit call or step boundary")
             raise error
-        self.last_report = result
-        self._finished.append(result)
+        self.last_report = future.result()
+        self._finished.append(self.last_report)
 
     def collect(self) -> list:
         """The reports of the refits that finished since the last call (in order); raises the
@@ -217,7 +214,7 @@ class BackgroundRefit:
         """Wait for the refit in flight; its report (None if there was none), or its error."""
         if not self._join(timeout_s):
             raise TimeoutError(f"refit.overlap: refit {self._version} still in flight after {timeout_s:g} s")
-        had = self._thread is not None
+        had = self._future is not None
         self._reap()
         return self.last_report if had else None
 

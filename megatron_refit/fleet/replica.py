@@ -33,6 +33,9 @@ class ReplicaHooks(Protocol):
     def hold(self, replica: int) -> None:
         """It failed its serving check: stop it serving what it serves, where its engine can."""
 
+    def forget(self, replica: int) -> None:
+        """The fleet dropped it (it left, or its group broke): its client and calls go."""
+
 
 @dataclass
 class Probing:
@@ -89,6 +92,11 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
             out.report, answer, answer_s = member.refit_and_probe(version, full=full, probe=probe)
         else:
             out.report = member.refit(version, full=full)
+        if out.report.failed_ranks:  # an engine rank could not apply it (its group drained it: intact)
+            why = "; ".join(out.report.failed_replicas.values())
+            out.error = ReplicaFailedError(f"refit {version}: engine replica {replica} could not apply it: {why}",
+                                           report=out.report)
+            return out
         if hooks is not None:
             hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
         if probe is not None and rank == 0:

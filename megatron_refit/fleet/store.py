@@ -1,8 +1,8 @@
 """The fleet's store protocol: every key the train ranks and the engine replicas share in the
 train ranks' store (hosted by train rank 0 at ``refit.host:refit.port``), and the calls that
-read and write them: a replica's join and leave (:func:`announce`), the starting engines'
-refusal (:func:`abort_start`), the wait for the replicas a job starts with
-(:func:`wait_for_starting`) and train rank 0's reader of the announcements (:class:`Announcements`).
+read and write them: a replica's join and leave (:func:`announce`), a starting engine's
+refusal (:func:`abort_join`), the wait for a replica a job starts with (:func:`await_announced`)
+and train rank 0's reader of the announcements (:class:`Announcements`).
 Each replica's refit group keeps its own keys under :func:`namespace`.
 """
 
@@ -22,7 +22,7 @@ JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
 (a random id per ``engine_refit``) tells a restarted replica from the one it replaces: a leave
 counts only for the incarnation that is a member."""
 ABORT = "megatron_refit/fleet/abort"
-"""Store key: why the starting engines will not join (:func:`abort_start`)."""
+"""Store keys ``ABORT/<replica>``: why a starting replica's engine will not join (:func:`abort_join`)."""
 
 
 def namespace(replica: int, incarnation: str) -> str:
@@ -53,35 +53,29 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
         logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
 
 
-def abort_start(cfg: RefitConfig, reason: str) -> None:
-    """Train rank 0's control calls found that an engine will not join (its connect call
-    failed): the train ranks stop waiting for the starting replicas now, each raising
-    ``reason``, instead of after ``refit.timeout_s``. Best effort (the store may not be up yet:
-    then the wait still ends at its timeout)."""
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=min(cfg.timeout_s, 5.0)))
-        store.set(ABORT, reason[:2000])
-    except RuntimeError as exc:
-        logger.warning("refit: could not tell the train ranks that an engine will not join: %s", exc)
+def abort_join(store, replica: int, reason: str) -> None:
+    """Train rank 0's control found that replica ``replica``'s engine will not join (its connect
+    call failed): every train rank's join of it stops waiting for its announcement now, raising
+    ``reason``, instead of after ``refit.timeout_s``."""
+    store.set(f"{ABORT}/{replica}", reason[:2000])
 
 
-def wait_for_starting(store, cfg: RefitConfig) -> dict:
-    """Train rank 0: the starting replicas' incarnations, or ``{"error": why}`` (one did not
-    join within ``refit.timeout_s``, or :func:`abort_start` said it will not)."""
-    keys = [f"{JOINS}/{r}" for r in range(cfg.gen_dp)]
-    deadline = time.monotonic() + cfg.timeout_s
-    while not store.check(keys):
-        if store.check([ABORT]):
-            return {"error": store.get(ABORT).decode(errors="replace")}
+def await_announced(store, replica: int, timeout_s: float, stop) -> str:
+    """A train rank's join of a replica the job starts with: that replica's incarnation once its
+    engine announced itself; ``RefitTransportError`` if it did not within ``timeout_s``, if train
+    rank 0 aborted its join (:func:`abort_join`), or if ``stop`` (an event) is set (the fleet closes)."""
+    key, abort = f"{JOINS}/{replica}", f"{ABORT}/{replica}"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if store.check([abort]):
+            raise RefitTransportError(f"train rank 0 aborted the join: {store.get(abort).decode(errors='replace')}")
+        if stop.is_set():
+            raise RefitTransportError(f"engine replica {replica}: the fleet closed before it joined")
         if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            return {"error": f"engine replica(s) {missing} of refit.gen_dp={cfg.gen_dp} did not join within "
-                             f"refit.timeout_s={cfg.timeout_s:g} s (started? reaching {cfg.host}:{cfg.port}?)"}
+            raise RefitTransportError(f"engine replica {replica} did not join within refit.timeout_s={timeout_s:g} s "
+                                      "(started? reaching refit.host:refit.port?)")
         time.sleep(0.05)
-    return {r: store.get(key).decode() for r, key in enumerate(keys)}
+    return store.get(key).decode()
 
 
 class Announcements:

@@ -1,52 +1,59 @@
-"""A fleet of engine replicas, each with a fate of its own.
+"""A fleet of engine replicas, each with a fate of its own: the train side's one owner.
 
 A train rank holds one refit group per engine replica (the train ranks and that replica's
 ``gen_tp`` engine ranks) and the train ranks' own control group (no engine rank in it). All of
-them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's
-group lives there under a namespace of its own
-(:func:`~megatron_refit.fleet.store.namespace`, one per incarnation of the replica, so a
-restarted one never meets its predecessor's keys). :class:`TrainerFleet` refits every replica's
-group at once (one thread each); the train ranks then agree on each replica's outcome over
-the control group, which needs no engine rank alive. A replica whose engine failed but whose
-group is intact (its storage raised, its bytes were corrupted: it drained the rest) stays a
-member and its next refit brings it back; a replica whose group broke (its process died, its
-link stalled past ``refit.timeout_s``) is dropped, and may rejoin.
+them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's group
+lives there under a namespace of its own (:func:`~megatron_refit.fleet.store.namespace`, one per
+incarnation of the replica, so a restarted one never meets its predecessor's keys).
 
-Membership: an engine replica announces itself
-(:func:`~megatron_refit.fleet.store.announce`: ``join`` before it connects, ``leave``
-when it closes) in the control group's store, hosted by train rank 0. At the start of every
-refit train rank 0 reads the announcements and all train ranks act on the same list: they drop
-leaving replicas and connect joining ones (a replica that rejoins under the index of a member
-replaces it), agree on the plan with them and send them the current version in full (deltas
-afterwards). The other replicas' groups and plans are not touched. The plan of a replica layout
-is built once per train rank and shared by every replica with that layout (one that joins
-checks its pieces against it: it meets the cached plan when they match).
+:class:`TrainerFleet` runs everything on its :class:`~megatron_refit.fleet.runner.Runner`: each
+replica's join and its part of every refit in that replica's lane (every replica at once), the
+engine control's calls in theirs (train rank 0), the refits of ``refit.overlap`` in the
+background lane. The train ranks agree on each replica's outcome over the control group, which
+needs no engine rank alive, and apply the one failure policy (:mod:`~megatron_refit.fleet.policy`).
+A replica whose engine failed but whose group is intact (its storage raised, its bytes were
+corrupted: it drained the rest) stays a member and its next refit brings it back; a replica whose
+group broke (its process died, it stalled) is dropped, and may rejoin.
+
+Membership (:mod:`~megatron_refit.fleet.membership`): the replicas the job starts with join as
+soon as their engines announce themselves, each in its lane; an engine that joins later
+announces itself (``join``), one that closes says so (``leave``). At the start of every refit
+train rank 0 reads the announcements and all train ranks act on the same changes; a replica
+announced before a refit takes part in it once every train rank has prepared its group (one
+whose join fails, or stalls, fails alone, named, and the others go on). The plan of a replica
+layout is built once per train rank and shared by every replica with that layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.fleet.store import JOINS, LEAVES, Announcements, wait_for_starting
-from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
-from megatron_refit.endpoint.report import RefitReport, merge_reports
-from megatron_refit.fleet.serving import ServingCheck
+from megatron_refit.errors import RefitTransportError
 from megatron_refit.fleet.member import TrainerMember
+from megatron_refit.fleet.membership import DONE, PENDING, Changes, Membership, resolve
+from megatron_refit.fleet.policy import check_landed, failed_replicas
+from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
+from megatron_refit.fleet.runner import Runner
+from megatron_refit.fleet.serving import ServingCheck
+from megatron_refit.fleet.store import JOINS, LEAVES, Announcements, abort_join, await_announced
+from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.registry import engine_named
-from megatron_refit.errors import RefitTransportError, ReplicaFailedError
 
 logger = logging.getLogger(__name__)
+
+JOIN_POLL_S = 0.05
+"""How often the train ranks compare how their joins went, while one is still under way."""
 
 
 def member_config(cfg: RefitConfig) -> RefitConfig:
     """The ``refit:`` section of one replica's group: the same, with one replica."""
     return dataclasses.replace(cfg, gen_dp=1)
-
 
 
 class TrainerFleet:
@@ -57,78 +64,54 @@ class TrainerFleet:
     def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
                  on_report: Callable[[dict], None] | None = None, background=None, forward=None):
         self.cfg = cfg
-        self.serving = ServingCheck(cfg, forward, rank=control.rank)
-        """``refit.verify_serving`` (``forward``: the trainer model's, to compare with)."""
-        self._probing: dict[int, Probing] = {}
-        """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
-        self.background = background
-        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`
-        that sends from its snapshot while training goes on (the members send from the snapshot)."""
-        self._joined: dict[int, dict] = {}
-        """Overlap: per version, the joins' failures of the membership update done at its start."""
-        self._next_members: dict | None = None
-        """Overlap: the joins' failures of the membership update a background refit did at its end
-        for the next one (which then takes no collective in the training thread)."""
         self.control = control
         """The train ranks' own group: versions and outcomes, never an engine rank."""
         self._connect, self._member = connect, member
         self.offloader = offloader
         self.on_report = on_report
+        self.runner = Runner()
+        """Every thread of this fleet on this rank (named, joined on :meth:`close`)."""
+        self.serving = ServingCheck(cfg, forward, rank=control.rank)
+        """``refit.verify_serving`` (``forward``: the trainer model's, to compare with)."""
+        self.background = background
+        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit` that sends
+        from its snapshot while training goes on (in the runner's background lane)."""
+        if background is not None:
+            background.attach(self.runner)
         self.members: dict[int, TrainerMember] = {}
+        self._joining: dict[int, Future] = {}
+        self._lock = threading.RLock()
+        """Membership changes: the training thread's and a background refit's, in one order."""
+        self._membership_lock = threading.Lock()
+        """Train rank 0's :class:`Membership`: also read by the starting replicas' joins, in their lanes."""
+        self._closing = threading.Event()
+        self._hooks: ReplicaHooks | None = None
+        self._probing: dict[int, Probing] = {}
+        """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
+        self._joined: dict[int, dict] = {}
+        """Overlap: per version, the joins' failures of the membership update done at its start."""
+        self._next_members: dict | None = None
+        """Overlap: the joins' failures of the membership update a background refit did at its end
+        for the next one (which then takes no collective in the training thread)."""
+        self._started = False
+        self._start_failures: dict[int, str] = {}
+        self.membership = Membership() if control.rank == 0 else None
+        """Train rank 0: the incarnations it decides membership from."""
         self._announcements = Announcements(control.store) if control.rank == 0 else None
-        self._incarnation: dict[int, str] = {}
-        """Train rank 0: each member's incarnation (a leave of another one is stale)."""
-        starting = None
-        if self._announcements is not None:  # the replicas a job starts with: every train rank waits for them
-            starting = wait_for_starting(control.store, cfg)
-        starting = control.all_gather_object(starting, "fleet")[0]
-        if "error" in starting:
-            control.close()
-            raise RefitTransportError(f"refit: the engines did not start: {starting['error']}")
-        for replica, incarnation in sorted(starting.items()):
-            self.members[replica] = self._join(replica, incarnation)
-        self._pending: list[tuple[int, str]] = []
-        """Train rank 0: joins announced while the starting replicas connected (not theirs)."""
-        if self._announcements is not None:
-            self._incarnation.update(starting)
-            self._pending = [(r, who) for r, who in self._announcements.read(JOINS) if starting.get(r) != who]
+        if self.membership is not None:
+            self.membership.starting(range(cfg.gen_dp))
+        for replica in range(cfg.gen_dp):  # the replicas the job starts with, each in its lane
+            self._start_join(replica, None)
 
     # -- membership ----------------------------------------------------------------------------
-    def _join(self, replica: int, incarnation: str) -> TrainerMember:
-        return self._member(self._connect(replica, incarnation))
+    def attach(self, hooks: ReplicaHooks) -> None:
+        """Train rank 0: the engine control whose calls run around each replica's part of every refit."""
+        self._hooks = hooks
 
-    def _drop(self, replica: int) -> None:
-        member = self.members.pop(replica)
-        self.serving.forget(replica)
-        try:
-            member.close()
-        except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
-            logger.warning("refit: closing replica %d's group failed", replica, exc_info=True)
-
-    def _update_membership(self, report_failures: dict) -> None:
-        """Every train rank, at the start of a refit: the same joins and leaves, from rank 0."""
-        news = None
-        if self._announcements is not None:  # rank 0 decides; the others follow
-            joins = dict(self._pending + self._announcements.read(JOINS))  # the latest incarnation of each
-            self._pending = []
-            leaves = sorted({r for r, who in self._announcements.read(LEAVES)
-                             if r in self.members and self._incarnation.get(r) == who and r not in joins})
-            self._incarnation.update(joins)
-            for replica in leaves:
-                self._incarnation.pop(replica, None)
-            news = (sorted(joins.items()), leaves)
-        joins, leaves = self.control.all_gather_object(news, "fleet")[0]
-        for replica in leaves:
-            logger.info("refit: engine replica %d left", replica)
-            self._drop(replica)
-        for replica, incarnation in joins:
-            if replica in self.members:  # restarted under its index: its old group is gone
-                self._drop(replica)
-            try:
-                self.members[replica] = self._join(replica, incarnation)
-                logger.info("refit: engine replica %d joined", replica)
-            except Exception as exc:  # noqa: BLE001 -- the joining replica's failure is its own
-                report_failures[replica] = f"joining failed: {type(exc).__name__}: {exc}"[:500]
+    def abort_join(self, replica: int, reason: str) -> None:
+        """Train rank 0: replica ``replica``'s engine will not join (``reason``): every train rank's
+        join of it stops waiting now."""
+        abort_join(self.control.store, replica, reason)
 
     def announced(self, replica: int) -> str | None:
         """Train rank 0: the latest incarnation replica ``replica`` announced joining with
@@ -138,10 +121,99 @@ class TrainerFleet:
         key = f"{JOINS}/{replica}"
         return self.control.store.get(key).decode() if self.control.store.check([key]) else None
 
+    def _start_join(self, replica: int, incarnation: str | None) -> None:
+        self._joining[replica] = self.runner.submit(f"replica-{replica}", self._join, replica, incarnation)
+
+    def _join(self, replica: int, incarnation: str | None) -> TrainerMember:
+        """In replica ``replica``'s lane: wait for its engine's announcement (a starting replica),
+        open its group and prepare the plan with its engine ranks."""
+        if incarnation is None:
+            incarnation = await_announced(self.control.store, replica, self.cfg.timeout_s, self._closing)
+            if self.membership is not None:
+                with self._membership_lock:
+                    self.membership.bound(replica, incarnation)
+        group = self._connect(replica, incarnation)
+        try:
+            return self._member(group)
+        except BaseException:
+            group.close()
+            raise
+
+    def await_start(self) -> None:
+        """Every train rank, once (the first refit, ``plan``, an engine control's connect): the
+        replicas the job starts with, joined or failed (each named in the first refit's report);
+        ``RefitTransportError`` naming why if none joined."""
+        if self._started:
+            return
+        self._started = True
+        with self._lock:
+            failures = self._resolve_joins()
+        if not self.members:
+            why = "; ".join(f"replica {r}: {w}" for r, w in sorted(failures.items())) or "none joined"
+            self.close()
+            raise RefitTransportError(f"refit: the engines did not start: {why}")
+        self._start_failures = failures
+
+    def _resolve_joins(self) -> dict[int, str]:
+        """Every train rank (collective over the control group): wait for the joins under way,
+        then take in those every train rank completed; the failed ones' reasons."""
+        failures: dict[int, str] = {}
+        while self._joining:
+            mine = {r: _status(f) for r, f in self._joining.items()}
+            joined, failed, pending = resolve(self.control.all_gather_object(mine, "fleet"), self._joining)
+            for replica in joined:
+                self.members[replica] = self._joining.pop(replica).result()
+                logger.info("refit: engine replica %d joined", replica)
+            for replica, why in failed.items():
+                future = self._joining.pop(replica)
+                if future.done() and future.exception() is None:  # done here, not on another rank
+                    _close_quietly(future.result(), replica)
+                self.runner.retire(f"replica-{replica}")
+                self._forget(replica)
+                failures[replica] = f"joining failed: {why}"[:1000]
+            if not pending:
+                break
+            time.sleep(JOIN_POLL_S)
+        return failures
+
+    def _update_membership(self, failures: dict) -> None:
+        """Every train rank, at the start of a refit: the same joins and leaves, from rank 0."""
+        with self._lock:
+            news = None
+            if self._announcements is not None:  # rank 0 decides; the others follow
+                with self._membership_lock:
+                    news = self.membership.decide(self._announcements.read(JOINS),
+                                                  self._announcements.read(LEAVES)).as_wire()
+            changes = Changes.from_wire(self.control.all_gather_object(news, "fleet")[0])
+            for replica in changes.leaves:
+                logger.info("refit: engine replica %d left", replica)
+                self._drop(replica)
+            for replica, incarnation in changes.joins:
+                if replica in self.members:  # restarted under its index: its old group is gone
+                    self._drop(replica)
+                self._start_join(replica, incarnation)
+            failures.update(self._resolve_joins())
+
+    def _forget(self, replica: int) -> None:
+        """Train rank 0: replica ``replica`` failed to join or its group broke; a new announcement starts it again."""
+        if self.membership is not None:
+            with self._membership_lock:
+                self.membership.forget(replica)
+
+    def _drop(self, replica: int) -> None:
+        """Replica ``replica`` left, or its group broke: its group, lanes and client go."""
+        member = self.members.pop(replica)
+        self.serving.forget(replica)
+        if self._hooks is not None:
+            self._hooks.forget(replica)
+        self.runner.retire(f"replica-{replica}")
+        _close_quietly(member, replica)
+
     # -- refits --------------------------------------------------------------------------------
     @property
     def plan(self):
         """The plan of a replica's group (every replica of the layout has the same)."""
+        self.await_start()
         if not self.members:
             raise ValueError("the refit has no engine replica connected now (every one left or failed): no plan")
         return next(iter(self.members.values())).plan
@@ -150,6 +222,7 @@ class TrainerFleet:
     def group(self):
         """The one replica's group (a fleet of one replica: e.g. an example that exchanges
         rollouts with its engine rank over it)."""
+        self.await_start()
         if len(self.members) != 1:
             raise ValueError(f"the refit has {len(self.members)} replica groups; ask a member for its group")
         return next(iter(self.members.values())).group
@@ -158,27 +231,27 @@ class TrainerFleet:
         """Whether the next refit moves everything to some replica (else LoRA adapters only)."""
         return any(member.is_full(full) for member in self.members.values())
 
-    def refit(self, version: int, *, full: bool = False, hooks: ReplicaHooks | None = None) -> RefitReport:
+    def refit(self, version: int, *, full: bool = False) -> RefitReport:
         """Send this rank's pieces of refit ``version`` to every replica. Collective over the
-        train ranks (each calls it with the same ``version`` and ``full``) and, per replica,
-        over its group. ``hooks`` (train rank 0, an engine with a control plane): each
-        replica's engine calls around its part (:class:`ReplicaHooks`). Under ``refit.overlap``
-        it waits for the refit in flight, then runs this one from a new snapshot to its end."""
-        if self.background is not None and not self.background.on_own_thread():
-            self.start_refit(version, full=full, run=lambda: self._refit(version, full=full, hooks=hooks), busy="wait")
+        train ranks (each calls it with the same ``version`` and ``full``) and, per replica, over
+        its group; on train rank 0 the attached engine control's calls run around each replica's
+        part. Under ``refit.overlap`` it waits for the refit in flight, then runs this one from a
+        new snapshot to its end."""
+        self.await_start()
+        if self.background is not None:
+            self.start_refit(version, full=full, busy="wait")
             self.background.wait()
             return self.background.collect()[-1]
-        return self._refit(version, full=full, hooks=hooks)
+        return self._refit(version, full=full, background=False)
 
-    def start_refit(self, version: int, *, full: bool = False, run: Callable[[], object] | None = None,
-                    busy: str | None = None) -> bool:
+    def start_refit(self, version: int, *, full: bool = False, busy: str | None = None) -> bool:
         """``refit.overlap: on``: take this rank's snapshot now and send refit ``version`` from it
-        in the background (``run()``: the refit call, by default ``self.refit(version, full=full)``;
-        an engine's control wraps it). Collective over the train ranks. Returns False where it
-        was skipped behind the refit still in flight (``refit.overlap_busy: skip``). A refit that
-        failed in the background raises here, or at :meth:`finished`."""
+        in the background. Collective over the train ranks. Returns False where it was skipped
+        behind the refit still in flight (``refit.overlap_busy: skip``). A refit that failed in
+        the background raises here, or at :meth:`finished`."""
         if self.background is None:
             raise ValueError("start_refit needs refit.overlap: on (the snapshot it sends from); call refit()")
+        self.await_start()
 
         def prepare() -> set[str]:  # no refit in flight on any train rank now: the control group is free
             failures, self._next_members = self._next_members, None
@@ -191,8 +264,8 @@ class TrainerFleet:
 
             return sent_pieces(self.members.values(), full)
 
-        run = run or (lambda: self._refit(version, full=full, hooks=None))
-        return self.background.start(version, prepare, run, busy=busy)
+        return self.background.start(version, prepare, lambda: self._refit(version, full=full, background=True),
+                                     busy=busy)
 
     def finished(self) -> list[RefitReport]:
         """``refit.overlap: on``: the reports of the refits that finished in the background since
@@ -208,12 +281,14 @@ class TrainerFleet:
             probing.reference, probing.reference_s = self.serving.take_reference()
         return probing
 
-    def _refit(self, version: int, *, full: bool, hooks: ReplicaHooks | None) -> RefitReport:
+    def _refit(self, version: int, *, full: bool, background: bool) -> RefitReport:
         start = time.perf_counter()
         failures: dict[int, str] = self._joined.pop(version, None)
         if failures is None:
             failures = {}
             self._update_membership(failures)
+        if self._start_failures:  # the starting replicas that did not join: named in the first report
+            failures, self._start_failures = {**self._start_failures, **failures}, {}
         probing = self._probing.pop(version, None)  # overlap: planned at the step boundary
         rows = self.control.exchange("fleet", [version, int(full)])
         if any(row[:2] != [version, int(full)] for row in rows):
@@ -227,68 +302,79 @@ class TrainerFleet:
             moved["onload"] = time.perf_counter() - t0
         try:
             probing = probing or self._plan_serving()  # the reference reads the weights: after their onload
-            with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
-                futures = {r: pool.submit(refit_replica, self.members[r], r, version, full, hooks, probing,
-                                          self.control.rank) for r in replicas}
-                outcomes = {r: futures[r].result() for r in replicas}
+            futures = {r: self.runner.submit(f"replica-{r}", refit_replica, self.members[r], r, version, full,
+                                             self._hooks, probing, self.control.rank) for r in replicas}
+            outcomes = {r: futures[r].result() for r in replicas}
         finally:
             if loaded:
                 t0 = time.perf_counter()
                 self.offloader.offload()
                 moved["offload"] = time.perf_counter() - t0
-        # each replica's outcome as every train rank saw it: failed (why) and its group broken
+        report = self._outcomes(version, replicas, outcomes, failures, probing, moved, start)
+        if background:  # the next refit's joins and leaves, read here (every train rank)
+            self._next_members = {}
+            self._update_membership(self._next_members)
+        check_landed(version, report, failures, replicas=replicas, on_failure=self.cfg.on_replica_failure)
+        return report
+
+    def _outcomes(self, version, replicas, outcomes, failures, probing, moved, start) -> RefitReport:
+        """Every train rank's view of every replica's outcome, gathered; the replicas whose group
+        broke dropped; the fleet's report (its serving metrics too)."""
         mine = {r: (o.why(), o.broken) for r, o in outcomes.items() if o.error is not None}
         checked = {r: o.serving for r, o in outcomes.items() if o.serving is not None}  # train rank 0's
         gathered = self.control.all_gather_object((mine, moved, checked), "fleet")
-        seen = [rank_seen for rank_seen, _, _ in gathered]
         moved_max = {key: max(m[key] for _, m, _ in gathered) for key in moved}
-        for r in replicas:
-            theirs = [rank_seen[r] for rank_seen in seen if r in rank_seen]
-            if theirs:
-                failures[r] = theirs[0][0]
-                if any(broken for _, broken in theirs):
-                    logger.warning("refit %d: engine replica %d's group broke; it is dropped until it rejoins",
-                                   version, r)
-                    self._drop(r)
-                    self._incarnation.pop(r, None)
+        failed, broken = failed_replicas([view for view, _, _ in gathered], replicas)
+        failures.update(failed)
+        with self._lock:
+            for replica in broken:
+                logger.warning("refit %d: engine replica %d's group broke; it is dropped until it rejoins",
+                               version, replica)
+                self._drop(replica)
+                self._forget(replica)
         found = gathered[0][2]  # train rank 0's serving verdicts
-        for r, verdict in found.items():  # its engine thinks it landed the version: the trainer forgets it did
-            if verdict.get("mismatch") and r in self.members:
-                self.members[r].force_full(adapters=not probing.in_band)
+        for replica, verdict in found.items():  # its engine thinks it landed the version: the trainer forgets it did
+            if verdict.get("mismatch") and replica in self.members:
+                self.members[replica].force_full(adapters=not probing.in_band)
         serving = self.serving.record(found, failures, probing.reference_s)
         # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
         carried = [o.report for o in outcomes.values() if o.report is not None]
-        report = merge_reports(version, self.control.rank, carried,
-                        replicas=replicas, failures=failures, seconds=time.perf_counter() - start, moved=moved,
-                        moved_max=moved_max)
+        report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,
+                               seconds=time.perf_counter() - start, moved=moved, moved_max=moved_max)
         report.summary.update(serving)
         if self.on_report is not None:
             self.on_report(report.summary)
-        if self.background is not None and self.background.on_own_thread():
-            self._next_members = {}  # the next refit's joins and leaves, read here (every train rank)
-            self._update_membership(self._next_members)
-        landed = report.summary["refit/replicas_ok"]
-        if not replicas and not failures:
-            raise ReplicaFailedError(f"refit {version}: no engine replica is connected (every one failed or left, "
-                                     f"and none joined since): no replica holds it", report=report)
-        if failures and (self.cfg.on_replica_failure == "raise" or not landed):
-            held = f"the other {landed} replica(s) hold version {version}" if landed else "no replica holds it"
-            raise ReplicaFailedError(f"refit {version}: engine replica(s) {sorted(failures)} could not apply it: "
-                                     f"{'; '.join(f'replica {r}: {w}' for r, w in sorted(failures.items()))}; "
-                                     f"{held}", report=report)
         return report
 
     def close(self) -> None:
-        """Release every replica's group and the control group (after the refit in flight,
-        under ``refit.overlap``, ended; its error is raised after the groups are released)."""
+        """Release every replica's group, the control group and every thread (after the refit in
+        flight, under ``refit.overlap``, ended; its error is raised after the groups are released)."""
+        self._closing.set()
         error = None
         if self.background is not None:
             try:
                 self.background.close()
             except Exception as exc:  # noqa: BLE001 -- release the groups first
                 error = exc
-        for replica in sorted(self.members):
-            self._drop(replica)
+        with self._lock:
+            for replica in sorted(self.members):
+                self._drop(replica)
+        self.runner.close()
         self.control.close()
         if error is not None:
             raise error
+
+
+def _status(future: Future) -> str:
+    """How a join went on this rank: :data:`DONE`, :data:`PENDING` or ``"failed: <why>"``."""
+    if not future.done():
+        return PENDING
+    exc = future.exception()
+    return DONE if exc is None else f"failed: {type(exc).__name__}: {exc}"[:1000]
+
+
+def _close_quietly(member, replica: int) -> None:
+    try:
+        member.close()
+    except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
+        logger.warning("refit: closing replica %d's group failed", replica, exc_info=True)

@@ -12,10 +12,10 @@ versions. These clients close both holes around every update:
   before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``. After a
   failed update the server stays paused: its weights are not a complete version; the next
   complete update resumes it.
-- :class:`ReplicaClients` over several independent engines (one ``LLM`` or server per
-  replica): every call goes to all of them at once and ``init_info`` gets each one's
-  ``replica`` index; under the trainer engine each replica's calls run apart, so one
-  engine's failure stays with it, and engines may join while the trainer runs.
+- :class:`ReplicaClients`: the clients of several independent engines (one ``LLM`` or server
+  per replica) for the trainer engine; each replica's calls run apart
+  (:class:`~megatron_refit.engines.vllm.trainer.control.VllmControl`), so one engine's failure
+  stays with it, and engines may join while the trainer runs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from megatron_refit.fleet.lanes import ReplicaLanes
-from megatron_refit.engines.vllm.payload import update_payload
 
 PAUSE_MODES = ("wait", "abort")
 
@@ -147,57 +145,14 @@ class HTTPClient:
         self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
 
 
-class ReplicaClients(ReplicaLanes):
-    """One client over independent engines, one per replica (replica ``i`` = ``clients[i]``):
-    vLLM's client protocol fans every call out to all of them at once (an engine's
-    ``update_weights`` returns only once every engine has received its part) and gives each
-    ``init_info`` its ``replica`` index. Under the trainer engine each replica's calls run in a
-    lane of its own (:class:`~megatron_refit.fleet.lanes.ReplicaLanes`): per refit
-    ``start_weight_update`` + ``update_weights`` while its bytes move and
-    ``finish_weight_update`` once its group carried them, so one engine's failure stays with it;
-    :meth:`~megatron_refit.engines.vllm.trainer.engine.MegatronRefitTrainerEngine.add_engine` takes in
-    a new engine while the trainer runs."""
+class ReplicaClients:
+    """The clients of independent vLLM engines, one per replica (replica ``i`` = ``clients[i]``):
+    the ``client`` the trainer engine takes for several engines. Each engine's calls run apart,
+    in its lane (:class:`~megatron_refit.engines.vllm.trainer.control.VllmControl`), so one engine's
+    failure stays with it; :meth:`~megatron_refit.engines.vllm.trainer.engine.MegatronRefitTrainerEngine.add_engine`
+    takes in another while the trainer runs."""
 
-    engine = "vLLM engine"
-
-    def __init__(self, clients: list, *, timeout_s: float = 300) -> None:
+    def __init__(self, clients: list) -> None:
         if not clients:
             raise ValueError("ReplicaClients needs at least one client")
-        super().__init__(dict(enumerate(clients)), timeout_s=timeout_s)
-        self._init_info: dict[str, Any] | None = None
-
-    @property
-    def clients(self) -> list:
-        """The current replicas' clients, by replica index."""
-        return [self.lanes[r].client for r in self.replicas]
-
-    # -- the calls of one replica (the trainer engine's refits) ----------------------------------
-    def receive_call(self, version: int, full: bool):
-        update = update_payload(version, full=full)
-        return lambda client: (client.start_weight_update(), client.update_weights(update))
-
-    def land_call(self, version: int):
-        return lambda client: client.finish_weight_update(str(version))
-
-    def connect_call(self, replica: int):
-        if self._init_info is None:
-            raise ValueError("ReplicaClients: a replica joins after init_weight_transfer_engine, not before")
-        info = {**self._init_info, "replica": replica}
-        return lambda client: client.init_weight_transfer_engine(info)
-
-    # -- vLLM's client protocol, to every replica --------------------------------------------------
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._init_info = dict(init_info)
-        self.all(lambda r, c: c.init_weight_transfer_engine({**init_info, "replica": r}), "init_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self.all(lambda r, c: c.start_weight_update(), "start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.all(lambda r, c: c.update_weights(update_info), "update_weights")
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.all(lambda r, c: c.finish_weight_update(weight_version), "finish_weight_update")
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.all(lambda r, c: c.shutdown_weight_transfer_engine(), "shutdown_weight_transfer_engine")
+        self.clients = list(clients)

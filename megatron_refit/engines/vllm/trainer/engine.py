@@ -2,11 +2,13 @@
 
 vLLM's contract (``TrainerWeightTransferEngine``): ``trainer_init(init_info, client=...,
 source=...)`` and ``send_weights()`` are called on **every** train rank; rank 0 drives the
-engine's control plane through ``client`` (``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``). Unlike vLLM's own
-backends, where rank 0 is the only sender, every train rank here sends its own local
-shards straight to the engine ranks that need them; rank 0 runs the engine's blocking
-``update_weights`` call in a thread while all train ranks send, as vLLM's NCCL backend does.
+engines' control plane through ``client`` (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``), one engine per replica,
+through :class:`~megatron_refit.engines.vllm.trainer.control.VllmControl` (each replica's calls in
+its lane of the fleet's runner). Unlike vLLM's own backends, where rank 0 is the only sender,
+every train rank here sends its own local shards straight to the engine ranks that need them;
+each engine's blocking ``update_weights`` call runs in its lane while all train ranks send, as
+vLLM's NCCL backend does.
 
 ``LocalShardSource`` is the ``WeightSource``: a train rank's HF-named local shards (Bridge's
 conversion tasks, no gather). Shard boxes of fused QKV heads, gated MLP halves, padded
@@ -23,8 +25,6 @@ methods, called directly (``MegatronRefitTrainerEngine.trainer_init``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -32,11 +32,11 @@ from typing import Any, ClassVar
 import torch
 
 from megatron_refit.config import RefitConfig, check_int, refit_section
-from megatron_refit.fleet.store import abort_start
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.engines.vllm import BACKEND
+from megatron_refit.engines.control import NoControl
 from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
-from megatron_refit.engines.vllm.payload import init_payload, update_payload
+from megatron_refit.engines.vllm.trainer.control import VllmControl
 from megatron_refit.refit import trainer_refit_from_pieces
 
 try:  # vLLM's trainer-side contract, where the trainer's environment has vLLM
@@ -138,26 +138,6 @@ class _Metadata(list):
         return self
 
 
-def _concurrently(rpc: Callable[[], None], local: Callable[[], object], timeout_s: float):
-    """Run the engine RPC ``rpc`` in a thread while this rank runs ``local`` (both sides of a
-    collective must be inside it at once); surface the RPC's error. On a local failure the
-    RPC thread is not waited for: its engine is blocked in the same collective and ends on
-    its own timeout; if the RPC had already failed, its error is the one raised."""
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(rpc)
-    try:
-        result = local()
-    except BaseException as exc:
-        cause = future.exception() if future.done() else None
-        if cause is not None:  # the engine failed first: that is the error to report
-            raise cause from exc
-        raise
-    finally:
-        pool.shutdown(wait=False)
-    future.result(timeout=timeout_s)
-    return result
-
-
 _EngineBase = TrainerWeightTransferEngine[MegatronRefitTrainerInitInfo] if HAVE_VLLM else object
 
 
@@ -166,100 +146,73 @@ class MegatronRefitTrainerEngine(_EngineBase):
 
     init_info_cls = MegatronRefitTrainerInitInfo
 
-    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, fleet,
-                 timeout_s: float) -> None:
+    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, fleet, control) -> None:
         # what vLLM's base __init__ sets, set here so that the class works without vLLM too
         self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
-        self.timeout_s = timeout_s
         self.fleet = fleet
-        """The prepared :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank."""
+        """The :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank."""
+        self.control = control
+        """Train rank 0: the :class:`~megatron_refit.engines.vllm.trainer.control.VllmControl` over
+        the engines' clients; the other ranks: the trainer's calls alone."""
         self.version: int | None = None
 
     @classmethod
     def trainer_init(cls, init_info: MegatronRefitTrainerInitInfo, *, client, source=None):
-        """Join the refit group and build the plan with the engine; rank 0 initialises the
-        engine's side through ``client`` meanwhile. Every train rank calls it."""
+        """Join the refit group and build the plan with the engines; rank 0 initialises each
+        engine's side through its client meanwhile (``client``: one ``VLLMWeightSyncClient``, or a
+        :class:`~megatron_refit.engines.vllm.trainer.clients.ReplicaClients` over one engine per
+        replica). Every train rank calls it."""
         if not isinstance(source, LocalShardSource):
             raise ValueError(f"the megatron_refit trainer engine sends local shards: pass a LocalShardSource "
                              f"(e.g. conversion.refit.local_shard_source(bridge, model, hf_config)), got "
                              f"{type(source).__name__}")
         cfg = init_info.config
+        control = NoControl()
+        if init_info.is_sender:
+            clients = client.clients if isinstance(client, ReplicaClients) else [client]
+            if len(clients) != cfg.gen_dp:
+                raise ValueError(f"{len(clients)} vLLM engine client(s) for refit.gen_dp={cfg.gen_dp} replicas: pass "
+                                 "one client per starting replica, e.g. ReplicaClients([...]) (engines that start "
+                                 "later join through add_engine; a vLLM engine running its own data parallelism is "
+                                 "not driven replica by replica: run one engine per replica)")
+            control = VllmControl(clients, cfg, lora=(source.lora_rank, source.lora_alpha))
 
-        def connect():
+        def join():
             return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
                                              num_train=init_info.num_train, device=source.device,
                                              forward=source.forward)
 
-        if init_info.is_sender and not isinstance(client, ReplicaClients) and cfg.gen_dp == 1:
-            # one engine is a fleet of one: a failure in any of its phases (an HTTP 500, a server
-            # that died) ends the refit on every train rank at once, through the fleet's outcome
-            client = ReplicaClients([client], timeout_s=cfg.timeout_s)
-        if isinstance(client, ReplicaClients):
-            if init_info.is_sender and len(client.replicas) != cfg.gen_dp:
-                raise ValueError(f"ReplicaClients over {len(client.replicas)} engines for refit.gen_dp={cfg.gen_dp} "
-                                 "replicas: pass one client per starting replica (engines that start later join "
-                                 "through add_engine)")
-            client.timeout_s = cfg.timeout_s  # a landing replica's calls: no longer than a refit's wait
-        if init_info.is_sender:
-            payload = init_payload(cfg, num_train=init_info.num_train, lora_rank=source.lora_rank,
-                                   lora_alpha=source.lora_alpha)
-
-            def init_engines():
-                try:
-                    client.init_weight_transfer_engine(payload)
-                except Exception as exc:  # every train rank stops waiting for the engines now
-                    abort_start(cfg, f"the vLLM engine's init_weight_transfer_engine failed: "
-                                     f"{type(exc).__name__}: {exc}")
-                    raise
-
-            fleet = _concurrently(init_engines, connect, cfg.timeout_s)
-        else:
-            fleet = connect()
+        fleet = control.connect(join, rank=init_info.rank, num_train=init_info.num_train)
         return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, fleet=fleet,
-                   timeout_s=cfg.timeout_s)
+                   control=control)
 
     def send_weights(self, version: int | None = None, *, full: bool = False) -> RefitReport:
-        """One refit: every train rank sends its pieces; rank 0 drives ``start_weight_update``,
-        ``update_weights`` (concurrently with the sends) and ``finish_weight_update`` (with
-        the version as vLLM's weight version). ``version``: the training step (default: one
-        past the last); ``full``: resend base weights under LoRA adapter fleet (e.g. after the
-        engine slept at level 2). Every train rank calls it with the same arguments."""
+        """One refit: every train rank sends its pieces; rank 0 drives each engine's
+        ``start_weight_update``, ``update_weights`` (concurrently with the sends) and
+        ``finish_weight_update`` (with the version as vLLM's weight version). ``version``: the
+        training step (default: one past the last); ``full``: resend base weights under LoRA
+        adapter sync (e.g. after the engine slept at level 2). Every train rank calls it with
+        the same arguments."""
         if version is None:
             version = 1 if self.version is None else self.version + 1
-        if not self.is_sender:
-            report = self.fleet.refit(version, full=full)
-        elif isinstance(self.client, ReplicaClients):  # each replica's calls in its lane, around its part
-            report = self.client.refit(self.fleet, version, full=full)
-        else:
-            update = update_payload(version, full=self.fleet.is_full(full))
-            self.client.start_weight_update()
-            report = _concurrently(lambda: self.client.update_weights(update),
-                                   lambda: self.fleet.refit(version, full=full), self.timeout_s)
-            self.client.finish_weight_update(str(version))
+        report = self.control.refit(self.fleet, version, rank=self.rank, full=full)
         self.version = version
         return report
 
     def add_engine(self, client, *, replica: int | None = None) -> int:
-        """Train rank 0, between refits: a new vLLM engine (``client``: its
-        ``VLLMWeightSyncClient``) joins as replica ``replica`` (default: a new index; a dead
-        replica's index to restart it). Its ``init_weight_transfer_engine`` runs now, against
-        the running trainer, and the next ``send_weights`` sends it the current version in full,
-        deltas afterwards. Needs a :class:`~megatron_refit.engines.vllm.trainer.clients.ReplicaClients`
-        client; returns the replica's index."""
-        if not self.is_sender or not isinstance(self.client, ReplicaClients):
-            raise ValueError("add_engine: only train rank 0 whose client is a ReplicaClients (one client per engine "
-                             f"replica) takes in engines; this is train rank {self.rank} with a "
-                             f"{type(self.client).__name__}")
-        return self.client.add(client, replica=replica, announced=self.fleet.announced)
+        """Train rank 0, between refits: a new vLLM engine (``client``: its ``VLLMWeightSyncClient``)
+        joins as replica ``replica`` (default: a new index; a dead replica's index to restart it).
+        Its ``init_weight_transfer_engine`` runs now, against the running trainer, and the next
+        ``send_weights`` sends it the current version in full, deltas afterwards; returns the
+        replica's index."""
+        if not isinstance(self.control, VllmControl):
+            raise ValueError(f"add_engine: only train rank 0 takes in engines; this is train rank {self.rank}")
+        return self.control.add(client, replica=replica)
 
     def shutdown(self) -> None:
-        """Release the refit group; rank 0 also releases the engine's side (when the client
-        offers ``shutdown_weight_transfer_engine``)."""
+        """Release the refit group; rank 0 also releases each engine's side
+        (``shutdown_weight_transfer_engine``, where the client offers it)."""
         if self.fleet is None:
             return
-        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        if self.is_sender and release is not None:
-            _concurrently(release, self.fleet.close, self.timeout_s)
-        else:
-            self.fleet.close()
-        self.fleet = None
+        fleet, self.fleet = self.fleet, None
+        self.control.close(fleet, rank=self.rank)
