@@ -100,6 +100,12 @@ class RefitConfig:
     iterations whose step is a multiple of n; a skipped iteration never refits)."""
     timeout_s: float = 600.0
     """Upper bound on any single wait (rendezvous, bucket send/receive), in seconds."""
+    stall_s: float = 30.0
+    """A replica whose engine ranks all stopped beating for this long (each beats every
+    ``stall_s / 6`` s from a thread of its own: a stopped or hung process stops, a slow one
+    goes on) is stalled: the train ranks stop waiting for it then, not at ``timeout_s``, and
+    drop it (it may rejoin). Bound: ``stall_s`` plus ``stall_s / 4``. ``0``: off (at or
+    above ``timeout_s``, ``timeout_s`` comes first)."""
     verify: str = "sampled"
     """Integrity check of every bucket against a digest its sender computed, seeded with the
     version, both ranks, the bucket's place in the plan and the plan itself: ``sampled``
@@ -224,7 +230,7 @@ class RefitConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the first bad value (also run on construction)."""
-        for name in ("bucket_mb", "direct_mb", "timeout_s", "swap_budget_mb", "serving_tolerance"):
+        for name in ("bucket_mb", "direct_mb", "timeout_s", "stall_s", "swap_budget_mb", "serving_tolerance"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"refit.{name} must be a finite number, got {value!r}")
@@ -255,6 +261,8 @@ class RefitConfig:
             raise ValueError(f"refit.verify_serving must be 'auto', 'on', 'off' or a positive int, got "
                              f"{self.verify_serving!r}")
         check_probe_spec(self.serving_probe)
+        if self.stall_s < 0:
+            raise ValueError(f"refit.stall_s must be 0 (off) or positive, got {self.stall_s!r}")
         if self.serving_tolerance is not None and self.serving_tolerance <= 0:
             raise ValueError(f"refit.serving_tolerance must be positive or null, got {self.serving_tolerance!r}")
         if self.swap_budget_mb is not None and self.swap_budget_mb < 0:

@@ -30,6 +30,7 @@ import torch
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.trainer_fleet import TrainerFleet, member_config
+from megatron_refit.fleet.heartbeat import Heartbeat
 from megatron_refit.fleet.store import JOINS, announce, namespace
 from megatron_refit.fleet.member import EngineMember, TrainerMember
 from megatron_refit.transport import ProcessGroupTransport, open_transport, transport_name
@@ -147,9 +148,16 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
     if lora is not None:
         _check_lora_sync(cfg)
     incarnation = _incarnation(cfg, replica, tp_rank)
-    group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
-                    replica=replica, incarnation=incarnation)
-    member = EngineMember(group, storage, member_config(cfg), num_train=num_train, lora=lora, on_report=on_report)
+    heartbeat = Heartbeat(cfg, replica, incarnation, tp_rank)  # from before it joins until it closes
+    try:
+        group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
+                        replica=replica, incarnation=incarnation)
+        member = EngineMember(group, storage, member_config(cfg), num_train=num_train, lora=lora,
+                              on_report=on_report)
+    except BaseException:
+        heartbeat.close()
+        raise
+    member.heartbeat = heartbeat
     if tp_rank == 0:
         member.on_close = lambda: announce(cfg, "leave", replica, incarnation)
     return member

@@ -22,7 +22,7 @@ from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 from megatron_refit.testing.launch import free_ports, run_spawned
-from tests.test_fleet import FAILED_REPLICA, NUM_TRAIN, SHAPES, _box, _healthy, _members, _Storage, _weights
+from megatron_refit.testing.toy_fleet import NUM_TRAIN, SHAPES, exact, set_version, storage, train_pieces
 from tests.test_refit_callback import TRAIN_YAML
 
 pytestmark = pytest.mark.slow
@@ -33,9 +33,7 @@ SEND_DELAY_S = 0.03
 
 def _overlap_rank(rank, world, port, scenario, versions):
     from megatron_refit.config import RefitConfig
-    from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.errors import RefitTransportError
-    from megatron_refit.plan.spec import ShardSpec
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
     from megatron_refit.testing.faults import slowed
 
@@ -44,19 +42,16 @@ def _overlap_rank(rank, world, port, scenario, versions):
                       overlap_busy="skip" if scenario == "skip" else "wait",
                       on_replica_failure="raise" if scenario == "raise" else "continue")
     if rank < NUM_TRAIN:
-        pieces = [TensorPiece(ShardSpec(name=n, global_shape=s, dtype="float32", box=_box(n, rank, NUM_TRAIN)),
-                              torch.zeros(tuple(b - a for a, b in _box(n, rank, NUM_TRAIN))))
-                  for n, s in SHAPES.items()]
+        pieces = train_pieces(rank)
         fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        fleet.await_start()
         for member in fleet.members.values():
             slowed(member.group, SEND_DELAY_S)
         out = dict(started=[], errors=[], in_flight=[], reports=[])
         pending = list(versions)
         while pending:
             version = pending[0]
-            weights = _weights(version)
-            for piece in pieces:  # this step's weights, in the tensors the trainer keeps
-                piece.data.copy_(weights[piece.spec.name][tuple(slice(a, b) for a, b in piece.spec.box)])
+            set_version(pieces, version)  # this step's weights, in the tensors the trainer keeps
             try:
                 started = fleet.start_refit(version)
             except Exception as exc:  # noqa: BLE001 -- the last refit's failure, raised here
@@ -79,15 +74,20 @@ def _overlap_rank(rank, world, port, scenario, versions):
                    reports=out["reports"] + [r.version for r in fleet.finished()])
         return out
     gen = rank - NUM_TRAIN
-    storage = _Storage(0, 1)
-    member = engine_refit(cfg, storage, gen_index=gen, num_train=NUM_TRAIN)
+    fail = scenario in ("raise", "continue") and gen == 1
     out = []
+
+    def on_buffer(name, call):  # replica 1's engine raises in refit 2
+        if fail and len(out) == 1 and call == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+
+    store = storage(0, 1, on_buffer=on_buffer)
+    member = engine_refit(cfg, store, gen_index=gen, num_train=NUM_TRAIN)
     while True:
-        storage.calls = 0
-        storage.fail_at = 2 if scenario in ("raise", "continue") and gen == 1 and len(out) == 1 else None
+        store.calls = 0
         try:
             report = member.receive()  # whatever version the trainer sends next
-            out.append(dict(version=report.version, ok=True, exact=storage.exact(report.version), delta=report.delta))
+            out.append(dict(version=report.version, ok=True, exact=exact(store, report.version), delta=report.delta))
         except RefitTransportError:  # the trainer closed
             break
         except Exception as exc:  # noqa: BLE001
@@ -142,23 +142,74 @@ def test_trainer_overlap_busy_skip_skips_the_same_refits_on_every_train_rank_and
         assert [r["version"] for r in g] == landed and all(r["exact"] for r in g)
 
 
-def test_trainer_overlap_killed_replica_is_dropped_and_the_others_land_every_version(tmp_path):
-    """A replica's process dies while refit 2 lands, the refit running in the train ranks'
-    background thread: the other replicas land every version bit-exactly in the usual time,
-    the dead one is named and dropped, the train ranks go on (``on_replica_failure: continue``)."""
-    tp, dp, train, gen, _ = _members("kill", "TP1xDP3", tmp_path, overlap="on")
-    for g, outcome in enumerate(gen):
-        if g // tp != FAILED_REPLICA:
-            _healthy(outcome, (1, 2, 3, 4))
-    assert gen[FAILED_REPLICA * tp] is None  # killed
-    survivors = [r for r in range(dp) if r != FAILED_REPLICA]
-    for outcome in train:
-        assert list(outcome[1]["failed"]) == [FAILED_REPLICA] and "Refit" in outcome[1]["failed"][FAILED_REPLICA]
-        # members after each refit (a background refit reads the next one's announcements at its
-        # end: after refit 4 the survivors' leaves may be among them)
-        assert [o["members"] for o in outcome[:3]] == [list(range(dp))] + [survivors] * 2
-        assert set(outcome[3]["members"]) <= set(survivors)
-        assert [o["summary"]["refit/replicas_ok"] for o in outcome] == [dp, dp - 1, dp - 1, dp - 1]
+def _churn_rank(rank, world, port, flag):
+    """Replicas 0 and 1 start; while refit 2 is in flight (replica 0's engine slow at it), replica
+    1 lands it and leaves, and a new engine announces itself as replica 2. Both changes must
+    wait for the refit in flight and take effect, in order, at the start of refit 3."""
+    import os
+    import threading
+
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.fleet.store import JOINS, LEAVES
+    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
+                      timeout_s=TIMEOUT_S, stall_s=2.0, overlap="on", delta="on", on_replica_failure="continue")
+    if rank < NUM_TRAIN:
+        pieces = train_pieces(rank)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        out = dict(members={}, reports=[], announced_in_flight=None)
+        for version in (1, 2, 3, 4):
+            set_version(pieces, version)
+            if version == 3 and rank == 0:  # both announcements arrive while refit 2 still moves
+                open(flag, "w").close()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not (fleet.control.store.check([LEAVES])
+                                                           and fleet.control.store.get(JOINS).decode().count(",") > 2):
+                    time.sleep(0.02)
+                out["announced_in_flight"] = fleet.background.in_flight
+            fleet.start_refit(version, busy="wait")
+            out["members"][version] = sorted(fleet.members)  # as the refit just started takes them
+            out["reports"] += [(r.version, r.failed_replicas) for r in fleet.finished()]
+        fleet.close()
+        out["reports"] += [(r.version, r.failed_replicas) for r in fleet.finished()]
+        out["threads"] = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        return out
+    gen = rank - NUM_TRAIN
+    joiner = gen == 2
+    if joiner:  # starts once refit 2 is in flight
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def slow(name, call):  # replica 0 lands refit 2 slowly: it is still in flight when the others moved on
+        if gen == 0 and out and out[-1]["version"] == 1:
+            time.sleep(0.25)
+
+    out: list = []
+    store = storage(0, 1, on_buffer=slow)
+    member = engine_refit(cfg, store, gen_index=gen, num_train=NUM_TRAIN)
+    for _ in range(2 if gen == 1 or joiner else 4):
+        report = member.receive()
+        out.append(dict(version=report.version, exact=exact(store, report.version), delta=report.delta))
+    member.close()  # replica 1 leaves after refit 2 (the others after the trainer's last)
+    return dict(received=out, threads=sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()))
+
+
+def test_trainer_overlap_a_join_and_a_leave_during_a_refit_in_flight_take_effect_in_order_at_the_next(tmp_path):
+    out = run_spawned(_churn_rank, NUM_TRAIN + 3, str(tmp_path / "flag"), timeout_s=180, port=free_ports(1)[0])
+    train, engines = out[:NUM_TRAIN], out[NUM_TRAIN:]
+    gen = [e["received"] for e in engines]
+    for side in train + engines:  # after close(): no thread of ours (each named) left, nor any other
+        assert side["threads"] == [], side["threads"]
+    flag_train = train[0]
+    assert flag_train["announced_in_flight"] == 2, flag_train  # both arrived while refit 2 moved
+    for t in train:
+        assert t["members"] == {1: [0, 1], 2: [0, 1], 3: [0, 2], 4: [0, 2]}, t["members"]
+        assert sorted(v for v, _ in t["reports"]) == [1, 2, 3, 4] and all(not f for _, f in t["reports"]), t
+    assert [(g["version"], g["exact"]) for g in gen[0]] == [(v, True) for v in (1, 2, 3, 4)]
+    assert [(g["version"], g["exact"]) for g in gen[1]] == [(1, True), (2, True)]  # it landed 2, then left
+    assert [(g["version"], g["exact"], g["delta"]) for g in gen[2]] == [(3, True, False), (4, True, True)]
 
 
 # -- through Megatron (the harness: Bridge's enumeration, Megatron's optimizer steps) -----------------

@@ -46,12 +46,18 @@ class _Sync:
 
     on_close: Callable[[], None] | None = None
     """Called first by :meth:`close` (an engine replica announces that it leaves)."""
+    heartbeat = None
+    """An engine rank's :class:`~megatron_refit.fleet.heartbeat.Heartbeat` (stopped by :meth:`close`)."""
 
     def close(self) -> None:
         """Release the group (colocated: collective, the shared buffers too)."""
-        if self.on_close is not None:
-            self.on_close()
-        self.group.close()
+        try:
+            if self.on_close is not None:
+                self.on_close()
+            self.group.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
 
 
 class TrainerMember(_Sync):

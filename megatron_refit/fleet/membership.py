@@ -42,6 +42,8 @@ class Membership:
     replica the job starts with whose engine has not announced itself yet)."""
 
     incarnations: dict[int, str | None] = field(default_factory=dict)
+    gone: set[tuple[int, str]] = field(default_factory=set)
+    """Incarnations that failed to join or broke: never joined again (only a new one of that replica)."""
 
     def starting(self, replicas) -> None:
         """The replicas the job starts with: joining, their incarnations still unknown."""
@@ -64,8 +66,8 @@ class Membership:
         out = Changes()
         for replica, incarnation in sorted(latest.items()):
             held = self.incarnations.get(replica, "")
-            if held is None or held == incarnation:  # a starting join reads its own; a repeat
-                continue
+            if held is None or held == incarnation or (replica, incarnation) in self.gone:
+                continue  # a starting join reads its own; a repeat; one that failed already
             self.incarnations[replica] = incarnation
             out.joins.append((replica, incarnation))
         for replica, incarnation in leaves:
@@ -78,8 +80,11 @@ class Membership:
         return out
 
     def forget(self, replica: int) -> None:
-        """The replica failed to join or its group broke: a new announcement starts it again."""
-        self.incarnations.pop(replica, None)
+        """The replica failed to join or its group broke: a new incarnation's announcement starts
+        it again (its announcement of the one that failed, read later, does not)."""
+        incarnation = self.incarnations.pop(replica, None)
+        if incarnation is not None:
+            self.gone.add((replica, incarnation))
 
 
 def resolve(statuses: list[dict[int, str]], joining) -> tuple[list[int], dict[int, str], list[int]]:

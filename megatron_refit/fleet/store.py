@@ -40,6 +40,9 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
         raise ValueError(f"announce: {what!r} is not 'join' or 'leave'")
     # a leave is best effort, briefly: the trainer may have finished (then nobody needs it)
     wait = cfg.timeout_s if what == "join" else min(cfg.timeout_s, 2.0)
+    if what == "leave" and not _listening(cfg.host, cfg.port, wait):  # a new store client would retry for seconds
+        logger.info("refit: replica %d's leave was not announced (the train ranks' store is gone)", replica)
+        return
     try:
         store = dist.TCPStore(cfg.host, cfg.port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=wait))
@@ -51,6 +54,17 @@ def announce(cfg: RefitConfig, what: str, replica: int, incarnation: str) -> Non
             raise RefitTransportError(f"engine replica {replica}: could not reach the train ranks' store at "
                                       f"{cfg.host}:{cfg.port} to join within {wait:g} s: {exc}") from exc
         logger.info("refit: replica %d's leave was not announced (the train ranks are gone): %s", replica, exc)
+
+
+def _listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether anything accepts connections at ``host:port`` (refused at once when the store is gone)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def abort_join(store, replica: int, reason: str) -> None:

@@ -26,16 +26,19 @@ layout is built once per train rank and shared by every replica with that layout
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import RefitTransportError
 from megatron_refit.fleet.member import TrainerMember
+from megatron_refit.fleet.heartbeat import Watchdog
 from megatron_refit.fleet.membership import DONE, PENDING, Changes, Membership, resolve
 from megatron_refit.fleet.policy import check_landed, failed_replicas
 from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
@@ -100,6 +103,20 @@ class TrainerFleet:
         self._announcements = Announcements(control.store) if control.rank == 0 else None
         if self.membership is not None:
             self.membership.starting(range(cfg.gen_dp))
+        self.watchdog = Watchdog(cfg)
+        """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
+        if self.watchdog.enabled:
+            self.runner.submit("watchdog", self.watchdog.run, self._closing)
+        self._closed = False
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:  # an exit without close(): Ctrl-C, an error in the training loop
+            fleet = ref()
+            if fleet is not None and not fleet._closed:
+                fleet.abort("the training process is exiting without closing the refit (Ctrl-C, an error)")
+
+        self._at_exit = at_exit
+        atexit.register(at_exit)
         for replica in range(cfg.gen_dp):  # the replicas the job starts with, each in its lane
             self._start_join(replica, None)
 
@@ -133,9 +150,11 @@ class TrainerFleet:
                 with self._membership_lock:
                     self.membership.bound(replica, incarnation)
         group = self._connect(replica, incarnation)
+        self.watchdog.watch(replica, incarnation, group.abort)  # a stall in prepare ends it too
         try:
             return self._member(group)
         except BaseException:
+            self.watchdog.unwatch(replica)
             group.close()
             raise
 
@@ -166,6 +185,7 @@ class TrainerFleet:
                 logger.info("refit: engine replica %d joined", replica)
             for replica, why in failed.items():
                 future = self._joining.pop(replica)
+                self.watchdog.unwatch(replica)
                 if future.done() and future.exception() is None:  # done here, not on another rank
                     _close_quietly(future.result(), replica)
                 self.runner.retire(f"replica-{replica}")
@@ -203,6 +223,7 @@ class TrainerFleet:
     def _drop(self, replica: int) -> None:
         """Replica ``replica`` left, or its group broke: its group, lanes and client go."""
         member = self.members.pop(replica)
+        self.watchdog.unwatch(replica)
         self.serving.forget(replica)
         if self._hooks is not None:
             self._hooks.forget(replica)
@@ -346,9 +367,32 @@ class TrainerFleet:
             self.on_report(report.summary)
         return report
 
+    def abort(self, reason: str, wait_s: float = 5.0) -> None:
+        """End now, without the engines' cooperation (an exit without :meth:`close`: Ctrl-C, an
+        error): every group of this rank is aborted (each wait on it fails at once, here and at
+        its engine ranks mid-refit, who report it), then every thread is given ``wait_s`` to end.
+        No thread of ours is left inside a transport wait when the interpreter finalizes (one
+        that returns from it then would abort the process: "terminate called without an active
+        exception")."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        self._closing.set()
+        logger.warning("refit: aborting (%s)", reason)
+        self.watchdog.abort_all(reason)
+        for group in (self.control, getattr(self.background, "gate", None)):
+            if group is not None:
+                group.abort(reason)
+        self.runner.close(wait_s)
+
     def close(self) -> None:
         """Release every replica's group, the control group and every thread (after the refit in
         flight, under ``refit.overlap``, ended; its error is raised after the groups are released)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         self._closing.set()
         error = None
         if self.background is not None:

@@ -110,5 +110,9 @@ class Transport(ABC):
     def begin(self, phase: str) -> None:
         """Name what the group is doing (``"prepare"``, ``"refit 7"``) for its failure messages."""
 
+    def abort(self, reason: str) -> None:  # noqa: B027 -- a transport without blocking waits has nothing to free
+        """Fail every wait on this group now, in whatever thread it blocks (shutdown, a stalled
+        peer); the group is broken after it."""
+
     @abstractmethod
     def close(self) -> None: ...

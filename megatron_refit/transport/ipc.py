@@ -197,6 +197,10 @@ class IpcTransport(Transport):
                 torch.cuda.current_stream().synchronize()
             self.group.wait(self.group.isend(torch.ones(1, dtype=torch.int64), pending.peer, pending.tag))
 
+    def abort(self, reason: str) -> None:
+        """:meth:`ProcessGroupTransport.abort` of the group it wraps (every wait goes through it)."""
+        self.group.abort(reason)
+
     def _close_own(self) -> None:
         for buf in self._own:
             if buf.shm is not None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_refit.errors import RefitProtocolError, RefitTimeoutError, RefitTransportError
 from megatron_refit import wire
+from megatron_refit.transport.abort import GlooSockets, gloo_device, publish
 from megatron_refit.transport.base import Pending, Transport
 from megatron_refit.transport.rendezvous import join, open_store
 
@@ -45,6 +46,9 @@ HEADER_VALUES = 15
 
 FIRST_FAILURE = "megatron_refit_first_failure"
 """Store key: the first failure any rank of the group reported."""
+
+ABORTED = "aborted the refit group"
+"""How a group that :meth:`ProcessGroupTransport.abort` ended says so."""
 
 
 BACKENDS = ("gloo", "nccl")
@@ -116,15 +120,37 @@ class ProcessGroupTransport(Transport):
             raise RefitTransportError(f"refit rendezvous at {host}:{port} failed for rank {rank}: "
                                       f"{_first_line(exc)}") from exc
         prefixed = dist.PrefixStore("megatron_refit", store)
+        sockets = GlooSockets()
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            device, listener = gloo_device()
+            publish(store, rank, listener)  # every rank's, before any builds the group: see transport.abort
+            options = dist.ProcessGroupGloo._Options()
+            options._devices, options._timeout = [device], timeout
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            sockets.find(store, rank, world_size, listener)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         group = cls(pg, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s, store=store)
         group.namespace = namespace
+        group._sockets = sockets
         return group
+
+    _sockets: GlooSockets | None = None
+
+    def abort(self, reason: str) -> None:
+        """Fail every wait on this group now, in whatever thread it blocks, here and at its peers
+        mid-call (gloo: its pairs' sockets shut down, :mod:`~megatron_refit.transport.abort`;
+        NCCL: the communicator aborted). The group is broken (``reason``); close it after."""
+        if self.broken is None:
+            self.broken = f"{ABORTED} ({reason})"
+            self._first_failure(f"refit rank {self.rank}: {ABORTED} ({reason})")  # what its peers will name
+        if self._sockets is not None:
+            self._sockets.shutdown()
+        pg = self._pg
+        if pg is not None and self.backend == "nccl" and hasattr(pg, "abort"):
+            pg.abort()
 
     # -- point to point -------------------------------------------------------------------
     namespace: str | None = None
@@ -199,6 +225,8 @@ class ProcessGroupTransport(Transport):
         except RuntimeError as exc:
             msg = _first_line(exc)
             who = f" (peer: refit rank {peer})" if peer is not None else ""
+            if self.broken is not None and self.broken.startswith(ABORTED):  # this rank's own abort ended it
+                raise RefitTransportError(f"refit rank {self.rank}: {what} ended: this rank {self.broken}") from exc
             if "timed out" in msg.lower() or "timeout" in msg.lower():
                 note = self._broke(f"{what} timed out after {self.timeout_s:g} s")
                 raise RefitTimeoutError(f"refit rank {self.rank}: {what} timed out after {self.timeout_s:g} s{who}"
@@ -313,6 +341,7 @@ class ProcessGroupTransport(Transport):
     def close(self) -> None:
         self._pg = None
         self._store = None
+        self._sockets = None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,184 @@
+"""A stalled engine replica told from a slow one: heartbeats in the train ranks' store.
+
+Every engine rank beats (:class:`Heartbeat`): a thread of its own adds 1 to its counter,
+``heartbeat/<tp rank>`` under its replica's namespace (:func:`~megatron_refit.fleet.store.namespace`),
+every ``refit.stall_s / 6`` seconds, over a store connection of its own (never queued behind
+the engine's own waits on the store), from before it joins until it closes. A process that is
+stopped, or whose interpreter no longer runs (a deadlock holding the GIL, a SIGSTOP, a swap
+storm), stops beating; one that is merely slow (a long post-load step, a big bucket) goes on.
+A replica is stalled when any one of its engine ranks is (the others wait on it).
+
+Every train rank watches the replicas it has a group with (:class:`Watchdog`, polled in the
+fleet's runner): a replica one of whose counters did not move for ``refit.stall_s`` is stalled, and
+its group on this rank is aborted (:meth:`~megatron_refit.transport.base.Transport.abort`), so
+the wait on it ends now instead of at ``refit.timeout_s``: the replica fails (its group broke),
+is dropped, and may rejoin. The bound this keeps: a stalled replica holds a train rank at most
+``refit.stall_s`` plus one poll (``stall_s / 4``). ``refit.stall_s: 0`` turns it off (then
+``refit.timeout_s`` is the bound). Counters, not clocks: no two hosts' clocks are compared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from megatron_refit.fleet.store import namespace
+
+logger = logging.getLogger(__name__)
+
+BEATS_PER_STALL = 6
+"""Beats an engine rank sends per ``refit.stall_s``: a stall is several missed beats, never one late one."""
+POLLS_PER_STALL = 4
+"""Times a train rank reads the counters per ``refit.stall_s``."""
+
+
+def stall_s(cfg) -> float:
+    """The stall bound in force: ``refit.stall_s``, or 0 (off) where ``refit.timeout_s`` comes first."""
+    return cfg.stall_s if 0 < cfg.stall_s < cfg.timeout_s else 0.0
+
+
+def _key(tp_rank: int) -> str:
+    return f"heartbeat/{tp_rank}"
+
+
+def _store(host: str, port: int, prefix: str | None, timeout_s: float):
+    """A store connection of its own (under ``prefix``, if any)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store if prefix is None else dist.PrefixStore(prefix, store)
+
+
+class Heartbeat:
+    """An engine rank's beat (see the module docstring); started at once, stopped by :meth:`close`."""
+
+    def __init__(self, cfg, replica: int, incarnation: str, tp_rank: int):
+        self.interval_s = stall_s(cfg) / BEATS_PER_STALL
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.interval_s:
+            return
+        self._store = _store(cfg.host, cfg.port, namespace(replica, incarnation), min(cfg.timeout_s, 30.0))
+        self._key = _key(tp_rank)
+        self._store.add(self._key, 1)  # the counter exists before the rank joins its group
+        self._thread = threading.Thread(target=self._beat, name=f"megatron_refit-heartbeat-{replica}-{tp_rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._store.add(self._key, 1)
+            except Exception as exc:  # noqa: BLE001 -- the store is gone: so are the train ranks
+                logger.info("refit: heartbeat stopped (the train ranks' store is gone): %s", exc)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval_s + 5.0)
+            self._thread = None
+
+
+@dataclass
+class _Watched:
+    keys: list[str]
+    abort: object
+    """What ends this rank's waits on the replica (its group's ``abort``)."""
+    since: float
+    counts: list[int | None] = field(default_factory=list)
+    moved: list[float] = field(default_factory=list)
+    """When each rank's counter last moved (this train rank's monotonic clock)."""
+
+    def __post_init__(self):
+        self.counts = [None] * len(self.keys)
+        self.moved = [self.since] * len(self.keys)
+
+    def quiet(self, counts: list[int], now: float) -> tuple[int, float]:
+        """Take a reading; the engine rank quiet longest, and for how long."""
+        for i, count in enumerate(counts):
+            if count != self.counts[i]:
+                self.counts[i], self.moved[i] = count, now
+        rank = min(range(len(self.keys)), key=lambda i: self.moved[i])
+        return rank, now - self.moved[rank]
+
+
+class Watchdog:
+    """A train rank's watch over its replicas' heartbeats (see the module docstring), and the
+    one place that knows how to end its waits on each replica's group. ``watch`` and ``unwatch``
+    come from any thread; :meth:`check` from the fleet's ``watchdog`` lane."""
+
+    def __init__(self, cfg, *, clock=time.monotonic):
+        self.cfg = cfg
+        self.stall_s = stall_s(cfg)
+        self.poll_s = self.stall_s / POLLS_PER_STALL
+        self._clock = clock
+        self._watched: dict[tuple[int, str], _Watched] = {}
+        self._lock = threading.Lock()
+        self._store = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.stall_s)
+
+    def watch(self, replica: int, incarnation: str, abort) -> None:
+        """Watch replica ``replica`` (``incarnation``) from now; ``abort(reason)`` ends this rank's
+        waits on it (on a stall, and at :meth:`abort_all`)."""
+        with self._lock:
+            self._watched[(replica, incarnation)] = _Watched(
+                [f"{namespace(replica, incarnation)}/{_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
+                since=self._clock())
+
+    def abort_all(self, reason: str) -> None:
+        """End this rank's waits on every watched replica now (the fleet aborts)."""
+        with self._lock:
+            watched, self._watched = list(self._watched.values()), {}
+        for entry in watched:
+            entry.abort(reason)
+
+    def unwatch(self, replica: int) -> None:
+        with self._lock:
+            for key in [k for k in self._watched if k[0] == replica]:
+                del self._watched[key]
+
+    def check(self, read=None) -> list[int]:
+        """One poll: read every watched replica's counters (``read(keys) -> counts``; default:
+        the store), abort those that did not move for ``stall_s``; returns them."""
+        if not self.enabled:
+            return []
+        with self._lock:
+            watched = dict(self._watched)
+        now, found = self._clock(), []
+        for (replica, incarnation), entry in watched.items():
+            try:
+                counts = (read or self._read)(entry.keys)
+            except Exception as exc:  # noqa: BLE001 -- the store is gone: the fleet is ending anyway
+                logger.info("refit: heartbeats unreadable: %s", exc)
+                return found
+            tp_rank, quiet = entry.quiet(counts, now)
+            if quiet < self.stall_s:
+                continue
+            why = (f"engine replica {replica} stalled: its TP rank {tp_rank} sent no heartbeat for {quiet:.1f} s "
+                   f"(refit.stall_s={self.stall_s:g})")
+            logger.warning("refit: %s; its group on this train rank is aborted", why)
+            with self._lock:
+                if self._watched.get((replica, incarnation)) is not entry:
+                    continue  # unwatched meanwhile
+                del self._watched[(replica, incarnation)]
+            entry.abort(why)
+            found.append(replica)
+        return found
+
+    def _read(self, keys: list[str]) -> list[int]:
+        if self._store is None:
+            self._store = _store(self.cfg.host, self.cfg.port, None, 10.0)
+        return [int(self._store.add(key, 0)) for key in keys]
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll every ``stall_s / 4`` until ``stop`` is set (the fleet's ``watchdog`` lane)."""
+        while not stop.wait(self.poll_s):
+            self.check()
