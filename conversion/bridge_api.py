@@ -4,7 +4,7 @@ Enumerating local shards without collectives, splitting Bridge's mappings locall
 TE FP8 pass-through need a few names that Bridge and Megatron-Core do not export: they are
 why ``requirements/megatron.txt`` pins both packages exactly. Every use goes through a
 function here; :data:`PRIVATE_NAMES` lists them and :func:`missing_private_names` checks
-them against the installed packages (``tests/test_bridge_api.py`` runs it, and fails if a
+them against the installed packages (``tests/unit/test_bridge_api.py`` runs it, and fails if a
 module of ``conversion/`` other than this one touches a private name). Moving a pin means
 reading this file's list, not the whole package.
 """

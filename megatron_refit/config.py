@@ -304,7 +304,7 @@ class RefitConfig:
         the engine's :attr:`~megatron_refit.registry.Engine.layout`: ``full`` for ``hf``;
         ``vllm`` for vLLM and SGLang, whose parallel layers (fused ``qkv_proj`` /
         ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64) shard alike
-        (tests/sglang checks SGLang's real model classes against this plan)."""
+        (tests/engines/sglang checks SGLang's real model classes against this plan)."""
         return engine_named(self.engine).layout
 
 

@@ -9,7 +9,7 @@ control client and entry point) lives in its own folder, ``megatron_refit/engine
 
 Adding an engine: one module that implements the storage protocol
 (:class:`~megatron_refit.endpoint.storage.Storage`) and calls
-``register_engine(Engine(name=...))`` once on import (``tests/toy_engine.py`` does exactly
+``register_engine(Engine(name=...))`` once on import (``megatron_refit/testing/toy_engine.py`` does exactly
 that). This module imports nothing, so :mod:`megatron_refit.config` checks names against it.
 """
 

@@ -112,10 +112,10 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
     peers.prepare()
 
     # (c) floor: one flat buffer per (src, dst) pair of plan (a)
-    pair_bytes: dict[tuple[int, int], int] = {}
+    route_bytes: dict[tuple[int, int], int] = {}
     for b in plan.buckets:
-        pair_bytes[b.src_rank, b.dst_rank] = pair_bytes.get((b.src_rank, b.dst_rank), 0) + b.payload_bytes
-    mine = {pair: torch.zeros(n, dtype=torch.uint8) for pair, n in pair_bytes.items()
+        route_bytes[b.src_rank, b.dst_rank] = route_bytes.get((b.src_rank, b.dst_rank), 0) + b.payload_bytes
+    mine = {pair: torch.zeros(n, dtype=torch.uint8) for pair, n in route_bytes.items()
             if (is_train and pair[0] == rank) or (not is_train and pair[1] == rank - T)}
 
     def floor():

@@ -10,7 +10,7 @@
 5. ``pretrain_callback``: Megatron-Bridge's real ``pretrain()`` (tiny Qwen3, mock data, bf16,
    DistributedOptimizer) with ``RefitCallback`` on the GPU, colocated with a generation
    process on the same GPU (CUDA IPC); bit-exact against Bridge's export at the start and
-   after every iteration (``tests/test_refit_callback.run_pretrain_refit``).
+   after every iteration (``tests/megatron/test_refit_callback.run_pretrain_refit``).
 
 Every check runs on its own; a failure is recorded, not fatal. ``--out FILE`` writes the
 results as JSON (also printed, last line). ``--device cpu`` runs the same checks on CPU
@@ -177,7 +177,7 @@ def check_pretrain_callback(device: str) -> dict:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.test_refit_callback import run_pretrain_refit
+    from tests.megatron.test_refit_callback import run_pretrain_refit
 
     result = run_pretrain_refit(tempfile.mkdtemp(prefix="pretrain_refit_"), num_train=1, device=device)
     result["ok"] = result["closed"] and all(c["bit_exact"] for c in result["checks"].values())

@@ -61,7 +61,7 @@ def probe_loader(model, named_tensors) -> None:
     from safetensors.torch import load_file
 
     from megatron_refit.plan.gen_layout import GenLayout, gen_target_specs
-    from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+    from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import resolve_names
     from megatron_refit.engines.fused.layout import expected_storage
 

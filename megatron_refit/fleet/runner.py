@@ -12,10 +12,12 @@ by it (Python joins a ``ThreadPoolExecutor``'s workers at exit; it does not join
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -128,3 +130,19 @@ class Runner:
 def running_threads() -> list[str]:
     """The names of this process's threads of ours that are alive (a leak check)."""
     return sorted(t.name for t in threading.enumerate() if t.name.startswith(PREFIX) and t.is_alive())
+
+
+def abort_at_exit(owner, reason: str) -> Callable[[], None]:
+    """``owner.abort(reason)`` when the interpreter exits (``atexit``: after Python joined its
+    non-daemon threads, while daemon threads still run; a Ctrl-C or an error that left the training
+    loop without closing), unless the function returned is called first (``close()`` does). The
+    owner is held weakly: one that was collected is not kept alive for it."""
+    ref = weakref.ref(owner)
+
+    def at_exit() -> None:
+        target = ref()
+        if target is not None:
+            target.abort(reason)
+
+    atexit.register(at_exit)
+    return lambda: atexit.unregister(at_exit)

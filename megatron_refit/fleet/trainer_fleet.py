@@ -1,37 +1,25 @@
 """A fleet of engine replicas, each with a fate of its own: the train side's one owner.
 
 A train rank holds one refit group per engine replica (the train ranks and that replica's
-``gen_tp`` engine ranks) and the train ranks' own control group (no engine rank in it). All of
-them meet at ``refit.port``: the control group's rank 0 hosts the store, and each replica's group
-lives there under a namespace of its own (:func:`~megatron_refit.fleet.store.namespace`, one per
-incarnation of the replica, so a restarted one never meets its predecessor's keys).
-
-:class:`TrainerFleet` runs everything on its :class:`~megatron_refit.fleet.runner.Runner`: each
-replica's join and its part of every refit in that replica's lane (every replica at once), the
-engine control's calls in theirs (train rank 0), the refits of ``refit.overlap`` in the
-background lane. The train ranks agree on each replica's outcome over the control group, which
-needs no engine rank alive, and apply the one failure policy (:mod:`~megatron_refit.fleet.policy`).
-A replica whose engine failed but whose group is intact (its storage raised, its bytes were
-corrupted: it drained the rest) stays a member and its next refit brings it back; a replica whose
-group broke (its process died, it stalled) is dropped, and may rejoin.
-
-Membership (:mod:`~megatron_refit.fleet.membership`): the replicas the job starts with join as
-soon as their engines announce themselves, each in its lane; an engine that joins later
-announces itself (``join``), one that closes says so (``leave``). At the start of every refit
-train rank 0 reads the announcements and all train ranks act on the same changes; a replica
-announced before a refit takes part in it once every train rank has prepared its group (one
-whose join fails, or stalls, fails alone, named, and the others go on). The plan of a replica
-layout is built once per train rank and shared by every replica with that layout.
+``gen_tp`` engine ranks, under a namespace of its incarnation in the train ranks' store) and the
+train ranks' own control group (no engine rank in it). :class:`TrainerFleet` runs everything on
+its :class:`~megatron_refit.fleet.runner.Runner`: each replica's join and its part of every refit
+in that replica's lane (every replica at once), the engine control's calls in theirs (train rank
+0), the refits of ``refit.overlap`` in the background lane, the heartbeat watch. The train ranks
+agree on each replica's outcome over the control group and apply the one failure policy
+(:mod:`~megatron_refit.fleet.policy`): a replica whose engine failed but whose group is intact
+stays a member (its next refit, a full one, brings it back); one whose group broke (it died, it
+stalled) is dropped, and may rejoin. Membership (:mod:`~megatron_refit.fleet.membership`) changes
+at the start of a refit, from train rank 0's reading of the announcements; docs/design.md has the
+whole story, and every failure path with its bound.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -42,7 +30,7 @@ from megatron_refit.fleet.heartbeat import Watchdog
 from megatron_refit.fleet.membership import DONE, PENDING, Changes, Membership, resolve
 from megatron_refit.fleet.policy import check_landed, failed_replicas
 from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
-from megatron_refit.fleet.runner import Runner
+from megatron_refit.fleet.runner import Runner, abort_at_exit
 from megatron_refit.fleet.serving import ServingCheck
 from megatron_refit.fleet.store import JOINS, LEAVES, Announcements, abort_join, await_announced
 from megatron_refit.endpoint.report import RefitReport, merge_reports
@@ -74,11 +62,9 @@ class TrainerFleet:
         self.on_report = on_report
         self.runner = Runner()
         """Every thread of this fleet on this rank (named, joined on :meth:`close`)."""
-        self.serving = ServingCheck(cfg, forward, rank=control.rank)
-        """``refit.verify_serving`` (``forward``: the trainer model's, to compare with)."""
+        self.serving = ServingCheck(cfg, forward, rank=control.rank)  # forward: the trainer model's
         self.background = background
-        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit` that sends
-        from its snapshot while training goes on (in the runner's background lane)."""
+        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`."""
         if background is not None:
             background.attach(self.runner)
         self.members: dict[int, TrainerMember] = {}
@@ -108,15 +94,8 @@ class TrainerFleet:
         if self.watchdog.enabled:
             self.runner.submit("watchdog", self.watchdog.run, self._closing)
         self._closed = False
-        ref = weakref.ref(self)
-
-        def at_exit() -> None:  # an exit without close(): Ctrl-C, an error in the training loop
-            fleet = ref()
-            if fleet is not None and not fleet._closed:
-                fleet.abort("the training process is exiting without closing the refit (Ctrl-C, an error)")
-
-        self._at_exit = at_exit
-        atexit.register(at_exit)
+        self._keep_at_exit = abort_at_exit(self, "the training process is exiting without closing the refit "
+                                                 "(Ctrl-C, an error)")
         for replica in range(cfg.gen_dp):  # the replicas the job starts with, each in its lane
             self._start_join(replica, None)
 
@@ -377,7 +356,7 @@ class TrainerFleet:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
+        self._keep_at_exit()
         self._closing.set()
         logger.warning("refit: aborting (%s)", reason)
         self.watchdog.abort_all(reason)
@@ -392,7 +371,7 @@ class TrainerFleet:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
+        self._keep_at_exit()
         self._closing.set()
         error = None
         if self.background is not None:

@@ -1,7 +1,7 @@
 """Sender assignment by groups of parameters (pure): the one implementation of who sends
 what. ``prepare()`` (:class:`megatron_refit.plan.refit_plan.RefitPlan`), the dry run and the
 cost model plan with it, without a piece per gen class and parameter; a rank expands only
-its own transfers (:meth:`Assignment.transfers`). ``tests/reference_senders.py`` holds the
+its own transfers (:meth:`Assignment.transfers`). ``megatron_refit/testing/reference_senders.py`` holds the
 piece-by-piece reference it is tested against.
 
 A full-scale MoE plan has millions of (gen class, parameter) pieces (DeepSeek-V3 on vLLM
@@ -135,8 +135,8 @@ class Assignment:
                 per_class[c] += len(group.names) * sum(map(bool, row))
         return sum(len(ranks) * n for ranks, n in zip(self.class_ranks, per_class))
 
-    def pair_bytes(self) -> dict[tuple[int, int], int]:
-        """Bytes per (train rank, gen rank) pair."""
+    def route_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes per route (train rank, gen rank)."""
         counts = [[Counter(holders[i] for holders in f.holders) for i in range(len(f.train_boxes))]
                   for f in self.groups]  # names per holder of each train box
         out: dict[tuple[int, int], int] = defaultdict(int)

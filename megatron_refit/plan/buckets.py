@@ -49,7 +49,7 @@ class Bucket:
     src_rank: int
     dst_rank: int
     index: int
-    """Position among the buckets of this (src_rank, dst_rank) pair."""
+    """Position among the buckets of this route (src_rank, dst_rank)."""
     items: tuple[BucketItem, ...]
     nbytes: int
     """Wire size: payload plus alignment padding between items."""
@@ -95,9 +95,9 @@ def _chunks(transfer: Transfer, bucket_bytes: int) -> list[Transfer]:
 
 
 def _pack(units: list[list[Transfer]], bucket_bytes: int, direct_bytes: int | None = None) -> list[list[BucketItem]]:
-    """Pack one (src, dst) pair's transfers into buckets of at most ``bucket_bytes``.
+    """Pack one route's transfers into buckets of at most ``bucket_bytes``.
 
-    ``units``: the pair's transfers in order, one per unit, except that a *run* (transfers
+    ``units``: the route's transfers in order, one per unit, except that a *run* (transfers
     that lie back to back in memory on both ranks, see :func:`_units`) is one unit.
 
     A transfer larger than a bucket is split along its first dim of extent > 1, filling the
@@ -174,18 +174,18 @@ Adjacency = dict[int, dict[str, str]]
 """Per rank: piece name -> the name of the piece that starts where it ends in memory."""
 
 
-def _units(pair: list[Transfer], bucket_bytes: int, direct_bytes: int | None, src_next: dict[str, str],
+def _units(route: list[Transfer], bucket_bytes: int, direct_bytes: int | None, src_next: dict[str, str],
            dst_next: dict[str, str], whole: Callable[[Transfer], bool]) -> list[list[Transfer]]:
-    """The pair's transfers in order, with *runs* joined into one unit: consecutive whole
+    """The route's transfers in order, with *runs* joined into one unit: consecutive whole
     pieces that follow each other in memory on the sender (``src_next``) and on the receiver
     (``dst_next``), each at least ``direct_bytes`` and a multiple of :data:`ALIGN`, at most
     ``bucket_bytes`` together. A run stands where its first member stood."""
     if direct_bytes is None or not src_next or not dst_next:
-        return [[t] for t in pair]
+        return [[t] for t in route]
     counts: dict[str, int] = defaultdict(int)
-    for t in pair:
+    for t in route:
         counts[t.name] += 1
-    ok = {t.name: t for t in pair if counts[t.name] == 1 and direct_bytes <= t.nbytes <= bucket_bytes
+    ok = {t.name: t for t in route if counts[t.name] == 1 and direct_bytes <= t.nbytes <= bucket_bytes
           and t.nbytes % ALIGN == 0 and whole(t)}
     link = {a: b for a in ok if (b := src_next.get(a)) in ok and dst_next.get(a) == b}
     run_of: dict[str, list[Transfer]] = {}
@@ -199,7 +199,7 @@ def _units(pair: list[Transfer], bucket_bytes: int, direct_bytes: int | None, sr
             total += ok[name].nbytes
             run_of[name] = run
     units, seen = [], set()
-    for t in pair:
+    for t in route:
         run = run_of.get(t.name, [t])
         if id(run) not in seen:
             seen.add(id(run))
@@ -210,15 +210,15 @@ def _units(pair: list[Transfer], bucket_bytes: int, direct_bytes: int | None, sr
 def bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None,
                src_next: Adjacency | None = None, dst_next: Adjacency | None = None,
                whole: Callable[[Transfer], bool] | None = None) -> list[Bucket]:
-    """Buckets ordered by (src_rank, dst_rank, index); a pair's transfers by (name, global_box).
+    """Buckets ordered by (src_rank, dst_rank, index); a route's transfers by (name, global_box).
     ``src_next`` / ``dst_next`` / ``whole``: see :func:`_units` (no runs without them)."""
-    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    by_route: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for transfer in transfers:
-        by_pair[transfer.src_rank, transfer.dst_rank].append(transfer)
+        by_route[transfer.src_rank, transfer.dst_rank].append(transfer)
     buckets = []
-    for src, dst in sorted(by_pair):
-        pair = sorted(by_pair[src, dst], key=lambda t: (t.name, t.global_box))
-        units = _units(pair, bucket_bytes, direct_bytes, (src_next or {}).get(src, {}),
+    for src, dst in sorted(by_route):
+        route = sorted(by_route[src, dst], key=lambda t: (t.name, t.global_box))
+        units = _units(route, bucket_bytes, direct_bytes, (src_next or {}).get(src, {}),
                        (dst_next or {}).get(dst, {}), whole or (lambda t: False))
         for index, items in enumerate(_pack(units, bucket_bytes, direct_bytes)):
             nbytes = items[-1].offset + items[-1].transfer.nbytes

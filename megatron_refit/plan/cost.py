@@ -1,6 +1,6 @@
 """A transport cost model of one refit on a GPU cluster (pure math).
 
-Input: the bytes every (train rank, gen rank) pair exchanges, from the plan. Every rank is
+Input: the bytes every route (train rank, gen rank) carries, from the plan. Every rank is
 one GPU; GPU ``g`` of the cluster sits on node ``g // gpus_per_node``. A transfer between
 two GPUs of one node goes over NVLink, between nodes over the sender's and the receiver's
 NIC (one per GPU, as on H100 nodes with 8x 400 Gb/s), and within one GPU (colocated
@@ -70,17 +70,17 @@ def delta_fraction(density: float, word: int = 2) -> float:
     return min(raw, *delta) / raw
 
 
-def delta_prediction(pair_bytes: dict[tuple[int, int], int], train_gpu: list[int], gen_gpu: list[int],
+def delta_prediction(route_bytes: dict[tuple[int, int], int], train_gpu: list[int], gen_gpu: list[int],
                      cluster: Cluster, *, bucket_bytes: int, density: float, word: int = 2) -> Prediction:
-    """:func:`predict` for a delta refit at ``density``: every pair's bytes scaled by
+    """:func:`predict` for a delta refit at ``density``: every route's bytes scaled by
     :func:`delta_fraction`, plus each GPU's compare / apply pass over its full bytes at
     device-copy bandwidth (the sender reads the new bytes and its copy; the receiver writes
     the changed words in place)."""
     fraction = delta_fraction(density, word)
-    scaled = {pair: math.ceil(nbytes * fraction) for pair, nbytes in pair_bytes.items()}
+    scaled = {route: math.ceil(nbytes * fraction) for route, nbytes in route_bytes.items()}
     base = predict(scaled, train_gpu, gen_gpu, cluster, bucket_bytes=bucket_bytes)
     full: dict[int, int] = defaultdict(int)
-    for (src, dst), nbytes in pair_bytes.items():
+    for (src, dst), nbytes in route_bytes.items():
         full[train_gpu[src]] += 2 * nbytes  # new bytes and the copy, read
         full[gen_gpu[dst]] += math.ceil(nbytes * fraction)
     per_gpu = {gpu: base.per_gpu.get(gpu, 0.0) + full[gpu] / (cluster.copy_gbps * cluster.efficiency * GB)
@@ -133,16 +133,16 @@ class Prediction:
 
 
 def predict(
-    pair_bytes: dict[tuple[int, int], int],
+    route_bytes: dict[tuple[int, int], int],
     train_gpu: list[int],
     gen_gpu: list[int],
     cluster: Cluster,
     *,
     bucket_bytes: int,
 ) -> Prediction:
-    """Refit seconds for ``pair_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
+    """Refit seconds for ``route_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
 
-    A pair's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
+    A route's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
     on NCCL with its default ``direct_bytes`` (one bucket; see
     :func:`megatron_refit.endpoint.base.resolve_direct_bytes`), where transfers smaller than a
     bucket are packed together.
@@ -151,7 +151,7 @@ def predict(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     loads: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     messages: dict[int, int] = defaultdict(int)
-    for (src, dst), nbytes in pair_bytes.items():
+    for (src, dst), nbytes in route_bytes.items():
         if nbytes == 0:
             continue
         a, b = train_gpu[src], gen_gpu[dst]

@@ -278,21 +278,21 @@ class RefitPlan:
         return sum(item.transfer.nbytes for bucket in self.buckets_to(gen_idx) for item in bucket.items)
 
     def fingerprints(self) -> dict:
-        """``{"plan": sha256 of what every rank shares, (src, dst): sha256 of that pair's
-        buckets}`` for the pairs this plan holds (a local plan: its own). Ranks that built the
-        same plan agree on ``"plan"`` and, pair by pair, on what both ends of a pair hold."""
+        """``{"plan": sha256 of what every rank shares, (src, dst): sha256 of that route's
+        buckets}`` for the routes this plan holds (a local plan: its own). Ranks that built the
+        same plan agree on ``"plan"`` and, route by route, on what both ends of a route hold."""
         shared = [f"train {self.train_global}", f"gen {self.gen_global}", f"unused {self.unused_train_params}",
                   f"bytes {self.train_bytes}", f"transfers {self.num_transfers}", f"settings {self.settings}"]
         out: dict = {"plan": hashlib.sha256("\n".join(shared).encode()).hexdigest()}
-        pairs: dict[tuple[int, int], list[str]] = {}
+        routes: dict[tuple[int, int], list[str]] = {}
         for bucket in self.buckets:
-            lines = pairs.setdefault((bucket.src_rank, bucket.dst_rank), [])
+            lines = routes.setdefault((bucket.src_rank, bucket.dst_rank), [])
             lines.append(f"bucket {bucket.index} {bucket.nbytes}")
             for item in bucket.items:
                 t = item.transfer
                 lines.append(f"  {item.offset} {t.name} {t.dtype} {t.nbytes} {t.global_box} {t.src_box} {t.dst_box}")
-        for pair, lines in pairs.items():
-            out[pair] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+        for route, lines in routes.items():
+            out[route] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         return out
 
     def fingerprint(self) -> str:
@@ -337,21 +337,21 @@ def build_local_plan(pieces: list[tuple[Names, Layout]], num_train: int, *, buck
 def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
     """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
     :meth:`RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
-    is not the most common one, and both ends of any (train rank, gen rank) pair that they
+    is not the most common one, and both ends of any route (train rank, gen rank) that they
     hold differently (one end alone cannot tell which of them is wrong)."""
     common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
     bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
-    pairs = set()
+    routes = set()
     for rank, theirs in enumerate(prints):
-        for pair in theirs:
-            if pair == "plan":
+        for route in theirs:
+            if route == "plan":
                 continue
-            if not (isinstance(pair, tuple) and len(pair) == 2 and 0 <= pair[0] < len(plan.train_global)
-                    and 0 <= pair[1] < len(plan.gen_global)):
-                bad.add(rank)  # a pair of ranks this plan does not have
+            if not (isinstance(route, tuple) and len(route) == 2 and 0 <= route[0] < len(plan.train_global)
+                    and 0 <= route[1] < len(plan.gen_global)):
+                bad.add(rank)  # a route this plan does not have
                 continue
-            pairs.add(pair)
-    for src, dst in pairs:
+            routes.add(route)
+    for src, dst in routes:
         ends = (plan.train_global[src], plan.gen_global[dst])
         if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
             bad.update(ends)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from megatron_refit.endpoint.fp8 import fp8_checkpoint
-from megatron_refit.engines.checkpoint import model_shape
+from megatron_refit.engines.hf.checkpoint import model_shape
 from megatron_refit.testing.harness import RunSpec, hf_config_for, make_gen_backend
 
 

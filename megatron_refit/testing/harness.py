@@ -16,12 +16,26 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 
 SEQ, BATCH = 8, 2
+
+
+TRAIN_YAML = """
+model:
+  tensor_model_parallel_size: 1
+refit:
+  enabled: true
+  engine: hf
+  port: ${oc.env:TEST_REFIT_PORT}
+  bucket_mb: 0.25
+  timeout_s: 120
+"""
+"""A training config as Bridge's ``pretrain()`` reads it (OmegaConf, the refit port from the
+environment): the Bridge-callback tests start from it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,9 +31,9 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
 """Published refit seconds: (system, layout, low, high)."""
 
 
-def pair_bytes(senders: Assignment) -> dict[tuple[int, int], int]:
-    """Bytes per (train rank, gen rank) pair of a plan (or of the tests' per-piece reference)."""
-    return senders.pair_bytes()
+def route_bytes(senders: Assignment) -> dict[tuple[int, int], int]:
+    """Bytes per route (train rank, gen rank) of a plan (or of the tests' per-piece reference)."""
+    return senders.route_bytes()
 
 
 def snapshot_bytes_max(pairs: dict[tuple[int, int], int], local_bytes: list[int]) -> int:
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         model = run.refit.model
         mode = args.placement or run.refit.mode
         train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)
-        pairs = pair_bytes(run.senders)
+        pairs = route_bytes(run.senders)
         prediction = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
         delta = None
         if args.delta_density is not None:

@@ -102,6 +102,7 @@ def _check_engine_ended(engine, start):
     # it holds the last version it landed, bit for bit, unless the trainer went mid-refit (stale: it says so)
     assert closed[0]["exact"] or failed[0]["state"] == "stale", engine.events
     assert closed[0]["close_s"] < 1.0, closed  # its leave is not retried against a store that is gone
+    print(f"engine exited {time.monotonic() - start:.2f} s after the signal (close {closed[0]['close_s']:.3f} s)")
 
 
 def _check_train_exited(train, start, sig):
@@ -110,6 +111,7 @@ def _check_train_exited(train, start, sig):
         assert rc is not None, ("still running", rank.events, rank.stderr[-3000:])
         assert rc == -sig, (rc, rank.stderr[-3000:])
         assert "terminate called" not in rank.stderr, rank.stderr[-3000:]
+        print(f"train rank exited {time.monotonic() - start:.2f} s after the signal")
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])

@@ -38,7 +38,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     writing in place into ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
-    from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+    from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import LiveModelStorage
     from megatron_refit.refit import engine_refit
 

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from megatron_refit import families
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
-from megatron_refit.engines.checkpoint import hf_param_table, model_shape
+from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage

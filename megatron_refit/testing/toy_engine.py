@@ -1,0 +1,65 @@
+"""A toy engine, whole in one module: what adding an engine to megatron-refit takes.
+
+1. Storage: an object with ``target_specs()`` / ``buffer(name)`` / ``finalize()``
+   (:class:`megatron_refit.endpoint.storage.Storage`); here whole tensors in a dict.
+2. Optionally a control (:class:`megatron_refit.engines.control.EngineControl`): the calls train
+   rank 0 makes to the engine's control plane around the trainer's own; here it logs them.
+3. One registration line: ``register_engine(Engine(name=...))``. From then on
+   ``refit: {engine: toy}`` is a valid config and ``engine_control`` finds the control.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_refit.registry import Engine, register_engine
+from megatron_refit.plan.spec import ShardSpec, full_box
+
+
+class ToyStorage:
+    """Whole tensors by HF name (gen TP 1)."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], str]]):
+        self.tensors = {n: torch.zeros(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in shapes.items()}
+        self.finalized = 0
+
+    def target_specs(self) -> list[ShardSpec]:
+        return [ShardSpec(name=n, global_shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                          box=full_box(tuple(t.shape))) for n, t in self.tensors.items()]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def finalize(self) -> None:
+        self.finalized += 1
+
+
+class ToyControl:
+    """Logs each control call of train rank 0 (``clients``: lists to append to, one per replica)."""
+
+    def __init__(self, clients: list, refit: dict):
+        self.clients = clients
+        self.refit_section = refit
+
+    def _log(self, rank: int, call: str) -> None:
+        if rank == 0:
+            for log in self.clients:
+                log.append(call)
+
+    def connect(self, join, *, rank: int, num_train: int):
+        self._log(rank, f"connect {self.refit_section['engine']} {num_train}")
+        return join()
+
+    def refit(self, fleet, version: int, *, rank: int, full: bool = False):
+        self._log(rank, f"pause {version}")
+        report = fleet.refit(version, full=full)
+        self._log(rank, f"resume {version}")
+        return report
+
+    def close(self, fleet, *, rank: int) -> None:
+        self._log(rank, "close")
+        fleet.close()
+
+
+register_engine(Engine(name="toy", layout="full", staged_needs=None, writes="writes whole tensors into a dict",
+                       control="megatron_refit.testing.toy_engine:ToyControl"))

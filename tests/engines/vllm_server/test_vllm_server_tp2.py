@@ -1,0 +1,72 @@
+"""Gen TP2 in one running vLLM server (two vLLM workers, one refit group of two engine
+ranks) of a tiny Qwen3-MoE, refitted by Megatron TP2xEP2 train ranks with ``verify_serving:
+on``: each way the server's post-load step is broken on purpose (a layer that never reaches
+vLLM's loaders, two experts swapped) is caught and named on the replica, and the refit after
+each is full and right; then the offline
+``vllm.LLM`` path in the server's environment, driven by vLLM 0.32's own trainer factory
+(``offline.py``), whose ``LLMClient`` scores the probe through ``LLM.generate``. See
+``test_vllm_server.py`` for the server and what is checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.vllm_server import ROOT, VllmServer, server_env, server_python
+from tests.engines.vllm_server import session as s
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return tmp_path_factory.mktemp("saved")
+
+
+@pytest.fixture(scope="module")
+def refits(moe_checkpoint, saved, tmp_path_factory):
+    server_port, refit_port = free_ports(2)
+    logs = tmp_path_factory.mktemp("logs")
+    env = {"PYTHONPATH": str(ROOT / "tests" / "vllm_server" / "breaks"),
+           "MEGATRON_REFIT_TEST_BREAK": str(logs / "break")}
+    server = VllmServer(model=str(moe_checkpoint), port=server_port, tp=2, log=logs / "server.log", env=env).start()
+    try:
+        return run_spawned(s.session_tp2, s.TRAIN_TP, server.url, server.process.pid, refit_port, str(saved),
+                           str(logs / "break"), timeout_s=600)
+    except Exception:
+        print(server.tail())
+        raise
+    finally:
+        server.stop()
+
+
+def test_vllm_server_gen_tp2_refits_match_the_megatron_greedy_decode(refits):
+    refits = refits[0]["refits"]
+    last = str(3 + len(s.TP2_BREAKS))
+    assert [r["version"] for r in refits] == ["1", "2", last]
+    assert [r["delta"] for r in refits] == [False, True, False]  # full, after the replica failed the last
+    for r in refits:
+        assert r["tokens"] == r["megatron"], r
+        assert r["checked"] == 1 and r["dlogprob"] <= 1e-3, r  # verify_serving: on, float32
+    assert refits[0]["tokens"] != refits[1]["tokens"] or refits[0]["megatron"] == refits[1]["megatron"]
+
+
+def test_vllm_server_gen_tp2_verify_serving_catches_each_broken_post_load_step(refits):
+    """An unloaded layer, swapped experts: each caught."""
+    for rank, out in enumerate(refits):
+        assert list(out["broken"]) == list(s.TP2_BREAKS)
+        for version, (how, broken) in enumerate(out["broken"].items(), start=3):
+            assert broken is not None and broken["type"] == "ReplicaFailedError", (rank, how, broken)
+            want = f"replica 0: ServingMismatchError: refit {version}: engine replica 0 does not serve"
+            assert want in broken["message"], (how, broken)
+
+
+def test_vllm_server_offline_llm_refit_through_vllms_own_trainer_factory(refits, saved, moe_checkpoint):
+    run = subprocess.run([str(server_python()), str(ROOT / "tests/engines/vllm_server/offline.py"), str(saved),
+                          str(moe_checkpoint)], capture_output=True, text=True, env=server_env(), cwd=ROOT, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith('{"engine"')))  # vLLM logs too
+    assert out["engine"] == "MegatronRefitTrainerEngine" and out["other_exit"] == 0, out
+    assert out["metadata"] > 0
+    assert out["tokens"] == out["megatron"], out
+    assert out["max_dlogprob"] <= 1e-3, out  # LLMClient.score: LLM.generate's prompt_logprobs

@@ -1,0 +1,238 @@
+"""The full-scale dry run: derivation of every train rank from representatives (checked
+against enumerating every rank), the per-class plan against RefitPlan.build, and the dry
+run of every shipped config."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conversion.testing.derive import (
+    derive_all_ranks,
+    load_specs,
+    representative_ranks,
+    save_specs,
+)
+from megatron_refit.plan.gen_layout import (
+    GenLayout,
+    ModelShape,
+    gen_target_classes,
+    gen_target_specs,
+)
+from megatron_refit.testing.launch import run_spawned
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.plan.refit_plan import RefitPlan
+from megatron_refit.testing.reference_senders import SenderPlan, gen_classes
+from megatron_refit.plan.spec import ShardSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+# (preset, overrides, layout): representatives are a strict subset of the ranks in each.
+DERIVE_CASES = [
+    ("qwen3-moe", {"experts": 8}, dict(tp=1, pp=2, ep=4, dp=4)),
+    ("qwen3-moe", {"experts": 8}, dict(tp=2, pp=2, ep=4, dp=2)),
+    ("qwen3-moe", {"experts": 8}, dict(tp=2, pp=1, ep=2, etp=2, dp=2)),
+    ("qwen3-moe", {"experts": 4, "layers": 5}, dict(tp=1, pp=2, ep=2, dp=2, first_stage_layers=3)),
+    ("qwen3", {"layers": 4}, dict(tp=2, pp=2, dp=2)),
+]
+
+
+def _every_rank(rank, world_size, port, cases):
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.meta import rank_shard_specs
+
+    out = []
+    for model, overrides, layout in cases:
+        layout = TrainLayout(**layout)
+        config = hf_config(model, **overrides)
+        out.append({r: rank_shard_specs(config, layout, r) for r in range(layout.world_size)})
+    return out
+
+
+def _key(spec: ShardSpec) -> tuple:
+    return (spec.name, spec.global_shape, spec.dtype, spec.box, spec.pp_stage, spec.is_expert)
+
+
+@pytest.mark.slow
+def test_derivation_equals_enumerating_every_rank(tmp_path):
+    enumerated = run_spawned(_every_rank, 1, DERIVE_CASES, timeout_s=400)[0]
+    for (model, overrides, kw), real in zip(DERIVE_CASES, enumerated):
+        layout = TrainLayout(**kw)
+        reps = representative_ranks(layout)
+        assert len(reps) < layout.world_size
+        path = str(tmp_path / "cache.json.gz")  # through the cache file, as the dry run does
+        save_specs(path, "k", {r: real[r] for r in reps})
+        derived = derive_all_ranks(layout, load_specs(path, "k"), overrides.get("experts", 0))
+        assert sorted(derived) == sorted(real)
+        for rank in real:
+            assert sorted(map(_key, derived[rank])) == sorted(map(_key, real[rank])), (model, kw, rank)
+        if "experts" in overrides:  # the derivation renumbered experts: some rank holds the last one
+            last = overrides["experts"] - 1
+            assert any(f".experts.{last}." in s.name for specs in derived.values() for s in specs)
+
+
+def test_derivation_rejects_missing_representatives():
+    layout = TrainLayout(tp=1, pp=2, ep=2, dp=2)
+    with pytest.raises(ValueError, match=r"representative ranks \[2\] .* are missing"):
+        derive_all_ranks(layout, {0: []}, 4)
+
+
+def test_cache_key_mismatch_is_rejected(tmp_path):
+    path = str(tmp_path / "c.json.gz")
+    save_specs(path, "abc", {0: [ShardSpec(name="w", global_shape=(2,), dtype="bfloat16", box=((0, 2),))]})
+    assert load_specs(path, "abc")[0][0].name == "w"
+    with pytest.raises(ValueError, match="does not match 'xyz'"):
+        load_specs(path, "xyz")
+
+
+def _train(tp: int, dp: int) -> dict[int, list[ShardSpec]]:
+    """Column-parallel q, row-parallel o and a replicated norm over train TP x DP."""
+    out = {}
+    for rank in range(tp * dp):
+        t = rank % tp
+        out[rank] = [
+            ShardSpec(name="l.self_attn.q_proj.weight", global_shape=(64, 32), dtype="bfloat16",
+                      box=((t * 64 // tp, (t + 1) * 64 // tp), (0, 32))),
+            ShardSpec(name="l.self_attn.o_proj.weight", global_shape=(32, 64), dtype="bfloat16",
+                      box=((0, 32), (t * 64 // tp, (t + 1) * 64 // tp))),
+            ShardSpec(name="l.input_layernorm.weight", global_shape=(32,), dtype="bfloat16", box=((0, 32),)),
+        ]
+    return out
+
+
+@pytest.mark.parametrize("train_tp, train_dp, gen_tp, gen_dp", [(2, 2, 1, 4), (2, 4, 4, 3), (1, 3, 2, 2), (4, 1, 2, 1)])
+def test_sender_plan_is_what_refit_plan_expands(train_tp, train_dp, gen_tp, gen_dp):
+    train = _train(train_tp, train_dp)
+    params = {s.name: (s.global_shape, s.dtype) for s in train[0]}
+    model = ModelShape(num_attention_heads=8, num_kv_heads=8, vocab_size=100)
+    layout = GenLayout(tp=gen_tp, dp=gen_dp)
+    gen = gen_target_specs(params, layout, model)
+    classes = gen_target_classes(params, layout, model)
+    assert {r: list(map(_key, specs)) for ranks, specs in classes for r in ranks} == {
+        r: list(map(_key, specs)) for r, specs in gen.items()}
+    senders = SenderPlan.build(train, classes)
+    plan = RefitPlan.build(train, gen)
+    assert senders == SenderPlan.build(train, gen_classes(gen))
+    assert senders.gen_bytes() == {r: plan.bytes_to(r) for r in gen}
+    assert list(senders.train_bytes) == [plan.bytes_from(r) for r in train]
+    assert senders.num_transfers == len(plan.transfers)
+    assert plan.bytes_sent == plan.bytes_minimal == sum(senders.gen_bytes().values())
+    # Water-filling: a replicated piece needed by D gen ranks goes out of each of its h
+    # holders D // h or D // h + 1 times.
+    norm = [t.src_rank for t in plan.transfers if t.name == "l.input_layernorm.weight"]
+    holders = train_tp * train_dp
+    counts = [norm.count(r) for r in range(holders)]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == gen_tp * gen_dp
+
+
+def _dry_run(config: str, *extra: str) -> tuple[int, dict, str]:
+    out = subprocess.run([sys.executable, "-m", "megatron_refit.dryrun", "--config", config, "--json", *extra],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+    return out.returncode, json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
+
+
+EXPECTED_PARAMS = {  # published totals
+    "qwen3-4b": (4.0e9, 4.1e9),
+    "qwen3-30b-a3b": (30.4e9, 30.6e9),
+    "qwen3-235b-a22b": (235.0e9, 235.2e9),
+    "deepseek-v3": (671.0e9, 686.0e9),  # 671B, plus 14B if the multi-token-prediction layer is exported
+    "nemotron-3-nano-30b-a3b": (31.5e9, 31.7e9),  # "31.6B total" (23 Mamba, 23 MoE, 6 attention layers)
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[os.path.basename(c)[:-5] for c in CONFIGS])
+def test_dry_run_of_shipped_config(config):
+    from conversion.testing.hf_configs import PRESETS
+    from megatron_refit.tools.dryrun import load_config
+
+    name = os.path.basename(config)[:-5]
+    if name == "deepseek-v3" and "deepseek-v3-671b" not in PRESETS:
+        pytest.skip("DeepSeek-V3 (MLA) model-family support is not on this branch yet: no 'deepseek-v3-671b' preset")
+    refit, _, _ = load_config(config)
+    code, result, text = _dry_run(config)
+    assert code == 0, text
+    assert result["ok"] is True and result["model"] == refit.model
+    low, high = EXPECTED_PARAMS[name]
+    assert low < result["num_params"] < high
+    # Every gen replica holds every parameter once (bf16), plus what vLLM replicates over
+    # its TP ranks (norms, router, KV heads when gen TP > KV heads): at most a few percent.
+    minimal = refit.gen_dp * 2 * result["num_params"]
+    assert minimal <= result["bytes_total"] <= 1.05 * minimal
+    gen_world = refit.gen_tp * refit.gen_dp
+    assert result["bytes_total"] / gen_world <= result["bytes_per_gen_rank_max"] <= result["bytes_total"]
+    # Issue target: < 300 MB and < 2 s (BENCHMARKS.md: DeepSeek-V3 ~80 MB, ~1 s); time is
+    # checked loosely here, the machine running the tests may be busy.
+    assert result["peak_rss_mb"] < 300  # prepare's timing included
+    assert result["plan_seconds"] < 30
+    # one rank's prepare() after the gather (issue target: <= 2 s at DeepSeek-V3; BENCHMARKS.md)
+    side, _, rank = result["prepare_rank"].partition(" rank ")
+    assert side in ("train", "gen") and 0 <= int(rank) < (refit.gen_tp * refit.gen_dp if side == "gen" else 4096)
+    assert 0 < result["prepare_seconds"] < 60
+    (line,) = [line for line in text.splitlines() if line.startswith("prepare ")]
+    printed = float(line.split(result["prepare_rank"] + " ", 1)[1].split(" s (", 1)[0])
+    assert printed == pytest.approx(result["prepare_seconds"], abs=0.006)  # printed to 2 decimals, JSON to 3
+    assert "torch imported: False" in text
+    assert "enumeration   0.0 s (cached" in text, "shipped enumeration cache is stale: rerun the dry run"
+    assert math.isfinite(result["plan_seconds"])
+
+
+def test_dry_run_names_bad_config(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  tensor_model_parallel_size: 2\nrefit:\n  enabled: true\n  gen_tpp: 2\n")
+    code, result, _ = _dry_run(str(config))
+    assert code == 2 and result["ok"] is False
+    assert "unknown key(s) ['gen_tpp']" in result["error"]
+    config.write_text("refit:\n  enabled: true\n  model: qwen3-5b\n")
+    code, result, _ = _dry_run(str(config))
+    assert code == 2 and "refit.model 'qwen3-5b' is not a preset" in result["error"]
+    config.write_text("model:\n  pipeline_model_parallel_size: 5\nrefit:\n  model: qwen3-4b\n")
+    code, result, _ = _dry_run(str(config))
+    assert code == 2 and "num_layers=36 does not split over pp=5" in result["error"]
+
+
+def test_full_scale_plan_spreads_the_sending_over_all_train_ranks():
+    from megatron_refit.tools.dryrun import build
+
+    run = build(os.path.join(ROOT, "configs", "qwen3-235b-a22b.yaml"), prepare=False)
+    assert run.prepare == {} and run.prepare_seconds == 0.0
+    sent = run.senders.train_bytes
+    assert len(sent) == 128 and sum(sent) == run.bytes_total() == sum(run.senders.gen_bytes().values())
+    mean = sum(sent) / len(sent)
+    # Experts have one holder each (EP16, expert DP 1) and the first and last PP stages
+    # hold 11 layers instead of 12: within 10 % of the mean, every rank busy.
+    assert 0.9 * mean <= min(sent) and max(sent) <= 1.1 * mean
+    assert len(run.senders.class_ranks) == 8 and all(len(ranks) == 16 for ranks in run.senders.class_ranks)
+
+
+def _fp8_copy(tmp_path, name):
+    import shutil
+
+    text = open(os.path.join(ROOT, "configs", f"{name}.yaml")).read()
+    assert "  enabled: true\n" in text
+    fp8 = text.replace("  enabled: true\n", "  enabled: true\n  trainer_quantize_fp8: true\n")
+    (tmp_path / f"{name}.yaml").write_text(fp8)
+    shutil.copytree(os.path.join(ROOT, "configs", "cache"), tmp_path / "cache")
+    return str(tmp_path / f"{name}.yaml")
+
+
+def test_dry_run_with_trainer_fp8(tmp_path):
+    code, bf16, _ = _dry_run(os.path.join(ROOT, "configs", "qwen3-4b.yaml"))
+    code8, fp8, text = _dry_run(_fp8_copy(tmp_path, "qwen3-4b"))
+    assert code == code8 == 0, text
+    # linear weights at 1 byte (+ scale tiles), the tied embedding (~10 % of Qwen3-4B) in bf16
+    assert 0.5 < fp8["bytes_total"] / bf16["bytes_total"] < 0.56
+    assert fp8["num_params"] == bf16["num_params"]
+
+
+def test_dry_run_refuses_fp8_where_engine_shards_leave_the_128_grid(tmp_path):
+    # Qwen3-30B-A3B experts: moe_intermediate 768 over gen TP8 = 96 columns per rank
+    code, result, _ = _dry_run(_fp8_copy(tmp_path, "qwen3-30b-a3b"))
+    assert code == 2 and result["ok"] is False
+    assert "down_proj.weight: shard boundary 96 in dim 1 (size 768) is not a multiple of 128" in result["error"]

@@ -1,0 +1,108 @@
+"""SLURM scripts: syntax, configs and node counts for every model, and a real single-node
+SLURM run of the tiny CPU demo where Debian's slurm-wlm is installed (``make setup-slurm``)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from megatron_refit.config import load_training_yaml, train_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLURM = os.path.join(ROOT, "scripts", "slurm")
+MODELS = sorted(os.path.basename(p)[:-7] for p in glob.glob(os.path.join(SLURM, "*.sbatch")) if "tiny_cpu" not in p)
+
+
+def test_every_model_has_a_script():
+    configs = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+    assert MODELS == configs == ["deepseek-v3", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b",
+                                 "qwen3-4b"]
+
+
+SCRIPTS = sorted(glob.glob(os.path.join(SLURM, "*.sh")) + glob.glob(os.path.join(SLURM, "*.sbatch")))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_parse(script):
+    subprocess.run(["bash", "-n", script], check=True)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_script_reads_its_config_and_asks_for_enough_nodes(model):
+    with open(os.path.join(SLURM, f"{model}.sbatch")) as f:
+        text = f.read()
+    assert f"CONFIG=configs/{model}.yaml" in text
+    bridge, refit = load_training_yaml(os.path.join(ROOT, "configs", f"{model}.yaml"))
+    layout = train_layout(bridge, refit)
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))
+    per_node = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1))
+    needed = -(-layout.world_size // per_node)
+    if refit.mode == "disaggregated":
+        needed += -(-(refit.gen_tp * refit.gen_dp) // per_node)
+    assert nodes == needed
+
+
+def _slurm_missing() -> str | None:
+    tools = ("sbatch", "sinfo", "slurmctld", "slurmd", "munged", "mungekey")
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if missing:
+        return f"slurm-wlm is not installed ({', '.join(missing)} missing; `make setup-slurm` installs it)"
+    if os.geteuid() != 0:
+        return "a local slurmd needs root"
+    return None
+
+
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory):
+    reason = _slurm_missing()
+    if reason and os.environ.get("REFIT_REQUIRE_SLURM") == "1":  # CI (.ci/run): never skipped there
+        pytest.fail(f"REFIT_REQUIRE_SLURM=1 but {reason}")
+    if reason:
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("slurm")
+    script = os.path.join(SLURM, "local_cluster.sh")
+    subprocess.run([script, "start", str(state)], check=True, timeout=120)
+    try:
+        yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}, state
+    finally:
+        subprocess.run([script, "stop", str(state)], check=False, timeout=60)
+
+
+@pytest.mark.slow
+def test_tiny_cpu_demo_under_local_slurm(local_slurm):
+    env, state = local_slurm
+    out = state / "tiny-%j.out"
+    # Two ranks (train TP1 -> gen TP1) keep it short; the defaults run 4.
+    subprocess.run(["sbatch", "--wait", f"--output={out}", "scripts/slurm/tiny_cpu.sbatch", "--train-tp", "1",
+                    "--gen-dp", "1", "--refits", "1"], check=True, cwd=ROOT, env=env, timeout=600)
+    (log,) = glob.glob(str(state / "tiny-*.out"))
+    with open(log) as f:
+        result = json.loads(f.read().strip().splitlines()[-1])
+    assert result["ok"] and result["bit_exact"]
+
+
+@pytest.mark.slow
+def test_model_script_dry_run_under_local_slurm(local_slurm):
+    """A model script on one CPU node: the dry run passes; the full job then stops on the
+    node count, before any command of the user's runs."""
+    env, state = local_slurm
+    common = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"]
+    out = state / "dry-%j.out"
+    subprocess.run([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"], check=True, cwd=ROOT,
+                   env={**env, "REFIT_DRY_RUN_ONLY": "1"}, timeout=300)
+    (log,) = glob.glob(str(state / "dry-*.out"))
+    with open(log) as f:
+        assert json.loads(f.read().strip().splitlines()[-1])["ok"] is True
+    out = state / "full-%j.out"
+    done = subprocess.run([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"], cwd=ROOT, env=env,
+                          timeout=300, check=False)
+    assert done.returncode != 0
+    (log,) = glob.glob(str(state / "full-*.out"))
+    with open(log) as f:
+        assert "needs 4 nodes of 8 GPUs (disaggregated: 16 train + 16 gen ranks), the job has 1" in f.read()

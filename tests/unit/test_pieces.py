@@ -1,0 +1,133 @@
+"""The compact form ``prepare()`` gathers (megatron_refit.plan.pieces): pieces through the
+wire and back, the plan built from it equal to the plan built from ShardSpecs (adjacency
+hints included), and a peer's malformed parts refused naming the rank. Equality with the
+receivers' ShardSpecs on reduced shipped layouts is tests/unit/test_assignment.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_refit import wire
+from megatron_refit.errors import PlanError
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.pieces import adjacent_names, gen_targets_of, pack, unpack
+from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan
+from megatron_refit.plan.spec import ShardSpec, box_along, full_box
+
+MODEL = ModelShape(num_attention_heads=4, num_kv_heads=2, vocab_size=100)
+PARAMS = {
+    "model.embed_tokens.weight": ((100, 8), "bfloat16"),
+    "model.layers.0.self_attn.q_proj.weight": ((8, 8), "bfloat16"),
+    "model.layers.0.mlp.gate_proj.weight": ((16, 8), "bfloat16"),
+    "model.layers.0.mlp.up_proj.weight": ((16, 8), "bfloat16"),
+    "model.layers.0.mlp.down_proj.weight": ((8, 16), "bfloat16"),
+    "model.norm.weight": ((8,), "float32"),
+}
+GATE, UP = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+
+
+def _train() -> dict[int, list[ShardSpec]]:
+    """Two train ranks: column halves of the MLP weights, the rest whole on rank 0."""
+    out = {0: [], 1: []}
+    for name, (shape, dtype) in PARAMS.items():
+        if "mlp" in name:
+            dim = 1 if "down" in name else 0
+            half = shape[dim] // 2
+            for rank in (0, 1):
+                out[rank].append(ShardSpec(name, shape, dtype, box_along(shape, dim, rank * half, (rank + 1) * half)))
+        else:
+            out[0].append(ShardSpec(name, shape, dtype, full_box(shape)))
+    return out
+
+
+def _roundtrip(obj):
+    return wire.loads(wire.dumps(obj))
+
+
+def test_pieces_travel_as_plain_data_and_unpack_to_the_same_specs():
+    specs = _train()[0]
+    names, layout = pack(specs, [(GATE, UP)])
+    assert names[0] == tuple(sorted(s.name for s in specs)) and adjacent_names(names) == {GATE: UP}
+    names, layout = _roundtrip(names), _roundtrip(layout)
+    assert unpack("train", 0, names, layout) == sorted(specs, key=lambda s: s.name)
+    assert adjacent_names(names) == {GATE: UP}
+
+
+@pytest.mark.parametrize("direct", [None, 64])
+def test_plan_from_gathered_pieces_equals_plan_from_specs(direct):
+    train = _train()
+    gen = gen_target_specs(PARAMS, GenLayout(tp=2, dp=2), MODEL)
+    train_adj = {0: [(GATE, UP)], 1: [(GATE, UP)]}
+    gen_adj = {rank: [(GATE, UP)] for rank in gen}
+    whole = RefitPlan.build(train, gen, bucket_bytes=4096, direct_bytes=direct, train_adjacent=train_adj,
+                            gen_adjacent=gen_adj)
+    parts = [_roundtrip(pack(train[r], train_adj[r])) for r in train]
+    parts += [_roundtrip(pack(gen[r], gen_adj[r])) for r in gen]
+    for local in [("train", 0), ("train", 1), ("gen", 0), ("gen", 3)]:
+        plan = build_local_plan(parts, len(train), bucket_bytes=4096, direct_bytes=direct, local=local)
+        if local[0] == "train":
+            assert plan.buckets_from(local[1]) == whole.buckets_from(local[1])
+        else:
+            assert plan.buckets_to(local[1]) == whole.buckets_to(local[1])
+            assert plan.gen_pieces(local[1]) == sorted(gen[local[1]], key=lambda s: s.name)
+        assert plan.fingerprints()["plan"] == whole.fingerprints()["plan"]
+    if direct is not None:  # gate and up adjacent on both ends, whole: one direct bucket of two items
+        runs = [b for b in whole.buckets if [i.transfer.name for i in b.items] == [GATE, UP]]
+        assert runs and all(b.nbytes == b.payload_bytes for b in runs)
+
+
+def test_a_trainer_parameter_no_gen_rank_holds_is_refused():
+    train = _train()
+    gen = gen_target_specs({k: v for k, v in PARAMS.items() if k != "model.norm.weight"}, GenLayout(tp=1), MODEL)
+    parts = [pack(train[0]), pack(train[1]), pack(gen[0])]
+    with pytest.raises(ValueError, match=r"the trainer produces 1 HF parameters that no generation rank holds .*"
+                                         r"model\.norm\.weight"):
+        build_local_plan(parts, 2, bucket_bytes=4096, direct_bytes=None, local=("gen", 0))
+
+
+def _gen_parts():
+    return {rank: pack(specs) for rank, specs in gen_target_specs(PARAMS, GenLayout(tp=2), MODEL).items()}
+
+
+def _broken(rank: int, how: str) -> dict:
+    parts = _gen_parts()
+    (names, pairs), (kinds, raw) = parts[rank]
+    if how == "index":
+        raw = raw[:-4] + (len(kinds)).to_bytes(4, "little")
+    elif how == "count":
+        raw = raw[:-4]
+    elif how == "box":
+        shape, dtype, box, stage, expert = kinds[0]
+        kinds = ((shape, dtype, ((0, shape[0] + 1),) + box[1:], stage, expert),) + kinds[1:]
+    elif how == "pair":
+        pairs = (0, len(names))
+    elif how == "twice":
+        names = (names[0],) + names[:-1]
+    elif how == "kind":
+        kinds = ((8, "bf16"),) + kinds[1:]
+    elif how == "name":
+        names = names[:-1] + (7,)
+    elif how == "type":
+        kinds = list(kinds)
+    elif how == "shape":
+        shape, dtype, box, stage, expert = kinds[0]
+        kinds = ((tuple(n * 2 for n in shape), dtype, box, stage, expert),) + kinds[1:]
+    parts[rank] = ((names, pairs), (kinds, raw))
+    return parts
+
+
+@pytest.mark.parametrize("how, match", [
+    ("index", r"gen rank 1: kind index (\d+) out of range for \1 kinds"),
+    ("count", r"gen rank 1: 6 names but 20 bytes of kind indices"),
+    ("box", r"gen rank 1: malformed piece kind .*outside global shape"),
+    ("kind", r"gen rank 1: malformed piece kind \(8, 'bf16'\): expected \(global shape, dtype, box, pp stage"),
+    ("name", r"gen rank 1: a piece name is 7, not a string"),
+    ("pair", r"gen_adjacent of gen rank 1: a pair names a piece the rank does not hold \(index 6 of 6\)"),
+    ("type", r"gen rank 1: malformed pieces \(expected \(\(names, pairs\), \(kinds, bytes\)\) of tuples\)"),
+    ("twice", r"model\.embed_tokens\.weight: listed twice on gen rank 1"),
+    ("shape", r"model\.embed_tokens\.weight: global shape \(100, 8\) dtype bfloat16 on gen rank 0, \(200, 16\)"),
+])
+@pytest.mark.reliability
+def test_malformed_pieces_from_a_peer_are_refused_naming_it(how, match):
+    with pytest.raises(PlanError, match=match):
+        gen_targets_of(_broken(1, how))
