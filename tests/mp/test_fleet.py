@@ -288,7 +288,7 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
                 if scenario == "stall":
                     stop()
                 if scenario == "silent":  # alive (its heartbeat goes on) but silent past refit.timeout_s
-                    time.sleep(KILL_TIMEOUT_S * 1.5)
+                    time.sleep(KILL_TIMEOUT_S + 1.0)
                 os._exit(17)
 
         store.on_buffer = dying

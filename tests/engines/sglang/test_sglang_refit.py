@@ -39,7 +39,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs SGLang (make setup-sglang: .venv-sglang)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[3]
-BRIDGE_SHARDS = ROOT / "tests" / "vllm" / "bridge_shards.py"
+BRIDGE_SHARDS = ROOT / "tests" / "engines" / "vllm" / "bridge_shards.py"
 NUM_TRAIN = 2
 NUM_GEN = 2
 VERSIONS = (1, 2)

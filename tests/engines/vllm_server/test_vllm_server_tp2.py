@@ -27,7 +27,7 @@ def saved(tmp_path_factory):
 def refits(moe_checkpoint, saved, tmp_path_factory):
     server_port, refit_port = free_ports(2)
     logs = tmp_path_factory.mktemp("logs")
-    env = {"PYTHONPATH": str(ROOT / "tests" / "vllm_server" / "breaks"),
+    env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
            "MEGATRON_REFIT_TEST_BREAK": str(logs / "break")}
     server = VllmServer(model=str(moe_checkpoint), port=server_port, tp=2, log=logs / "server.log", env=env).start()
     try:
