@@ -104,7 +104,7 @@ class RefitConfig:
     """A replica whose engine ranks all stopped beating for this long (each beats every
     ``stall_s / 6`` s from a thread of its own: a stopped or hung process stops, a slow one
     goes on) is stalled: the train ranks stop waiting for it then, not at ``timeout_s``, and
-    drop it (it may rejoin). Bound: ``stall_s`` plus ``stall_s / 4``. ``0``: off (at or
+    drop it (it may rejoin). Bound: ``stall_s`` plus ``stall_s / 2``. ``0``: off (at or
     above ``timeout_s``, ``timeout_s`` comes first)."""
     verify: str = "sampled"
     """Integrity check of every bucket against a digest its sender computed, seeded with the

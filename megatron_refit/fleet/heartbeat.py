@@ -8,12 +8,13 @@ stopped, or whose interpreter no longer runs (a deadlock holding the GIL, a SIGS
 storm), stops beating; one that is merely slow (a long post-load step, a big bucket) goes on.
 A replica is stalled when any one of its engine ranks is (the others wait on it).
 
-Every train rank watches the replicas it has a group with (:class:`Watchdog`, polled in the
-fleet's runner): a replica one of whose counters did not move for ``refit.stall_s`` is stalled, and
-its group on this rank is aborted (:meth:`~megatron_refit.transport.base.Transport.abort`), so
+Train rank 0 watches the replicas' counters (:class:`Watchdog`, polled in the fleet's runner):
+a replica one of whose counters did not move for ``refit.stall_s`` is stalled; train rank 0
+publishes it in the store and every train rank, reading that one key per poll, aborts its group
+to it (:meth:`~megatron_refit.transport.base.Transport.abort`), so
 the wait on it ends now instead of at ``refit.timeout_s``: the replica fails (its group broke),
 is dropped, and may rejoin. The bound this keeps: a stalled replica holds a train rank at most
-``refit.stall_s`` plus one poll (``stall_s / 4``). ``refit.stall_s: 0`` turns it off (then
+``refit.stall_s`` plus two polls (train rank 0's, then its own: ``stall_s / 2`` in all). ``refit.stall_s: 0`` turns it off (then
 ``refit.timeout_s`` is the bound). Counters, not clocks: no two hosts' clocks are compared.
 """
 
@@ -90,6 +91,8 @@ class _Watched:
     abort: object
     """What ends this rank's waits on the replica (its group's ``abort``)."""
     since: float
+    published: bool = False
+    """Train rank 0 published its stall (once)."""
     counts: list[int | None] = field(default_factory=list)
     moved: list[float] = field(default_factory=list)
     """When each rank's counter last moved (this train rank's monotonic clock)."""
@@ -107,19 +110,32 @@ class _Watched:
         return rank, now - self.moved[rank]
 
 
-class Watchdog:
-    """A train rank's watch over its replicas' heartbeats (see the module docstring), and the
-    one place that knows how to end its waits on each replica's group. ``watch`` and ``unwatch``
-    come from any thread; :meth:`check` from the fleet's ``watchdog`` lane."""
+STALLED = "megatron_refit/fleet/stalled"
+"""Store key: ``replica:incarnation:why`` lines, appended by train rank 0 for each stall it found."""
 
-    def __init__(self, cfg, *, clock=time.monotonic):
+
+class Watchdog:
+    """A train rank's watch over its replicas (see the module docstring), and the one place that
+    knows how to end its waits on each replica's group. Train rank 0 (``leader``) reads the
+    heartbeats and publishes each stall it finds (:data:`STALLED`); every train rank reads that
+    one key per poll and aborts its own group to the replica named, so the store serves one read
+    per train rank per poll however many replicas and TP ranks there are. ``watch`` / ``unwatch``
+    come from any thread; :meth:`check` from the fleet's ``watchdog`` lane. ``store``: the train
+    ranks' store (default: a connection of its own, opened at the first poll)."""
+
+    def __init__(self, cfg, *, leader: bool, store=None, clock=time.monotonic):
         self.cfg = cfg
+        self.leader = leader
         self.stall_s = stall_s(cfg)
         self.poll_s = self.stall_s / POLLS_PER_STALL
         self._clock = clock
         self._watched: dict[tuple[int, str], _Watched] = {}
         self._lock = threading.Lock()
-        self._store = None
+        self._store = store
+        self._seen = 0
+        """How much of :data:`STALLED` this rank has read."""
+        self._stalled: dict[tuple[int, str], str] = {}
+        """Every stall read so far: a group this rank connects to later is aborted at once."""
 
     @property
     def enabled(self) -> bool:
@@ -129,9 +145,13 @@ class Watchdog:
         """Watch replica ``replica`` (``incarnation``) from now; ``abort(reason)`` ends this rank's
         waits on it (on a stall, and at :meth:`abort_all`)."""
         with self._lock:
-            self._watched[(replica, incarnation)] = _Watched(
-                [f"{namespace(replica, incarnation)}/{_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
-                since=self._clock())
+            why = self._stalled.get((replica, incarnation))
+            if why is None:
+                self._watched[(replica, incarnation)] = _Watched(
+                    [f"{namespace(replica, incarnation)}/{_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
+                    since=self._clock())
+        if why is not None:  # found stalled before this rank's group to it was up
+            abort(why)
 
     def abort_all(self, reason: str) -> None:
         """End this rank's waits on every watched replica now (the fleet aborts)."""
@@ -145,38 +165,51 @@ class Watchdog:
             for key in [k for k in self._watched if k[0] == replica]:
                 del self._watched[key]
 
-    def check(self, read=None) -> list[int]:
-        """One poll: read every watched replica's counters (``read(keys) -> counts``; default:
-        the store), abort those that did not move for ``stall_s``; returns them."""
+    def check(self) -> list[int]:
+        """One poll (see the class docstring); the replicas whose group this rank aborted."""
         if not self.enabled:
             return []
+        try:
+            if self._store is None:
+                self._store = _store(self.cfg.host, self.cfg.port, None, 10.0)
+            if self.leader:
+                self._find_stalls()
+            return self._abort_published()
+        except Exception as exc:  # noqa: BLE001 -- the store is gone: the fleet is ending anyway
+            logger.info("refit: heartbeats unreadable: %s", exc)
+            return []
+
+    def _find_stalls(self) -> None:
+        """Train rank 0: read every watched replica's counters; publish those quiet for ``stall_s``."""
         with self._lock:
             watched = dict(self._watched)
-        now, found = self._clock(), []
+        now = self._clock()
         for (replica, incarnation), entry in watched.items():
-            try:
-                counts = (read or self._read)(entry.keys)
-            except Exception as exc:  # noqa: BLE001 -- the store is gone: the fleet is ending anyway
-                logger.info("refit: heartbeats unreadable: %s", exc)
-                return found
-            tp_rank, quiet = entry.quiet(counts, now)
-            if quiet < self.stall_s:
-                continue
-            why = (f"engine replica {replica} stalled: its TP rank {tp_rank} sent no heartbeat for {quiet:.1f} s "
-                   f"(refit.stall_s={self.stall_s:g})")
-            logger.warning("refit: %s; its group on this train rank is aborted", why)
-            with self._lock:
-                if self._watched.get((replica, incarnation)) is not entry:
-                    continue  # unwatched meanwhile
-                del self._watched[(replica, incarnation)]
-            entry.abort(why)
-            found.append(replica)
-        return found
+            tp_rank, quiet = entry.quiet([int(self._store.add(key, 0)) for key in entry.keys], now)
+            if quiet >= self.stall_s and not entry.published:
+                entry.published = True
+                why = (f"engine replica {replica} stalled: its TP rank {tp_rank} sent no heartbeat for {quiet:.1f} s "
+                       f"(refit.stall_s={self.stall_s:g})")
+                self._store.append(STALLED, f"{replica}:{incarnation}:{why}\n")
 
-    def _read(self, keys: list[str]) -> list[int]:
-        if self._store is None:
-            self._store = _store(self.cfg.host, self.cfg.port, None, 10.0)
-        return [int(self._store.add(key, 0)) for key in keys]
+    def _abort_published(self) -> list[int]:
+        """Every train rank: abort its group to each replica published stalled since the last poll."""
+        if not self._store.check([STALLED]):
+            return []
+        text = self._store.get(STALLED).decode(errors="replace")
+        new, self._seen = text[self._seen:], len(text)
+        found = []
+        for line in filter(None, new.split("\n")):
+            replica, incarnation, why = line.split(":", 2)
+            with self._lock:
+                self._stalled[(int(replica), incarnation)] = why
+                entry = self._watched.pop((int(replica), incarnation), None)
+            if entry is None:  # not (or no longer) a group of this rank
+                continue
+            logger.warning("refit: %s; its group on this train rank is aborted", why)
+            entry.abort(why)
+            found.append(int(replica))
+        return found
 
     def run(self, stop: threading.Event) -> None:
         """Poll every ``stall_s / 4`` until ``stop`` is set (the fleet's ``watchdog`` lane)."""

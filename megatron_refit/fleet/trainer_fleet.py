@@ -89,7 +89,7 @@ class TrainerFleet:
         self._announcements = Announcements(control.store) if control.rank == 0 else None
         if self.membership is not None:
             self.membership.starting(range(cfg.gen_dp))
-        self.watchdog = Watchdog(cfg)
+        self.watchdog = Watchdog(cfg, leader=control.rank == 0)
         """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
         if self.watchdog.enabled:
             self.runner.submit("watchdog", self.watchdog.run, self._closing)

@@ -1,11 +1,12 @@
-"""Stall detection (megatron_refit.fleet.heartbeat): counters, not clocks; one quiet TP rank is a stall."""
+"""Stall detection (megatron_refit.fleet.heartbeat): counters, not clocks; one quiet TP rank is a
+stall; train rank 0 reads the heartbeats and publishes, every train rank aborts its own group."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.fleet.heartbeat import Heartbeat, Watchdog, stall_s
+from megatron_refit.fleet.heartbeat import STALLED, Heartbeat, Watchdog, stall_s
 
 
 class _Clock:
@@ -16,66 +17,101 @@ class _Clock:
         return self.now
 
 
-def _watchdog(gen_tp=2, stall=2.0, timeout=30.0):
-    clock = _Clock()
+class _Store:
+    """The train ranks' store, as the watchdogs and the beating engine ranks share it."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.reads = 0
+
+    def add(self, key, n):
+        self.reads += 1
+        value = int(self.values.get(key, b"0")) + n
+        self.values[key] = str(value).encode()
+        return value
+
+    def append(self, key, text):
+        self.values[key] = self.values.get(key, b"") + text.encode()
+
+    def check(self, keys):
+        self.reads += 1
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+    def beat(self, replica, incarnation, tp_rank):
+        self.add(f"megatron_refit/replica/{replica}/{incarnation}/heartbeat/{tp_rank}", 1)
+
+
+def _watchdogs(store, clock, ranks=2, gen_tp=2, stall=2.0, timeout=30.0):
     cfg = RefitConfig(enabled=True, gen_tp=gen_tp, stall_s=stall, timeout_s=timeout)
-    return Watchdog(cfg, clock=clock), clock
+    return [Watchdog(cfg, leader=rank == 0, store=store, clock=clock) for rank in range(ranks)]
 
 
 def test_a_replica_whose_counters_move_is_never_stalled_however_slow_its_refit():
-    dog, clock = _watchdog()
+    store, clock = _Store(), _Clock()
+    dogs = _watchdogs(store, clock)
     aborted = []
-    dog.watch(1, "inc", aborted.append)
-    counts = {"n": 0}
-
-    def read(keys):
-        counts["n"] += 1
-        return [counts["n"]] * len(keys)
-
+    for dog in dogs:
+        dog.watch(1, "inc", aborted.append)
     for _ in range(20):  # 20 s of a slow refit, beats going on
         clock.now += 1.0
-        assert dog.check(read) == []
+        store.beat(1, "inc", 0)
+        store.beat(1, "inc", 1)
+        assert [dog.check() for dog in dogs] == [[], []]
     assert aborted == []
 
 
-def test_one_quiet_tp_rank_stalls_its_replica_after_stall_s_and_its_group_is_aborted_once():
-    dog, clock = _watchdog()
-    aborted = []
-    dog.watch(1, "inc", aborted.append)
-    dog.watch(0, "other", lambda why: aborted.append(("replica 0", why)))
-    beats = {"n": 0}
+def test_one_quiet_tp_rank_stalls_its_replica_and_every_train_rank_aborts_its_group_once():
+    store, clock = _Store(), _Clock()
+    dogs = _watchdogs(store, clock)
+    aborted = {0: [], 1: []}
+    for rank, dog in enumerate(dogs):
+        dog.watch(1, "inc", aborted[rank].append)
+        dog.watch(0, "other", lambda why, rank=rank: aborted[rank].append(("replica 0", why)))
 
-    def read(keys):
-        beats["n"] += 1
-        if "replica/1/" in keys[0]:
-            return [beats["n"], 7]  # TP rank 1 stopped at 7 beats
-        return [beats["n"], beats["n"]]
+    def poll(seconds):
+        clock.now += seconds
+        store.beat(0, "other", 0)
+        store.beat(0, "other", 1)
+        store.beat(1, "inc", 0)  # replica 1's TP rank 1 stopped beating
+        return [dog.check() for dog in dogs]
 
-    clock.now += 0.5
-    assert dog.check(read) == []
-    assert keys_of(dog) == {(0, "other"), (1, "inc")}
-    clock.now += 1.9
-    assert dog.check(read) == []  # quiet 1.9 s: not yet
-    clock.now += 0.2
-    assert dog.check(read) == [1]
-    assert aborted == ["engine replica 1 stalled: its TP rank 1 sent no heartbeat for 2.1 s (refit.stall_s=2)"]
-    clock.now += 5
-    assert dog.check(read) == []  # aborted once; replica 0 goes on
-    assert keys_of(dog) == {(0, "other")}
+    assert poll(0.5) == [[], []]
+    assert poll(1.9) == [[], []]  # quiet 1.9 s: not yet
+    assert poll(0.2) == [[1], [1]]  # rank 0 published, both aborted (rank 1 read it in the same poll)
+    why = "engine replica 1 stalled: its TP rank 1 sent no heartbeat for 2.1 s (refit.stall_s=2)"
+    assert aborted == {0: [why], 1: [why]}
+    assert store.values[STALLED].decode() == f"1:inc:{why}\n"
+    assert poll(5) == [[], []]  # once; replica 0 goes on
+    late = []
+    dogs[1].watch(1, "inc", late.append)  # a group to it that came up after the stall was found
+    assert late == [why]
+    dogs[1].watch(1, "restarted", late.append)  # a new incarnation is watched afresh
+    assert late == [why]
 
 
-def keys_of(dog):
-    return set(dog._watched)
+def test_only_train_rank_0_reads_the_heartbeats():
+    store, clock = _Store(), _Clock()
+    leader, follower = _watchdogs(store, clock)
+    for replica in range(8):
+        follower.watch(replica, "i", lambda why: None)
+    follower.check()
+    assert store.reads == 1  # one read of the published stalls, however many replicas
+    leader.watch(0, "i", lambda why: None)
+    leader.check()
+    assert store.reads == 1 + 2 + 1  # its replica's two TP ranks, and the published stalls
 
 
 def test_unwatch_and_abort_all():
-    dog, _ = _watchdog()
+    dog, _ = _watchdogs(_Store(), _Clock())
     aborted = []
     dog.watch(0, "a", lambda why: aborted.append((0, why)))
     dog.watch(1, "b", lambda why: aborted.append((1, why)))
     dog.unwatch(0)
     dog.abort_all("exiting")
-    assert aborted == [(1, "exiting")] and keys_of(dog) == set()
+    assert aborted == [(1, "exiting")] and not dog._watched
 
 
 @pytest.mark.parametrize("stall,timeout,want", [(2.0, 30.0, 2.0), (0.0, 30.0, 0.0), (30.0, 30.0, 0.0),
@@ -83,11 +119,12 @@ def test_unwatch_and_abort_all():
 def test_the_bound_in_force_is_off_where_it_is_zero_or_the_timeout_comes_first(stall, timeout, want):
     cfg = RefitConfig(enabled=True, stall_s=stall, timeout_s=timeout)
     assert stall_s(cfg) == want
-    dog = Watchdog(cfg)
+    store = _Store()
+    dog = Watchdog(cfg, leader=True, store=store)
     assert dog.enabled is bool(want)
     if not want:
         dog.watch(0, "a", lambda why: pytest.fail("a disabled watchdog aborts nothing"))
-        assert dog.check(lambda keys: [0] * len(keys)) == []
+        assert dog.check() == [] and store.reads == 0
         beat = Heartbeat(cfg, 0, "a", 0)  # off: no thread, no store connection
         assert beat._thread is None
         beat.close()
