@@ -26,7 +26,8 @@ def run(moe_checkpoint, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     break_file = logs / "break"
     server_port, refit_port = free_ports(2)
-    env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"), "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
+    env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
+           "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
     server = VllmServer(model=str(moe_checkpoint), port=server_port, log=logs / "server.log", env=env).start()
     try:
         out = run_spawned(s.session_moe, s.TRAIN_TP, server.url, server.process.pid, refit_port, str(break_file),
