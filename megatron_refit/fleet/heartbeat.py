@@ -15,7 +15,8 @@ to it (:meth:`~megatron_refit.transport.base.Transport.abort`), so
 the wait on it ends now instead of at ``refit.timeout_s``: the replica fails (its group broke),
 is dropped, and may rejoin. The bound this keeps: a stalled replica holds a train rank at most
 ``refit.stall_s`` plus two polls (train rank 0's, then its own: ``stall_s / 2`` in all).
-``refit.stall_s: 0`` turns it off (then ``refit.timeout_s`` is the bound). Counters, not clocks: no two hosts' clocks are compared.
+``refit.stall_s: 0`` turns it off (then ``refit.timeout_s`` is the bound). Counters, not clocks:
+no two hosts' clocks are compared.
 """
 
 from __future__ import annotations
