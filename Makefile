@@ -26,15 +26,12 @@ setup-sglang: setup
 	@SGLANG_VENV=$(SGLANG_VENV) scripts/setup_sglang_venv.sh
 
 # All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
-# SKIP_SGLANG=1), timed after setup: the budget is 15 minutes.
+# SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
+# (scripts/run_suites.sh): the main tiers then SGLang, beside vLLM then the vLLM server.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
-	@start=$$(date +%s); rc=0; \
-	$(MAKE) --no-print-directory test-main || rc=$$?; \
-	if [ "$(SKIP_VLLM)" != 1 ]; then $(MAKE) --no-print-directory test-vllm || rc=$$?; fi; \
-	if [ "$(SKIP_VLLM_SERVER)" != 1 ]; then $(MAKE) --no-print-directory test-vllm-server || rc=$$?; fi; \
-	if [ "$(SKIP_SGLANG)" != 1 ]; then $(MAKE) --no-print-directory test-sglang || rc=$$?; fi; \
-	echo "make test: $$(( $$(date +%s) - start )) s of tests after setup (budget 900 s)"; exit $$rc
+	@scripts/run_suites.sh test-main $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) - \
+		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server)
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
 # ranks, no Megatron), megatron (Megatron builds the models), engines (each in its own venv).
@@ -48,16 +45,16 @@ test-fast: setup
 	echo "make test-fast: $$(( $$(date +%s) - start )) s (budget 120 s)"; exit $$rc
 
 test-vllm: setup-vllm
-	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs tests/engines/vllm; rc=$$?; \
+	@start=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -rs --durations=10 tests/engines/vllm; rc=$$?; \
 	echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Train ranks run here (Megatron); the server runs in $(VLLM_SERVER_VENV).
 test-vllm-server: setup-vllm-server
-	@start=$$(date +%s); VLLM_SERVER_PYTHON=$(VLLM_SERVER_VENV)/bin/python $(PY) -m pytest -q -rs tests/engines/vllm_server; \
+	@start=$$(date +%s); VLLM_SERVER_PYTHON=$(VLLM_SERVER_VENV)/bin/python $(PY) -m pytest -q -rs --durations=10 tests/engines/vllm_server; \
 	rc=$$?; echo "make test-vllm-server: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-sglang: setup-sglang
-	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs tests/engines/sglang; rc=$$?; \
+	@start=$$(date +%s); $(SGLANG_VENV)/bin/python -m pytest -q -rs --durations=10 tests/engines/sglang; rc=$$?; \
 	echo "make test-sglang: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests.
