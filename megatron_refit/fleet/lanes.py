@@ -218,11 +218,16 @@ class ReplicaLanes:
 
     def hold(self, replica: int) -> None:
         """Replica ``replica`` failed its serving check: stop it serving (its client's ``hold()``,
-        where it has one: vLLM's server pauses), queued in its lane, not waited for; the next
-        version that lands on it resumes it."""
+        where it has one: vLLM's server pauses), in its lane, waited for up to ``timeout_s`` so the
+        replica no longer serves the wrong model once the refit reports its failure (a hold that
+        fails or does not return is logged: the failure is reported all the same); the next version
+        that lands on it resumes it."""
         entry = self._entry(replica)
         if entry is not None and callable(getattr(entry.client, "hold", None)):
-            self._submit(entry, lambda client: client.hold())
+            reason = _outcome(self._submit(entry, lambda client: client.hold()), self.timeout_s)
+            if reason:
+                logger.error("%s replica %d failed its serving check and could not be held: %s",
+                             self.engine, replica, reason)
 
     def forget(self, replica: int) -> None:
         """The fleet dropped replica ``replica`` (it left, or its group broke): its client and lane

@@ -9,8 +9,10 @@ Each such rank prints one JSON line per event (``{"event": ..., "t": seconds sin
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import zlib
@@ -129,6 +131,7 @@ def _engine(rank: int, port: int, t0: float) -> None:
 
 def main(argv: list[str]) -> None:
     role, rank, port = argv[0], int(argv[1]), int(argv[2])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test dumps a rank that does not end
     torch.set_num_threads(1)
     t0 = time.monotonic()
     (_train if role == "train" else _engine)(rank, port, t0)

@@ -50,6 +50,10 @@ FIRST_FAILURE = "megatron_refit_first_failure"
 ABORTED = "aborted the refit group"
 """How a group that :meth:`ProcessGroupTransport.abort` ended says so."""
 
+ABORT_NOTE_S = 1.0
+"""How long an abort tries to leave its note (the first failure) in the store: at exit the store's
+host (train rank 0) may be ending too, and an abort must not wait on it."""
+
 
 BACKENDS = ("gloo", "nccl")
 
@@ -145,7 +149,8 @@ class ProcessGroupTransport(Transport):
         NCCL: the communicator aborted). The group is broken (``reason``); close it after."""
         if self.broken is None:
             self.broken = f"{ABORTED} ({reason})"
-            self._first_failure(f"refit rank {self.rank}: {ABORTED} ({reason})")  # what its peers will name
+            # what its peers will name; briefly: at exit the store's host may be ending too
+            self._first_failure(f"refit rank {self.rank}: {ABORTED} ({reason})", wait_s=ABORT_NOTE_S)
         if self._sockets is not None:
             self._sockets.shutdown()
         pg = self._pg
@@ -258,12 +263,12 @@ class ProcessGroupTransport(Transport):
         first = self._first_failure(mine)
         return where if first in (None, mine) else f"{where}; the first failure in the group: {first}"
 
-    def _first_failure(self, mine: str) -> str | None:
+    def _first_failure(self, mine: str, wait_s: float = 5.0) -> str | None:
         store = self._store
         if store is None:
             return None
         try:  # the store lives in rank 0's process: it may be the one that died
-            store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, 5.0)))
+            store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, wait_s)))
             return store.compare_set(FIRST_FAILURE, "", mine).decode(errors="replace")
         except Exception:  # noqa: BLE001 -- best effort: the error itself is raised regardless
             return None
