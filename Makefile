@@ -27,11 +27,12 @@ setup-sglang: setup
 
 # All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
 # SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
-# (scripts/run_suites.sh): the main tiers then SGLang, beside vLLM then the vLLM server.
+# (scripts/run_suites.sh), about even (Xeon, 2 cores, both lanes busy: ~490 s and ~500 s): the main
+# tiers, beside vLLM, the vLLM server and SGLang.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
-	@scripts/run_suites.sh test-main $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) - \
-		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server)
+	@scripts/run_suites.sh test-main - $(if $(filter 1,$(SKIP_VLLM)),,test-vllm) \
+		$(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang)
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
 # ranks, no Megatron), megatron (Megatron builds the models), engines (each in its own venv).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make test: the suites in two lanes at once (2 cores: a suite alone leaves about 45 % of them
-# idle: its ranks wait on each other, on servers starting, on timeouts it tests). Lane 1: the
-# main tiers (unit, mp, megatron), then SGLang; lane 2: vLLM, then the running vLLM server.
+# idle: its ranks wait on each other, on servers starting, on timeouts it tests). The Makefile's
+# lanes: the main tiers (unit, mp, megatron); vLLM, then the running vLLM server, then SGLang.
 # Each suite's output goes to .test-logs/<suite>.log and is printed whole once it ends.
 # Usage: scripts/run_suites.sh SUITE... (make targets; "-" separates the lanes).
 set -u
