@@ -33,6 +33,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     exit 1
   }
   echo "setup: creating $VENV with $PY"
+  scripts/need_disk.sh 7 "the main venv ($VENV, ~6 GiB)"
   "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check -q"

