@@ -139,8 +139,11 @@ def predict(
     cluster: Cluster,
     *,
     bucket_bytes: int,
+    relays: dict[tuple[int, int], int] | None = None,
 ) -> Prediction:
-    """Refit seconds for ``route_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``.
+    """Refit seconds for ``route_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``,
+    and ``relays[(gen rank, gen rank)]`` forwarded between replicas (fan-out,
+    :mod:`megatron_refit.plan.fanout`; their pipeline fill is :func:`fanout_prediction`'s).
 
     A route's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
     on NCCL with its default ``direct_bytes`` (one bucket; see
@@ -151,10 +154,11 @@ def predict(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     loads: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     messages: dict[int, int] = defaultdict(int)
-    for (src, dst), nbytes in route_bytes.items():
+    gpu_routes = [((train_gpu[src], gen_gpu[dst]), nbytes) for (src, dst), nbytes in route_bytes.items()]
+    gpu_routes += [((gen_gpu[src], gen_gpu[dst]), nbytes) for (src, dst), nbytes in (relays or {}).items()]
+    for (a, b), nbytes in gpu_routes:
         if nbytes == 0:
             continue
-        a, b = train_gpu[src], gen_gpu[dst]
         if a == b:
             loads[a]["device copy"] += nbytes
         elif a // cluster.gpus_per_node == b // cluster.gpus_per_node:
@@ -182,6 +186,26 @@ def predict(
             what = _describe(gpu, train_gpu, gen_gpu, cluster.gpus_per_node)
             worst = (total, f"{link} of {what}: {loads[gpu][link] / GB:.2f} GB, {messages[gpu]} messages")
     return Prediction(seconds=worst[0], bottleneck=worst[1], per_gpu=per_gpu)
+
+
+def fanout_prediction(routes, train_gpu: list[int], gen_gpu: list[int], cluster: Cluster, *,
+                      bucket_bytes: int) -> Prediction:
+    """:func:`predict` for a refit under fan-out (``routes``: a
+    :class:`~megatron_refit.plan.fanout.FanoutRoutes`): the train ranks' routes to the first
+    replica and every relay, in parallel on their links, plus the pipeline's fill: each hop
+    forwards a bucket once it has it (store and forward), so the farthest replica starts
+    ``depth`` buckets' transfer times after the first."""
+    base = predict(routes.from_trainers, train_gpu, gen_gpu, cluster, bucket_bytes=bucket_bytes,
+                   relays=routes.relays)
+    if not routes.relays:
+        return base
+    crosses = any(gen_gpu[a] // cluster.gpus_per_node != gen_gpu[b] // cluster.gpus_per_node for a, b in routes.relays)
+    link = cluster.nic_gbps if crosses else cluster.nvlink_gbps
+    bucket = min(bucket_bytes, max(routes.relays.values()))
+    fill = routes.depth * (bucket / (link * cluster.efficiency * GB) + cluster.latency_s)
+    return Prediction(seconds=base.seconds + fill,
+                      bottleneck=f"{base.bottleneck}; then {routes.depth} hop(s) of pipeline fill ({fill:.3f} s)",
+                      per_gpu=base.per_gpu)
 
 
 def _describe(gpu: int, train_gpu: list[int], gen_gpu: list[int], gpus_per_node: int) -> str:

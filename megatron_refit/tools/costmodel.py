@@ -12,8 +12,9 @@ import json
 import sys
 
 from megatron_refit.plan.assignment import Assignment
-from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, overlap_stall, placement, predict,
-                                      swap_pause)
+from megatron_refit.plan.cost import (GB, Cluster, delta_fraction, delta_prediction, fanout_prediction,
+                                      overlap_stall, placement, predict, swap_pause)
+from megatron_refit.plan.fanout import MODES, fanout_routes
 from megatron_refit.tools.dryrun import build
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -45,6 +46,22 @@ def snapshot_bytes_max(pairs: dict[tuple[int, int], int], local_bytes: list[int]
     return max((min(nbytes, local_bytes[src]) for src, nbytes in sent.items()), default=0)
 
 
+def fanout_summary(routes, prediction, pairs: dict[tuple[int, int], int], gen_bytes_max: int, mode: str,
+                   cluster: Cluster) -> dict:
+    """The ``"fanout"`` entry of ``--json``: the prediction, the bytes from the train ranks and
+    relayed, each as a multiple of one replica's bytes, and (disaggregated) the floor no scheme
+    beats: the busiest gen rank's bytes through its own NIC."""
+    minimal = sum(nbytes for (_, gen), nbytes in pairs.items() if gen in {g for _, g in routes.from_trainers})
+    direct = sum(pairs.values())
+    floor = gen_bytes_max / (cluster.nic_gbps * cluster.efficiency * GB) if mode == "disaggregated" else None
+    return {"mode": routes.mode, "predicted_seconds": round(prediction.seconds, 4),
+            "bottleneck": prediction.bottleneck, "depth": routes.depth,
+            "bytes_from_trainers": routes.bytes_from_trainers, "bytes_relayed": routes.bytes_relayed,
+            "trainer_egress_over_minimal": round(routes.bytes_from_trainers / minimal, 4) if minimal else 0.0,
+            "direct_egress_over_minimal": round(direct / minimal, 4) if minimal else 0.0,
+            "floor_seconds": round(floor, 4) if floor is not None else None}
+
+
 def main(argv=None) -> int:
     defaults = Cluster()
     p = argparse.ArgumentParser(prog="python -m megatron_refit.costmodel", description=__doc__,
@@ -66,6 +83,9 @@ def main(argv=None) -> int:
                    help="also predict the generation pause of a refit (refit.swap; default: the config's)")
     p.add_argument("--overlap", action="store_true",
                    help="also predict the training-step stall per refit with refit.overlap on and off")
+    p.add_argument("--fanout", choices=MODES, default=None,
+                   help="also predict a refit under replica fan-out (the train ranks send to one replica, the "
+                        "replicas forward; a model only: the refit sends to every replica directly)")
     args = p.parse_args(argv)
     model = ""
     try:
@@ -81,6 +101,11 @@ def main(argv=None) -> int:
         if args.delta_density is not None:
             delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
                                      density=args.delta_density)
+        fanout = None
+        if args.fanout is not None:
+            routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=args.fanout)
+            fanout = (routes, fanout_prediction(routes, train_gpu, gen_gpu, cluster,
+                                                bucket_bytes=run.refit.bucket_bytes))
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)
         if args.json:
@@ -101,6 +126,18 @@ def main(argv=None) -> int:
     if delta is not None:
         label = f"  delta at density {args.delta_density:g} ({delta_fraction(args.delta_density):.3f} of bytes)"
         print(f"{label:42} {layout:40} {delta.seconds:12.2f}")
+    fanout_json = None
+    if fanout is not None:
+        fanout_json = fanout_summary(*fanout, pairs, run.gen_bytes_max(), mode, cluster)
+        label = f"  fan-out ({args.fanout}, a model)"
+        print(f"{label:42} {layout:40} {fanout[1].seconds:12.2f}")
+        floor = fanout_json["floor_seconds"]
+        print(f"fan-out ({args.fanout}): the train ranks send {fanout_json['bytes_from_trainers'] / 1e9:.2f} GB "
+              f"({fanout_json['trainer_egress_over_minimal']:g}x one replica's; direct: "
+              f"{fanout_json['direct_egress_over_minimal']:g}x), the replicas relay "
+              f"{fanout_json['bytes_relayed'] / 1e9:.2f} GB over {fanout[0].depth} hop(s); bottleneck: "
+              f"{fanout[1].bottleneck}"
+              + (f"; floor of any scheme: {floor:.2f} s (each gen rank's bytes through its own NIC)" if floor else ""))
     swap = args.swap or run.refit.swap
     pause = prediction.seconds if swap == "in_place" else swap_pause(run.gen_bytes_max(), cluster)
     print(f"generation pause per refit ({swap}): {pause:.3f} s"
@@ -127,7 +164,8 @@ def main(argv=None) -> int:
                           **({"predicted_stall_blocking_seconds": round(prediction.seconds, 4),
                               "predicted_stall_overlap_seconds": round(stall, 6),
                               "snapshot_bytes_per_train_rank_max": sent}
-                             if stall is not None else {})}))
+                             if stall is not None else {}),
+                          **({"fanout": fanout_json} if fanout_json is not None else {})}))
     return 0
 
 

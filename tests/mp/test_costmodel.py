@@ -145,3 +145,21 @@ def test_staged_swap_pause_is_a_device_copy_of_the_generation_rank_bytes():
     assert result["swap"] == "staged"
     assert result["predicted_pause_seconds"] == round(swap_pause(result["bytes_per_gen_rank_max"], cluster), 4)
     assert result["predicted_pause_seconds"] < 0.05 * result["predicted_seconds"]
+
+
+def test_command_line_predicts_fanout_on_deepseek_v3():
+    """DeepSeek-V3 -> TP32xDP8 on the H100 defaults: a chain sends each byte from the train ranks
+    once (direct: 8 times), yet gains little, since direct already runs near the floor every
+    scheme shares: each gen rank's 43.9 GB through its own NIC (1.10 s at 40 GB/s)."""
+    out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/deepseek-v3.yaml",
+                          "--fanout", "chain", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    fanout = result["fanout"]
+    assert fanout["mode"] == "chain" and fanout["depth"] == 7
+    assert fanout["trainer_egress_over_minimal"] == 1.0 and fanout["direct_egress_over_minimal"] == 8.0
+    assert fanout["bytes_relayed"] == 7 * fanout["bytes_from_trainers"]
+    assert fanout["floor_seconds"] == round(result["bytes_per_gen_rank_max"] / 40e9, 4)
+    assert fanout["floor_seconds"] < fanout["predicted_seconds"] < result["predicted_seconds"]
+    assert "fan-out (chain): the train ranks send" in out.stdout and "floor of any scheme" in out.stdout
