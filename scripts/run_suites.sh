@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# make test: the suites in two lanes at once (2 cores: a suite alone leaves about 45 % of them
-# idle: its ranks wait on each other, on servers starting, on timeouts it tests). The Makefile's
-# lanes: the main tiers (unit, mp, megatron); vLLM, then the running vLLM server, then SGLang.
-# Each suite's output goes to .test-logs/<suite>.log and is printed whole once it ends.
-# Usage: scripts/run_suites.sh SUITE... (make targets; "-" separates the lanes).
+# make test: the suites in lanes at once (2 cores: one suite alone leaves about 45 % of them idle:
+# its ranks wait on each other, on servers starting, on the timeouts it tests). Each lane runs its
+# suites in order; each suite's output goes to .test-logs/<suite>.log and is printed whole once
+# it ends, then every suite's exit code and the time in all.
+# Usage: scripts/run_suites.sh SUITE... (make targets; "-" starts the next lane).
 set -u
 mkdir -p .test-logs
 rm -f .test-logs/*.rc
@@ -14,18 +14,19 @@ run_lane() {
     cat ".test-logs/$suite.log"
   done
 }
-lane1=() lane2=() current=1
-for arg in "$@"; do
-  if [ "$arg" = "-" ]; then current=2; continue; fi
-  if [ $current = 1 ]; then lane1+=("$arg"); else lane2+=("$arg"); fi
-done
 start=$(date +%s)
-run_lane "${lane1[@]}" &
-first=$!
-if [ ${#lane2[@]} -gt 0 ]; then run_lane "${lane2[@]}"; fi
-wait $first
+suites=() lane=() pids=()
+for arg in "$@" -; do
+  if [ "$arg" = "-" ]; then
+    if [ ${#lane[@]} -gt 0 ]; then run_lane "${lane[@]}" & pids+=($!); fi
+    lane=()
+  else
+    lane+=("$arg") suites+=("$arg")
+  fi
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
 rc=0
-for suite in "${lane1[@]}" "${lane2[@]}"; do
+for suite in "${suites[@]}"; do
   code=$(cat ".test-logs/$suite.rc" 2>/dev/null || echo 1)
   echo "$suite: exit $code"
   [ "$code" = 0 ] || rc=1

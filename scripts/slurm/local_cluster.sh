@@ -15,6 +15,9 @@ start)
            --pid-file="$dir/munged.pid" --seed-file="$dir/munged.seed"
     host=$(hostname -s)
     mem=$(awk '/MemTotal/{print int($2 / 1024 * 0.8)}' /proc/meminfo)
+    # the machine's processors: GNU nproc alone honours OMP_NUM_THREADS (torchrun sets it to 1), which
+    # would give the node 1 CPU and leave a job that asks for 2 pending for ever
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     cat > "$dir/slurm.conf" <<CONF
 ClusterName=refitlocal
 SlurmctldHost=$host
@@ -41,7 +44,7 @@ ReturnToService=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=$host CPUs=$(nproc) RealMemory=$mem State=UNKNOWN
+NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     export SLURM_CONF="$dir/slurm.conf"

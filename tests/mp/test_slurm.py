@@ -67,20 +67,38 @@ def local_slurm(tmp_path_factory):
         pytest.skip(reason)
     state = tmp_path_factory.mktemp("slurm")
     script = os.path.join(SLURM, "local_cluster.sh")
-    subprocess.run([script, "start", str(state)], check=True, timeout=120)
+    # started as under torchrun (OMP_NUM_THREADS=1), which must not shrink the node's CPUs
+    subprocess.run([script, "start", str(state)], check=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cpus = re.search(r"CPUs=(\d+)", (state / "slurm.conf").read_text()).group(1)
+    assert int(cpus) == len(os.sched_getaffinity(0)), cpus
     try:
         yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}, state
     finally:
         subprocess.run([script, "stop", str(state)], check=False, timeout=60)
 
 
+def _sbatch_wait(args: list[str], env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``sbatch --wait ARGS``; a job still queued or running after ``timeout_s`` is cancelled and
+    fails the test with what SLURM says of it (its state and the reason it waits)."""
+    try:
+        return subprocess.run(["sbatch", "--wait", *args], cwd=ROOT, env=env, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], env=env, capture_output=True, text=True,
+                               timeout=30, check=False).stdout
+        subprocess.run(["scancel", "--user", "root"], env=env, timeout=30, check=False)
+        pytest.fail(f"sbatch {' '.join(args)} did not end within {timeout_s:g} s; squeue: {queue.strip()!r}")
+
+
 @pytest.mark.slow
 def test_tiny_cpu_demo_under_local_slurm(local_slurm):
     env, state = local_slurm
     out = state / "tiny-%j.out"
-    # Two ranks (train TP1 -> gen TP1) keep it short; the defaults run 4.
-    subprocess.run(["sbatch", "--wait", f"--output={out}", "scripts/slurm/tiny_cpu.sbatch", "--train-tp", "1",
-                    "--gen-dp", "1", "--refits", "1"], check=True, cwd=ROOT, env=env, timeout=600)
+    # Two ranks (train TP1 -> gen TP1) keep it short; the defaults run 4. OMP_NUM_THREADS=1, as
+    # torchrun sets it, must not shrink the local node below the 2 CPUs the job asks for.
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    done = _sbatch_wait([f"--output={out}", "scripts/slurm/tiny_cpu.sbatch", "--train-tp", "1", "--gen-dp", "1",
+                         "--refits", "1"], env)
+    assert done.returncode == 0
     (log,) = glob.glob(str(state / "tiny-*.out"))
     with open(log) as f:
         result = json.loads(f.read().strip().splitlines()[-1])
@@ -92,16 +110,15 @@ def test_model_script_dry_run_under_local_slurm(local_slurm):
     """A model script on one CPU node: the dry run passes; the full job then stops on the
     node count, before any command of the user's runs."""
     env, state = local_slurm
-    common = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"]
+    common = ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"]
     out = state / "dry-%j.out"
-    subprocess.run([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"], check=True, cwd=ROOT,
-                   env={**env, "REFIT_DRY_RUN_ONLY": "1"}, timeout=300)
+    assert _sbatch_wait([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"],
+                        {**env, "REFIT_DRY_RUN_ONLY": "1"}).returncode == 0
     (log,) = glob.glob(str(state / "dry-*.out"))
     with open(log) as f:
         assert json.loads(f.read().strip().splitlines()[-1])["ok"] is True
     out = state / "full-%j.out"
-    done = subprocess.run([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"], cwd=ROOT, env=env,
-                          timeout=300, check=False)
+    done = _sbatch_wait([*common, f"--output={out}", "scripts/slurm/qwen3-30b-a3b.sbatch"], env)
     assert done.returncode != 0
     (log,) = glob.glob(str(state / "full-*.out"))
     with open(log) as f:
