@@ -132,6 +132,9 @@ def _engine(rank: int, port: int, t0: float) -> None:
 def main(argv: list[str]) -> None:
     role, rank, port = argv[0], int(argv[1]), int(argv[2])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test dumps a rank that does not end
+    # Ctrl-C raises KeyboardInterrupt whatever the caller left: a process started in the background
+    # of a non-interactive shell inherits SIGINT ignored, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     t0 = time.monotonic()
     (_train if role == "train" else _engine)(rank, port, t0)
