@@ -51,7 +51,8 @@ def fanout_summary(routes, prediction, pairs: dict[tuple[int, int], int], gen_by
     """The ``"fanout"`` entry of ``--json``: the prediction, the bytes from the train ranks and
     relayed, each as a multiple of one replica's bytes, and (disaggregated) the floor no scheme
     beats: the busiest gen rank's bytes through its own NIC."""
-    minimal = sum(nbytes for (_, gen), nbytes in pairs.items() if gen in {g for _, g in routes.from_trainers})
+    head = {gen for _, gen in routes.from_trainers}  # the first replica's ranks
+    minimal = sum(nbytes for (_, gen), nbytes in pairs.items() if gen in head)
     direct = sum(pairs.values())
     floor = gen_bytes_max / (cluster.nic_gbps * cluster.efficiency * GB) if mode == "disaggregated" else None
     return {"mode": routes.mode, "predicted_seconds": round(prediction.seconds, 4),
