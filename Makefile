@@ -27,7 +27,7 @@ setup-sglang: setup
 
 # All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
 # SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
-# (scripts/run_suites.sh), about even (Xeon, 2 cores, both lanes busy: ~490 s and ~500 s): the main
+# (scripts/run_suites.sh), about even (578-642 s in all on a 2-core Xeon; a third lane does not help, the cores are busy): the main
 # tiers, beside vLLM, the vLLM server and SGLang.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
