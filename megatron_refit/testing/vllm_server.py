@@ -95,6 +95,21 @@ class VllmServer:
             raise TimeoutError(f"vLLM server on port {self.port} not ready after {self.start_timeout_s} s:\n"
                                f"{self.tail()}") from None
 
+    def run_beside(self, fn: Callable, world_size: int, *args, timeout_s: float = 600):
+        """Start the server and ``run_spawned(fn, world_size, url, server_pid, *args)`` at once (the
+        train ranks build their model while it starts); the server's log tail printed if they fail;
+        the server stopped either way. Returns the ranks' results."""
+        from megatron_refit.testing.launch import run_spawned
+
+        self.start()
+        try:
+            return run_spawned(fn, world_size, self.url, self.process.pid, *args, timeout_s=timeout_s)
+        except Exception:
+            print(self.tail())
+            raise
+        finally:
+            self.stop()
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
 

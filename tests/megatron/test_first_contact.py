@@ -18,8 +18,8 @@ def _warn_rank(rank, world, port):
                            module="megatron.core.models.backends")
     warnings.warn_explicit("`all_gather_into_tensor` is deprecated", FutureWarning, "c10d_logger.py", 83,
                            module="torch.distributed.c10d_logger")
-    warnings.warn_explicit("refit.enabled is false: ['gen_tp'] are ignored", UserWarning, "config.py", 1,
-                           module="megatron_refit.config")
+    warnings.warn_explicit("refit.enabled is false: ['gen_tp'] are ignored", UserWarning, "section.py", 1,
+                           module="megatron_refit.config.section")
     return quiet()
 
 

@@ -127,12 +127,14 @@ def _check_train_exited(train, start, sig):
         print(f"train rank exited {time.monotonic() - start:.2f} s after the signal")
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
-def test_ctrl_c_ends_every_process_within_seconds(overlap):
+@pytest.mark.parametrize("sig,overlap", [(signal.SIGINT, "on"), (signal.SIGINT, "off"), (signal.SIGTERM, "on")],
+                         ids=["ctrl_c-overlap_on", "ctrl_c-overlap_off", "sigterm-overlap_on"])
+def test_a_signal_to_the_train_ranks_ends_every_process_within_seconds(sig, overlap):
+    """Ctrl-C (SIGINT, as torchrun forwards it), under overlap or not, and SIGTERM."""
     train, engines = _fleet(overlap)
     try:
-        start = _signal_and_time(train, signal.SIGINT)
-        _check_train_exited(train, start, signal.SIGINT)
+        start = _signal_and_time(train, sig)
+        _check_train_exited(train, start, sig)
         for engine in engines:
             _check_engine_ended(engine, start)
     finally:
@@ -149,17 +151,6 @@ def test_ctrl_c_with_a_stopped_replica_ends_within_seconds_not_at_the_timeout():
         start = _signal_and_time(train, signal.SIGINT)
         _check_train_exited(train, start, signal.SIGINT)
         _check_engine_ended(engines[0], start)
-    finally:
-        _end(train + engines)
-
-
-def test_sigterm_ends_every_process_within_seconds():
-    train, engines = _fleet("on")
-    try:
-        start = _signal_and_time(train, signal.SIGTERM)
-        _check_train_exited(train, start, signal.SIGTERM)
-        for engine in engines:
-            _check_engine_ended(engine, start)
     finally:
         _end(train + engines)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.launch import free_ports
 from megatron_refit.testing.vllm_server import VllmServer
 from tests.engines.vllm_server import session as s
 
@@ -21,16 +21,9 @@ from tests.engines.vllm_server import session as s
 def run(checkpoint, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     server_port, *ports = free_ports(7)
-    server = VllmServer(model=str(checkpoint), port=server_port, log=logs / "server.log").start()
     restart = dict(model=str(checkpoint), port=server_port, log=logs / "server-restarted.log")
-    try:  # the train ranks build their model while the server starts
-        out = run_spawned(s.session, s.TRAIN_TP, server.url, server.process.pid, restart, ports, timeout_s=600)
-    except Exception:
-        print(server.tail())
-        raise
-    finally:
-        server.stop()
-    return out
+    server = VllmServer(model=str(checkpoint), port=server_port, log=logs / "server.log")
+    return server.run_beside(s.session, s.TRAIN_TP, restart, ports)
 
 
 def test_vllm_server_refits_change_generation_to_the_megatron_models_greedy_decode(run):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.launch import free_ports
 from megatron_refit.testing.vllm_server import ROOT, VllmServer
 from tests.engines.vllm_server import session as s
 
@@ -28,16 +28,8 @@ def run(moe_checkpoint, tmp_path_factory):
     server_port, refit_port = free_ports(2)
     env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
            "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
-    server = VllmServer(model=str(moe_checkpoint), port=server_port, log=logs / "server.log", env=env).start()
-    try:
-        out = run_spawned(s.session_moe, s.TRAIN_TP, server.url, server.process.pid, refit_port, str(break_file),
-                          timeout_s=600)
-    except Exception:
-        print(server.tail())
-        raise
-    finally:
-        server.stop()
-    return out
+    server = VllmServer(model=str(moe_checkpoint), port=server_port, log=logs / "server.log", env=env)
+    return server.run_beside(s.session_moe, s.TRAIN_TP, refit_port, str(break_file))
 
 
 def _max_diff(a, b) -> float:

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.testing.launch import free_ports
 from megatron_refit.testing.vllm_server import ROOT, VllmServer, server_env, server_python
 from tests.engines.vllm_server import session as s
 
@@ -29,15 +29,8 @@ def refits(moe_checkpoint, saved, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
            "MEGATRON_REFIT_TEST_BREAK": str(logs / "break")}
-    server = VllmServer(model=str(moe_checkpoint), port=server_port, tp=2, log=logs / "server.log", env=env).start()
-    try:
-        return run_spawned(s.session_tp2, s.TRAIN_TP, server.url, server.process.pid, refit_port, str(saved),
-                           str(logs / "break"), timeout_s=600)
-    except Exception:
-        print(server.tail())
-        raise
-    finally:
-        server.stop()
+    server = VllmServer(model=str(moe_checkpoint), port=server_port, tp=2, log=logs / "server.log", env=env)
+    return server.run_beside(s.session_tp2, s.TRAIN_TP, refit_port, str(saved), str(logs / "break"))
 
 
 def test_vllm_server_gen_tp2_refits_match_the_megatron_greedy_decode(refits):
