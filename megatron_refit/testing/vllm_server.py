@@ -49,6 +49,7 @@ def launch_args(model: str, port: int, *, tp: int = 1, python: str = "python") -
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "256", "--max-num-seqs", "8", "--skip-tokenizer-init", "--disable-uvicorn-access-log",
+            "--enable-scale-out",  # /inference/v1/generate: each completion's weight_versions
             "--weight-transfer-config", json.dumps({"backend": "megatron_refit"})]
 
 

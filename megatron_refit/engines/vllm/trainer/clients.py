@@ -27,6 +27,8 @@ from typing import Any
 
 
 PAUSE_MODES = ("wait", "abort")
+POLICIES = ("drain", "in_flight")
+"""What a staged swap does with the requests in flight (docs/guide-swap.md)."""
 
 
 class LLMClient:
@@ -80,14 +82,29 @@ def prompt_token_logprobs(sequence: list[int], entries: list) -> list[float]:
 class HTTPClient:
     """``VLLMWeightSyncClient`` over ``vllm serve``'s RL routes (as vLLM's own
     ``HTTPVLLMWeightSyncClient``, standard library only), pausing generation around each
-    update. ``pause_mode``: ``wait`` lets in-flight requests finish, ``abort`` ends them."""
+    update. ``pause_mode``: ``wait`` lets in-flight requests finish, ``abort`` ends them.
+
+    ``policy`` (``swap: staged``; docs/guide-swap.md): ``drain`` pauses as ``pause_mode`` says, so
+    no request sees two versions; ``in_flight`` freezes the requests in flight where they are
+    (vLLM's ``/pause?mode=keep``) for the swap alone, then makes them recompute their KV cache
+    under the new version (``/reset_prefix_cache?reset_running_requests=true``: no token is ever
+    sampled over KV of another version than its own, and no new request reuses the old version's
+    prefix cache) and resumes: a completion's tokens before the swap are the old version's, the
+    rest the new one's, and vLLM reports the split (``weight_versions`` of ``/inference/v1/generate``,
+    with ``--enable-scale-out``)."""
 
     def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait",
-                 swap: str = "in_place") -> None:
+                 swap: str = "in_place", policy: str = "drain") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
         if swap not in ("in_place", "staged"):
             raise ValueError(f"swap must be 'in_place' or 'staged' (refit.swap), got {swap!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+        if policy == "in_flight" and swap != "staged":
+            raise ValueError(f"policy 'in_flight' needs swap='staged' (refit.swap), got swap={swap!r}: in place, "
+                             "the engine's weights are no complete version while the update is open")
+        self.policy = policy
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.pause_mode = pause_mode
@@ -120,9 +137,17 @@ class HTTPClient:
         self._post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if self.swap == "staged":  # the pause covers only the load from the staging buffers
+        in_flight = self.policy == "in_flight"
+        if in_flight:  # the requests in flight stay where they are, for the swap alone
+            self._post("pause?mode=keep")
+        elif self.swap == "staged":  # the pause covers only the swap of the prepared version
             self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+        if in_flight:  # their KV recomputed under the new version; no prefix of the old one reused
+            answer = self._post("reset_prefix_cache?reset_running_requests=true")
+            if not (answer or {}).get("success", False):
+                raise RuntimeError(f"vLLM server {self.base_url}: the prefix cache could not be reset after the swap "
+                                   f"({answer}); the server stays paused")
         self._post("resume")
 
     def shutdown_weight_transfer_engine(self) -> None:

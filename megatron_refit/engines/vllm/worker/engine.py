@@ -20,8 +20,11 @@ point registered it) when the engine's ``weight_transfer_config.backend`` is
   version, never a half-reloaded model. Under ``swap: staged`` the call returns at once and
   the pieces land in staging buffers in a thread of this worker while the engine keeps
   serving the previous version.
-- ``finish_weight_update``: (``swap: staged``) wait for the staging to complete and load it,
-  under the client's pause; then ``ready`` with the new version.
+- ``finish_weight_update``: (``swap: staged``) wait for the staging to complete; the staging
+  thread has already run vLLM's load and post-load step on a shadow of the model
+  (:mod:`~megatron_refit.engines.vllm.worker.prepare`), so under the client's pause the live
+  modules only take the shadow's tensors over (a version that cannot be prepared so loads
+  there, named in the log); then ``ready`` with the new version.
 
 Before any byte of a refit moves the receiver re-checks that the parameters it writes are
 still the model's: storage the engine re-allocated (reload, sleep/wake, ``model.to``) is
@@ -31,6 +34,7 @@ re-resolved, a parameter that changed shape or dtype is refused by name on every
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -44,6 +48,7 @@ from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
+from megatron_refit.engines.vllm.worker.prepare import NotPreparable, Prepared, prepare
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
@@ -77,9 +82,11 @@ class StagedPiecesStorage:
         """The refit is complete in staging (the worker engine loads it)."""
 
     @torch.no_grad()
-    def load(self) -> None:
-        """Segments of one HF tensor (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that
-        tensor, at once: vLLM's loaders for it write every segment of this rank's rows."""
+    def load(self, model: torch.nn.Module | None = None) -> None:
+        """Into ``model``'s ``load_weights`` (None: the live model; a shadow of it under ``swap:
+        staged``: :mod:`~megatron_refit.engines.vllm.worker.prepare`). Segments of one HF tensor
+        (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that tensor, at once: vLLM's loaders for
+        it write every segment of this rank's rows."""
         tensors: dict[str, list[ShardSpec]] = {}  # HF tensor -> its pieces (segments: several)
         for piece in self._pieces:
             tensors.setdefault(families.split_segment(piece.name)[0], []).append(piece)
@@ -88,7 +95,8 @@ class StagedPiecesStorage:
                 (name, whole), = join_segments({piece.name: self._whole(piece) for piece in pieces}).items()
                 yield name, whole
 
-        self.model.load_weights(weights())  # one call: vLLM's loaders index the parameters once per call
+        # one call: vLLM's loaders index the parameters once per call
+        (self.model if model is None else model).load_weights(weights())
 
     def _whole(self, piece: ShardSpec) -> torch.Tensor:
         """This rank's box of ``piece`` in a zero tensor of its global shape (the staging tensor
@@ -126,6 +134,12 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._timeout_s = 0.0
         self._staging: Future | None = None
         """``swap: staged``: the receive running in a thread while the engine serves."""
+        self._prepared: Prepared | None = None
+        """``swap: staged``: the received version, processed beside the live model (None: it
+        loads under the pause: not prepared, or not preparable, said in the log)."""
+        self.last_swap: dict = {}
+        """``swap: staged``: the last swap's ``prepared`` (bool), ``prepare_s``, ``swap_s`` (under
+        the pause), ``staging_bytes`` and, when it loaded under the pause, ``why``."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_refit_staging")
 
     # -- phase 1 --------------------------------------------------------------------------
@@ -208,6 +222,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                                    "call finish_weight_update first")
             self._staging = None  # an update whose finish never came (its refit failed: the train ranks know)
         self._received = None
+        self._prepared = None
         self._in_update = True
         if not self._staged_swap:  # staged: the model keeps serving, the refit lands in staging only
             self.state = "updating"
@@ -238,7 +253,20 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 self.state = "stale"
             raise
         self.last_report = report
+        if self._staged_swap:  # still beside the serving model: its post-load step too
+            self._prepare()
         self._received = update_info.version
+
+    def _prepare(self) -> None:
+        """The staged version processed in a shadow of the model (:mod:`.prepare`); a version
+        that cannot be is named in the log and loads under the pause, as without."""
+        try:
+            self._prepared = prepare(self.model, self._backend.load, first_load_setup=FirstLoadSetup)
+        except NotPreparable as exc:
+            self.last_swap = dict(prepared=False, why=str(exc))
+            logger.warning("megatron_refit: swap: staged: this version loads under the pause: %s", exc)
+            return
+        self.last_swap = dict(prepared=True, prepare_s=self._prepared.seconds, staging_bytes=self._prepared.nbytes)
 
     @torch.no_grad()
     def _make_live(self) -> None:
@@ -281,7 +309,13 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                                "start_weight_update: the engine's weights are not a complete refit")
         if self._staged_swap:  # the swap, under the client's pause
             self.state = "updating"
-            self._make_live()
+            t0 = time.perf_counter()
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None:
+                prepared.swap()
+            else:
+                self._make_live()
+            self.last_swap["swap_s"] = time.perf_counter() - t0
         self.weights_version, self._received = self._received, None
         self.state = "ready"
 

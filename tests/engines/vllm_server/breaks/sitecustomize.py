@@ -59,13 +59,13 @@ def _patch(worker) -> None:
     moe_reload.FirstLoadSetup.__enter__ = maybe_enter
     load = worker.StagedPiecesStorage.load
 
-    def maybe_unloaded(self):  # the layer's pieces never reach vLLM's loaders: it keeps its old weights
+    def maybe_unloaded(self, model=None):  # the layer's pieces never reach vLLM's loaders: it keeps its old weights
         if _break() != "unload_layer":
-            return load(self)
+            return load(self, model)
         pieces = self._pieces
         self._pieces = [p for p in pieces if not p.name.startswith("model.layers.0.")]
         try:
-            return load(self)
+            return load(self, model)
         finally:
             self._pieces = pieces
 

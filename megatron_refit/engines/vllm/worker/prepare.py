@@ -1,0 +1,162 @@
+"""``swap: staged`` in vLLM: the staged version made servable beside the live model, so that the
+pause covers a swap of references only (engine process; ``engine_load: load_weights``).
+
+vLLM's layerwise reload (``initialize_layerwise_reload``, the model's ``load_weights``,
+``finalize_layerwise_reload``) takes the live model's layers to the meta device, loads, runs each
+layer's post-load step (on CPU: the oneDNN pre-pack of every linear layer, the experts' pre-pack
+of fused MoE; on GPU: whatever ``process_weights_after_loading`` produces) and copies the result
+back. The model serves nothing meanwhile: that is the 0.05–0.12 s of ``finish_weight_update`` the
+pause had to cover.
+
+:func:`prepare` runs the same steps of vLLM's, layer by layer, on a **shadow** of the model while
+the live one serves: every module copied shallowly (its own parameter, buffer and child tables;
+its ``quant_method`` copied, since the post-load step keeps state there: the MoE kernel), the
+tensors its reload materializes new, the live ones never written. :meth:`Prepared.swap`, under the
+client's pause, then hands each live module what its shadow holds: on CPU the tensor references
+and the post-load step's own attributes (the pre-packed handles); on GPU the tensors are copied
+into the live storage instead, as vLLM's own reload does, since CUDA graphs keep their addresses.
+
+What cannot be prepared beside the live model is named (:class:`NotPreparable`), and the worker
+then loads that version under the pause, as before: an attention layer whose reload loads
+tensors (KV-cache scales are processed with the live cache); a vLLM without the layerwise
+reload. The shadow's memory is reported (:attr:`Prepared.nbytes`): one processed copy of the
+weights this rank loads, freed at the swap (the old ones then go).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+
+
+class NotPreparable(RuntimeError):
+    """A staged version that cannot be made servable beside the live model (named why)."""
+
+
+class Prepared:
+    """A staged version, processed, in a shadow of the live model; :meth:`swap` makes it live."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]], nbytes: int, seconds: float):
+        self._pairs = pairs
+        self.nbytes = nbytes
+        """Bytes of the tensors the shadow's reload made (the staging copy's processed weights)."""
+        self.seconds = seconds
+        """Time the preparation took, beside the serving model."""
+
+    @torch.no_grad()
+    def swap(self) -> float:
+        """Each live module takes its shadow's tensors and post-load attributes; returns seconds."""
+        t0 = time.perf_counter()
+        for live, shadow in self._pairs:
+            _take_over(live, shadow)
+        self._pairs = []
+        return time.perf_counter() - t0
+
+
+def _take_over(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
+    old = live.__dict__
+    for name, tensor in list(shadow._parameters.items()) + list(shadow._buffers.items()):
+        kept = old["_parameters"].get(name, old["_buffers"].get(name))
+        if (tensor is not None and kept is not None and tensor.is_cuda and kept.shape == tensor.shape
+                and kept.dtype == tensor.dtype and kept.device == tensor.device):
+            kept.data.copy_(tensor)  # CUDA graphs hold the live addresses
+            table = "_parameters" if name in shadow._parameters else "_buffers"
+            shadow.__dict__[table][name] = kept
+    for key in [k for k in old if k != "_modules" and k not in shadow.__dict__]:
+        del old[key]  # the post-load step removed it
+    for key, value in shadow.__dict__.items():
+        if key != "_modules" and old.get(key) is not value:
+            old[key] = value
+
+
+def _shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
+    """A shallow copy of ``model``'s module tree (tied modules stay tied) and its (live, shadow) pairs."""
+    memo: dict[int, torch.nn.Module] = {}
+    pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+
+    def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        shadow = copy.copy(module)
+        memo[id(module)] = shadow
+        for table in _TABLES:
+            shadow.__dict__[table] = copy.copy(module.__dict__[table])
+        if module.__dict__.get("quant_method") is not None:
+            shadow.__dict__["quant_method"] = copy.copy(module.__dict__["quant_method"])
+        shadow.__dict__["_modules"] = {k: None if c is None else copy_module(c) for k, c in module._modules.items()}
+        pairs.append((module, shadow))
+        return shadow
+
+    return copy_module(model), pairs
+
+
+def _meta(recorded: torch.Tensor, layerwise) -> torch.Tensor:
+    """A meta tensor of the shadow's own, from what vLLM recorded for the live layer, with vLLM's
+    own loader: an earlier reload of the live model left its layerwise wrapper (which loads into
+    the live layer) on the recorded tensor."""
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+    meta = to_meta_tensor(recorded)
+    original = layerwise._get_original_loader(meta)  # through vLLM parameters' loader property too
+    if layerwise._get_weight_loader(meta) is not original:
+        meta.weight_loader = original
+    return meta
+
+
+@torch.no_grad()
+def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
+    """Run vLLM's layerwise load of the staged version (``load(shadow)`` feeds it to the shadow's
+    ``load_weights``) on a shadow of ``model``, never touching the live tensors; ``NotPreparable``
+    names what cannot be. ``first_load_setup``: the MoE experts' post-load step (moe_reload)."""
+    t0 = time.perf_counter()
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload import layerwise
+        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+    except ImportError as exc:
+        raise NotPreparable(f"this vLLM has no layerwise reload to run beside the live model ({exc})") from exc
+    shadow, pairs = _shadow(model)
+    loaded = 0
+    names = {id(s): name for name, s in shadow.named_modules()}
+    for live, layer in pairs:
+        recorded = layerwise.get_layerwise_info(live)
+        params, buffers = recorded.restore_metadata  # the checkpoint format, as vLLM recorded it at load
+        info = LayerReloadingInfo(restore_metadata=({n: _meta(t, layerwise) for n, t in params.items()},
+                                                    {n: _meta(t, layerwise) for n, t in buffers.items()}),
+                                  restore_device=recorded.restore_device)
+        layerwise.LAYERWISE_INFO[layer] = info
+        restore_layer_on_meta(layer, info)  # kernel_tensors stay None: processed tensors are the shadow's own
+        layerwise.initialize_online_processing(layer)
+    made = 0
+    try:
+        with first_load_setup(shadow):
+            load(shadow)
+            for live, layer in pairs:
+                info = layerwise.get_layerwise_info(layer)
+                loaded += not info.can_load() or bool(info.loaded_weights)  # processed, or partly loaded
+                if not info.can_load():
+                    continue  # processed as its last weight arrived
+                if info.load_numel <= 0:  # not reloaded: the live tensors stay
+                    for table in _TABLES:
+                        layer.__dict__[table] = copy.copy(live.__dict__[table])
+                elif is_deferred_attention_layer(layer):
+                    raise NotPreparable(f"vLLM layer {names[id(layer)]}: an attention layer whose reload loads "
+                                        "tensors (KV-cache scales) is processed with the live KV cache")
+                else:  # some elements never loaded (padding): processed now, as vLLM's finalize does
+                    layerwise._layerwise_process(layer, info)
+                info.reset()
+    finally:
+        for _, layer in pairs:
+            layerwise.LAYERWISE_INFO.pop(layer, None)
+    if not loaded:
+        raise RuntimeError("swap: staged: the shadow of the vLLM model loaded none of the staged weights")
+    for live, layer in pairs:
+        kept = {id(t) for t in list(live._parameters.values()) + list(live._buffers.values())}
+        made += sum(t.nbytes for t in list(layer._parameters.values()) + list(layer._buffers.values())
+                    if t is not None and id(t) not in kept)
+    return Prepared(pairs, made, time.perf_counter() - t0)
