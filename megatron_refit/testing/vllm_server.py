@@ -176,6 +176,19 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 120.
     return list(answer["choices"][0]["token_ids"])
 
 
+def generate(url: str, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> tuple[list[int], list]:
+    """The server's greedy tokens after ``prompt`` through vLLM's ``/inference/v1/generate``
+    (``--enable-scale-out``), and the weight versions that sampled them: ``[(version, start, end)]``
+    over the output tokens (vLLM's ``weight_versions``)."""
+    answer = post(url, "inference/v1/generate", {
+        "token_ids": prompt, "output_mode": "tokens",
+        "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, "detokenize": False}},
+        timeout)
+    choice = answer["choices"][0]
+    spans = [(s["version"], s["start"], s["end"]) for s in choice.get("weight_versions") or []]
+    return list(choice["token_ids"]), spans
+
+
 def weight_version(url: str) -> str | None:
     """vLLM's weight version (``/weight_info``)."""
     with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as response:

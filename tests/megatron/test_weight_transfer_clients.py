@@ -78,7 +78,9 @@ def server():
             seen.append((self.path, json.loads(body) if body else None))
             self.send_response(400 if self.path.startswith("/bad") else 200)
             self.end_headers()
-            self.wfile.write(b'{"error": "no such thing"}' if self.path.startswith("/bad") else b"{}")
+            answer = b'{"success": %s}' % (b"false" if "fail" in self.path else b"true")
+            self.wfile.write(b'{"error": "no such thing"}' if self.path.startswith("/bad") else
+                             answer if self.path.startswith("/reset_prefix_cache") else b"{}")
 
         def log_message(self, *args):
             pass
@@ -103,7 +105,7 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
     client.shutdown_weight_transfer_engine()
     assert seen == [("/init_weight_transfer_engine", {"init_info": {"num_train": 2}}),
                     ("/pause?mode=wait&clear_cache=true", None), ("/start_weight_update", None),
-                    ("/update_weights", {"update_info": {"version": 7, "full": True}}),
+                    ("/update_weights", {"update_info": {"version": 7, "full": True, "complete": False}}),
                     ("/finish_weight_update", {"weight_version": "7"}), ("/resume", None),
                     ("/shutdown_weight_transfer_engine", None)]
     with pytest.raises(RuntimeError, match=r"POST /bad answered 400: .*no such thing"):
@@ -123,6 +125,33 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
         HTTPClient(url, swap="sometimes")
 
 
+def test_weight_transfer_http_client_in_flight_keeps_requests_for_the_swap_alone(server):
+    """policy in_flight: the requests in flight are kept (pause mode keep, no drain) for the swap,
+    then re-run their KV under the new version (the prefix cache reset with the running requests),
+    then resume; a reset the server refuses leaves it paused, named."""
+    from megatron_refit.engines.vllm.trainer.clients import HTTPClient
+
+    url, seen = server
+    client = HTTPClient(url, timeout=10, swap="staged", policy="in_flight")
+    client.start_weight_update()
+    client.update_weights({"version": 9})
+    client.finish_weight_update("9")
+    assert [path for path, _ in seen] == ["/start_weight_update", "/update_weights", "/pause?mode=keep",
+                                          "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true",
+                                          "/resume"]
+    seen.clear()
+    failing = HTTPClient(url, timeout=10, swap="staged", policy="in_flight")
+    failing._post = lambda path, body=None, post=failing._post: post(path.replace("reset_running", "fail_running"),
+                                                                      body)
+    with pytest.raises(RuntimeError, match=r"prefix cache could not be reset .*success.*False.*stays paused"):
+        failing.finish_weight_update("10")
+    assert [path for path, _ in seen][-1].startswith("/reset_prefix_cache")  # no /resume
+    with pytest.raises(ValueError, match=r"policy 'in_flight' needs swap='staged'.*got swap='in_place'"):
+        HTTPClient(url, policy="in_flight")
+    with pytest.raises(ValueError, match=r"policy must be one of \['drain', 'in_flight'\], got 'keep'"):
+        HTTPClient(url, swap="staged", policy="keep")
+
+
 def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
     from megatron_refit.engines.vllm.trainer.clients import HTTPClient, ReplicaClients
     from megatron_refit.engines.vllm.trainer.control import VllmControl
@@ -139,6 +168,23 @@ def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
         ReplicaClients([])
     with pytest.raises(ValueError, match=r"1 engine clients for refit.gen_dp=2"):
         VllmControl([HTTPClient(url)], {"gen_dp": 2})
+
+
+def test_weight_transfer_vllm_control_staged_lands_by_waiting_for_the_staging_before_the_pause(server):
+    """swap: staged: the land waits for the staging and its preparation in update_weights (so a
+    failure there ends vLLM's update session, before any pause), then pauses for the swap."""
+    from megatron_refit.engines.vllm.trainer.clients import HTTPClient
+    from megatron_refit.engines.vllm.trainer.control import VllmControl
+
+    url, seen = server
+    control = VllmControl([HTTPClient(url, swap="staged")], {"swap": "staged", "engine_load": "load_weights"})
+    control.receive_call(5, full=True)(control.clients[0])
+    control.land_call(5)(control.clients[0])
+    assert seen == [("/start_weight_update", None),
+                    ("/update_weights", {"update_info": {"version": 5, "full": True, "complete": False}}),
+                    ("/update_weights", {"update_info": {"version": 5, "full": True, "complete": True}}),
+                    ("/pause?mode=wait&clear_cache=true", None), ("/finish_weight_update", {"weight_version": "5"}),
+                    ("/resume", None)]
 
 
 def _source_rank(rank, world, port):

@@ -20,6 +20,7 @@ def init_payload(cfg: RefitConfig, *, num_train: int, lora_rank: int = 0, lora_a
     return {"refit": asdict(cfg), "num_train": num_train, "lora_rank": lora_rank, "lora_alpha": lora_alpha}
 
 
-def update_payload(version: int, *, full: bool) -> dict:
-    """The engine's ``update_info`` for one refit."""
-    return {"version": version, "full": full}
+def update_payload(version: int, *, full: bool, complete: bool = False) -> dict:
+    """The engine's ``update_info`` for one refit (``complete``: ``swap: staged``'s second call,
+    which waits for the staging and its preparation)."""
+    return {"version": version, "full": full, "complete": complete}

@@ -11,7 +11,9 @@ versions. These clients close both holes around every update:
   ``/pause`` (in-flight requests finish or are aborted; KV and prefix caches are cleared)
   before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``. After a
   failed update the server stays paused: its weights are not a complete version; the next
-  complete update resumes it.
+  complete update resumes it. Under ``swap: staged`` the pause covers the swap alone: an update
+  that fails before its swap (its receive, or its preparation beside the live model) fails in
+  ``update_weights``, before any pause, and the version that served serves on, untouched.
 - :class:`ReplicaClients`: the clients of several independent engines (one ``LLM`` or server
   per replica) for the trainer engine; each replica's calls run apart
   (:class:`~megatron_refit.engines.vllm.trainer.control.VllmControl`), so one engine's failure

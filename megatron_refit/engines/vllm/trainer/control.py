@@ -43,7 +43,14 @@ class VllmControl(ReplicaLanes):
         return lambda client: (client.start_weight_update(), client.update_weights(update))
 
     def land_call(self, version: int) -> Callable[[Any], Any]:
-        return lambda client: client.finish_weight_update(str(version))
+        if self.cfg.swap != "staged":
+            return lambda client: client.finish_weight_update(str(version))
+        complete = update_payload(version, full=True, complete=True)
+
+        def land(client) -> None:  # staged: its failures before the swap end the update, no pause taken
+            client.update_weights(complete)
+            client.finish_weight_update(str(version))
+        return land
 
     def close_call(self) -> Callable[[Any], Any]:
         def shutdown(client) -> None:

@@ -20,7 +20,10 @@ point registered it) when the engine's ``weight_transfer_config.backend`` is
   version, never a half-reloaded model. Under ``swap: staged`` the call returns at once and
   the pieces land in staging buffers in a thread of this worker while the engine keeps
   serving the previous version.
-- ``finish_weight_update``: (``swap: staged``) wait for the staging to complete; the staging
+- ``update_weights`` again with ``complete`` (``swap: staged``, before the client pauses): wait
+  for the staging and its preparation; their error is this call's, so vLLM ends the update
+  session and the live model, never touched, serves on.
+- ``finish_weight_update``: (``swap: staged``) the staging is complete by then; the staging
   thread has already run vLLM's load and post-load step on a shadow of the model
   (:mod:`~megatron_refit.engines.vllm.worker.prepare`), so under the client's pause the live
   modules only take the shadow's tensors over (a version that cannot be prepared so loads
@@ -235,6 +238,9 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     def receive_weights(self, update_info: MegatronRefitUpdateInfo) -> None:
         self._check_initialised("update_weights")
+        if update_info.complete:
+            self._complete(update_info.version)
+            return
         if not self._in_update or self._staging is not None:
             raise RuntimeError("megatron_refit: update_weights outside start_weight_update / finish_weight_update "
                                "(or twice in one update)")
@@ -243,6 +249,25 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             return
         self._receive(update_info)
         self._make_live()
+
+    def _complete(self, version: int) -> None:
+        """``swap: staged``, the update's second call: wait for its staging and preparation (their
+        error is this call's: vLLM then ends the update session; the live model was never touched)."""
+        if not self._staged_swap or not self._in_update or self._staging is None:
+            raise RuntimeError("megatron_refit: update_info.complete is swap: staged's second update_weights call "
+                               "of one update, after the one that started its staging")
+        self._wait_staging()
+        if self._received != version:
+            raise RuntimeError(f"megatron_refit: update_info.complete for version {version}, but the staged update "
+                               f"received {self._received}")
+
+    def _wait_staging(self) -> None:
+        staging, self._staging = self._staging, None
+        try:
+            staging.result(timeout=self._timeout_s)
+        except TimeoutError:
+            self._staging = staging  # still running: no new update until it ends
+            raise
 
     def _receive(self, update_info: MegatronRefitUpdateInfo) -> None:
         try:
@@ -293,13 +318,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     def finish_weight_update(self) -> None:
         self._check_initialised("finish_weight_update")
         self._in_update = False
-        staging, self._staging = self._staging, None
-        if staging is not None:  # its error, if any, is this update's
-            try:
-                staging.result(timeout=self._timeout_s)
-            except TimeoutError:
-                self._staging = staging  # still running: no new update until it ends
-                raise
+        if self._staging is not None:  # no update_info.complete call: its error, if any, is this update's
+            self._wait_staging()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         if self._received is None:
@@ -316,6 +336,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             else:
                 self._make_live()
             self.last_swap["swap_s"] = time.perf_counter() - t0
+            logger.info("megatron_refit: version %s live: %s", self._received, self.last_swap)
         self.weights_version, self._received = self._received, None
         self.state = "ready"
 

@@ -53,8 +53,14 @@ class MegatronRefitUpdateInfo(WeightTransferUpdateInfo):
     """The refit version (the training step); it must advance at every refit."""
     full: bool = True
     """False for a LoRA adapter-only refit (the trainer decides, the engine follows)."""
+    complete: bool = False
+    """``swap: staged``: this call waits for the update's staging and its preparation beside the
+    live model (started by the update's first call) and raises their error: an update that fails
+    before its swap fails in ``update_weights``, which ends vLLM's update session, and no pause
+    is taken for it."""
 
     def __post_init__(self) -> None:
         _int("update_info.version", self.version, minimum=0)
-        if not isinstance(self.full, bool):
-            raise ValueError(f"update_info.full must be true or false, got {self.full!r}")
+        for name in ("full", "complete"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"update_info.{name} must be true or false, got {getattr(self, name)!r}")

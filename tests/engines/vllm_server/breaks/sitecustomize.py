@@ -11,6 +11,8 @@ reads the file before making each refit live:
   weights from before the refit);
 - ``permute_experts``: after the refit is live, the first MoE layer's experts 0 and 1 swapped
   (their weights, as vLLM holds them);
+- ``staged_raise``: (``swap: staged``) the staged version's preparation beside the live model
+  raises, once the bytes have landed in staging;
 - empty or absent: nothing is broken.
 """
 
@@ -83,6 +85,14 @@ def _patch(worker) -> None:
                     weight.data[[0, 1]] = weight.data[[1, 0]].clone()
 
     worker.MegatronRefitEngine._make_live = maybe_permuted
+    prepare = worker.prepare
+
+    def maybe_raising(*args, **kwargs):
+        if _break() == "staged_raise":
+            raise RuntimeError("engine error while the staged version was prepared (injected)")
+        return prepare(*args, **kwargs)
+
+    worker.prepare = maybe_raising
 
 
 if _FLAG:

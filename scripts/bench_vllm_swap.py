@@ -1,0 +1,210 @@
+"""Zero-downtime refits into a running vLLM server under load: how long requests are blocked.
+
+A ``vllm`` API server (``.venv-vllm-cpu``: vLLM's real engine on CPU, ``--weight-transfer-config
+'{"backend": "megatron_refit"}'``) serves a Qwen3 of ``--hidden`` / ``--layers``; Megatron train
+ranks (TP ``--train-tp``, Bridge, real optimizer steps) refit it ``--refits`` times per policy with
+``swap: staged`` and deltas on, while ``--clients`` threads ask it for ``--tokens`` greedy tokens
+each through ``/inference/v1/generate``. Both policies of ``HTTPClient`` (docs/guide-swap.md), one
+after the other on the same server:
+
+- ``drain``: the server pauses new requests and waits for those in flight, then swaps;
+- ``in_flight``: the requests in flight are kept where they are for the swap alone.
+
+``blocked_over_refit_<policy>``: the time the server did not schedule requests (``/pause`` sent
+to ``/resume`` answered) over the refits' wall time (``send_weights``). ``p99_latency_ratio`` and
+``max_latency_ratio``: request latency of the requests that overlap a refit, against the same
+load's before the refits (per policy). ``bit_exact``: after each policy's last refit the server's
+greedy tokens equal the Megatron model's greedy decode. ``--json``: one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_vllm_server import _config  # noqa: E402 -- the same model as the server benchmark
+
+PROMPT_LEN = 4
+POLICIES = ("drain", "in_flight")
+
+
+class Load:
+    """``clients`` threads of greedy requests; each recorded as ``(start, end, ok)``."""
+
+    def __init__(self, url: str, prompt: list[int], clients: int, tokens: int):
+        from megatron_refit.testing.vllm_server import generate
+
+        self.done: list = []
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    generate(url, prompt, tokens)
+                    ok = True
+                except Exception:  # noqa: BLE001 -- counted: the benchmark reports errors
+                    ok = False
+                self.done.append((t0, time.monotonic(), ok))
+
+        self._threads = [threading.Thread(target=run, name=f"bench-client-{i}", daemon=True) for i in range(clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> list:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+        return self.done
+
+
+def _p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
+
+
+def _latencies(done: list, windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Latencies of the requests that overlap a window, and of those before the first."""
+    during = [t1 - t0 for t0, t1, _ in done if any(t0 < b and t1 > a for a, b in windows)]
+    before = [t1 - t0 for t0, t1, _ in done if t1 <= windows[0][0]]
+    return during, before
+
+
+def _rank(rank, world, port, url, hidden, layers, refits, clients, tokens, baseline_s, ports):
+    import torch
+
+    from conversion.refit import local_shard_source
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.plan.layout import TrainLayout
+    from megatron_refit.testing.vllm_server import generate, timed_client, wait_healthy
+
+    init_gloo(rank, world, port)
+    layout = TrainLayout(tp=world)
+    init_model_parallel(layout)
+    cfg = _config(hidden, layers)
+    built = build_model(cfg, layout, seed=1)
+    sequence = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
+    prompt = sequence[0, :PROMPT_LEN].tolist()
+    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-3)
+    wait_healthy(url, timeout_s=600)
+    rows, version = {}, 0
+    for policy, refit_port in zip(POLICIES, ports):
+        client = timed_client(url, swap="staged", policy=policy)
+        engine = MegatronRefitTrainerEngine.trainer_init(
+            MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300,
+                                                    swap="staged", delta="on"), num_train=world, rank=rank),
+            client=client, source=local_shard_source(built.bridge, built.model, cfg))
+        version += 1
+        engine.send_weights(version)  # the engine's first (full), outside the measurement
+        load = Load(url, prompt, clients, tokens) if rank == 0 else None
+        time.sleep(baseline_s)  # the same load, no refit
+        windows, blocked = [], []
+        for _ in range(refits):
+            train_step(built, optimizer, sequence)
+            version += 1
+            torch.distributed.barrier()
+            client.calls.clear()
+            t0 = time.monotonic()
+            engine.send_weights(version)
+            windows.append((t0, time.monotonic()))
+            calls = {route: (a, b) for route, a, b in client.calls}
+            if rank == 0:
+                blocked.append(calls["resume"][1] - calls["pause"][0])
+                routes = {route: round(b - a, 4) for route, a, b in client.calls if a >= calls["pause"][0]}
+            time.sleep(0.3)
+        done = load.stop() if load is not None else []
+        megatron = greedy_decode(built, prompt, tokens)
+        if rank == 0:
+            during, before = _latencies(done, windows)
+            served, spans = generate(url, prompt, tokens)
+            refit_s = sum(b - a for a, b in windows)
+            rows[policy] = dict(blocked_routes_s=routes, refit_s=[round(b - a, 4) for a, b in windows],
+                                blocked_s=[round(b, 4) for b in blocked],
+                                blocked_over_refit=round(sum(blocked) / refit_s, 4),
+                                requests=len(done), errors=sum(not ok for *_, ok in done),
+                                p99_before_s=round(_p99(before), 4), p99_during_s=round(_p99(during), 4),
+                                max_before_s=round(max(before, default=float("nan")), 4),
+                                max_during_s=round(max(during, default=float("nan")), 4),
+                                median_before_s=round(statistics.median(before), 4) if before else None,
+                                bit_exact=served == megatron and spans == [(str(version), 0, tokens)])
+        engine.shutdown()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (head_dim 64)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--refits", type=int, default=4, help="refits per policy")
+    p.add_argument("--clients", type=int, default=6, help="concurrent client threads")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
+    p.add_argument("--baseline-s", type=float, default=3.0, help="seconds of the same load before the refits")
+    p.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = p.parse_args(argv)
+    if args.hidden % 128 or min(args.hidden, args.layers, args.train_tp, args.refits, args.clients, args.tokens) < 1 \
+            or (args.hidden // 128) % args.train_tp or args.baseline_s <= 0:
+        print(f"error: need --hidden a multiple of 128 whose KV heads (hidden / 128) --train-tp divides, positive "
+              f"--layers, --train-tp, --refits, --clients, --tokens, --baseline-s; got {vars(args)}", file=sys.stderr)
+        return 2
+    import torch
+    import transformers
+
+    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.testing.vllm_server import VllmServer, server_python
+
+    if server_python() is None:
+        print("error: no .venv-vllm-cpu: run make setup-vllm-server", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_swap_") as workdir:
+        model = os.path.join(workdir, "model")
+        torch.manual_seed(0)
+        hf = transformers.Qwen3ForCausalLM(_config(args.hidden, args.layers))
+        hf.save_pretrained(model)
+        model_mb = sum(t.numel() * t.element_size() for t in hf.state_dict().values()) / 2**20
+        del hf
+        server_port, *ports = free_ports(1 + len(POLICIES))
+        server = VllmServer(model=model, port=server_port, log=Path(workdir) / "server.log", start_timeout_s=600)
+        server.start()
+        try:
+            rows = run_spawned(_rank, args.train_tp, server.url, args.hidden, args.layers, args.refits, args.clients,
+                               args.tokens, args.baseline_s, ports, timeout_s=1800)[0]
+        except Exception:
+            print(server.tail(), file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+    head = dict(bench="vllm_swap", engine="vllm-cpu 0.32.0 API server", model_mb=round(model_mb, 1),
+                train_tp=args.train_tp, refits=args.refits, clients=args.clients, tokens=args.tokens,
+                **{f"blocked_over_refit_{k}": rows[k]["blocked_over_refit"] for k in POLICIES},
+                p99_latency_ratio={k: round(rows[k]["p99_during_s"] / rows[k]["p99_before_s"], 2) for k in POLICIES},
+                max_latency_ratio={k: round(rows[k]["max_during_s"] / rows[k]["max_before_s"], 2) for k in POLICIES},
+                errors=sum(rows[k]["errors"] for k in POLICIES),
+                bit_exact=all(rows[k]["bit_exact"] for k in POLICIES), per_policy=rows)
+    print(f"{'policy':>10} {'refit_s':>8} {'blocked_s':>10} {'blocked/refit':>14} {'p99 before':>11} "
+          f"{'p99 during':>11} {'requests':>9} {'errors':>7} {'bit_exact':>10}")
+    for k in POLICIES:
+        r = rows[k]
+        print(f"{k:>10} {statistics.median(r['refit_s']):>8.3f} {statistics.median(r['blocked_s']):>10.4f} "
+              f"{r['blocked_over_refit']:>14.4f} {r['p99_before_s']:>11.3f} {r['p99_during_s']:>11.3f} "
+              f"{r['requests']:>9} {r['errors']:>7} {str(r['bit_exact']):>10}")
+    if args.json:
+        print(json.dumps(head))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The train ranks of the running-server swap suite (``swap: staged``, ``HTTPClient(policy=...)``):
+Megatron TP2 ranks (Bridge, real optimizer steps) refit a running ``vllm`` API server while
+``CLIENTS`` threads of train rank 0 keep asking it for greedy continuations through vLLM's own
+``/inference/v1/generate``, which reports the weight versions that sampled each answer's tokens.
+
+Per policy (``drain``, ``in_flight``): one refit to start (full), then one held open by a slow
+train rank under load. Under ``in_flight`` a staged refit that fails inside the engine (its
+preparation beside the live model raises: ``tests/engines/vllm_server/breaks``) follows, under
+load too, then one that lands. Every rank computes the Megatron model's greedy decodes the tests
+compare with, and, for every answer whose tokens two versions sampled, the new version's
+continuation of the old version's first tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from megatron_refit.engines.vllm.trainer.clients import POLICIES
+from megatron_refit.testing.faults import slow_next_refit
+from megatron_refit.testing.vllm_server import (generate, is_paused, process_alive, timed_client, wait_healthy,
+                                             weight_version)
+from tests.engines.vllm_server.session import TRAIN_TP, _connect, _error, _trainer
+
+LONG = 48
+"""Tokens per request: each spans many scheduler steps, so requests are in flight at the swap."""
+CLIENTS = 4
+SLOW_S = 1.0
+"""A train rank this slow holds the staged refit open under load."""
+
+
+class Clients:
+    """``CLIENTS`` threads asking for ``LONG`` greedy tokens in a loop, each answer recorded as
+    ``(start, end, tokens, spans, error)``."""
+
+    def __init__(self, url: str, prompt: list[int]):
+        self.url, self.prompt, self.done = url, prompt, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name=f"client-{i}", daemon=True) for i in range(CLIENTS)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                tokens, spans = generate(self.url, self.prompt, LONG)
+                self.done.append((t0, time.monotonic(), tokens, spans, None))
+            except Exception as exc:  # noqa: BLE001 -- an HTTP error is what the tests look for
+                self.done.append((t0, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}"))
+
+    def stop(self) -> list:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        return self.done
+
+
+def _under_load(url: str, prompt: list[int], rank: int, refit) -> tuple[list, object]:
+    """``refit()`` while the clients ask (train rank 0), held open by a slow train rank 1."""
+    clients = Clients(url, prompt) if rank == 0 else None
+    time.sleep(0.5)
+    try:
+        result = refit()
+    finally:
+        time.sleep(0.5)
+        done = clients.stop() if clients is not None else []
+    return done, result
+
+
+def session_swap(rank: int, world: int, port: int, url: str, server_pid: int, ports: list[int], break_file: str):
+    from conversion.testing.train_step import greedy_decode, train_step
+
+    cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=5)
+    wait_healthy(url, alive=process_alive(server_pid))
+    refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on", swap="staged")
+    ports, out, step = iter(ports), {}, 0
+
+    def train() -> None:
+        for _ in range(2):
+            train_step(built, optimizer, tokens)
+
+    for policy in POLICIES:
+        client = timed_client(url, swap="staged", policy=policy)
+        engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, client)
+        train()
+        step += 1
+        engine.send_weights(step)  # the engine's first: full, its serving checked
+        old = greedy_decode(built, prompt, LONG)
+        train()
+        new = greedy_decode(built, prompt, LONG)
+        if rank == 1:
+            slow_next_refit(engine.source.weights, SLOW_S)
+        client.calls.clear()
+        step += 1
+        done, _ = _under_load(url, prompt, rank, lambda: engine.send_weights(step))
+        cuts = [sorted({spans[1][1] for *_, spans, error in done if error is None and len(spans) == 2})]
+        torch.distributed.broadcast_object_list(cuts, src=0)  # every rank decodes the same continuations
+        out[policy] = dict(old=old, new=new, versions=[str(step - 1), str(step)], completions=done,
+                           calls=client.calls, continuations={k: greedy_decode(built, prompt + old[:k], LONG - k)
+                                                              for k in cuts[0]},
+                           version=weight_version(url) if rank == 0 else None)
+        if policy == "in_flight":
+            out["failed"] = _failed_then_landed(engine, url, prompt, rank, break_file, train, step, built)
+        engine.shutdown()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def _failed_then_landed(engine, url: str, prompt: list[int], rank: int, break_file: str, train, step: int,
+                        built) -> dict:
+    """A staged refit whose preparation raises in the engine, under load; then one that lands."""
+    from conversion.testing.train_step import greedy_decode
+
+    serving = greedy_decode(built, prompt, LONG)
+    if rank == 0:
+        with open(break_file, "w") as f:
+            f.write("staged_raise")
+    torch.distributed.barrier()
+    train()
+    done, error = _under_load(url, prompt, rank, lambda: _error(lambda: engine.send_weights(step + 1)))
+    out = dict(serving=serving, error=error, completions=done)
+    if rank == 0:
+        out.update(version=weight_version(url), paused=is_paused(url))
+        os.remove(break_file)
+    torch.distributed.barrier()
+    engine.send_weights(step + 2)
+    out["after"] = dict(megatron=greedy_decode(built, prompt, LONG))
+    if rank == 0:
+        out["after"].update(zip(("tokens", "spans"), generate(url, prompt, LONG)), version=weight_version(url))
+    return out
+
+
+__all__ = ["TRAIN_TP", "session_swap"]

