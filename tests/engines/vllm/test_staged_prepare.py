@@ -64,10 +64,10 @@ def _prepare_raising(monkeypatch, exc: Exception) -> None:
 
 def test_staged_version_that_cannot_be_prepared_beside_the_model_is_named_and_loads_under_the_pause(
         staged, monkeypatch, caplog):
-    from megatron_refit.engines.vllm.worker.prepare import NotPreparable
+    from megatron_refit.engines.vllm.worker.prepare import NotPreparableError
 
     why = "vLLM layer model.layers.0.self_attn.attn: an attention layer whose reload loads tensors (injected)"
-    _prepare_raising(monkeypatch, NotPreparable(why))
+    _prepare_raising(monkeypatch, NotPreparableError(why))
     staged.start_weight_update()
     staged.update_weights({"version": 1})
     with caplog.at_level(logging.WARNING, logger="megatron_refit"):

@@ -51,7 +51,7 @@ from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
-from megatron_refit.engines.vllm.worker.prepare import NotPreparable, Prepared, prepare
+from megatron_refit.engines.vllm.worker.prepare import NotPreparableError, Prepared, prepare
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
@@ -287,7 +287,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         that cannot be is named in the log and loads under the pause, as without."""
         try:
             self._prepared = prepare(self.model, self._backend.load, first_load_setup=FirstLoadSetup)
-        except NotPreparable as exc:
+        except NotPreparableError as exc:
             self.last_swap = dict(prepared=False, why=str(exc))
             logger.warning("megatron_refit: swap: staged: this version loads under the pause: %s", exc)
             return

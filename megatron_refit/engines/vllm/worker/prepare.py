@@ -16,7 +16,7 @@ client's pause, then hands each live module what its shadow holds: on CPU the te
 and the post-load step's own attributes (the pre-packed handles); on GPU the tensors are copied
 into the live storage instead, as vLLM's own reload does, since CUDA graphs keep their addresses.
 
-What cannot be prepared beside the live model is named (:class:`NotPreparable`), and the worker
+What cannot be prepared beside the live model is named (:class:`NotPreparableError`), and the worker
 then loads that version under the pause, as before: an attention layer whose reload loads
 tensors (KV-cache scales are processed with the live cache); a vLLM without the layerwise
 reload. The shadow's memory is reported (:attr:`Prepared.nbytes`): one processed copy of the
@@ -33,7 +33,7 @@ import torch
 _TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
-class NotPreparable(RuntimeError):
+class NotPreparableError(RuntimeError):
     """A staged version that cannot be made servable beside the live model (named why)."""
 
 
@@ -110,7 +110,7 @@ def _meta(recorded: torch.Tensor, layerwise) -> torch.Tensor:
 @torch.no_grad()
 def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
     """Run vLLM's layerwise load of the staged version (``load(shadow)`` feeds it to the shadow's
-    ``load_weights``) on a shadow of ``model``, never touching the live tensors; ``NotPreparable``
+    ``load_weights``) on a shadow of ``model``, never touching the live tensors; ``NotPreparableError``
     names what cannot be. ``first_load_setup``: the MoE experts' post-load step (moe_reload)."""
     t0 = time.perf_counter()
     try:
@@ -119,7 +119,7 @@ def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
         from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
         from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
     except ImportError as exc:
-        raise NotPreparable(f"this vLLM has no layerwise reload to run beside the live model ({exc})") from exc
+        raise NotPreparableError(f"this vLLM has no layerwise reload to run beside the live model ({exc})") from exc
     shadow, pairs = _shadow(model)
     loaded = 0
     names = {id(s): name for name, s in shadow.named_modules()}
@@ -145,7 +145,7 @@ def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
                     for table in _TABLES:
                         layer.__dict__[table] = copy.copy(live.__dict__[table])
                 elif is_deferred_attention_layer(layer):
-                    raise NotPreparable(f"vLLM layer {names[id(layer)]}: an attention layer whose reload loads "
+                    raise NotPreparableError(f"vLLM layer {names[id(layer)]}: an attention layer whose reload loads "
                                         "tensors (KV-cache scales) is processed with the live KV cache")
                 else:  # some elements never loaded (padding): processed now, as vLLM's finalize does
                     layerwise._layerwise_process(layer, info)
