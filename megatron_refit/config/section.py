@@ -132,7 +132,9 @@ class RefitConfig:
     tagged with the version that produced it, and a failed refit leaves the previous version
     serving. Costs one more copy of the weights on each generation rank. The HF receiver
     swaps storage pointers; with ``engine: vllm`` it needs ``engine_load: load_weights``
-    (staging buffers loaded in ``finish_weight_update``, under vLLM's pause)."""
+    (the staging buffers loaded into a shadow of the model while it serves, swapped in under
+    vLLM's pause; what a server does with the requests in flight: ``HTTPClient(policy=...)``,
+    docs/guide-swap.md)."""
     on_replica_failure: str = "raise"
     """What train ranks do when an engine replica cannot apply a refit (its engine raised while
     receiving or loading, its bytes arrived corrupted, its process died): the failure stays on
