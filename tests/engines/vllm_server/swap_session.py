@@ -25,29 +25,32 @@ from megatron_refit.testing.vllm_server import (generate, is_paused, process_ali
                                              weight_version)
 from tests.engines.vllm_server.session import TRAIN_TP, _connect, _error, _trainer
 
-LONG = 48
-"""Tokens per request: each spans many scheduler steps, so requests are in flight at the swap."""
 CLIENTS = 4
+LENGTHS = tuple(48 + 8 * i for i in range(CLIENTS))
+"""Tokens per request of each client: each spans many scheduler steps, and requests of different
+lengths never run in lockstep (the engine batches them), so some are always in flight."""
+LONG = max(LENGTHS)
 SLOW_S = 1.0
 """A train rank this slow holds the staged refit open under load."""
 
 
 class Clients:
-    """``CLIENTS`` threads asking for ``LONG`` greedy tokens in a loop, each answer recorded as
-    ``(start, end, tokens, spans, error)``."""
+    """``CLIENTS`` threads asking for greedy tokens in a loop, each answer recorded as
+    ``(start, end, tokens, spans, error)``; client ``i`` asks for ``LENGTHS[i]`` tokens."""
 
     def __init__(self, url: str, prompt: list[int]):
         self.url, self.prompt, self.done = url, prompt, []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, name=f"client-{i}", daemon=True) for i in range(CLIENTS)]
+        self._threads = [threading.Thread(target=self._run, args=(n,), name=f"client-{i}", daemon=True)
+                         for i, n in enumerate(LENGTHS)]
         for thread in self._threads:
             thread.start()
 
-    def _run(self) -> None:
+    def _run(self, length: int) -> None:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                tokens, spans = generate(self.url, self.prompt, LONG)
+                tokens, spans = generate(self.url, self.prompt, length)
                 self.done.append((t0, time.monotonic(), tokens, spans, None))
             except Exception as exc:  # noqa: BLE001 -- an HTTP error is what the tests look for
                 self.done.append((t0, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}"))

@@ -35,9 +35,10 @@ def _answered(phase: dict) -> list:
     return done
 
 
-def _whole(spans: list) -> bool:
-    """The spans cover the answer's tokens once, in order."""
-    return spans[0][1] == 0 and spans[-1][2] == s.LONG and all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+def _whole(spans: list, tokens: list) -> bool:
+    """The spans cover the answer's tokens once, in order (each client asks for its own length)."""
+    return (len(tokens) in s.LENGTHS and spans[0][1] == 0 and spans[-1][2] == len(tokens)
+            and all(a[2] == b[1] for a, b in zip(spans, spans[1:])))
 
 
 def _calls(phase: dict) -> dict:
@@ -51,8 +52,8 @@ def test_vllm_server_swap_drain_no_answer_mixes_versions_and_every_one_is_its_ve
     assert phase["old"] != phase["new"] and phase["version"] == new_v
     seen = set()
     for _, _, tokens, spans, _ in _answered(phase):
-        assert len(spans) == 1 and _whole(spans), spans  # drained: one version per answer
-        assert tokens == by_version[spans[0][0]], (spans, tokens)
+        assert len(spans) == 1 and _whole(spans, tokens), spans  # drained: one version per answer
+        assert tokens == by_version[spans[0][0]][:len(tokens)], (spans, tokens)
         seen.add(spans[0][0])
     assert seen == {old_v, new_v}, seen
     assert "pause" in _calls(phase) and "reset_prefix_cache" not in _calls(phase)
@@ -64,14 +65,15 @@ def test_vllm_server_swap_in_flight_answers_continue_across_the_swap_each_part_i
     assert phase["old"] != phase["new"] and phase["version"] == new_v
     mixed = 0
     for _, _, tokens, spans, _ in _answered(phase):
-        assert _whole(spans), spans
+        assert _whole(spans, tokens), spans
         if len(spans) == 1:
-            assert tokens == {old_v: phase["old"], new_v: phase["new"]}[spans[0][0]], (spans, tokens)
+            assert tokens == {old_v: phase["old"], new_v: phase["new"]}[spans[0][0]][:len(tokens)], (spans, tokens)
             continue
         (first, _, cut), (second, _, _) = spans
         assert (first, second) == (old_v, new_v), spans
         # tokens before the swap: the old version's; after it the new version's continuation of them
-        assert tokens[:cut] == phase["old"][:cut] and tokens[cut:] == phase["continuations"][cut], (spans, tokens)
+        assert tokens[:cut] == phase["old"][:cut], (spans, tokens)
+        assert tokens[cut:] == phase["continuations"][cut][:len(tokens) - cut], (spans, tokens)
         mixed += 1
     assert mixed, "no request was in flight at the swap: the policy was not exercised"
     calls = _calls(phase)
@@ -87,7 +89,7 @@ def test_vllm_server_swap_staged_refit_failing_in_the_engine_leaves_the_live_ver
     failed = run[0]["failed"]
     live_v = run[0]["in_flight"]["versions"][1]
     for _, _, tokens, spans, _ in _answered(failed):  # the version that served serves on, whole
-        assert spans == [(live_v, 0, s.LONG)] and tokens == failed["serving"], (spans, tokens)
+        assert spans == [(live_v, 0, len(tokens))] and tokens == failed["serving"][:len(tokens)], (spans, tokens)
     assert failed["version"] == live_v and failed["paused"] is False
     after = failed["after"]
     assert after["tokens"] == after["megatron"] and after["version"] == str(int(live_v) + 2), after
