@@ -112,3 +112,93 @@ def test_staged_complete_call_outside_a_staged_update_is_refused_by_name(staged,
     assert staged.state == "ready" and staged.weights_version == 5 and staged.last_swap["prepared"] is True
     with pytest.raises(ValueError, match=r"update_info\.complete must be true or false"):
         staged.parse_update_info({"version": 3, "complete": "yes"})
+
+
+def _qwen2_config():
+    """A Qwen2 shape: its q/k/v projections have biases, which vLLM's reload loads where they
+    are instead of restoring them on the meta device."""
+    import transformers
+
+    return transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    tie_word_embeddings=False)
+
+
+def _hf_weights(seed: int) -> dict:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(_qwen2_config())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def _vllm_model(vcfg):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    with set_current_vllm_config(vcfg):
+        vcfg.compilation_config.static_forward_context.clear()  # a second instance: its layers by the same names
+        return get_model_loader(vcfg.load_config).load_model(vllm_config=vcfg, model_config=vcfg.model_config)
+
+
+def _tensors(model) -> dict:
+    return {name: t.detach().clone() for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def _shadow_rank(rank, world, port, workdir):
+    import json
+    import os
+
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup
+    from megatron_refit.engines.vllm.worker.prepare import prepare
+    from tests.engines.vllm.test_weight_transfer import _init_vllm
+
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(_qwen2_config().to_dict(), f)
+    vcfg = VllmConfig(model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True,
+                                               max_model_len=128, dtype="float32"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=1), device_config=DeviceConfig("cpu"),
+                      load_config=LoadConfig(load_format="dummy"))
+    _init_vllm(1, 0, port, vcfg)
+    live, reference = _vllm_model(vcfg), _vllm_model(vcfg)
+    out = {}
+    with set_current_vllm_config(vcfg), torch.no_grad():
+        initialize_layerwise_reload(live)  # vLLM's own reload first: it leaves its loader wrappers behind
+        live.load_weights(iter(_hf_weights(1).items()))
+        finalize_layerwise_reload(live, vcfg.model_config)
+        serving = _tensors(live)
+        new = _hf_weights(2)
+        prepared = prepare(live, lambda shadow: shadow.load_weights(iter(new.items())), first_load_setup=FirstLoadSetup)
+        during = _tensors(live)
+        out["untouched"] = sorted(n for n in serving if not torch.equal(serving[n], during[n]))
+        out["swap_s"] = prepared.swap()
+        reference.load_weights(iter(new.items()))
+        process_weights_after_loading(reference, vcfg.model_config, torch.device("cpu"))
+        got, want = _tensors(live), _tensors(reference)
+        out["names"] = sorted(got) == sorted(want)
+        out["differ"] = sorted(n for n in want if n in got and not torch.equal(got[n], want[n]))
+        out["changed"] = sorted(n for n in got if not torch.equal(got[n], serving[n]))
+        out["nbytes"] = prepared.nbytes
+    return out
+
+
+def test_staged_prepare_never_writes_the_serving_model_and_swaps_in_what_vllms_own_load_makes(tmp_path):
+    """vLLM's own load on a shadow of a real vLLM model (Qwen2: biases, which vLLM's reload loads
+    in place), after a reload of vLLM's own (its loader wrappers left behind): the serving model
+    is not written while it prepares; after the swap every parameter and buffer equals, bit for
+    bit, what vLLM's ``load_weights`` + post-load make of the same weights on a second instance."""
+    from megatron_refit.testing.launch import run_spawned
+
+    out = run_spawned(_shadow_rank, 1, str(tmp_path), timeout_s=180)[0]
+    assert out["untouched"] == [], out["untouched"]  # biases included
+    assert out["names"] and out["differ"] == [], out["differ"]
+    assert any(n.endswith("qkv_proj.bias") for n in out["changed"]) and len(out["changed"]) > 10, out["changed"]
+    assert out["nbytes"] > 0 and out["swap_s"] < 1.0

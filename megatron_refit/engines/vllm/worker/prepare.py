@@ -37,10 +37,53 @@ class NotPreparableError(RuntimeError):
     """A staged version that cannot be made servable beside the live model (named why)."""
 
 
+class _Pair:
+    """A live module, its shadow, and what the shadow held when it was made (the live module's
+    state then): :meth:`take_over` hands the live module only what the reload changed, so what
+    the live module changed meanwhile (a cache it re-made while serving) stays."""
+
+    def __init__(self, live: torch.nn.Module, shadow: torch.nn.Module):
+        self.live, self.shadow = live, shadow
+        self.before = dict(shadow.__dict__)
+        self.tables = {table: copy.copy(shadow.__dict__[table]) for table in _TABLES}
+
+    def reset_tables(self) -> None:
+        """Not reloaded: the shadow's tables back to the live module's (nothing to take over)."""
+        for table, start in self.tables.items():
+            self.shadow.__dict__[table] = copy.copy(start)
+
+    def take_over(self) -> None:
+        old, now = self.live.__dict__, self.shadow.__dict__
+        for table in ("_parameters", "_buffers"):
+            start, target = self.tables[table], old[table]
+            for name in [n for n in start if n not in now[table]]:
+                target.pop(name, None)  # the post-load step removed it
+            for name, tensor in now[table].items():
+                if name in start and start[name] is tensor:
+                    continue  # not reloaded
+                kept = target.get(name)
+                if (tensor is not None and kept is not None and tensor.is_cuda and kept.shape == tensor.shape
+                        and kept.dtype == tensor.dtype and kept.device == tensor.device):
+                    kept.data.copy_(tensor)  # CUDA graphs hold the live addresses
+                else:
+                    target[name] = tensor
+        if now["_non_persistent_buffers_set"] != self.tables["_non_persistent_buffers_set"]:
+            old["_non_persistent_buffers_set"] = set(now["_non_persistent_buffers_set"])
+        for key, value in now.items():
+            changed = key == "quant_method" or self.before.get(key, _NONE) is not value
+            if key not in _TABLES and key != "_modules" and changed:
+                old[key] = value  # the post-load step's attributes; the method object whose state it set
+        for key in [k for k in self.before if k not in now and k not in _TABLES]:
+            old.pop(key, None)
+
+
+_NONE = object()
+
+
 class Prepared:
     """A staged version, processed, in a shadow of the live model; :meth:`swap` makes it live."""
 
-    def __init__(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]], nbytes: int, seconds: float):
+    def __init__(self, pairs: list[_Pair], nbytes: int, seconds: float):
         self._pairs = pairs
         self.nbytes = nbytes
         """Bytes of the tensors the shadow's reload made (the staging copy's processed weights)."""
@@ -51,32 +94,16 @@ class Prepared:
     def swap(self) -> float:
         """Each live module takes its shadow's tensors and post-load attributes; returns seconds."""
         t0 = time.perf_counter()
-        for live, shadow in self._pairs:
-            _take_over(live, shadow)
+        for pair in self._pairs:
+            pair.take_over()
         self._pairs = []
         return time.perf_counter() - t0
 
 
-def _take_over(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
-    old = live.__dict__
-    for name, tensor in list(shadow._parameters.items()) + list(shadow._buffers.items()):
-        kept = old["_parameters"].get(name, old["_buffers"].get(name))
-        if (tensor is not None and kept is not None and tensor.is_cuda and kept.shape == tensor.shape
-                and kept.dtype == tensor.dtype and kept.device == tensor.device):
-            kept.data.copy_(tensor)  # CUDA graphs hold the live addresses
-            table = "_parameters" if name in shadow._parameters else "_buffers"
-            shadow.__dict__[table][name] = kept
-    for key in [k for k in old if k != "_modules" and k not in shadow.__dict__]:
-        del old[key]  # the post-load step removed it
-    for key, value in shadow.__dict__.items():
-        if key != "_modules" and old.get(key) is not value:
-            old[key] = value
-
-
-def _shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
+def _shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list[_Pair]]:
     """A shallow copy of ``model``'s module tree (tied modules stay tied) and its (live, shadow) pairs."""
     memo: dict[int, torch.nn.Module] = {}
-    pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    pairs: list[_Pair] = []
 
     def copy_module(module: torch.nn.Module) -> torch.nn.Module:
         if id(module) in memo:
@@ -88,10 +115,27 @@ def _shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.n
         if module.__dict__.get("quant_method") is not None:
             shadow.__dict__["quant_method"] = copy.copy(module.__dict__["quant_method"])
         shadow.__dict__["_modules"] = {k: None if c is None else copy_module(c) for k, c in module._modules.items()}
-        pairs.append((module, shadow))
+        pairs.append(_Pair(module, shadow))
         return shadow
 
     return copy_module(model), pairs
+
+
+def _own_copies(pair: _Pair, never_loaded: set[str]) -> None:
+    """vLLM's reload keeps some tensors where they are instead of restoring them on the meta
+    device (``bias``) and loads into them: the shadow's must be copies of its own, or the staged
+    version would be written into the serving model."""
+    shared = {id(t) for table in ("_parameters", "_buffers") for t in pair.tables[table].values()}
+    layer = pair.shadow
+    for table in ("_parameters", "_buffers"):
+        for name, tensor in layer.__dict__[table].items():
+            if tensor is None or id(tensor) not in shared or name in never_loaded or tensor.is_meta:
+                continue
+            own = tensor.detach().clone()
+            own.__class__ = tensor.__class__
+            own.__dict__ = {key: value.__func__.__get__(layer) if getattr(value, "__self__", None) is pair.live
+                            else value for key, value in tensor.__dict__.items()}  # its loader bound to the shadow
+            layer.__dict__[table][name] = own
 
 
 def _meta(recorded: torch.Tensor, layerwise) -> torch.Tensor:
@@ -116,47 +160,48 @@ def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
     try:
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload import layerwise
-        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, restore_layer_on_meta
         from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
     except ImportError as exc:
         raise NotPreparableError(f"this vLLM has no layerwise reload to run beside the live model ({exc})") from exc
     shadow, pairs = _shadow(model)
     loaded = 0
     names = {id(s): name for name, s in shadow.named_modules()}
-    for live, layer in pairs:
-        recorded = layerwise.get_layerwise_info(live)
+    for pair in pairs:
+        layer, recorded = pair.shadow, layerwise.get_layerwise_info(pair.live)
         params, buffers = recorded.restore_metadata  # the checkpoint format, as vLLM recorded it at load
         info = LayerReloadingInfo(restore_metadata=({n: _meta(t, layerwise) for n, t in params.items()},
                                                     {n: _meta(t, layerwise) for n, t in buffers.items()}),
                                   restore_device=recorded.restore_device)
         layerwise.LAYERWISE_INFO[layer] = info
         restore_layer_on_meta(layer, info)  # kernel_tensors stay None: processed tensors are the shadow's own
+        _own_copies(pair, SKIP_LOAD_TENSORS)
         layerwise.initialize_online_processing(layer)
     made = 0
     try:
         with first_load_setup(shadow):
             load(shadow)
-            for live, layer in pairs:
+            for pair in pairs:
+                layer = pair.shadow
                 info = layerwise.get_layerwise_info(layer)
                 loaded += not info.can_load() or bool(info.loaded_weights)  # processed, or partly loaded
                 if not info.can_load():
                     continue  # processed as its last weight arrived
                 if info.load_numel <= 0:  # not reloaded: the live tensors stay
-                    for table in _TABLES:
-                        layer.__dict__[table] = copy.copy(live.__dict__[table])
+                    pair.reset_tables()
                 elif is_deferred_attention_layer(layer):
-                    raise NotPreparableError(f"vLLM layer {names[id(layer)]}: an attention layer whose reload loads "
-                                        "tensors (KV-cache scales) is processed with the live KV cache")
+                    raise NotPreparableError(f"vLLM layer {names[id(layer)]}: an attention layer whose reload "
+                                             "loads tensors (KV-cache scales) is processed with the live KV cache")
                 else:  # some elements never loaded (padding): processed now, as vLLM's finalize does
                     layerwise._layerwise_process(layer, info)
                 info.reset()
     finally:
-        for _, layer in pairs:
-            layerwise.LAYERWISE_INFO.pop(layer, None)
+        for pair in pairs:
+            layerwise.LAYERWISE_INFO.pop(pair.shadow, None)
     if not loaded:
         raise RuntimeError("swap: staged: the shadow of the vLLM model loaded none of the staged weights")
-    for live, layer in pairs:
-        kept = {id(t) for t in list(live._parameters.values()) + list(live._buffers.values())}
-        made += sum(t.nbytes for t in list(layer._parameters.values()) + list(layer._buffers.values())
+    for pair in pairs:
+        kept = {id(t) for table in ("_parameters", "_buffers") for t in pair.tables[table].values()}
+        made += sum(t.nbytes for t in list(pair.shadow._parameters.values()) + list(pair.shadow._buffers.values())
                     if t is not None and id(t) not in kept)
     return Prepared(pairs, made, time.perf_counter() - t0)
