@@ -11,7 +11,8 @@ pause had to cover.
 :func:`prepare` runs the same steps of vLLM's, layer by layer, on a **shadow** of the model while
 the live one serves: every module copied shallowly (its own parameter, buffer and child tables;
 its ``quant_method`` copied, since the post-load step keeps state there: the MoE kernel), the
-tensors its reload materializes new, the live ones never written. :meth:`Prepared.swap`, under the
+tensors its reload materializes new, and copies of its own of those vLLM's reload loads where
+they are (``bias``): the live ones are never written. :meth:`Prepared.swap`, under the
 client's pause, then hands each live module what its shadow holds: on CPU the tensor references
 and the post-load step's own attributes (the pre-packed handles); on GPU the tensors are copied
 into the live storage instead, as vLLM's own reload does, since CUDA graphs keep their addresses.
