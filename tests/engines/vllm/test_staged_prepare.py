@@ -114,6 +114,24 @@ def test_staged_complete_call_outside_a_staged_update_is_refused_by_name(staged,
         staged.parse_update_info({"version": 3, "complete": "yes"})
 
 
+def test_staged_swap_that_fails_half_way_leaves_the_weights_stale_never_ready(staged, monkeypatch):
+    from megatron_refit.engines.vllm.worker import engine as worker
+
+    class HalfSwapped:
+        seconds, nbytes = 0.0, 0
+
+        def swap(self):
+            raise RuntimeError("swap failed half way (injected)")
+
+    monkeypatch.setattr(worker, "prepare", lambda *args, **kwargs: HalfSwapped())
+    staged.start_weight_update()
+    staged.update_weights({"version": 6})
+    staged.update_weights({"version": 6, "complete": True})
+    with pytest.raises(RuntimeError, match=r"swap failed half way \(injected\)"):
+        staged.finish_weight_update()  # the client keeps the server paused
+    assert staged.state == "stale" and staged.weights_version is None
+
+
 def _qwen2_config():
     """A Qwen2 shape: its q/k/v projections have biases, which vLLM's reload loads where they
     are instead of restoring them on the meta device."""

@@ -331,10 +331,14 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             self.state = "updating"
             t0 = time.perf_counter()
             prepared, self._prepared = self._prepared, None
-            if prepared is not None:
-                prepared.swap()
-            else:
+            if prepared is None:
                 self._make_live()
+            else:
+                try:
+                    prepared.swap()
+                except BaseException:  # half taken over: no complete version, as a failed load
+                    self.state, self._received = "stale", None
+                    raise
             self.last_swap["swap_s"] = time.perf_counter() - t0
             logger.info("megatron_refit: version %s live: %s", self._received, self.last_swap)
         self.weights_version, self._received = self._received, None
