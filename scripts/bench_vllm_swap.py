@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,36 +37,6 @@ from bench_vllm_server import add_model_arguments, argument_error, saved_model, 
 POLICIES = ("drain", "in_flight")
 
 
-class Load:
-    """``clients`` threads of greedy requests; each recorded as ``(start, end, ok)``."""
-
-    def __init__(self, url: str, prompt: list[int], clients: int, tokens: int):
-        from megatron_refit.testing.vllm_server import generate
-
-        self.done: list = []
-        self._stop = threading.Event()
-
-        def run() -> None:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    generate(url, prompt, tokens)
-                    ok = True
-                except Exception:  # noqa: BLE001 -- counted: the benchmark reports errors
-                    ok = False
-                self.done.append((t0, time.monotonic(), ok))
-
-        self._threads = [threading.Thread(target=run, name=f"bench-client-{i}", daemon=True) for i in range(clients)]
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> list:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=300)
-        return self.done
-
-
 def _p99(values: list[float]) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
@@ -75,8 +44,8 @@ def _p99(values: list[float]) -> float:
 
 def _latencies(done: list, windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
     """Latencies of the requests that overlap a window, and of those before the first."""
-    during = [t1 - t0 for t0, t1, _ in done if any(t0 < b and t1 > a for a, b in windows)]
-    before = [t1 - t0 for t0, t1, _ in done if t1 <= windows[0][0]]
+    during = [t1 - t0 for t0, t1, *_ in done if any(t0 < b and t1 > a for a, b in windows)]
+    before = [t1 - t0 for t0, t1, *_ in done if t1 <= windows[0][0]]
     return during, before
 
 
@@ -86,7 +55,7 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
     from conversion.refit import local_shard_source
     from conversion.testing.train_step import greedy_decode, train_step
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
-    from megatron_refit.testing.vllm_server import generate, timed_client
+    from megatron_refit.testing.vllm_server import GenerateLoad, generate, timed_client
 
     cfg, built, sequence, prompt, optimizer = train_rank(rank, world, port, url, hidden, layers)
     rows, version = {}, 0
@@ -98,7 +67,7 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
             client=client, source=local_shard_source(built.bridge, built.model, cfg))
         version += 1
         engine.send_weights(version)  # the engine's first (full), outside the measurement
-        load = Load(url, prompt, clients, tokens) if rank == 0 else None
+        load = GenerateLoad(url, prompt, [tokens] * clients) if rank == 0 else None
         time.sleep(baseline_s)  # the same load, no refit
         windows, blocked = [], []
         for _ in range(refits):
@@ -123,7 +92,7 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
             rows[policy] = dict(blocked_routes_s=routes, refit_s=[round(b - a, 4) for a, b in windows],
                                 blocked_s=[round(b, 4) for b in blocked],
                                 blocked_over_refit=round(sum(blocked) / refit_s, 4),
-                                requests=len(done), errors=sum(not ok for *_, ok in done),
+                                requests=len(done), errors=sum(error is not None for *_, error in done),
                                 p99_before_s=round(_p99(before), 4), p99_during_s=round(_p99(during), 4),
                                 max_before_s=round(max(before, default=float("nan")), 4),
                                 max_during_s=round(max(during, default=float("nan")), 4),

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -187,6 +188,36 @@ def generate(url: str, prompt: list[int], max_tokens: int, timeout: float = 120.
     choice = answer["choices"][0]
     spans = [(s["version"], s["start"], s["end"]) for s in choice.get("weight_versions") or []]
     return list(choice["token_ids"]), spans
+
+
+class GenerateLoad:
+    """Client threads (named, joined by :meth:`stop`) asking the server for greedy continuations
+    of ``prompt`` in a loop through :func:`generate`, thread ``i`` for ``lengths[i]`` tokens; each
+    answer recorded as ``(start, end, tokens, spans, error)`` (``error``: the request's, else None)."""
+
+    def __init__(self, url: str, prompt: list[int], lengths: list[int]):
+        self.url, self.prompt, self.done = url, prompt, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n,), name=f"generate-load-{i}", daemon=True)
+                         for i, n in enumerate(lengths)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, length: int) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                tokens, spans = generate(self.url, self.prompt, length)
+                self.done.append((t0, time.monotonic(), tokens, spans, None))
+            except Exception as exc:  # noqa: BLE001 -- recorded: the callers count and show errors
+                self.done.append((t0, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}"))
+
+    def stop(self, timeout_s: float = 300.0) -> list:
+        """Stop asking (the requests under way finish) and return every answer."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
+        return self.done
 
 
 def weight_version(url: str) -> str | None:

@@ -14,15 +14,14 @@ continuation of the old version's first tokens.
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import torch
 
 from megatron_refit.engines.vllm.trainer.clients import POLICIES
 from megatron_refit.testing.faults import slow_next_refit
-from megatron_refit.testing.vllm_server import (generate, is_paused, process_alive, timed_client, wait_healthy,
-                                             weight_version)
+from megatron_refit.testing.vllm_server import (GenerateLoad, generate, is_paused, process_alive, timed_client,
+                                             wait_healthy, weight_version)
 from tests.engines.vllm_server.session import TRAIN_TP, _connect, _error, _trainer
 
 CLIENTS = 4
@@ -34,37 +33,9 @@ SLOW_S = 1.0
 """A train rank this slow holds the staged refit open under load."""
 
 
-class Clients:
-    """``CLIENTS`` threads asking for greedy tokens in a loop, each answer recorded as
-    ``(start, end, tokens, spans, error)``; client ``i`` asks for ``LENGTHS[i]`` tokens."""
-
-    def __init__(self, url: str, prompt: list[int]):
-        self.url, self.prompt, self.done = url, prompt, []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(n,), name=f"client-{i}", daemon=True)
-                         for i, n in enumerate(LENGTHS)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self, length: int) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                tokens, spans = generate(self.url, self.prompt, length)
-                self.done.append((t0, time.monotonic(), tokens, spans, None))
-            except Exception as exc:  # noqa: BLE001 -- an HTTP error is what the tests look for
-                self.done.append((t0, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}"))
-
-    def stop(self) -> list:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=120)
-        return self.done
-
-
 def _under_load(url: str, prompt: list[int], rank: int, refit) -> tuple[list, object]:
     """``refit()`` while the clients ask (train rank 0), held open by a slow train rank 1."""
-    clients = Clients(url, prompt) if rank == 0 else None
+    clients = GenerateLoad(url, prompt, list(LENGTHS)) if rank == 0 else None
     time.sleep(0.5)
     try:
         result = refit()
