@@ -30,7 +30,7 @@ import torch
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.trainer_fleet import TrainerFleet, member_config
-from megatron_refit.fleet.heartbeat import Heartbeat
+from megatron_refit.fleet.heartbeat import Heartbeat, stall_s
 from megatron_refit.fleet.store import JOINS, announce, namespace
 from megatron_refit.fleet.member import EngineMember, TrainerMember
 from megatron_refit.transport import ProcessGroupTransport, open_transport, transport_name
@@ -153,7 +153,7 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
         group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
                         replica=replica, incarnation=incarnation)
         member = EngineMember(group, storage, member_config(cfg), num_train=num_train, lora=lora,
-                              on_report=on_report)
+                              on_report=on_report, relay=relay_links(cfg, torch.device(device), replica, tp_rank))
     except BaseException:
         heartbeat.close()
         raise
@@ -161,6 +161,28 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
     if tp_rank == 0:
         member.on_close = lambda: announce(cfg, "leave", replica, incarnation)
     return member
+
+
+def relay_wait_s(cfg: RefitConfig) -> float:
+    """``refit.fanout``: the bound of every wait on a relay link (joining it, a bucket forwarded or
+    awaited): ``refit.stall_s`` where it is on (a relay or successor that stops is given up on as
+    soon as the train ranks would call it stalled), else ``refit.timeout_s``."""
+    return stall_s(cfg) or cfg.timeout_s
+
+
+def relay_links(cfg: RefitConfig, device: torch.device, replica: int, tp_rank: int):
+    """An engine rank's links to TP rank ``tp_rank`` of other replicas (``refit.fanout``), joined
+    when a route first needs them: 2-rank groups in the train ranks' store (NCCL between GPUs,
+    gloo on CPU)."""
+    from megatron_refit.endpoint.relay import RelayLinks
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+
+    def join(name: str, rank: int):
+        return ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=2, backend=backend,
+                                             timeout_s=relay_wait_s(cfg), namespace=name)
+
+    return RelayLinks(join, replica=replica, tp_rank=tp_rank)
 
 
 def _incarnation(cfg: RefitConfig, replica: int, tp_rank: int) -> str:

@@ -27,6 +27,7 @@ SWAP = ("in_place", "staged")
 ON_REPLICA_FAILURE = ("raise", "continue")
 OVERLAP = ("off", "on")
 OVERLAP_BUSY = ("wait", "skip")
+FANOUT = ("off", "chain", "tree", "auto")
 VERIFY_SERVING = ("auto", "on", "off")
 AUTO_SERVING_EVERY = 10
 """``verify_serving: auto``: every this many refits (and the first to each replica)."""
@@ -160,6 +161,17 @@ class RefitConfig:
     """``overlap: on``, when a refit is due while the last one still moves (at most one is in
     flight per trainer): ``wait`` for it, then start; ``skip`` this one (every train rank
     alike; counted in ``RefitCallback.skipped_busy``)."""
+    fanout: str = "off"
+    """Replica fan-out: the train ranks send each byte once, to one replica, and the replicas
+    forward it, engine rank ``k`` of one to rank ``k`` of the next, bucket by bucket while the
+    next arrives (digests checked at every hop). ``chain``: each replica forwards to one;
+    ``tree``: to two (fewer hops, twice the egress); ``auto``: the cost model's choice per refit
+    (:func:`megatron_refit.plan.fanout.auto_mode`: direct, chain or tree); ``off``: every replica
+    from the train ranks. Replicas share a chain only with the same layout and base version
+    (under ``delta``: the version they hold); any other replica gets its refit directly. A relay
+    that dies, stalls or breaks its link mid-refit is routed around within that refit: its
+    successors get the rest from the train ranks. Needs ``mode: disaggregated``. docs/design.md
+    shows the chain."""
     verify_serving: str | int = "auto"
     """Proof of serving: after a version lands, each engine replica scores a fixed probe
     (``serving_probe``) through its real serving path (vLLM: ``prompt_logprobs`` of its server
@@ -209,7 +221,7 @@ class RefitConfig:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
         if isinstance(d.get("delta"), bool):  # YAML 1.1 reads `delta: off` / `on` as booleans
             d = {**d, "delta": "on" if d["delta"] else "off"}
-        for key in ("overlap", "verify_serving"):
+        for key in ("overlap", "verify_serving", "fanout"):
             if isinstance(d.get(key), bool):
                 d = {**d, key: "on" if d[key] else "off"}
         config = cls(**d)  # checked in __post_init__
@@ -243,7 +255,7 @@ class RefitConfig:
         for name, allowed in (("mode", MODES), ("lora_sync", LORA_SYNC),
                               ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
                               ("swap", SWAP), ("on_replica_failure", ON_REPLICA_FAILURE),
-                              ("overlap", OVERLAP), ("overlap_busy", OVERLAP_BUSY)):
+                              ("overlap", OVERLAP), ("overlap_busy", OVERLAP_BUSY), ("fanout", FANOUT)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
@@ -258,6 +270,9 @@ class RefitConfig:
             raise ValueError(f"refit.verify_serving must be 'auto', 'on', 'off' or a positive int, got "
                              f"{self.verify_serving!r}")
         check_probe_spec(self.serving_probe)
+        if self.fanout != "off" and self.mode == "colocated":
+            raise ValueError(f"refit.fanout: {self.fanout!r} needs mode: disaggregated (colocated engines share the "
+                             "train ranks' GPUs: there is no replica link to relay over); set fanout: off")
         if self.stall_s < 0:
             raise ValueError(f"refit.stall_s must be 0 (off) or positive, got {self.stall_s!r}")
         if self.serving_tolerance is not None and self.serving_tolerance <= 0:

@@ -21,6 +21,7 @@ from megatron_refit.endpoint.delta import check_mode as check_delta_mode
 from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
+from megatron_refit.plan.fanout import DIRECT, ROUTE_VALUES, Route
 from megatron_refit.plan.pieces import pack
 from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan, disagreeing
 from megatron_refit.plan.spec import ShardSpec
@@ -127,6 +128,11 @@ class Endpoint:
         self._digesters: dict[int, Digester] | None = None
         """Per peer: the digest constants of this rank's buckets with it under this plan (see
         :meth:`_pair_digesters`)."""
+        self.route: Route = DIRECT
+        """``refit.fanout``: where this refit's bytes come from and go (the train side sets it
+        before a refit; the engine side learns it in the handshake)."""
+        self.shown_base = -1
+        """The delta base this rank showed in the last handshake."""
 
     def _local_specs(self) -> list[ShardSpec]:
         raise NotImplementedError
@@ -213,8 +219,11 @@ class Endpoint:
         shown = (ANY_VERSION if version is None else version) if error is None else -1
         base = self._delta_base() if self.delta != "off" and error is None else -1
         probe = int(self.probe_due) if self.role == "train" else 0
-        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe])
+        route = self.route.values() if self.role == "train" else [0] * ROUTE_VALUES
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *route])
         self.probe_due = bool(rows[0][4])
+        self.route = Route.from_values(rows[0][5:5 + ROUTE_VALUES])  # train rank 0's (the train ranks agree)
+        self.shown_base = base
         if error is not None:
             raise error
         if version is None:
@@ -293,14 +302,16 @@ class Endpoint:
         route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
         report.routes[route] += 1
 
-    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport) -> None:
+    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None) -> None:
         """Post buckets in order and retire them in the same order (FIFO). At most two
         packed buckets are in flight (they occupy the two staging buffers); direct buckets
-        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding."""
+        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding.
+        ``group``: where they travel (default the refit group; a relayed rank's upstream link)."""
+        group = self.group if group is None else group
         width = max((b.nbytes for b in buckets), default=0)
         count = min(2, len(buckets))
-        slots = self.group.staging(count, width) if self.group.shares_buffers else [
-            torch.empty(width, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
+        slots = group.staging(count, width) if group.shares_buffers else [
+            torch.empty(width, dtype=torch.uint8, device=group.device) for _ in range(count)]
         free = list(range(len(slots)))
         in_flight: deque = deque()
         direct_in_flight = 0
@@ -308,7 +319,7 @@ class Endpoint:
         def retire_oldest():
             nonlocal direct_in_flight
             bucket, pending, slot = in_flight.popleft()
-            self._retire((bucket, pending), retire, report)
+            self._retire((bucket, pending), retire, report, group)
             if slot is None:
                 direct_in_flight -= 1
             else:
@@ -327,13 +338,13 @@ class Endpoint:
         while in_flight:
             retire_oldest()
 
-    def _retire(self, item, retire, report) -> None:
+    def _retire(self, item, retire, report, group) -> None:
         bucket, pending = item
         start = time.perf_counter()
-        self.group.wait(pending)
+        group.wait(pending)
         report.seconds["transfer"] += time.perf_counter() - start
         retire(bucket, pending)
-        self.group.release(pending)  # colocated: hand the shared buffer back
+        group.release(pending)  # colocated: hand the shared buffer back
 
     def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
         """The bucket's bytes as one flat view of this side's memory, when it can skip packing:

@@ -25,7 +25,9 @@ def _item_view(buf: torch.Tensor, item: BucketItem) -> torch.Tensor:
 def pack_bucket(
     bucket: Bucket, get_src: Callable[[str], torch.Tensor], out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The bucket as a flat uint8 tensor of ``bucket.nbytes``, copied from the sender's pieces.
+    """The bucket as a flat uint8 tensor of ``bucket.nbytes``, copied from the sender's pieces
+    (the padding between items zeroed: a bucket packs to the same bytes every time, so a train
+    rank can recompute the digest of a bucket another route carried).
 
     ``get_src(name)`` returns the sender's local piece of ``name`` (shaped like its spec box,
     any strides). Each item is one strided copy from the piece into the buffer.
@@ -38,12 +40,18 @@ def pack_bucket(
             f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got {out.dtype} {tuple(out.shape)}"
         )
     out = out[: bucket.nbytes]
+    end = 0
     for item in bucket.items:
+        if item.offset > end:  # alignment padding: zeros, so the same bucket packs to the same bytes
+            out[end:item.offset].zero_()
+        end = item.offset + item.transfer.nbytes
         src = get_src(item.transfer.name)
         if str(src.dtype).removeprefix("torch.") != item.transfer.dtype:  # copy_ would cast silently
             raise ValueError(f"{item.transfer.name}: the local piece is {src.dtype}, its spec (and the plan) "
                              f"says {item.transfer.dtype}")
         _item_view(out, item).copy_(src[_slices(item.transfer.src_box)])
+    if bucket.nbytes > end:
+        out[end:].zero_()
     return out
 
 

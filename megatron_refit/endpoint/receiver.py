@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import Endpoint, adjacent_pieces, delta_tag
+from megatron_refit.endpoint.base import Endpoint, adjacent_pieces, delta_tag, logger
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size
 from megatron_refit.endpoint.stages import Drain, ReceiveDigests
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
-from megatron_refit.errors import RefitCorruptionError
+from megatron_refit.errors import RefitCorruptionError, RefitTransportError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
@@ -29,9 +29,12 @@ class Receiver(Endpoint):
     def __init__(self, group: Transport, storage: Storage, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, delta: str = "off",
-                 replica_size: int | None = None):
+                 replica_size: int | None = None, relay=None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size)
+        self.relay = relay
+        """``refit.fanout``: this rank's :class:`~megatron_refit.endpoint.relay.RelayLinks` (None: it
+        never relays; a route that asks it to is refused)."""
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.storage = storage
@@ -106,10 +109,24 @@ class Receiver(Endpoint):
         buckets = self.plan.buckets_to(self.gen_index)
         report.bytes_full = sum(b.payload_bytes for b in buckets)
         digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
-        digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report)
+        route = self.route
+        digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report,
+                                 post=not route.relayed)
         run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
         with torch.no_grad():
-            self._run(buckets, run.post, run.retire, report)
+            run.forward = self._forwarder(route, buckets, report)
+            try:
+                if route.relayed:
+                    self._relayed(route, buckets, run, report)
+                else:
+                    self._run(buckets, run.post, run.retire, report)
+                if run.forward is not None:  # the train ranks' digests go on with the bytes
+                    digests.wait_sent()
+                    run.forward.digests({src: pending.buffer for src, pending in digests.sent.items()})
+            except BaseException as exc:
+                if run.forward is not None:  # its successors stop waiting for it now
+                    run.forward.abort(f"relay replica {self.relay.replica}'s own refit failed: {type(exc).__name__}")
+                raise
             if run.drain.draining:  # every message of the refit taken: the group is intact; the trainer learns why
                 digests.wait_sent()
                 report.seconds["total"] = time.perf_counter() - start
@@ -131,6 +148,62 @@ class Receiver(Endpoint):
         report.seconds["total"] = time.perf_counter() - start
         self._summarize(report)
         return report
+
+    def _forwarder(self, route, buckets, report):
+        """A relay's forwarding stage to this refit's successors (None: none), each link joined
+        now; one that cannot be joined is dropped (that successor gets its bytes from the train ranks)."""
+        if not route.successors:
+            return None
+        from megatron_refit.endpoint.relay import Forwarder, positions
+
+        if self.relay is None:
+            raise ValueError("refit.fanout: the train ranks route replicas through this engine rank, but it has no "
+                             "relay links (an engine rank built without engine_refit?)")
+        links = {}
+        for successor in route.successors:
+            try:
+                links[successor] = self.relay.link(route.epoch, self.relay.replica, successor)
+            except RefitTransportError as exc:
+                logger.warning("refit: replica %d TP rank %d cannot relay to replica %d: %s", self.relay.replica,
+                               self.relay.tp_rank, successor, exc)
+        return Forwarder(links, positions(buckets, self.plan.global_src), self.relay.drop, report,
+                         replica=self.relay.replica, tp_rank=self.relay.tp_rank)
+
+    def _relayed(self, route, buckets, run, report) -> None:
+        """A relayed replica's part: every bucket from its upstream relay, then the train ranks'
+        digests it forwards; whatever did not come (the relay failed, or its delta payloads do not
+        apply to this rank's weights) then comes from the train ranks, who learn what this rank
+        holds in one collective of the group (``fanout``)."""
+        from megatron_refit.endpoint.relay import UpstreamView, positions
+
+        if self.relay is None:
+            raise ValueError("refit.fanout: the train ranks route this engine rank through a relay, but it has no "
+                             "relay links (an engine rank built without engine_refit?)")
+        link, complete = None, False
+        run.use(None, set(), chain_base=route.chain_base)
+        try:
+            link = self.relay.link(route.epoch, route.upstream, self.relay.replica)
+            view = UpstreamView(link, positions(buckets, self.plan.global_src))
+            run.use(view, {self.plan.global_src(b) for b in buckets}, chain_base=route.chain_base)
+            self._run(buckets, run.post, run.retire, report, group=view)
+            run.digests.post(view)
+            run.digests.wait_sent()
+            complete = True
+        except (RefitTransportError, _DeltaNotApplicableError) as exc:
+            logger.warning("refit %d: replica %d TP rank %d: relay from replica %d ended after %d of %d buckets (%s); "
+                           "the train ranks send the rest", run.version, self.relay.replica, self.relay.tp_rank,
+                           route.upstream, run.retired, len(buckets), exc)
+            if link is not None:
+                self.relay.drop(link, f"replica {self.relay.replica} stopped taking the relay")
+        self.group.all_gather_object(dict(done=run.done_by_src(self.num_train), digests=complete), "fanout")
+        if complete:
+            return
+        report.relay_fallback = True
+        rest = buckets[run.retired:]
+        run.use(self.group, set(), chain_base=-1)
+        if self.verify != "off":
+            run.digests.post(self.group)
+        self._run(rest, run.post, run.retire, report)
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})
@@ -170,6 +243,27 @@ class _ReceiveRun:
         self.digests, self.drain, self.report = digests, drain, report
         self.codes: dict = {}  # delta refits: (src, index) -> (encoding, size), from the header before each bucket
         self.scratch: list[torch.Tensor] = []
+        self.group = receiver.group
+        """Where the buckets come from: the refit group, or a relayed rank's upstream link."""
+        self.forward = None
+        """A relay's :class:`~megatron_refit.endpoint.relay.Forwarder` (None: it forwards nothing)."""
+        self.retired = 0
+        self.delta_ok = True
+        """A relayed rank: the relay's delta payloads apply to this rank's weights."""
+        self._retired_by_src: dict[int, int] = {}
+
+    def use(self, group, delta_from: set[int], *, chain_base: int) -> None:
+        """The next buckets come over ``group``, a header before each from ``delta_from``; the
+        relay's delta payloads apply here when this rank holds ``chain_base``."""
+        if group is not None:
+            self.group = group
+        self.delta_from = delta_from
+        self.codes = {}  # a header of a bucket in flight when a relay failed: that bucket comes again, raw
+        self.delta_ok = chain_base >= 0 and self.rx.shown_base == chain_base
+
+    def done_by_src(self, num_train: int) -> list[int]:
+        """Buckets retired so far from each train rank (a prefix of each pair's, in plan order)."""
+        return [self._retired_by_src.get(src, 0) for src in range(num_train)]
 
     def post(self, bucket, buf):
         rx = self.rx
@@ -185,18 +279,21 @@ class _ReceiveRun:
                 self._fail(exc)
         rx._route(self.report, direct is not None)
         if direct is not None:  # straight into engine storage
-            pending = rx.group.irecv(direct, src, bucket.index)
+            pending = self.group.irecv(direct, src, bucket.index)
             pending.direct = True
             return pending
-        return rx.group.irecv(buf[:size], src, bucket.index)  # staging (delta: the changed elements)
+        return self.group.irecv(buf[:size], src, bucket.index)  # staging (delta: the changed elements)
 
     def _header(self, bucket, src: int) -> tuple[int, int]:
         """A delta bucket's header: ``(encoding, size)``. A malformed one fails this rank (named)
         and the bucket is drained at its largest size, the whole bucket (a payload never exceeds it)."""
         rx = self.rx
-        header = rx.group.recv_small(torch.zeros(2, dtype=torch.int64), src, delta_tag(bucket.index))
-        rx.group.wait(header)
+        header = self.group.recv_small(torch.zeros(2, dtype=torch.int64), src, delta_tag(bucket.index))
+        self.group.wait(header)
         encoding, size = header.buffer.cpu().tolist()
+        if encoding != RAW and not self.delta_ok:  # a relay's delta on another base: from the train ranks, raw
+            raise _DeltaNotApplicableError(f"a delta payload on version {rx.route.chain_base}, this rank holds "
+                                 f"{rx.shown_base}")
         problem = check_header(encoding, size, bucket.nbytes)
         if problem is not None:
             self._fail(RefitCorruptionError(f"refit {self.version}: {rx._bucket_name(bucket)}: its delta header is "
@@ -214,6 +311,18 @@ class _ReceiveRun:
         encoding, size = self.codes.get((bucket.src_rank, bucket.index), (RAW, 0))
         self.report.bytes_received += bucket.payload_bytes if encoding == RAW else size
         self.report.bytes_wire += buf.numel()
+        src = self.rx.plan.global_src(bucket)
+        self.retired += 1
+        self._retired_by_src[src] = self._retired_by_src.get(src, 0) + 1
+        if self.forward is not None:  # as it arrived (this rank's own failure does not change its bytes)
+            self.forward.bucket(src, bucket, encoding, buf)
+        try:
+            self._take(bucket, pending, encoding, buf)
+        finally:
+            if self.forward is not None:  # before its slot takes the next bucket
+                self.forward.wait()
+
+    def _take(self, bucket, pending, encoding: int, buf: torch.Tensor) -> None:
         if self.drain.draining:  # dropped
             return
         try:
@@ -238,3 +347,7 @@ class _ReceiveRun:
         t0 = time.perf_counter()
         unpack_bucket(bucket, buf, rx.storage.buffer)
         report.seconds["load"] += time.perf_counter() - t0
+
+
+class _DeltaNotApplicableError(Exception):
+    """A relayed rank cannot apply what its relay forwards (a delta on a version it does not hold)."""

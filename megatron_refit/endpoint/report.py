@@ -42,6 +42,11 @@ class RefitReport:
     engine_load: str | None = None
     """Engine side: how the engine wrote this refit (``in_place`` / ``load_weights``: what
     ``refit.engine_load: auto`` chose), where the engine says."""
+    bytes_relayed: int = 0
+    """Engine side, ``refit.fanout``: bytes this rank forwarded to other replicas."""
+    relay_fallback: bool = False
+    """Engine side, ``refit.fanout``: this rank's upstream relay failed (or its payloads did not
+    apply here) and the train ranks sent it the rest."""
     failed_replicas: dict = field(default_factory=dict)
     """Engine replicas (index: ``gen rank // gen_tp``) that could not apply this refit, with
     why (their ranks' own errors, ``"refit rank N: <error>"``); the same on every rank. Those
@@ -61,13 +66,14 @@ _TIMES = ("total", "pack", "load", "verify", "onload", "offload")
 
 
 _FIELDS = ("failed", "bytes_sent", "bytes_received", "bytes_wire", "buckets", *(f"us_{t}" for t in _TIMES),
-           "bytes_full", "delta", "words", "words_changed")
+           "bytes_full", "delta", "words", "words_changed", "bytes_relayed", "relay_fallback")
 """What each rank contributes to the group summary, in the order a control message carries it."""
 
 
 def report_values(report: RefitReport, failed: bool) -> list[int]:
     """This rank's share of the group summary, as the ints a control message carries (:data:`_FIELDS`)."""
     values = dict(failed=int(failed), buckets=sum(report.routes.values()) if report.role == "train" else 0,
+                  relay_fallback=int(report.relay_fallback),
                   delta=int(report.delta), **{f"us_{t}": round(report.seconds[t] * _US) for t in _TIMES})
     return [values[f] if f in values else getattr(report, f) for f in _FIELDS]
 
@@ -76,7 +82,8 @@ SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/replic
                 "refit/total_s", "refit/gbps", "refit/bytes",
                 "refit/bytes_wire", "refit/bytes_minimal", "refit/bytes_full", "refit/delta", "refit/density",
                 "refit/buckets", "refit/pack_s", "refit/load_s", "refit/verify_s", "refit/onload_s",
-                "refit/offload_s", "refit/slowest_rank", "refit/train_ranks", "refit/gen_ranks")
+                "refit/offload_s", "refit/slowest_rank", "refit/train_ranks", "refit/gen_ranks", "refit/bytes_relayed",
+                "refit/relay_fallbacks")
 """The keys :func:`summarize` returns, in order (docs/quickstart.md says what each means)."""
 
 
@@ -91,7 +98,7 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
     refit rank ``r``; train ranks first). Seconds are the slowest rank's (the group waits for
     it); bytes are summed over train ranks (each byte is sent once). ``replica_size``: engine
     ranks per replica (``gen_tp``; default: all of them are one replica)."""
-    rows = [dict(zip(_FIELDS, row, strict=True)) for row in rows]
+    rows = [dict(zip(_FIELDS, row[:len(_FIELDS)], strict=True)) for row in rows]
     train, gen = rows[:num_train], rows[num_train:]
     seconds = {t: [row[f"us_{t}"] / _US for row in rows] for t in _TIMES}
     total = max(seconds["total"])
@@ -122,6 +129,8 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
         "refit/slowest_rank": seconds["total"].index(total),
         "refit/train_ranks": len(train),
         "refit/gen_ranks": len(gen),
+        "refit/bytes_relayed": sum(row["bytes_relayed"] for row in gen),
+        "refit/relay_fallbacks": sum(row["relay_fallback"] for row in gen),
     }
     return out
 
@@ -174,5 +183,7 @@ def merge_reports(version: int, rank: int, reports: list[RefitReport], *, replic
         if summaries else 0,
         "refit/train_ranks": max((s["refit/train_ranks"] for s in summaries), default=0),
         "refit/gen_ranks": total("refit/gen_ranks"),
+        "refit/bytes_relayed": total("refit/bytes_relayed"),
+        "refit/relay_fallbacks": total("refit/relay_fallbacks"),
     }
     return out

@@ -105,6 +105,8 @@ class Refitter(Endpoint):
         fleet's (``refit.on_replica_failure``)."""
         start = time.perf_counter()
         delta_to = self._handshake(version)
+        if self.route.relayed:
+            return self._refit_relayed(version, start)
         report = RefitReport(version=version, role="train", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal, delta=bool(delta_to))
         buckets = self.plan.buckets_from(self.group.rank)
@@ -132,6 +134,54 @@ class Refitter(Endpoint):
                            bytes_full=report.summary["refit/bytes_full"],
                            was_delta=bool(delta_to), seconds=report.summary["refit/total_s"],
                            rank_bytes=report.bytes_full)
+        self._emit(report)
+        return report
+
+    def _refit_relayed(self, version: int, start: float) -> RefitReport:
+        """``refit.fanout``, a replica whose bytes a relay forwards: this rank sends nothing unless
+        the relay failed on one of its engine ranks, which then tells (``fanout``) how many of this
+        rank's buckets it holds and whether it has the digests; the rest goes now (raw), with this
+        rank's digests of all its buckets to it (those the relay carried recomputed here: a
+        bucket packs to the same bytes every time). The copies kept for deltas are not this
+        replica's (the chain's head holds them): its next direct refit is a full one."""
+        report = RefitReport(version=version, role="train", rank=self.group.rank, bytes_minimal=self.plan.bytes_minimal)
+        held = self.group.all_gather_object(None, "fanout")[self.num_train:]
+        buckets = self.plan.buckets_from(self.group.rank)
+        report.bytes_full = sum(b.payload_bytes for b in buckets)
+        need = {self.num_train + k for k, h in enumerate(held) if not h["digests"]}
+        seen: dict[int, int] = {}
+        resend, carried = [], []
+        for bucket in buckets:
+            dst = self.plan.global_dst(bucket)
+            place, seen[dst] = seen.get(dst, 0), seen.get(dst, 0) + 1
+            if place >= held[dst - self.num_train]["done"][self.group.rank]:
+                resend.append(bucket)
+            elif dst in need:
+                carried.append(bucket)
+        if resend or carried:
+            sources = Sources(self.pieces, buckets)
+            digesters = self._pair_digesters(buckets, self.plan.global_dst) if self.verify != "off" else {}
+            digests = SendDigests(self.group, digesters, self.verify, version,
+                                  [b for b in buckets if self.plan.global_dst(b) in need], self.plan.global_dst, report)
+            try:
+                with torch.no_grad():
+                    scratch = None
+                    for bucket in carried:  # the digest pass over what the relay carried
+                        data = self._direct_view(bucket, sources, "src")
+                        if data is None:
+                            if scratch is None or scratch.numel() < bucket.nbytes:
+                                scratch = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+                            data = pack_bucket(bucket, sources, out=scratch)
+                        digests.add(bucket, data)
+                    self._run(resend, functools.partial(self._post, sources, digests, report),
+                              lambda bucket, pending: None, report)
+                    digests.wait()
+            finally:
+                sources.release_all()
+        self.version = version
+        report.seconds["total"] = time.perf_counter() - start
+        self._summarize(report)
+        self.forget_delta_base()
         self._emit(report)
         return report
 

@@ -103,17 +103,28 @@ class ReceiveDigests:
     each bucket's chunk sums once it is in place (after the next bucket is posted, so the pass
     overlaps the transfer); at the end, the comparison naming the corrupted buckets."""
 
-    def __init__(self, group, digesters: dict, verify: str, version: int, buckets, src_of: Callable, report):
+    def __init__(self, group, digesters: dict, verify: str, version: int, buckets, src_of: Callable, report, *,
+                 post: bool = True):
         self.group, self.digesters, self.verify, self.version = group, digesters, verify, version
         self.src_of, self.report = src_of, report
         self.left = Counter(src_of(b) for b in buckets)
+        self.counts = dict(self.left)
         self.received: dict[int, list] = {}  # sender -> [(bucket, chunk sums)] in plan order
         self.computed: dict[int, torch.Tensor] = {}
         self.unchecked: list = []
         self.sent = {}
-        if verify != "off":
+        self._arrived: set[int] = set()
+        if post:
+            self.post(group)
+
+    def post(self, group) -> None:
+        """Receive the senders' digest messages over ``group`` (the refit group, or a relayed
+        rank's upstream link: :class:`~megatron_refit.endpoint.relay.UpstreamView`)."""
+        self.group = group
+        self._arrived: set[int] = set()
+        if self.verify != "off":
             self.sent = {src: group.recv_small(torch.zeros(n, dtype=torch.int64), src, DIGEST_TAG)
-                         for src, n in self.left.items()}
+                         for src, n in self.counts.items()}
 
     def queue(self, bucket, data: torch.Tensor) -> None:
         if self.verify != "off":
@@ -135,8 +146,12 @@ class ReceiveDigests:
         self.report.seconds["verify"] += time.perf_counter() - t0
 
     def wait_sent(self) -> None:
-        for pending in self.sent.values():
-            self.group.wait(pending)
+        """Every sender's digest message is in (each waited for once: a gloo receive waited for
+        again blocks)."""
+        for src, pending in self.sent.items():
+            if src not in self._arrived:
+                self.group.wait(pending)
+                self._arrived.add(src)
 
     def compare(self) -> None:
         """``RefitCorruptionError`` naming the parameters of every bucket whose digest differs."""
@@ -144,8 +159,8 @@ class ReceiveDigests:
             return
         t0 = time.perf_counter()
         corrupted = []
+        self.wait_sent()
         for src, pending in self.sent.items():
-            self.group.wait(pending)
             mismatch = (self.computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
             corrupted += [self.received[src][i][0] for i in mismatch]
         self.report.seconds["verify"] += time.perf_counter() - t0

@@ -46,6 +46,8 @@ class _Member:
 
     on_close: Callable[[], None] | None = None
     """Called first by :meth:`close` (an engine replica announces that it leaves)."""
+    relay = None
+    """An engine rank's :class:`~megatron_refit.endpoint.relay.RelayLinks` (closed by :meth:`close`)."""
     heartbeat = None
     """An engine rank's :class:`~megatron_refit.fleet.heartbeat.Heartbeat` (stopped by :meth:`close`)."""
 
@@ -58,6 +60,8 @@ class _Member:
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.close()
+            if self.relay is not None:
+                self.relay.close()
 
 
 class TrainerMember(_Member):
@@ -96,6 +100,12 @@ class TrainerMember(_Member):
             answer = exchange_in_band(self.group, self.full.num_train, probe=probe if self.group.rank == 0 else None)
         return report, answer, time.perf_counter() - t0
 
+    def set_route(self, route) -> None:
+        """``refit.fanout``: where the next refit's bytes go (a :class:`~megatron_refit.plan.fanout.Route`)."""
+        for endpoint in (self.full, self.adapters):
+            if endpoint is not None:
+                endpoint.route = route
+
     def force_full(self, *, adapters: bool) -> None:
         """The replica failed this refit: its next one is full (no delta; with ``adapters``, the
         base weights too under LoRA adapter sync, where its engine follows the trainer's choice)."""
@@ -109,14 +119,16 @@ class EngineMember(_Member):
     """Generation side of the refit (one per generation rank)."""
 
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
-                 on_report: Callable[[dict], None] | None = None):
+                 on_report: Callable[[dict], None] | None = None, relay=None):
         self.num_train = num_train
         self._score = getattr(storage, "score", None)
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
                   direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp)
+                  replica_size=cfg.gen_tp, relay=relay)
         self.group = group
+        self.relay = relay
+        """``refit.fanout``: this rank's links to the other replicas (closed with the member)."""
         self.adapters = None
         if lora is not None:
             from megatron_refit.endpoint.lora import LoraStorage

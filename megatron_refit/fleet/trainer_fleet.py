@@ -25,6 +25,7 @@ from concurrent.futures import Future
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import RefitTransportError
+from megatron_refit.fleet.fanout import FanoutRouter
 from megatron_refit.fleet.member import TrainerMember
 from megatron_refit.fleet.heartbeat import Watchdog
 from megatron_refit.fleet.membership import DONE, PENDING, Changes, Membership, resolve
@@ -89,6 +90,8 @@ class TrainerFleet:
         self._announcements = Announcements(control.store) if control.rank == 0 else None
         if self.membership is not None:
             self.membership.starting(range(cfg.gen_dp))
+        self.router = FanoutRouter(cfg.fanout, delta=cfg.delta, bucket_bytes=cfg.bucket_bytes, gen_tp=cfg.gen_tp)
+        """``refit.fanout``: each refit's routes (which replica forwards to which)."""
         self.watchdog = Watchdog(cfg, leader=control.rank == 0)
         """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
         if self.watchdog.enabled:
@@ -202,6 +205,7 @@ class TrainerFleet:
     def _drop(self, replica: int) -> None:
         """Replica ``replica`` left, or its group broke: its group, lanes and client go."""
         member = self.members.pop(replica)
+        self.router.forget(replica)
         self.watchdog.unwatch(replica)
         self.serving.forget(replica)
         if self._hooks is not None:
@@ -294,6 +298,9 @@ class TrainerFleet:
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
         replicas = sorted(self.members)
+        if self.cfg.fanout != "off":
+            for replica, route in self.router.routes(self.control, self.members, full).items():
+                self.members[replica].set_route(route)
         moved = {"onload": 0.0, "offload": 0.0}  # offloaded parameters: loaded once for every replica
         loaded = self.offloader is not None and self.offloader.offloaded
         if loaded:
@@ -342,6 +349,7 @@ class TrainerFleet:
         report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,
                                seconds=time.perf_counter() - start, moved=moved, moved_max=moved_max)
         report.summary.update(serving)
+        self.router.record(version, replicas, failures, report.summary)
         if self.on_report is not None:
             self.on_report(report.summary)
         return report

@@ -14,7 +14,7 @@ import sys
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import (GB, Cluster, delta_fraction, delta_prediction, fanout_prediction,
                                       overlap_stall, placement, predict, swap_pause)
-from megatron_refit.plan.fanout import MODES, fanout_routes
+from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
 from megatron_refit.tools.dryrun import build
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -84,9 +84,10 @@ def main(argv=None) -> int:
                    help="also predict the generation pause of a refit (refit.swap; default: the config's)")
     p.add_argument("--overlap", action="store_true",
                    help="also predict the training-step stall per refit with refit.overlap on and off")
-    p.add_argument("--fanout", choices=MODES, default=None,
-                   help="also predict a refit under replica fan-out (the train ranks send to one replica, the "
-                        "replicas forward; a model only: the refit sends to every replica directly)")
+    p.add_argument("--fanout", choices=["off", *MODES, "auto"], default=None,
+                   help="also predict a refit under replica fan-out (refit.fanout: the train ranks send to one "
+                        "replica, the replicas forward); default: the config's refit.fanout; auto: the cost "
+                        "model's choice")
     args = p.parse_args(argv)
     model = ""
     try:
@@ -103,8 +104,10 @@ def main(argv=None) -> int:
             delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
                                      density=args.delta_density)
         fanout = None
-        if args.fanout is not None:
-            routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=args.fanout)
+        fanout_mode = resolve_mode(args.fanout or run.refit.fanout, pairs, tp=run.gen.tp, dp=run.gen.dp,
+                                   bucket_bytes=run.refit.bucket_bytes)
+        if fanout_mode != "off" and run.gen.dp > 1:
+            routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=fanout_mode)
             fanout = (routes, fanout_prediction(routes, train_gpu, gen_gpu, cluster,
                                                 bucket_bytes=run.refit.bucket_bytes))
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
@@ -130,10 +133,10 @@ def main(argv=None) -> int:
     fanout_json = None
     if fanout is not None:
         fanout_json = fanout_summary(*fanout, pairs, run.gen_bytes_max(), mode, cluster)
-        label = f"  fan-out ({args.fanout}, a model)"
+        label = f"  fan-out ({fanout_mode})"
         print(f"{label:42} {layout:40} {fanout[1].seconds:12.2f}")
         floor = fanout_json["floor_seconds"]
-        print(f"fan-out ({args.fanout}): the train ranks send {fanout_json['bytes_from_trainers'] / 1e9:.2f} GB "
+        print(f"fan-out ({fanout_mode}): the train ranks send {fanout_json['bytes_from_trainers'] / 1e9:.2f} GB "
               f"({fanout_json['trainer_egress_over_minimal']:g}x one replica's; direct: "
               f"{fanout_json['direct_egress_over_minimal']:g}x), the replicas relay "
               f"{fanout_json['bytes_relayed'] / 1e9:.2f} GB over {fanout[0].depth} hop(s); bottleneck: "

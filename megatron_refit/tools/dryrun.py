@@ -41,6 +41,7 @@ from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
+from megatron_refit.plan.fanout import fanout_routes, resolve_mode
 from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
@@ -73,6 +74,8 @@ class DryRun:
     """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
     prepare: dict[str, tuple[float, int]] = field(default_factory=dict)
     """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
+    fanout: dict | None = None
+    """:func:`fanout_bytes`, once computed."""
 
     @property
     def prepare_seconds(self) -> float:
@@ -279,6 +282,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def fanout_bytes(run: DryRun) -> dict:
+    """``refit.fanout`` of the plan: its mode (``auto`` resolved), the bytes the train ranks send
+    and those the replicas relay (off: every replica's from the train ranks, none relayed)."""
+    if run.fanout is not None:
+        return run.fanout
+    pairs = run.senders.route_bytes()
+    mode = resolve_mode(run.refit.fanout, pairs, tp=run.gen.tp, dp=run.gen.dp, bucket_bytes=run.refit.bucket_bytes)
+    if mode == "off" or run.gen.dp < 2:
+        run.fanout = {"mode": "off", "bytes_from_trainers": sum(pairs.values()), "bytes_relayed": 0}
+    else:
+        routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=mode)
+        run.fanout = {"mode": mode, "bytes_from_trainers": routes.bytes_from_trainers,
+                      "bytes_relayed": routes.bytes_relayed}
+    return run.fanout
+
+
 def summary_lines(run: DryRun) -> list[str]:
     gen_bytes = run.senders.gen_bytes()
     train_bytes = run.senders.train_bytes
@@ -305,6 +324,9 @@ def summary_lines(run: DryRun) -> list[str]:
         lines.append("prepare       " + "; ".join(f"{who} {seconds:.2f} s ({count:,} transfers)"
                                                   for who, (seconds, count) in run.prepare.items())
                      + " (one rank's prepare() after the gather)")
+    fanout = fanout_bytes(run)
+    lines.append(f"fan-out       {fanout['mode']}: the train ranks send {fanout['bytes_from_trainers'] / gb:.2f} GB, "
+                 f"the replicas relay {fanout['bytes_relayed'] / gb:.2f} GB (refit.fanout: {run.refit.fanout})")
     if not run.refit.enabled:
         lines.append("note          refit.enabled is false: a training run with this config would not refit")
     return lines
@@ -341,6 +363,7 @@ def main(argv=None) -> int:
             "num_params": run.num_params,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
             "bytes_total": run.bytes_total(),
+            "fanout": fanout_bytes(run),
         }))
     return 0
 

@@ -34,14 +34,14 @@ REFITS, NEXT_REFIT = "megatron_refit/refits", "megatron_refit/next_refit"
 """Store keys: the number of refits rank 0 began on the group, and ``NEXT_REFIT/<n>``, set
 when refit ``n`` begins (engine ranks between refits wait for it)."""
 
-MAGIC = 0x52_46_49_54_0003
+MAGIC = 0x52_46_49_54_0004
 """First word of every control header: "RFIT" and the protocol version."""
 
 CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet": 6, "overlap": 7, "probe": 8,
-         "served": 9}
+         "served": 9, "fanout": 10}
 """The calls control messages belong to (the header's second word)."""
 
-HEADER_VALUES = 15
+HEADER_VALUES = 20
 """Values a control header carries after (magic, call, sequence)."""
 
 FIRST_FAILURE = "megatron_refit_first_failure"

@@ -1,0 +1,226 @@
+"""Replica fan-out (``refit.fanout``) over real spawned ranks on gloo, through the public
+``trainer_refit_from_pieces`` / ``engine_refit`` path: the train ranks send each byte once, to the
+chain's head, and the replicas forward it, rank ``k`` to rank ``k``. Every replica lands every
+version bit-exactly; the train ranks' bytes are one replica's; a relay killed or raising mid-refit
+is routed around within that refit (its successors get the rest from the train ranks and land it);
+a replica that joins takes its place in the chain; delta payloads travel along the chain; and all
+of it under ``refit.overlap: on`` too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_refit.testing.launch import run_spawned
+from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
+
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
+
+TIMEOUT_S = 8.0
+STALL_S = 4.0
+VERSIONS = (1, 2, 3, 4)
+BAD = 2
+"""The version a relay dies or raises in."""
+RELAY = 0
+"""The relay that fails: the chain's head (its successor then forwards what the train ranks resend it)."""
+
+
+def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
+    """Train ranks refit ``VERSIONS``; replicas ``0..dp-1`` start with them; under ``join`` a
+    replica ``dp`` starts after refit 2 and joins at refit 3. ``kill``: replica ``RELAY``'s first
+    TP rank exits while it lands refit ``BAD``; ``raise``: its storage raises then."""
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.fleet.store import JOINS
+    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=2048 / (1 << 20),
+                      direct_mb=None, timeout_s=TIMEOUT_S, stall_s=STALL_S, delta=delta, fanout=mode,
+                      on_replica_failure="continue", overlap=overlap)
+    out = []
+    if os.environ.get("FO_DUMP"):
+        import faulthandler
+        faulthandler.dump_traceback_later(6)
+    if rank < NUM_TRAIN:
+        pieces = train_pieces(rank)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
+        for version in VERSIONS:
+            if version == 3 and scenario == "join" and rank == 0:
+                open(flag, "w").close()  # the standby replica may start now
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and fleet.control.store.get(JOINS).decode().count(",") <= dp:
+                    time.sleep(0.05)
+            set_version(pieces, version)
+            start = time.monotonic()
+            report = fleet.refit(version)
+            out.append(dict(failed=report.failed_replicas, summary=report.summary, members=sorted(fleet.members),
+                            seconds=time.monotonic() - start))
+        fleet.close()
+        if scenario == "stall" and rank == 0:  # the stopped relay never ends by itself
+            os.kill(int(open(flag + ".pid").read()), signal.SIGKILL)
+        return out
+    gen = rank - NUM_TRAIN
+    first, versions = gen, VERSIONS
+    if gen >= tp * dp:  # the standby replica
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first, versions = dp * tp + gen - tp * dp, (3, 4)
+    store = storage(first % tp, tp)
+    if first == RELAY * tp and scenario in ("kill", "raise", "stall"):
+        calls = [0]
+
+        def failing(name, call):
+            if len(out) != BAD - 1:  # refit BAD's calls only
+                return
+            calls[0] += 1
+            if calls[0] == 2:
+                if scenario == "kill":
+                    os._exit(17)
+                if scenario == "stall":  # SIGSTOP: no heartbeat, its sockets open
+                    with open(flag + ".pid", "w") as f:
+                        f.write(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+
+        store.on_buffer = failing
+    member = engine_refit(cfg, store, gen_index=first, num_train=NUM_TRAIN)
+    for version in versions:
+        start = time.monotonic()
+        try:
+            report = member.receive(version)
+            out.append(dict(version=version, ok=True, delta=report.delta, fallback=report.relay_fallback,
+                            relayed=report.bytes_relayed))
+        except Exception as exc:  # noqa: BLE001 -- the test reads what the engine raised
+            out.append(dict(version=version, ok=False, error=f"{type(exc).__name__}: {exc}"[:300]))
+        out[-1].update(seconds=time.monotonic() - start, exact=exact(store, version), state=member.state)
+    member.close()
+    return out
+
+
+def _run(scenario, tmp_path, *, tp=1, dp=3, mode="chain", delta="off", overlap="off"):
+    standby = tp if scenario == "join" else 0
+    dead = frozenset({NUM_TRAIN + RELAY * tp}) if scenario in ("kill", "stall") else frozenset()
+    out = run_spawned(_rank, NUM_TRAIN + tp * dp + standby, scenario, tp, dp, mode, delta, overlap,
+                      str(tmp_path / "flag"), timeout_s=240, may_die=dead)
+    return out[:NUM_TRAIN], out[NUM_TRAIN:NUM_TRAIN + tp * dp], out[NUM_TRAIN + tp * dp:]
+
+
+def _landed(outcome, versions):
+    assert [r["version"] for r in outcome] == list(versions), outcome
+    for r in outcome:
+        assert r["ok"] and r["exact"] and r["state"] == "ready" and r["seconds"] < TIMEOUT_S, r
+
+
+def _one_replica_bytes(train, version, replicas):
+    """The train ranks sent one replica's bytes, the replicas relayed the other ``replicas - 1``'s."""
+    s = train[0][version - 1]["summary"]
+    one = s["refit/bytes_minimal"] // replicas
+    return s, one
+
+
+@pytest.mark.parametrize("mode,tp,dp", [("chain", 1, 3), ("tree", 2, 3)])
+def test_fanout_every_replica_lands_every_version_from_one_replicas_bytes(mode, tp, dp, tmp_path):
+    train, gen, _ = _run("ok", tmp_path, tp=tp, dp=dp, mode=mode)
+    for outcome in gen:
+        _landed(outcome, VERSIONS)
+        assert not any(r["fallback"] for r in outcome)
+    for version in VERSIONS:
+        s, one = _one_replica_bytes(train, version, dp)
+        assert s["refit/ok"] == 1 and s["refit/replicas_ok"] == dp
+        assert s["refit/bytes"] == one > 0  # trainer egress: one replica's, not dp of them
+        assert s["refit/bytes_relayed"] == (dp - 1) * s["refit/bytes_wire"]  # every other replica's, once
+        assert s["refit/relay_fallbacks"] == 0
+        assert all(o[version - 1]["summary"] == s for o in train)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_fanout_relay_killed_mid_refit_its_successors_still_land_it(overlap, tmp_path):
+    """The chain's head dies while it lands refit 2 (``overlap: on``: in the train ranks'
+    background lane): its successor gets the rest from the train ranks and forwards it on, both
+    land refit 2 bit-exactly within the bound (no refit.timeout_s), the dead relay is named and
+    dropped, and the next refits form a chain of the survivors."""
+    train, gen, _ = _run("kill", tmp_path, overlap=overlap)
+    assert gen[RELAY] is None  # killed
+    for g, outcome in enumerate(gen):
+        if g != RELAY:
+            _landed(outcome, VERSIONS)
+    assert gen[1][BAD - 1]["fallback"]  # the head's successor: routed around
+    for outcome in train:
+        bad = outcome[BAD - 1]
+        assert list(bad["failed"]) == [RELAY] and bad["summary"]["refit/replicas_ok"] == 2, bad
+        assert bad["summary"]["refit/relay_fallbacks"] >= 1
+        assert bad["seconds"] < TIMEOUT_S, bad
+        for i, later in enumerate(outcome[BAD:], start=BAD):
+            assert later["failed"] == {} and later["summary"]["refit/bytes_relayed"] > 0  # the survivors chain again
+            # overlap: a background refit reads the next one's leaves at its end (after refit 4, the survivors')
+            assert later["members"] == [1, 2] or overlap == "on" and i == len(outcome) - 1, later
+
+
+def test_fanout_relay_stalled_mid_refit_its_successors_land_it_within_the_stall_bound(tmp_path):
+    """The chain's head stops (SIGSTOP: its sockets open, no heartbeat) while it lands refit 2:
+    its successor gives up on the relay link after refit.stall_s, gets the rest from the train
+    ranks and forwards it on; both land refit 2 bit-exactly, the train ranks drop the stalled
+    head after stall_s plus a poll, and refit 2 ends within about stall_s, not refit.timeout_s."""
+    train, gen, _ = _run("stall", tmp_path)
+    for g, outcome in enumerate(gen):
+        if g != RELAY:
+            _landed(outcome, VERSIONS)
+    assert gen[1][BAD - 1]["fallback"]
+    for outcome in train:
+        bad = outcome[BAD - 1]
+        why = bad["failed"][RELAY]
+        assert list(bad["failed"]) == [RELAY] and "stalled" in why, why
+        assert bad["seconds"] < STALL_S * 1.75 < TIMEOUT_S, bad
+        assert [o["members"] for o in outcome[BAD - 1:]] == [[1, 2]] * (len(VERSIONS) - BAD + 1)
+        assert all(o["failed"] == {} for o in outcome[BAD:])
+
+
+def test_fanout_relay_raising_mid_refit_fails_alone_and_its_successors_land(tmp_path):
+    """The head's engine raises while it lands refit 2: it fails that refit alone (named, stale),
+    its successors land it from what it forwarded (its bytes were good: checked against the train
+    ranks' digests at each hop); the next refit brings it back."""
+    train, gen, _ = _run("raise", tmp_path)
+    for g, outcome in enumerate(gen):
+        if g != RELAY:
+            _landed(outcome, VERSIONS)
+    bad = gen[RELAY][BAD - 1]
+    assert not bad["ok"] and "illegal memory access" in bad["error"] and bad["state"] == "stale", bad
+    _landed([r for r in gen[RELAY] if r["version"] != BAD], [v for v in VERSIONS if v != BAD])
+    for outcome in train:
+        assert list(outcome[BAD - 1]["failed"]) == [RELAY]
+        assert "illegal memory access" in outcome[BAD - 1]["failed"][RELAY]
+        assert all(o["failed"] == {} for i, o in enumerate(outcome) if i != BAD - 1)
+
+
+def test_fanout_replica_joining_takes_its_place_in_the_chain(tmp_path):
+    """A replica that starts after refit 2 joins at refit 3 and gets it through the chain (new
+    links, a new route epoch): every replica lands every version, the train ranks still send one
+    replica's bytes."""
+    train, gen, standby = _run("join", tmp_path)
+    for outcome in gen:
+        _landed(outcome, VERSIONS)
+    for outcome in standby:
+        _landed(outcome, (3, 4))
+    for outcome in train:
+        assert [o["members"] for o in outcome] == [[0, 1, 2]] * 2 + [[0, 1, 2, 3]] * 2
+    for version in (3, 4):
+        s, one = _one_replica_bytes(train, version, 4)
+        assert s["refit/bytes"] == one and s["refit/replicas_ok"] == 4 and s["refit/relay_fallbacks"] == 0
+
+
+def test_fanout_deltas_travel_along_the_chain(tmp_path):
+    """``refit.delta: on``: from refit 2 on, the head gets delta payloads and forwards them as
+    they are; every replica applies them to the version it holds and lands bit-exactly; the train
+    ranks send one replica's delta."""
+    train, gen, _ = _run("ok", tmp_path, delta="on")
+    for outcome in gen:
+        _landed(outcome, VERSIONS)
+    for version in VERSIONS[1:]:
+        s, _ = _one_replica_bytes(train, version, 3)
+        assert s["refit/delta"] == 1 and s["refit/relay_fallbacks"] == 0
+        assert 0 < s["refit/bytes"] < s["refit/bytes_full"] / 3 / 2  # one replica's delta, under half its bytes
+        assert 0 < s["refit/bytes_relayed"] < s["refit/bytes_full"] / 3  # forwarded as they are: deltas
+    assert [r["delta"] for r in gen[0]] == [False, True, True, True]
