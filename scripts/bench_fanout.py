@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -46,23 +47,52 @@ def _weights(version: int, dim: int, layers: int) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Posted:
+    """A message the link has not put on the wire yet: its wait waits for the post, then for it."""
+
+    def __init__(self):
+        self.posted, self.work, self.error = threading.Event(), None, None
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if timeout is not None else None
+        if not self.posted.wait(seconds):
+            raise RuntimeError("timed out waiting for the throttled link to post the message")
+        if self.error is not None:
+            raise self.error
+        return self.work.wait(timeout) if timeout is not None else self.work.wait()
+
+
 class Link:
-    """One process's egress link: every message waits until the link has carried the bytes before
-    it (a token bucket shared by all of the process's groups)."""
+    """One process's egress link of ``bytes_per_s``: a NIC. Posting a message returns at once (as
+    with a real NIC); the link puts messages on the wire one after another, each when the link has
+    carried the bytes before it, from a thread of its own (shared by all of the process's groups)."""
 
     def __init__(self, bytes_per_s: float):
-        self.rate, self.busy_until, self.lock = bytes_per_s, 0.0, threading.Lock()
+        self.rate = bytes_per_s
+        self.queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="bench-link", daemon=True).start()
+
+    def _run(self) -> None:
+        busy_until = 0.0
+        while True:
+            isend, buffer, peer, tag, posted = self.queue.get()
+            busy_until = max(time.monotonic(), busy_until) + buffer.numel() * buffer.element_size() / self.rate
+            time.sleep(max(0.0, busy_until - time.monotonic()))
+            try:
+                posted.work = isend(buffer, peer, tag).work
+            except Exception as exc:  # noqa: BLE001 -- the waiter raises it
+                posted.error = exc
+            posted.posted.set()
 
     def wrap(self, group) -> None:
+        from megatron_refit.transport.base import Pending
+
         isend = group.isend
 
         def throttled(buffer, peer, tag):
-            with self.lock:
-                start = max(time.monotonic(), self.busy_until)
-                self.busy_until = start + buffer.numel() * buffer.element_size() / self.rate
-                until = self.busy_until
-            time.sleep(max(0.0, until - time.monotonic()))
-            return isend(buffer, peer, tag)
+            posted = _Posted()
+            self.queue.put((isend, buffer, peer, tag, posted))
+            return Pending(posted, peer, f"send to rank {peer}", buffer)
 
         group.isend = throttled
 

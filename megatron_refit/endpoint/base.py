@@ -302,10 +302,12 @@ class Endpoint:
         route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
         report.routes[route] += 1
 
-    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None) -> None:
+    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None,
+             direct_window: int = MAX_DIRECT_IN_FLIGHT) -> None:
         """Post buckets in order and retire them in the same order (FIFO). At most two
         packed buckets are in flight (they occupy the two staging buffers); direct buckets
-        use no staging memory and may have up to ``MAX_DIRECT_IN_FLIGHT`` outstanding.
+        use no staging memory and may have up to ``direct_window`` outstanding (a relay keeps it
+        at two: it forwards a bucket when it retires it, so it retires each as soon as it can).
         ``group``: where they travel (default the refit group; a relayed rank's upstream link)."""
         group = self.group if group is None else group
         width = max((b.nbytes for b in buckets), default=0)
@@ -326,7 +328,7 @@ class Endpoint:
                 free.append(slot)
 
         for bucket in buckets:
-            while not free or direct_in_flight >= MAX_DIRECT_IN_FLIGHT:
+            while not free or direct_in_flight >= direct_window:
                 retire_oldest()
             slot = free.pop(0)
             pending = post(bucket, slots[slot][:bucket.nbytes])

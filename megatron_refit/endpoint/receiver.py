@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import Endpoint, adjacent_pieces, delta_tag, logger
+from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint, adjacent_pieces, delta_tag, logger
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size
 from megatron_refit.endpoint.stages import Drain, ReceiveDigests
@@ -119,7 +119,7 @@ class Receiver(Endpoint):
                 if route.relayed:
                     self._relayed(route, buckets, run, report)
                 else:
-                    self._run(buckets, run.post, run.retire, report)
+                    self._run(buckets, run.post, run.retire, report, direct_window=run.window)
                 if run.forward is not None:  # the train ranks' digests go on with the bytes
                     digests.wait_sent()
                     run.forward.digests({src: pending.buffer for src, pending in digests.sent.items()})
@@ -185,7 +185,7 @@ class Receiver(Endpoint):
             link = self.relay.link(route.epoch, route.upstream, self.relay.replica)
             view = UpstreamView(link, positions(buckets, self.plan.global_src))
             run.use(view, {self.plan.global_src(b) for b in buckets}, chain_base=route.chain_base)
-            self._run(buckets, run.post, run.retire, report, group=view)
+            self._run(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
             run.digests.post(view)
             run.digests.wait_sent()
             complete = True
@@ -203,7 +203,7 @@ class Receiver(Endpoint):
         run.use(self.group, set(), chain_base=-1)
         if self.verify != "off":
             run.digests.post(self.group)
-        self._run(rest, run.post, run.retire, report)
+        self._run(rest, run.post, run.retire, report, direct_window=run.window)
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})
@@ -251,6 +251,11 @@ class _ReceiveRun:
         self.delta_ok = True
         """A relayed rank: the relay's delta payloads apply to this rank's weights."""
         self._retired_by_src: dict[int, int] = {}
+
+    @property
+    def window(self) -> int:
+        """Direct buckets in flight at most: two on a relay (it forwards each as it retires it)."""
+        return 2 if self.forward is not None else MAX_DIRECT_IN_FLIGHT
 
     def use(self, group, delta_from: set[int], *, chain_base: int) -> None:
         """The next buckets come over ``group``, a header before each from ``delta_from``; the
@@ -315,12 +320,8 @@ class _ReceiveRun:
         self.retired += 1
         self._retired_by_src[src] = self._retired_by_src.get(src, 0) + 1
         if self.forward is not None:  # as it arrived (this rank's own failure does not change its bytes)
-            self.forward.bucket(src, bucket, encoding, buf)
-        try:
-            self._take(bucket, pending, encoding, buf)
-        finally:
-            if self.forward is not None:  # before its slot takes the next bucket
-                self.forward.wait()
+            self.forward.bucket(src, bucket, encoding, buf, stable=pending.direct and encoding == RAW)
+        self._take(bucket, pending, encoding, buf)
 
     def _take(self, bucket, pending, encoding: int, buf: torch.Tensor) -> None:
         if self.drain.draining:  # dropped

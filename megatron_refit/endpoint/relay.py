@@ -4,12 +4,12 @@ replicas, a relay's forwarding stage, and the upstream link as a relayed rank's 
 A replica's :class:`~megatron_refit.plan.fanout.Route` comes in its version handshake. Engine rank
 ``k`` of a relay forwards each bucket of its part as it arrived (a delta payload as it is) with its
 ``(encoding, size)`` header to rank ``k`` of every successor, while its next bucket arrives
-(:class:`Forwarder`: the bucket's receive slot is reused once its forwards left, so a relay holds
-no more than its two receive slots), then the train ranks' digests of its buckets. A relayed rank
-reads them through :class:`UpstreamView` with the same receive loop, stages and checks as from the
-train ranks (the same digests: a bucket's seed names the train rank, this TP rank's place in its
-group and the plan, which every replica of the layout shares), so every hop checks the train
-ranks' digests against what it holds.
+(:class:`Forwarder`: a bucket in a receive slot is copied into one of two forward buffers, so the
+slot takes the next bucket at once; one received into engine memory leaves from there), then the
+train ranks' digests of its buckets. A relayed rank reads them through :class:`UpstreamView` with
+the same receive loop, stages and checks as from the train ranks (the same digests: a bucket's seed
+names the train rank, this TP rank's place in its group and the plan, which every replica of the
+layout shares), so every hop checks the train ranks' digests against what it holds.
 
 Failure: a forward that fails, or does not complete within the link's bound, aborts that link
 (the successor's waits on it fail at once) and the relay goes on with its own refit, which never
@@ -23,6 +23,7 @@ and never rejoined under its name.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -128,16 +129,27 @@ class UpstreamView:
 
 class Forwarder:
     """A relay's forwarding stage for one refit: ``links`` (successor replica -> link, rank 1 its
-    end) each get every bucket this rank receives, in its order, then the digests. A link that
-    fails is dropped (``drop(link, reason)``: aborted) and the others go on; nothing here raises
-    into the relay's own refit."""
+    end) each get every bucket this rank receives, in its order, then the digests. A bucket that
+    landed in engine memory (a direct receive, stable until the refit ends) leaves from there; one
+    in a receive slot is copied into one of :data:`POOL` forward buffers first, so the slot takes
+    the next bucket at once and the relay's receive never waits on its successors while a buffer
+    is free (a relay holds at most ``POOL`` buckets more). A link that fails is dropped (``drop(link,
+    reason)``: aborted) and the others go on; nothing here raises into the relay's own refit."""
+
+    POOL = 2
+    """Forward buffers of a relay (each as large as its largest bucket)."""
+    MAX_IN_FLIGHT = 16
+    """Buckets whose forwards may be outstanding at once (those sent from engine memory included)."""
 
     def __init__(self, links: dict[int, Transport], places: dict[tuple[int, int], int], drop: Callable, report,
                  *, replica: int, tp_rank: int):
         self.links, self.places, self._drop, self.report = dict(links), places, drop, report
         self.replica, self.tp_rank = replica, tp_rank
         self.dropped: dict[int, str] = {}
-        self._pending: list[tuple[int, Pending]] = []
+        self._queue: deque = deque()
+        """Per bucket in flight: (its forward buffer or None, [(successor, pending)])."""
+        self._free: list[torch.Tensor] = []
+        self._buffers = 0
 
     def _fail(self, successor: int, exc: BaseException) -> None:
         link = self.links.pop(successor, None)
@@ -152,40 +164,69 @@ class Forwarder:
         except Exception:  # noqa: BLE001 -- the link is gone either way
             logger.debug("aborting the relay link failed", exc_info=True)
 
-    def bucket(self, src: int, bucket, encoding: int, data: torch.Tensor) -> None:
-        """Post ``bucket`` (from train rank ``src``; ``data``: its bytes as they arrived) to every
-        successor; :meth:`wait` before its memory is reused."""
-        place = self.places[src, bucket.index]
+    def bucket(self, src: int, bucket, encoding: int, data: torch.Tensor, *, stable: bool) -> None:
+        """Post ``bucket`` (from train rank ``src``; ``data``: its bytes as they arrived; ``stable``:
+        in engine memory, unchanged until the refit ends) to every successor."""
+        if not self.links:
+            return
+        held = None
+        if not stable:  # a receive slot: copied out, the slot is free again when this returns
+            held = self._buffer(data.numel(), data.device)
+            data = held[: data.numel()].copy_(data)
+        place, sent = self.places[src, bucket.index], []
         for successor, link in list(self.links.items()):
             try:
                 header = torch.tensor([encoding, data.numel()], dtype=torch.int64)
-                self._pending.append((successor, link.send_small(header, 1, DELTA_TAG + place)))
-                self._pending.append((successor, link.isend(data, 1, place)))
+                sent.append((successor, link.send_small(header, 1, DELTA_TAG + place)))
+                sent.append((successor, link.isend(data, 1, place)))
                 self.report.bytes_relayed += data.numel()
             except Exception as exc:  # noqa: BLE001 -- that successor's trouble, not this replica's
                 self._fail(successor, exc)
+        self._queue.append((held, sent))
+        while len(self._queue) > self.MAX_IN_FLIGHT:
+            self._retire()
 
-    def wait(self) -> None:
-        """Every forward posted has left (or its link was dropped)."""
-        pending, self._pending = self._pending, []
-        for successor, sent in pending:
+    def _buffer(self, nbytes: int, device) -> torch.Tensor:
+        """A free forward buffer of at least ``nbytes`` (waiting for the oldest forwards if all are busy)."""
+        while not self._free and self._buffers >= self.POOL and self._queue:
+            self._retire()
+        if self._free and self._free[-1].numel() >= nbytes:
+            return self._free.pop()
+        if self._free:
+            self._free.pop()  # too small for this bucket: replaced
+        else:
+            self._buffers += 1
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _retire(self) -> None:
+        held, sent = self._queue.popleft()
+        for successor, pending in sent:
             link = self.links.get(successor)
             if link is None:
                 continue
             try:
-                link.wait(sent)
+                link.wait(pending)
             except Exception as exc:  # noqa: BLE001
                 self._fail(successor, exc)
+        if held is not None:
+            self._free.append(held)
+
+    def wait(self) -> None:
+        """Every forward posted has left (or its link was dropped)."""
+        while self._queue:
+            self._retire()
 
     def digests(self, values: dict[int, torch.Tensor]) -> None:
         """The train ranks' digests of this rank's buckets (``src`` -> int64 digests), forwarded
         as they came, then every forward waited for."""
+        sent = []
         for src, digests in sorted(values.items()):
             for successor, link in list(self.links.items()):
                 try:
-                    self._pending.append((successor, link.send_small(digests, 1, DIGEST_TAG + src)))
+                    sent.append((successor, link.send_small(digests, 1, DIGEST_TAG + src)))
                 except Exception as exc:  # noqa: BLE001
                     self._fail(successor, exc)
+        self._queue.append((None, sent))
         self.wait()
 
     def abort(self, reason: str) -> None:

@@ -167,6 +167,10 @@ def test_dry_run_of_shipped_config(config):
     assert minimal <= result["bytes_total"] <= 1.05 * minimal
     gen_world = refit.gen_tp * refit.gen_dp
     assert result["bytes_total"] / gen_world <= result["bytes_per_gen_rank_max"] <= result["bytes_total"]
+    fanout = result["fanout"]  # refit.fanout of the config (off in every shipped one: every byte from the trainers)
+    assert fanout == {"mode": "off", "bytes_from_trainers": result["bytes_total"], "bytes_relayed": 0} \
+        if refit.fanout == "off" or refit.gen_dp == 1 else \
+        fanout["bytes_from_trainers"] * refit.gen_dp == result["bytes_total"]
     # Issue target: < 300 MB and < 2 s (BENCHMARKS.md: DeepSeek-V3 ~80 MB, ~1 s); time is
     # checked loosely here, the machine running the tests may be busy.
     assert result["peak_rss_mb"] < 300  # prepare's timing included

@@ -147,12 +147,14 @@ def test_staged_swap_pause_is_a_device_copy_of_the_generation_rank_bytes():
     assert result["predicted_pause_seconds"] < 0.05 * result["predicted_seconds"]
 
 
-def test_command_line_predicts_fanout_on_deepseek_v3():
+@pytest.mark.parametrize("mode", ["chain", "auto"])
+def test_command_line_predicts_fanout_on_deepseek_v3(mode):
     """DeepSeek-V3 -> TP32xDP8 on the H100 defaults: a chain sends each byte from the train ranks
     once (direct: 8 times), yet gains little, since direct already runs near the floor every
-    scheme shares: each gen rank's 43.9 GB through its own NIC (1.10 s at 40 GB/s)."""
+    scheme shares: each gen rank's 43.9 GB through its own NIC (1.10 s at 40 GB/s). ``auto``
+    (refit.fanout: auto) picks the chain there: a tree doubles each relay's egress."""
     out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/deepseek-v3.yaml",
-                          "--fanout", "chain", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          "--fanout", mode, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -82,3 +82,78 @@ def test_bad_inputs_are_named():
         fanout_routes({(0, 4): 1}, tp=2, dp=2, mode="chain")
     with pytest.raises(ValueError, match="replica 1 rank 0 receives 2 bytes, replica 0 rank 0 1"):
         fanout_routes({(0, 0): 1, (0, 2): 2, (0, 1): 1, (0, 3): 1}, tp=2, dp=2, mode="chain")
+
+
+# -- refit.fanout at run time: routes, auto, the router's decisions ---------------------------
+
+def test_relay_routes_place_replicas_in_a_chain_or_a_tree_in_the_order_given():
+    from megatron_refit.plan.fanout import relay_routes
+
+    assert relay_routes([2, 0, 5], "chain") == {2: (-1, (0,)), 0: (2, (5,)), 5: (0, ())}
+    assert relay_routes([0, 1, 2, 3], "tree") == {0: (-1, (1, 2)), 1: (0, (3,)), 2: (0, ()), 3: (1, ())}
+    with pytest.raises(ValueError, match=r"relay_routes: replicas \[1, 1\] repeat"):
+        relay_routes([1, 1], "chain")
+
+
+def test_a_route_travels_as_six_ints_and_back():
+    from megatron_refit.plan.fanout import DIRECT, ROUTE_VALUES, Route
+
+    for route in (DIRECT, Route(3, 7, (4,), 12), Route(-1, 2, (1, 2), -1)):
+        values = route.values()
+        assert len(values) == ROUTE_VALUES and Route.from_values(values) == route
+    assert not DIRECT.relayed and Route(0, 1).relayed
+
+
+def test_auto_sends_direct_where_the_trainers_link_is_no_bottleneck_and_chains_where_it_is():
+    from megatron_refit.plan.fanout import auto_mode, resolve_mode
+
+    mb = 1 << 20
+    assert auto_mode(10 * mb, 10 * mb, 1, 4 * mb) == "off"  # one replica: nothing to relay
+    assert auto_mode(10 * mb, 40 * mb, 2, 4 * mb) == "off"  # trainers send 20, a chain's relay 40
+    assert auto_mode(10 * mb, 10 * mb, 4, 4 * mb) == "chain"  # 40 direct, 10 + 3 buckets chained
+    assert auto_mode(64 * mb, 4 * mb, 16, 4 * mb) == "tree"  # 16 hops of fill against 4
+    pairs = {(t, g): 5 * mb for t in range(2) for g in range(2 * 4)}  # 2 train ranks, TP2 x DP4
+    assert resolve_mode("auto", pairs, tp=2, dp=4, bucket_bytes=4 * mb) == auto_mode(10 * mb, 10 * mb, 4, 4 * mb)
+    assert resolve_mode("tree", pairs, tp=2, dp=4, bucket_bytes=4 * mb) == "tree"
+    with pytest.raises(ValueError, match="refit.fanout must be one of"):
+        resolve_mode("ring", pairs, tp=2, dp=4, bucket_bytes=4 * mb)
+
+
+class _Endpoint:
+    def __init__(self, plan, base):
+        self.plan, self._base = plan, base
+
+    def _delta_base(self):
+        return self._base
+
+
+class _Member:
+    def __init__(self, plan, base=-1):
+        self.ep = _Endpoint(plan, base)
+
+    def endpoint(self, full):
+        return self.ep
+
+
+def test_the_router_chains_replicas_of_one_plan_and_version_heads_the_one_with_copies_and_counts_epochs():
+    from megatron_refit.fleet.fanout import FanoutRouter
+    from megatron_refit.plan.fanout import Route
+
+    plan, other = object(), object()
+    router = FanoutRouter("chain", delta="on", bucket_bytes=1 << 20, gen_tp=1)
+    members = {0: _Member(plan), 1: _Member(plan), 2: _Member(plan), 3: _Member(other)}
+    first = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    # nothing landed yet: replicas 0..2 (one plan) chain full refits; 3 (another plan) goes direct
+    assert first == {0: Route(-1, 1, (1,), -1), 1: Route(0, 1, (2,), -1), 2: Route(1, 1, (), -1)}
+    router.record(1, [0, 1, 2, 3], {}, {})
+    members[2].ep._base = 1  # replica 2's train-side copies hold version 1: it heads the chain of deltas
+    second = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    assert second == {2: Route(-1, 2, (0,), 1), 0: Route(2, 2, (1,), 1), 1: Route(0, 2, (), 1)}
+    again = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    assert again == second  # nothing changed: the same epoch, the same links
+    router.record(2, [0, 1, 2, 3], {1: "failed"}, {})  # replica 1 failed: no known version; a new epoch
+    members[2].ep._base = 2
+    third = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    assert third == {2: Route(-1, 3, (0,), 2), 0: Route(2, 3, (), 2)}  # replica 1: direct, in full
+    router.record(3, [0, 1, 2, 3], {}, {"refit/relay_fallbacks": 1})  # a relay routed around: new epoch
+    assert Route.from_values(router.decide(members, full=False)[0][1:]).epoch == 4
