@@ -35,7 +35,7 @@ NUM_TRAIN = 2
 TIMEOUT_S = 30.0
 
 
-def _weights(version: int, dim: int, layers: int) -> dict[str, torch.Tensor]:
+def weights(version: int, dim: int, layers: int) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(layers):
         w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(i))
@@ -99,9 +99,9 @@ def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
                 open(flags[joins.index(version)], "w").close()
                 while fleet.control.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
                     time.sleep(0.001)
-            weights = _weights(version, dim, layers)
+            full = weights(version, dim, layers)
             for piece in pieces:
-                piece.data = weights[piece.spec.name][rank * half:(rank + 1) * half].clone()
+                piece.data = full[piece.spec.name][rank * half:(rank + 1) * half].clone()
             start = time.perf_counter()
             report = fleet.refit(version)
             seconds[version] = time.perf_counter() - start
@@ -130,7 +130,7 @@ def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
         t0 = time.perf_counter()
         member.receive(version)
         out[version] = time.perf_counter() - t0
-        out["exact"] &= all(torch.equal(storage.t[n], w) for n, w in _weights(version, dim, layers).items())
+        out["exact"] &= all(torch.equal(storage.t[n], w) for n, w in weights(version, dim, layers).items())
         if version == versions[0] and gen >= replicas:
             out["join_s"] = time.perf_counter() - start
     member.close()

@@ -224,3 +224,23 @@ def test_fanout_deltas_travel_along_the_chain(tmp_path):
         assert 0 < s["refit/bytes"] < s["refit/bytes_full"] / 3 / 2  # one replica's delta, under half its bytes
         assert 0 < s["refit/bytes_relayed"] < s["refit/bytes_full"] / 3  # forwarded as they are: deltas
     assert [r["delta"] for r in gen[0]] == [False, True, True, True]
+
+
+def test_fanout_bench_reports_one_json_line():
+    """scripts/bench_fanout.py at a tiny size: direct and chain side by side, a head killed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    bench = [sys.executable, str(root / "scripts" / "bench_fanout.py")]
+    run = subprocess.run([*bench, "--json", "--dim", "256", "--layers", "4", "--reps", "2", "--mbps", "200"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["bit_exact"] is True and result["relay_killed_ok"] is True
+    assert result["trainer_egress_over_minimal"] == 1.0 and result["direct_egress_over_minimal"] == 3.0
+    assert result["fanout_over_direct_s"] > 0
+    bad = subprocess.run([*bench, "--replicas", "1"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "fan-out needs at least 2 replicas" in bad.stderr
