@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint, adjacent_pieces, delta_tag, logger
+from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint, adjacent_pieces, delta_tag
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size
+from megatron_refit.endpoint.relay import DeltaNotApplicableError, forwarder, receive_relayed
 from megatron_refit.endpoint.stages import Drain, ReceiveDigests
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
-from megatron_refit.errors import RefitCorruptionError, RefitTransportError
+from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
@@ -114,10 +115,10 @@ class Receiver(Endpoint):
                                  post=not route.relayed)
         run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
         with torch.no_grad():
-            run.forward = self._forwarder(route, buckets, report)
+            run.forward = forwarder(self, route, buckets, report) if route.successors else None
             try:
                 if route.relayed:
-                    self._relayed(route, buckets, run, report)
+                    receive_relayed(self, route, buckets, run, report)
                 else:
                     self._run(buckets, run.post, run.retire, report, direct_window=run.window)
                 if run.forward is not None:  # the train ranks' digests go on with the bytes
@@ -148,62 +149,6 @@ class Receiver(Endpoint):
         report.seconds["total"] = time.perf_counter() - start
         self._summarize(report)
         return report
-
-    def _forwarder(self, route, buckets, report):
-        """A relay's forwarding stage to this refit's successors (None: none), each link joined
-        now; one that cannot be joined is dropped (that successor gets its bytes from the train ranks)."""
-        if not route.successors:
-            return None
-        from megatron_refit.endpoint.relay import Forwarder, positions
-
-        if self.relay is None:
-            raise ValueError("refit.fanout: the train ranks route replicas through this engine rank, but it has no "
-                             "relay links (an engine rank built without engine_refit?)")
-        links = {}
-        for successor in route.successors:
-            try:
-                links[successor] = self.relay.link(route.epoch, self.relay.replica, successor)
-            except RefitTransportError as exc:
-                logger.warning("refit: replica %d TP rank %d cannot relay to replica %d: %s", self.relay.replica,
-                               self.relay.tp_rank, successor, exc)
-        return Forwarder(links, positions(buckets, self.plan.global_src), self.relay.drop, report,
-                         replica=self.relay.replica, tp_rank=self.relay.tp_rank)
-
-    def _relayed(self, route, buckets, run, report) -> None:
-        """A relayed replica's part: every bucket from its upstream relay, then the train ranks'
-        digests it forwards; whatever did not come (the relay failed, or its delta payloads do not
-        apply to this rank's weights) then comes from the train ranks, who learn what this rank
-        holds in one collective of the group (``fanout``)."""
-        from megatron_refit.endpoint.relay import UpstreamView, positions
-
-        if self.relay is None:
-            raise ValueError("refit.fanout: the train ranks route this engine rank through a relay, but it has no "
-                             "relay links (an engine rank built without engine_refit?)")
-        link, complete = None, False
-        run.use(None, set(), chain_base=route.chain_base)
-        try:
-            link = self.relay.link(route.epoch, route.upstream, self.relay.replica)
-            view = UpstreamView(link, positions(buckets, self.plan.global_src))
-            run.use(view, {self.plan.global_src(b) for b in buckets}, chain_base=route.chain_base)
-            self._run(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
-            run.digests.post(view)
-            run.digests.wait_sent()
-            complete = True
-        except (RefitTransportError, _DeltaNotApplicableError) as exc:
-            logger.warning("refit %d: replica %d TP rank %d: relay from replica %d ended after %d of %d buckets (%s); "
-                           "the train ranks send the rest", run.version, self.relay.replica, self.relay.tp_rank,
-                           route.upstream, run.retired, len(buckets), exc)
-            if link is not None:
-                self.relay.drop(link, f"replica {self.relay.replica} stopped taking the relay")
-        self.group.all_gather_object(dict(done=run.done_by_src(self.num_train), digests=complete), "fanout")
-        if complete:
-            return
-        report.relay_fallback = True
-        rest = buckets[run.retired:]
-        run.use(self.group, set(), chain_base=-1)
-        if self.verify != "off":
-            run.digests.post(self.group)
-        self._run(rest, run.post, run.retire, report, direct_window=run.window)
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})
@@ -248,6 +193,9 @@ class _ReceiveRun:
         self.forward = None
         """A relay's :class:`~megatron_refit.endpoint.relay.Forwarder` (None: it forwards nothing)."""
         self.retired = 0
+        self.forwarding = True
+        """Off while a relayed rank takes again buckets its relay corrupted: its successors had them
+        as it did, and take them again themselves."""
         self.delta_ok = True
         """A relayed rank: the relay's delta payloads apply to this rank's weights."""
         self._retired_by_src: dict[int, int] = {}
@@ -297,7 +245,7 @@ class _ReceiveRun:
         self.group.wait(header)
         encoding, size = header.buffer.cpu().tolist()
         if encoding != RAW and not self.delta_ok:  # a relay's delta on another base: from the train ranks, raw
-            raise _DeltaNotApplicableError(f"a delta payload on version {rx.route.chain_base}, this rank holds "
+            raise DeltaNotApplicableError(f"a delta payload on version {rx.route.chain_base}, this rank holds "
                                  f"{rx.shown_base}")
         problem = check_header(encoding, size, bucket.nbytes)
         if problem is not None:
@@ -319,7 +267,7 @@ class _ReceiveRun:
         src = self.rx.plan.global_src(bucket)
         self.retired += 1
         self._retired_by_src[src] = self._retired_by_src.get(src, 0) + 1
-        if self.forward is not None:  # as it arrived (this rank's own failure does not change its bytes)
+        if self.forward is not None and self.forwarding:  # as it arrived (its own failure leaves its bytes good)
             self.forward.bucket(src, bucket, encoding, buf, stable=pending.direct and encoding == RAW)
         self._take(bucket, pending, encoding, buf)
 
@@ -349,6 +297,3 @@ class _ReceiveRun:
         unpack_bucket(bucket, buf, rx.storage.buffer)
         report.seconds["load"] += time.perf_counter() - t0
 
-
-class _DeltaNotApplicableError(Exception):
-    """A relayed rank cannot apply what its relay forwards (a delta on a version it does not hold)."""

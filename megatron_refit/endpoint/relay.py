@@ -15,7 +15,9 @@ Failure: a forward that fails, or does not complete within the link's bound, abo
 (the successor's waits on it fail at once) and the relay goes on with its own refit, which never
 waits on a successor longer than that bound. A relayed rank whose upstream fails (the relay died,
 stalled, or aborted the link) aborts the link too and tells the train ranks of its group what it
-holds; they send it the rest (:meth:`~megatron_refit.endpoint.sender.Refitter.refit`). Links live
+holds; they send it the rest (:meth:`~megatron_refit.endpoint.sender.Refitter.refit`). A bucket
+whose digest differs (corrupted on a link) is taken again the same way, from the train rank's
+first bad bucket on. Links live
 for one route epoch (the train ranks' count of route changes): a link is joined once per epoch
 and never rejoined under its name.
 """
@@ -233,3 +235,84 @@ class Forwarder:
         """This relay's own refit failed: its successors stop waiting for it now."""
         for successor in list(self.links):
             self._fail(successor, RefitTransportError(reason))
+
+
+class DeltaNotApplicableError(Exception):
+    """A relayed rank cannot apply what its relay forwards (a delta on a version it does not hold)."""
+
+
+def forwarder(rx, route, buckets, report) -> Forwarder:
+    """A relay's forwarding stage to ``route``'s successors, each link joined now (a successor that
+    cannot be joined is dropped: it gets its bytes from the train ranks). ``rx``: the relay's
+    :class:`~megatron_refit.endpoint.receiver.Receiver`."""
+    relay = _links(rx, "route replicas through this engine rank")
+    links = {}
+    for successor in route.successors:
+        try:
+            links[successor] = relay.link(route.epoch, relay.replica, successor)
+        except RefitTransportError as exc:
+            logger.warning("refit: replica %d TP rank %d cannot relay to replica %d: %s", relay.replica,
+                           relay.tp_rank, successor, exc)
+    return Forwarder(links, positions(buckets, rx.plan.global_src), relay.drop, report, replica=relay.replica,
+                     tp_rank=relay.tp_rank)
+
+
+def _links(rx, what: str) -> RelayLinks:
+    if rx.relay is None:
+        raise ValueError(f"refit.fanout: the train ranks {what}, but it has no relay links (an engine rank built "
+                         "without engine_refit?)")
+    return rx.relay
+
+
+def receive_relayed(rx, route, buckets, run, report) -> None:
+    """A relayed rank's part of a refit (``rx``: its Receiver; ``run``: its receive loop): every
+    bucket from its upstream relay, then the train ranks' digests, compared here. Whatever it does
+    not hold then (the relay failed; its delta payloads do not apply to this rank's weights; a
+    bucket's digest differs: corrupted on the way) comes from the train ranks, who learn in one
+    collective of the group (``fanout``) how many of each train rank's buckets it holds."""
+    relay = _links(rx, "route this engine rank through a relay")
+    src_of = rx.plan.global_src
+    link, complete, keep = None, False, None
+    run.use(None, set(), chain_base=route.chain_base)
+    try:
+        link = relay.link(route.epoch, route.upstream, relay.replica)
+        view = UpstreamView(link, positions(buckets, src_of))
+        run.use(view, {src_of(b) for b in buckets}, chain_base=route.chain_base)
+        rx._run(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
+        run.digests.post(view)
+        run.digests.wait_sent()
+        complete = True
+    except (RefitTransportError, DeltaNotApplicableError) as exc:
+        logger.warning("refit %d: replica %d TP rank %d: relay from replica %d ended after %d of %d buckets (%s); "
+                       "the train ranks send the rest", run.version, relay.replica, relay.tp_rank, route.upstream,
+                       run.retired, len(buckets), exc)
+        if link is not None:
+            relay.drop(link, f"replica {relay.replica} stopped taking the relay")
+    done = run.done_by_src(rx.num_train)
+    if complete and rx.verify != "off" and not run.drain.draining:
+        run.digests.flush()
+        keep = run.digests.first_mismatch()  # bytes the relay carried corrupted: taken again, from the first bad one
+        if keep:
+            logger.warning("refit %d: replica %d TP rank %d: the relay's buckets from train rank(s) %s differ from the "
+                           "train ranks' digests; the train ranks send them again", run.version, relay.replica,
+                           relay.tp_rank, sorted(keep))
+            complete = False
+            done = [keep.get(src, count) for src, count in enumerate(done)]
+    rx.group.all_gather_object(dict(done=done, digests=complete), "fanout")
+    if complete:
+        return
+    report.relay_fallback = True
+    if keep:  # its successors had the same bytes and take them again themselves
+        run.forwarding = False
+        run.digests.rewind(keep)
+    seen: dict[int, int] = {}
+    rest = []
+    for bucket in buckets:
+        src = src_of(bucket)
+        place, seen[src] = seen.get(src, 0), seen.get(src, 0) + 1
+        if place >= done[src]:
+            rest.append(bucket)
+    run.use(rx.group, set(), chain_base=-1)
+    if rx.verify != "off":
+        run.digests.post(rx.group)
+    rx._run(rest, run.post, run.retire, report, direct_window=run.window)

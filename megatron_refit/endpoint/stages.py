@@ -153,6 +153,25 @@ class ReceiveDigests:
                 self.group.wait(pending)
                 self._arrived.add(src)
 
+    def first_mismatch(self) -> dict[int, int]:
+        """Every sender's digests in (:meth:`wait_sent`) and its buckets' sums computed: per sender
+        whose digests differ, the place of its first bad bucket in its order (a relayed rank takes
+        them again from the train ranks)."""
+        self.wait_sent()
+        out = {}
+        for src, pending in self.sent.items():
+            bad = (self.computed[src] != pending.buffer.cpu()).nonzero().flatten().tolist()
+            if bad:
+                out[src] = bad[0]
+        return out
+
+    def rewind(self, keep: dict[int, int]) -> None:
+        """Forget the sums of sender ``src``'s buckets from place ``keep[src]`` on (they come again)."""
+        for src, count in keep.items():
+            self.received[src] = self.received.get(src, [])[:count]
+            self.left[src] = self.counts[src] - count
+            self.computed.pop(src, None)
+
     def compare(self) -> None:
         """``RefitCorruptionError`` naming the parameters of every bucket whose digest differs."""
         if self.verify == "off":

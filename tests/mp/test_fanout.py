@@ -86,6 +86,20 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
 
         store.on_buffer = failing
+    if first == RELAY * tp and scenario == "corrupt":  # one bit of one bucket it forwards in refit BAD flips
+        from megatron_refit.endpoint.relay import Forwarder
+
+        forward, forwarded = Forwarder.bucket, [0]
+
+        def corrupting(self, src, bucket, encoding, data, *, stable):
+            if len(out) == BAD - 1:
+                forwarded[0] += 1
+                if forwarded[0] == 2:  # a copy: its own bytes stay good
+                    data, stable = data.clone(), True
+                    data[-1] ^= 0x04
+            return forward(self, src, bucket, encoding, data, stable=stable)
+
+        Forwarder.bucket = corrupting
     member = engine_refit(cfg, store, gen_index=first, num_train=NUM_TRAIN)
     for version in versions:
         start = time.monotonic()
@@ -176,6 +190,23 @@ def test_fanout_relay_stalled_mid_refit_its_successors_land_it_within_the_stall_
         assert bad["seconds"] < STALL_S * 1.75 < TIMEOUT_S, bad
         assert [o["members"] for o in outcome[BAD - 1:]] == [[1, 2]] * (len(VERSIONS) - BAD + 1)
         assert all(o["failed"] == {} for o in outcome[BAD:])
+
+
+@pytest.mark.parametrize("delta", ["off", "on"])
+def test_fanout_bytes_corrupted_on_a_relay_link_are_taken_again_from_the_train_ranks(delta, tmp_path):
+    """One bit of a bucket the head forwards in refit 2 flips on the way: replica 1 finds it against
+    the train ranks' digests and takes that train rank's buckets again from the train ranks, from
+    the bad one on, within the refit; replica 2, which had the same bytes from replica 1, does the
+    same. Nobody fails, every replica lands every version bit-exactly (under deltas too: the
+    corrupted one is a delta payload, taken again raw)."""
+    train, gen, _ = _run("corrupt", tmp_path, delta=delta)
+    for outcome in gen:
+        _landed(outcome, VERSIONS)
+    assert [outcome[BAD - 1]["fallback"] for outcome in gen] == [False, True, True]
+    for outcome in train:
+        assert all(o["failed"] == {} for o in outcome)
+        assert outcome[BAD - 1]["summary"]["refit/relay_fallbacks"] == 2
+        assert outcome[BAD]["summary"]["refit/relay_fallbacks"] == 0  # a new epoch, the chain as before
 
 
 def test_fanout_relay_raising_mid_refit_fails_alone_and_its_successors_land(tmp_path):
