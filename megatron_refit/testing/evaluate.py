@@ -65,6 +65,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             serving={k.removeprefix("refit/serving_"): v for k, v in t_items[0]["report"]["summary"].items()
                      if k.startswith("refit/serving_")},
             refit_s=t_items[0]["report"]["summary"]["refit/total_s"],
+            bytes_relayed=t_items[0]["report"]["summary"]["refit/bytes_relayed"],
+            relay_fallbacks=t_items[0]["report"]["summary"]["refit/relay_fallbacks"],
         ))
     diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]
     return dict(
@@ -73,6 +75,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         model=spec.model,
         dtype=spec.dtype,
         delta=spec.delta,
+        fanout=spec.fanout,
         lr=spec.lr,
         fp8=spec.fp8 or None,
         train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),

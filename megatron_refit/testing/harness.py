@@ -78,6 +78,8 @@ class RunSpec:
     """``(replica, version)``: that engine replica's first rank raises while ``version`` lands (an
     engine error, as a CUDA fault would); run with ``refit.on_replica_failure: continue``, the
     other replicas land it and the next refit brings the replica back."""
+    fanout: str = "off"
+    """``refit.fanout``: the train ranks send to the chain's head, the replicas forward."""
     overlap: bool = False
     """``refit.overlap: on``: each refit sends from a snapshot in the background while the
     next step trains (the export checked against is taken at the step boundary)."""
@@ -154,7 +156,7 @@ def refit_config(spec: RunSpec, port: int):
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
                        on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
-                       overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving,
+                       overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving, fanout=spec.fanout,
                        serving_tolerance=spec.serving_tolerance)
 
 

@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--swap", default="in_place", choices=["in_place", "staged"],
                    help="refit.swap: staged streams each refit into a copy while the engine serves, then swaps "
                         "(gen TP 1)")
+    p.add_argument("--fanout", default="off", choices=["off", "chain", "tree", "auto"],
+                   help="refit.fanout: the train ranks send each byte once, to the first replica, and the "
+                        "replicas forward it (bytes sent: one replica's; relayed: the others')")
     p.add_argument("--fail-replica", default=None, metavar="R@V",
                    help="engine replica R raises while refit V lands (an engine error, as a CUDA fault would): "
                         "the other replicas land V, the report names R, and refit V+1 brings it back "
@@ -138,21 +141,32 @@ def spec_from_args(args) -> RunSpec:
         lr=args.lr,
         delta=args.delta,
         swap=args.swap,
+        fanout=args.fanout,
         fail_replica=fail_replica,
         verify_serving="on" if args.gen_tp == 1 else "off",  # HF replicas score the probe with their forward
     )
 
 
+def _from_trainers(refit: dict, spec: RunSpec) -> int:
+    """What a full refit's train ranks send: every replica's minimal bytes, or under fan-out (no
+    relay routed around) one replica's."""
+    if spec.fanout == "off" or not refit["bytes_relayed"] or refit["relay_fallbacks"]:
+        return refit["bytes_minimal"]
+    return refit["bytes_minimal"] // spec.gen.dp
+
+
 def format_table(result: dict) -> str:
     t, g = result["train"], result["gen"]
     deltas = result.get("delta", "off") != "off"
+    fanout = result.get("fanout", "off") != "off"
     lines = [
         f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
         f"train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
         f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
         f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'served':>8} {'bytes sent':>11} {'minimal':>11} "
         f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'check s':>8} {'GB/s':>6}"
-        + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else ""),
+        + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else "")
+        + (f" {'relayed':>11}" if fanout else ""),
     ]
     for r in result["refits"]:
         s = r["seconds"]
@@ -167,6 +181,7 @@ def format_table(result: dict) -> str:
             f"{s['total']:>8.4f} {s['pack']:>8.4f} {s['transfer']:>8.4f} {s['load']:>8.4f} {check:>8} {gbps:>6.2f}"
             + (f" {r['bytes_full']:>11,} {r['bytes_sent'] / r['bytes_full']:>9.3f} {r['density']:>8.4f}"
                if deltas else "")
+            + (f" {r['bytes_relayed']:>11,}" if fanout else "")
         )
     for r in result["refits"]:
         for replica, why in r.get("failed_replicas", {}).items():
@@ -205,12 +220,13 @@ def main(argv=None) -> int:
         return 2
     diff = result["max_logit_diff"]
     tolerance = LOGIT_TOLERANCE.get(spec.dtype)
-    # a full refit sends exactly the minimal bytes; a delta refit less than a full one
-    # and no replica lost a refit, but the one --fail-replica names
+    # a full refit sends exactly the minimal bytes (under fan-out the train ranks send one replica's of
+    # them, the replicas relay the others'); a delta refit less than a full one; and no replica lost a
+    # refit, but the one --fail-replica names
     lost = [(r["version"], sorted(r["failed_replicas"])) for r in result["refits"] if r["failed_replicas"]]
     wanted = [] if spec.fail_replica is None else [(spec.fail_replica[1], [spec.fail_replica[0]])]
     result["ok"] = bool(result["bit_exact"]) and (diff is None or tolerance is None or diff <= tolerance) and all(
-        r["bytes_sent"] <= r["bytes_full"] if r["delta"] else r["bytes_sent"] == r["bytes_minimal"]
+        r["bytes_sent"] <= r["bytes_full"] if r["delta"] else r["bytes_sent"] == _from_trainers(r, spec)
         for r in result["refits"]) and lost == wanted
     print(format_table(result))
     if args.json:

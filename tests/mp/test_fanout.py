@@ -275,3 +275,23 @@ def test_fanout_bench_reports_one_json_line():
     assert result["fanout_over_direct_s"] > 0
     bad = subprocess.run([*bench, "--replicas", "1"], capture_output=True, text=True, timeout=120, cwd=root)
     assert bad.returncode == 2 and "fan-out needs at least 2 replicas" in bad.stderr
+
+
+def test_fanout_demo_megatron_to_three_transformers_replicas_in_a_chain(capfd):
+    """``demo --gen-dp 3 --fanout chain --delta on``: Megatron TP2 train ranks, a real optimizer
+    step per refit, three transformers replicas in a chain: every refit bit-exact against Bridge's
+    own export on every replica, what each serves checked against the trainer's forward, the train
+    ranks sending one replica's bytes (a delta's from refit 2 on), the replicas relaying the rest."""
+    import json
+
+    from megatron_refit.tools.demo import main
+
+    assert main(["--gen-dp", "3", "--fanout", "chain", "--delta", "on", "--json"]) == 0
+    result = json.loads(capfd.readouterr().out.splitlines()[-1])
+    assert result["ok"] and result["bit_exact"] and result["fanout"] == "chain"
+    first, *later = result["refits"]
+    assert first["bytes_sent"] * 3 == first["bytes_minimal"] and first["bytes_relayed"] >= 2 * first["bytes_sent"]
+    for refit in result["refits"]:
+        assert refit["relay_fallbacks"] == 0 and refit["replicas_ok"] == 3 and refit["serving"]["checked"] == 3
+    for refit in later:
+        assert refit["delta"] and 0 < refit["bytes_relayed"] < first["bytes_relayed"]
