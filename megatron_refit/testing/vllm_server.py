@@ -212,6 +212,16 @@ class GenerateLoad:
             except Exception as exc:  # noqa: BLE001 -- recorded: the callers count and show errors
                 self.done.append((t0, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}"))
 
+    def await_answers(self, count: int, timeout_s: float = 30.0) -> bool:
+        """Until ``count`` answers came back (the server generating, the clients out of step with
+        each other), at most ``timeout_s``; whether they did."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.done) < count:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, timeout_s: float = 300.0) -> list:
         """Stop asking (the requests under way finish) and return every answer."""
         self._stop.set()

@@ -34,9 +34,13 @@ SLOW_S = 1.0
 
 
 def _under_load(url: str, prompt: list[int], rank: int, refit) -> tuple[list, object]:
-    """``refit()`` while the clients ask (train rank 0), held open by a slow train rank 1."""
+    """``refit()`` while the clients ask (train rank 0), held open by a slow train rank 1. Train
+    rank 0 starts it once every client has had an answer: the server is generating (on a busy
+    machine its first tokens can come after a short refit's swap, which then no request spans)
+    and the clients' requests are out of step, so some is always part-way at the swap."""
     clients = GenerateLoad(url, prompt, list(LENGTHS)) if rank == 0 else None
-    time.sleep(0.5)
+    if clients is None or not clients.await_answers(CLIENTS, timeout_s=40.0):
+        time.sleep(0.5)
     try:
         result = refit()
     finally:
