@@ -31,6 +31,9 @@ lengths never run in lockstep (the engine batches them), so some are always in f
 LONG = max(LENGTHS)
 SLOW_S = 1.0
 """A train rank this slow holds the staged refit open under load."""
+ATTEMPTS = 3
+"""``in_flight``: refits under load until a request spans the swap (on a busy machine one may
+not: every request part-way then had no token yet); the last one's answers are checked."""
 
 
 def _under_load(url: str, prompt: list[int], rank: int, refit) -> tuple[list, object]:
@@ -70,13 +73,19 @@ def session_swap(rank: int, world: int, port: int, url: str, server_pid: int, po
         old = greedy_decode(built, prompt, LONG)
         train()
         new = greedy_decode(built, prompt, LONG)
-        if rank == 1:
-            slow_next_refit(engine.source.weights, SLOW_S)
-        client.calls.clear()
-        step += 1
-        done, _ = _under_load(url, prompt, rank, lambda: engine.send_weights(step))
-        cuts = [sorted({spans[1][1] for *_, spans, error in done if error is None and len(spans) == 2})]
-        torch.distributed.broadcast_object_list(cuts, src=0)  # every rank decodes the same continuations
+        for attempt in range(ATTEMPTS):
+            if rank == 1:
+                slow_next_refit(engine.source.weights, SLOW_S)
+            client.calls.clear()
+            step += 1
+            done, _ = _under_load(url, prompt, rank, lambda: engine.send_weights(step))
+            cuts = [sorted({spans[1][1] for *_, spans, error in done if error is None and len(spans) == 2})]
+            torch.distributed.broadcast_object_list(cuts, src=0)  # every rank decodes the same continuations
+            if policy != "in_flight" or cuts[0] or attempt == ATTEMPTS - 1:
+                break
+            old = new  # no request spanned the swap (a busy machine): again, from the version now served
+            train()
+            new = greedy_decode(built, prompt, LONG)
         out[policy] = dict(old=old, new=new, versions=[str(step - 1), str(step)], completions=done,
                            calls=client.calls, continuations={k: greedy_decode(built, prompt + old[:k], LONG - k)
                                                               for k in cuts[0]},
