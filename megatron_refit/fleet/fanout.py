@@ -77,9 +77,6 @@ class FanoutRouter:
                 self._landed.pop(replica, None)
             else:
                 self._landed[replica] = version
-        for replica in list(self._landed):
-            if replica not in replicas and replica in failures:
-                self._landed.pop(replica)
         self._trouble = bool(failures) or summary.get("refit/relay_fallbacks", 0) > 0
 
     def forget(self, replica: int) -> None:
