@@ -3,17 +3,15 @@
 ``refit:`` out and returns the rest unchanged for Bridge's loader
 (``process_config_with_overrides``), which would otherwise warn about an unknown key;
 :func:`load_training_yaml` reads the file with OmegaConf, as Bridge does; :func:`train_layout`
-is the trainer layout from Bridge's ``model:`` section.
+(:mod:`megatron_refit.config.bridge_model`) is the trainer layout from Bridge's ``model:`` section.
 """
 
 from __future__ import annotations
 
-import math
 import typing
 from typing import Any
 
 from megatron_refit.config.section import RefitConfig
-from megatron_refit.plan.layout import TrainLayout
 
 
 def split_refit_section(config: dict[str, Any]) -> tuple[dict[str, Any], RefitConfig]:
@@ -75,31 +73,3 @@ def _decode_interpolated(section: dict[str, Any], keys: list[str]) -> None:
                 section[key] = yaml.safe_load(value)
             except yaml.YAMLError:
                 pass  # left as the string: the type check names the key and the value
-
-
-_BRIDGE_LAYOUT = {
-    "tensor_model_parallel_size": "tp",
-    "pipeline_model_parallel_size": "pp",
-    "expert_model_parallel_size": "ep",
-    "expert_tensor_parallel_size": "etp",
-    "num_layers_in_first_pipeline_stage": "first_stage_layers",
-    "num_layers_in_last_pipeline_stage": "last_stage_layers",
-}
-"""Bridge ``model:`` (GPTModelProvider) field -> TrainLayout field."""
-
-
-def train_layout(bridge_config: dict[str, Any], refit: RefitConfig) -> TrainLayout:
-    """The trainer layout from Bridge's ``model:`` section and ``refit.train_dp``."""
-
-    model = bridge_config.get("model") or {}
-    if not isinstance(model, dict):
-        raise ValueError(f"model: expected a mapping, got {type(model).__name__}")
-    sizes = {field: model[key] for key, field in _BRIDGE_LAYOUT.items() if model.get(key) is not None}
-    for key, field in _BRIDGE_LAYOUT.items():
-        if field in sizes and (not isinstance(sizes[field], int) or isinstance(sizes[field], bool)):
-            raise ValueError(f"model.{key}: expected int, got {sizes[field]!r}")
-    dp = refit.train_dp
-    if dp is None:
-        experts = sizes.get("ep", 1) * sizes.get("etp", 1)
-        dp = experts // math.gcd(sizes.get("tp", 1), experts)
-    return TrainLayout(dp=dp, **sizes)

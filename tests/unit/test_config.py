@@ -110,13 +110,85 @@ def test_omegaconf_reads_the_file_the_way_bridge_does(tmp_path):
 def test_train_layout_errors():
     with pytest.raises(ValueError, match=r"model.tensor_model_parallel_size: expected int, got '2'"):
         train_layout({"model": {"tensor_model_parallel_size": "2"}}, RefitConfig())
-    with pytest.raises(ValueError, match=r"num_layers=61 does not split over pp=16"):
+    with pytest.raises(ValueError, match=r"num_layers=61 does not split over pipeline_model_parallel_size=16 with "
+                                         r"num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage = "
+                                         r"4 / 2"):
         TrainLayout(pp=16, first_stage_layers=4, last_stage_layers=2).stage_layers(61)
     assert TrainLayout(pp=16, first_stage_layers=3, last_stage_layers=2).stage_layers(61) == [3] + [4] * 14 + [2]
     # default DP: the smallest that fits EP inside TP x DP
     assert train_layout({"model": {"expert_model_parallel_size": 8}}, RefitConfig()).dp == 8
     assert train_layout({"model": {"tensor_model_parallel_size": 4, "expert_model_parallel_size": 16}},
                         RefitConfig()).dp == 4
+
+
+RECIPE_MODEL = {  # Bridge 0.6.2, deepseek/h100/deepseek_v3.py deepseek_v3_pretrain_1024gpu_h100_bf16_config
+    "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 16, "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1, "expert_model_parallel_size": 64, "expert_tensor_parallel_size": 1,
+    "sequence_parallel": True, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1,
+    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
+    "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+    "pipeline_model_parallel_layout": [["embedding"] + ["decoder"] * 4] + [["decoder"] * 4] * 14
+    + [["decoder", "mtp", "loss"]], "pipeline_dtype": "bf16", "moe_token_dispatcher_type": "alltoall",
+}
+
+
+def test_every_parallel_key_of_a_recipe_is_honoured():
+    layout = train_layout({"model": RECIPE_MODEL}, RefitConfig(train_dp=64))
+    assert (layout.tp, layout.pp, layout.ep, layout.etp, layout.cp, layout.vpp) == (2, 16, 64, 1, 1, None)
+    assert layout.sequence_parallel and layout.mtp_layers == 1 and len(layout.layout) == 16
+    assert layout.world_size == 2048 and layout.mtp_stages() == {(15, 0): 1}
+    assert "SP" in layout.describe_keys() and "layout Et*4|t*4|" in layout.describe_keys()
+    cp = train_layout({"model": {"tensor_model_parallel_size": 2, "context_parallel_size": 2}}, RefitConfig(train_dp=4))
+    assert cp.world_size == 16 and cp.describe() == "TP2xCP2xPP1xDP4"  # CP is in the plan, not dropped
+    vpp = train_layout({"model": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}},
+                       RefitConfig())
+    assert vpp.chunk_layers(36)[0, 1] == range(18, 27)
+    # a layout's stage count sets the virtual pipeline size, as Megatron's
+    assert train_layout({"model": {"pipeline_model_parallel_size": 2,
+                                   "pipeline_model_parallel_layout": "Et*4|t*4|t*4|t*4L"}}, RefitConfig()).vpp == 2
+    # CP ranks count towards the ranks that hold every expert
+    assert train_layout({"model": {"context_parallel_size": 2, "expert_model_parallel_size": 8}}, RefitConfig()).dp == 4
+
+
+def test_expert_tensor_parallel_default_is_bridges():
+    """Unset ETP: 1 under expert parallelism (Bridge's MoE default), else Megatron's: the TP size."""
+    assert train_layout({"model": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}},
+                        RefitConfig(), num_experts=8).etp == 1
+    assert train_layout({"model": {"tensor_model_parallel_size": 2}}, RefitConfig(), num_experts=8).etp == 2
+    assert train_layout({"model": {"tensor_model_parallel_size": 2}}, RefitConfig(), num_experts=0).etp == 1
+
+
+@pytest.mark.parametrize("model, match", [
+    ({"context_paralel_size": 2}, r"model.context_paralel_size: unknown key; did you mean 'context_parallel_size'"),
+    ({"pipeline_model_parallel_split_rank": 2}, r"model.pipeline_model_parallel_split_rank: a parallel setting the "
+                                                r"refit does not know"),
+    ({"tensor_parallel_num_weight_shards": 4, "tensor_model_parallel_size": 2},
+     r"model.tensor_parallel_num_weight_shards=4: weight shards beyond tensor_model_parallel_size=2"),
+    ({"hierarchical_context_parallel_sizes": [2, 2], "context_parallel_size": 2},
+     r"hierarchical_context_parallel_sizes=\[2, 2\]: their product must be context_parallel_size=2"),
+    ({"mtp_use_repeated_layer": True}, r"model.mtp_use_repeated_layer=True: not supported"),
+    ({"sequence_parallel": True}, r"sequence_parallel: true needs tensor_model_parallel_size > 1"),
+    ({"sequence_parallel": "yes", "tensor_model_parallel_size": 2}, r"model.sequence_parallel: expected true or false"),
+    ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et*3|t*2X"},
+     r"pipeline_model_parallel_layout 'Et\*3\|t\*2X': unknown layer character\(s\) \['X'\]"),
+    ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|tL"},
+     r"pipeline_model_parallel_layout: 3 stages do not divide over pipeline_model_parallel_size=2"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 3,
+      "pipeline_model_parallel_layout": "Et|tL"}, r"virtual_pipeline_model_parallel_size=3 conflicts with"),
+    ({"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 3,
+      "pipeline_model_parallel_layout": "Et|tL"}, r"pipeline_model_parallel_layout cannot be set with"),
+    ({"virtual_pipeline_model_parallel_size": 2}, r"virtual_pipeline_model_parallel_size=2 needs "
+                                                  r"pipeline_model_parallel_size > 1"),
+])
+def test_parallel_keys_that_cannot_be_honoured_are_refused_by_name(model, match):
+    with pytest.raises(ValueError, match=match):
+        train_layout({"model": model}, RefitConfig())
+
+
+def test_fsdp_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"ddp.use_megatron_fsdp: true shards each parameter"):
+        train_layout({"model": {}, "ddp": {"use_megatron_fsdp": True}}, RefitConfig())
+    assert train_layout({"model": {}, "ddp": {"use_megatron_fsdp": False}}, RefitConfig()).world_size == 1
 
 
 def test_config_imports_neither_megatron_nor_torch():
