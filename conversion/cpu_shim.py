@@ -43,13 +43,16 @@ _GRAD = torch.Tensor.grad
 
 
 class _CudaToHost(torch.overrides.TorchFunctionMode):
-    """``device="cuda"`` factory calls make host tensors, ``Tensor.cuda()`` keeps the tensor,
-    ``Tensor.type()`` answers the CUDA type name Megatron's dtype checks compare against."""
+    """``device="cuda"`` factory calls make host tensors (not pinned: that needs a driver),
+    ``Tensor.cuda()`` keeps the tensor, ``Tensor.type()`` answers the CUDA type name Megatron's
+    dtype checks compare against."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "cuda" in str(kwargs.get("device", "")):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].dtype in _CUDA_TYPE_NAMES:
@@ -59,6 +62,11 @@ class _CudaToHost(torch.overrides.TorchFunctionMode):
                 warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def cuda_to_host():
+    """The mode of :func:`cuda_calls_on_cpu` alone (CUDA factory calls and ``.cuda()`` on the host)."""
+    return _CudaToHost()
 
 
 @contextlib.contextmanager

@@ -50,6 +50,10 @@ class LocalShard:
     follows: str | None = None
     """HF name of the piece this one starts right after in memory (up after gate of one
     fused weight; k after q, v after k of one QKV split): such runs can leave as one message."""
+    optional: str | None = None
+    """``"mtp"`` for a multi-token-prediction layer's piece (Megatron's ``mtp.layers.*``): an
+    engine holds it only with an MTP draft, so where no engine rank holds it, it is skipped by
+    name (``refit/skipped_params``)."""
 
     def tensor(self) -> torch.Tensor:
         return self.get()
@@ -126,10 +130,12 @@ def task_shards(task, *, vocab_size: int, hf_config=None) -> list[LocalShard]:
     common = dict(pp_stage=mapping.pp_rank, is_expert=mapping.is_expert)
     dtype = str(weight.dtype).removeprefix("torch.")
 
+    optional = "mtp" if meg_name.startswith("mtp.") else None
+
     def shard(name, global_shape, box, get, release=None, follows=None):
         spec = ShardSpec(name=name + suffix, global_shape=tuple(global_shape), dtype=dtype, box=box, **common)
         return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release,
-                          follows=None if follows is None else follows + suffix)
+                          follows=None if follows is None else follows + suffix, optional=optional)
 
     if isinstance(mapping, pm.QKVMapping):
         kind = bridge_api.qkv_parallelism_of(mapping, module)
@@ -316,6 +322,6 @@ def group_experts(shards: list[LocalShard], num_experts: int) -> list[LocalShard
         getters = [s.get for _, s in members]
         out.append(
             LocalShard(spec=spec, megatron_name=f"{prefix}.*.{suffix}",
-                       get=lambda g=getters: torch.stack([f() for f in g]))
+                       get=lambda g=getters: torch.stack([f() for f in g]), optional=members[0][1].optional)
         )
     return out

@@ -8,6 +8,10 @@ the model trains) and returns each sequence's per-token log-probs on every rank,
 Hugging Face vocabulary (Megatron's padded vocabulary rows are left out of the softmax, as an
 engine serving the HF checkpoint has none).
 
+Every parallel setting the model trains with takes part: pipeline stages and virtual stages in
+Megatron's order, sequence parallelism between stages, context parallelism (each CP rank scores its
+part of the probe, gathered back on every rank): :func:`conversion.forward.pipeline_forward`.
+
 It must not change training: it runs under ``no_grad`` in eval mode (each chunk's mode is put
 back), with the CPU and CUDA generators' states and Megatron's RNG tracker states restored, the
 DDP forward pre-hooks of ``overlap_param_gather`` off (no param all-gather dispatched: the refit
@@ -23,7 +27,7 @@ import re
 
 import torch
 
-from conversion.forward import cpu_forward, stage_forward
+from conversion.forward import cpu_forward, gather_sequence, last_rank_holds_output, pipeline_forward
 
 QUANTIZED = re.compile(r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
 """Megatron linear weights whose HF pieces trainer-side FP8 quantizes (experts' too; the router,
@@ -34,16 +38,8 @@ class MegatronForward:
     """The serving check's reference forward over Megatron model chunks (see the module docstring)."""
 
     def __init__(self, model: list, hf_config, *, lora: bool = False):
-        from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        if len(model) != 1:
-            raise ValueError(f"refit.verify_serving: the reference forward runs one model chunk per rank (no "
-                             f"virtual pipeline), this rank holds {len(model)}")
-        if ps.get_context_parallel_world_size() > 1:
-            raise ValueError("refit.verify_serving: the reference forward does not split the probe over context "
-                             f"parallelism (context_parallel_size={ps.get_context_parallel_world_size()}); set "
-                             "verify_serving: off")
         self.model = model
         self.config = get_model_config(model[0])
         self.vocab_size = hf_config.vocab_size
@@ -78,13 +74,13 @@ class MegatronForward:
         """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, [batch, seq - 1] (float32), on every rank."""
         from megatron.core import parallel_state as ps
 
-        chunk = self.model[0]
-        output, _ = stage_forward(chunk, tokens, hidden_size=self.config.hidden_size, dtype=self.config.params_dtype)
-        result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=output.device)
-        if ps.is_pipeline_last_stage():
+        run = pipeline_forward(self.model, tokens)
+        device = run.next_tokens.device
+        result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=device)
+        if last_rank_holds_output(self.model):
             with cpu_forward():
-                result.copy_(_vocab_parallel_logprobs(output[:, :-1], tokens[:, 1:].to(output.device),
-                                                      self.vocab_size))
+                local = _vocab_parallel_logprobs(run.output, run.next_tokens, self.vocab_size)
+            result.copy_(gather_sequence(local, run)[:, :-1])  # every CP rank the whole probe
         if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage gets the last stage's answer
             torch.distributed.broadcast(result, ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
@@ -180,7 +176,7 @@ def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     torch.distributed.all_reduce(sums, group=group)
     local = labels - start
     mine = (local >= 0) & (local < valid)
-    picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * mine
+    picked = torch.where(mine, logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1), 0.0)
     torch.distributed.all_reduce(picked, group=group)
     return picked - peak - sums.log()
 

@@ -2,7 +2,9 @@
 
 Everything here is set up for CPU machines without Transformer Engine: the local (non-TE)
 layer spec, gloo process groups initialised by us (Bridge would otherwise pick NCCL), CPU
-initialisation, no mixed-precision wrapper, MoE's allgather dispatcher.
+initialisation, no mixed-precision wrapper, MoE's allgather dispatcher. Every parallel setting
+of a :class:`TrainLayout` reaches Megatron as the recipes set it (sequence parallelism and
+context parallelism through the weightless stand-ins of :mod:`conversion.testing.core_attention`).
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def init_model_parallel(layout: TrainLayout, *, create_gloo_process_groups: bool
     if world != layout.world_size:
         raise ValueError(
             f"world size {world} does not match layout {layout.describe()} "
-            f"(needs tp*pp*dp = {layout.world_size} ranks)"
+            f"(needs tp*cp*dp*pp = {layout.world_size} ranks)"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         create_gloo_process_groups=create_gloo_process_groups,
@@ -80,9 +84,15 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
     provider.pipeline_model_parallel_size = layout.pp
     provider.expert_model_parallel_size = layout.ep
     provider.expert_tensor_parallel_size = layout.etp
+    provider.virtual_pipeline_model_parallel_size = layout.vpp
+    provider.context_parallel_size = layout.cp
     provider.num_layers_in_first_pipeline_stage = layout.first_stage_layers
     provider.num_layers_in_last_pipeline_stage = layout.last_stage_layers
-    provider.sequence_parallel = False
+    provider.account_for_embedding_in_pipeline_split = layout.account_for_embedding
+    provider.account_for_loss_in_pipeline_split = layout.account_for_loss
+    provider.pipeline_model_parallel_layout = None if layout.layout is None else [list(s) for s in layout.layout]
+    provider.mtp_num_layers = layout.mtp_layers or None
+    provider.sequence_parallel = layout.sequence_parallel
     provider.should_pad_vocab = pad_vocab
     provider.transformer_layer_spec = local_layer_spec
     provider.params_dtype = dtype
@@ -104,8 +114,24 @@ def make_provider(hf_config, layout: TrainLayout, *, dtype: torch.dtype = torch.
         provider.moe_grouped_gemm = False
         provider.moe_router_fusion = False
     configure_provider(provider, hf_config, meta=meta)
+    if layout.cp > 1 and provider.transformer_layer_spec is local_layer_spec:
+        provider.transformer_layer_spec = context_parallel_layer_spec  # TE's attention is Megatron's only CP one
     provider.finalize()
     return bridge, provider
+
+
+def context_parallel_layer_spec(config, vp_stage=None):
+    """Bridge's local layer spec with :class:`~conversion.testing.core_attention.CPUCoreAttention`
+    (context-parallel) as its core attention, as the block spec of this stage (Bridge puts the
+    local ``DotProductAttention`` back into a layer spec)."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.transformer.transformer_block import _get_block_submodules
+
+    from conversion.testing.core_attention import CPUCoreAttention, with_core_attention
+
+    block = _get_block_submodules(config, local_layer_spec(config), vp_stage)
+    with_core_attention(block, CPUCoreAttention)
+    return block
 
 
 def _local_attention_backend():
@@ -134,7 +160,13 @@ def build_model(
     # (megatron_refit.testing.launch sets REFIT_QUIET_LOGS=1 there)
     quiet = os.environ.get("REFIT_QUIET_LOGS") == "1"
     chatter = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
-    with build_context(hf_config, meta), chatter:
+    from conversion.cpu_shim import cuda_to_host
+    from conversion.testing.core_attention import sequence_parallel_norms
+
+    # a copy of the embedding on a later stage (tied output layer, MTP) is all-reduced with the
+    # first stage's after ``.cuda()``: on a host it stays there
+    host = cuda_to_host() if not torch.cuda.is_available() else contextlib.nullcontext()
+    with build_context(hf_config, meta), sequence_parallel_norms(), host, chatter:
         model = provider.provide_distributed_model(
             wrap_with_ddp=False,
             use_cpu_initialization=True,

@@ -3,7 +3,8 @@
 Meta enumeration costs about a second per rank; production MoE layouts have 128–256
 distinct ranks. Their structure is regular in Megatron's rank order:
 
-- dense (non-expert) pieces depend only on the (PP stage, TP rank);
+- dense (non-expert) pieces depend only on the (PP stage, TP rank): CP and DP ranks hold
+  the same (each rank's model chunks: every virtual stage of its PP stage);
 - routed-expert pieces depend on the (PP stage, ETP rank, EP rank), and EP rank ``e``
   holds the same pieces as EP rank 0 with the experts renumbered by
   ``e * num_experts / ep`` (per-expert names ``…experts.<i>.…``, or dim 0 of a grouped
@@ -31,7 +32,7 @@ CACHE_FORMAT = 1
 
 def representative_ranks(layout: TrainLayout) -> list[int]:
     """The ranks whose ShardSpecs determine every rank's (see the module docstring)."""
-    inner = layout.tp * layout.dp
+    inner = layout.tp * layout.cp * layout.dp
     return [stage * inner + i for stage in range(layout.pp) for i in range(max(layout.tp, layout.etp))]
 
 
@@ -64,7 +65,7 @@ def derive_all_ranks(
     if num_experts % layout.ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep={layout.ep}")
     per_ep = num_experts // layout.ep
-    inner = layout.tp * layout.dp
+    inner = layout.tp * layout.cp * layout.dp
     dense: dict[tuple[int, int], list[ShardSpec]] = {}
     experts: dict[tuple[int, int, int], list[ShardSpec]] = {}
     merged: dict[tuple[int, int, int, int], list[ShardSpec]] = {}

@@ -1,10 +1,12 @@
-"""A real training step and a reference forward for the CPU harness (any TP/PP/EP).
+"""A real training step and a reference forward for the CPU harness (every parallel setting of
+:class:`~megatron_refit.plan.layout.TrainLayout`).
 
-Pipeline stages run in order, exchanging activations and gradients over the PP group with
-plain send/recv (one microbatch, one model chunk). Every
-rank feeds the same tokens, so data-parallel replicas stay identical without a gradient
-all-reduce. The model runs in eval mode: dropout is off in these models anyway, and MoE
-with TP refuses train mode without sequence parallelism.
+Pipeline stages and virtual stages run in Megatron's order, exchanging activations and gradients
+over the PP group with plain send/recv (one microbatch: :func:`conversion.forward.pipeline_forward`);
+under context parallelism each CP rank runs its part of every sequence. Every rank feeds the
+same tokens, so data-parallel replicas stay identical without a gradient all-reduce. The model
+runs in eval mode: dropout is off in these models anyway, and MoE with TP refuses train mode
+without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from conversion.forward import cpu_forward, stage_forward
+from conversion.forward import (cpu_forward, gather_sequence, last_rank_holds_output, pipeline_backward,
+                               pipeline_forward)
 from conversion.testing.build import BuiltModel
 
 
@@ -24,12 +27,10 @@ def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_forward(built: BuiltModel, tokens: torch.Tensor, *, labels: bool):
-    """This stage's forward (:func:`conversion.forward.stage_forward`) in eval mode. Returns
-    ``(output, stage_input)``."""
-    model = built.model[0]
-    model.eval()
-    return stage_forward(model, tokens, hidden_size=built.config.hidden_size, dtype=built.config.params_dtype,
-                         labels=next_tokens(tokens) if labels else None)
+    """This rank's forward (:func:`conversion.forward.pipeline_forward`) in eval mode."""
+    for chunk in built.model:
+        chunk.eval()
+    return pipeline_forward(built.model, tokens, labels=next_tokens(tokens) if labels else None)
 
 
 def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -43,9 +44,6 @@ def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torc
     from conversion.cpu_shim import cuda_calls_on_cpu
     from conversion.testing.megatron_optim import is_megatron_optimizer
 
-    if len(built.model) != 1:
-        raise ValueError("train_step supports one model chunk (no virtual pipeline)")
-
     if is_megatron_optimizer(optimizer):  # DDP-wrapped chunks and Megatron's optimizer
         with cuda_calls_on_cpu():
             return _step(built, optimizer, tokens, loss_fn, megatron=True)
@@ -53,27 +51,21 @@ def train_step(built: BuiltModel, optimizer: torch.optim.Optimizer, tokens: torc
 
 
 def _step(built: BuiltModel, optimizer, tokens: torch.Tensor, loss_fn, *, megatron: bool) -> float | None:
-    from megatron.core import parallel_state as ps
-
     if megatron:
         for chunk in built.model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
     else:
         optimizer.zero_grad(set_to_none=True)
-    output, stage_input = _pipeline_forward(built, tokens, labels=loss_fn is None)
+    run = _pipeline_forward(built, tokens, labels=loss_fn is None)
     loss = None
-    with cpu_forward():
-        if ps.is_pipeline_last_stage():
-            # Megatron's per-token loss [batch, seq]; the last position has no next token
-            loss = output[:, :-1].float().mean() if loss_fn is None else loss_fn(_full_logits(built, output))
-            loss.backward()
-        else:
-            grad = torch.empty_like(output)
-            torch.distributed.recv(grad, ps.get_pipeline_model_parallel_next_rank())
-            output.backward(grad)
-    if stage_input is not None:
-        torch.distributed.send(stage_input.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+    if last_rank_holds_output(built.model):
+        with cpu_forward():
+            if loss_fn is None:  # Megatron's per-token loss [batch, seq]; the last position has no next token
+                loss = run.output[:, run.valid().to(run.output.device)].float().mean()
+            else:
+                loss = loss_fn(_full_logits(built, run))
+    pipeline_backward(built.model, run, loss)
     if megatron:
         from megatron.core.distributed import finalize_model_grads
 
@@ -90,14 +82,15 @@ def _finalize_grads(built: BuiltModel) -> None:
     """The gradient reductions of Megatron's ``finalize_model_grads`` (no DDP wrapper here),
     so that every replica applies one identical update:
 
-    - average over the data-parallel group (expert params: the expert-data-parallel group);
+    - average over the data-parallel group with the context-parallel ranks (expert params: the
+      expert-data-parallel group, which holds them too);
     - QK layernorms: sum over TP (each TP rank normalises only its own heads);
     - other TP-replicated params (norms, router): average over TP. Megatron gets the same
       effect from sequence parallelism, which MoE+TP training requires; without it the
       MoE dispatch sums in a rank-dependent order and replicas drift by an ulp."""
     from megatron.core import parallel_state as ps
 
-    dense_dp = ps.get_data_parallel_group()
+    dense_dp = ps.get_data_parallel_group(with_context_parallel=True)
     expert_dp = ps.get_expert_data_parallel_group()
     tp = ps.get_tensor_model_parallel_group()
     for chunk in built.model:
@@ -138,20 +131,20 @@ def _update_expert_bias(built: BuiltModel) -> None:
 def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab logits ``[batch, seq, vocab]`` on the last pipeline stage (None elsewhere);
     HF vocab (Megatron's padding rows dropped)."""
-    from megatron.core import parallel_state as ps
-
-    output, _ = _pipeline_forward(built, tokens, labels=False)
-    if not ps.is_pipeline_last_stage():
+    run = _pipeline_forward(built, tokens, labels=False)
+    if not last_rank_holds_output(built.model):
         return None
     with cpu_forward():
-        return _full_logits(built, output).float().cpu().clone()
+        return _full_logits(built, run).float().cpu().clone()
 
 
-def _full_logits(built: BuiltModel, output: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel logits gathered over TP (autograd-aware), Megatron's padding rows dropped."""
+def _full_logits(built: BuiltModel, run) -> torch.Tensor:
+    """Vocab-parallel logits gathered over TP and CP (autograd-aware), in sequence order,
+    Megatron's padding rows and the batch's padding dropped."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    return gather_from_tensor_model_parallel_region(output)[..., : built.hf_config.vocab_size]
+    logits = gather_from_tensor_model_parallel_region(run.output)[..., : built.hf_config.vocab_size]
+    return gather_sequence(logits, run)
 
 
 @torch.no_grad()

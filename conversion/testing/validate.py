@@ -18,10 +18,11 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
         ("intermediate_size", hf_config.intermediate_size, "tp", layout.tp),
         ("hidden_size", hf_config.hidden_size, "tp", layout.tp),
     ]
-    if layout.first_stage_layers is None and layout.last_stage_layers is None:
-        checks.append(("num_hidden_layers", hf_config.num_hidden_layers, "pp", layout.pp))
-    else:
-        layout.stage_layers(hf_config.num_hidden_layers)  # ValueError if the layers do not split
+    layout.chunk_layers(hf_config.num_hidden_layers)  # ValueError naming the keys if the layers do not split
+    mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
+    if layout.mtp_layers != mtp:
+        raise ValueError(f"mtp_num_layers={layout.mtp_layers} but the model has {mtp} MTP layers "
+                         f"(num_nextn_predict_layers={mtp}): Bridge maps the HF config's MTP layers")
     family_checks = of_config(hf_config).layout_checks(hf_config)  # e.g. MLA ranks, Mamba heads and groups
     checks += [(field, size, axis, getattr(layout, axis)) for field, size, axis in family_checks]
     experts = num_routed_experts(hf_config)

@@ -64,11 +64,14 @@ _PARALLEL = re.compile(r"parallel|pipeline|(^|_)(pp|vp|cp|tp|ep)(_|$)|^mtp_|num_
 FSDP = (("dist", "use_megatron_fsdp"), ("ddp", "use_megatron_fsdp"), ("dist", "use_torch_fsdp2"))
 
 
-def train_layout(bridge_config: dict[str, Any], refit: RefitConfig, *, num_experts: int | None = None) -> TrainLayout:
+def train_layout(bridge_config: dict[str, Any], refit: RefitConfig, *, num_experts: int | None = None,
+                 mtp_layers: int | None = None) -> TrainLayout:
     """The trainer layout from Bridge's ``model:`` section and ``refit.train_dp``; ``ValueError``
-    naming a key that cannot be honoured, before anything starts. ``num_experts`` (the model's
-    routed experts, when known) sets Bridge's default expert tensor parallelism: 1 under expert
-    parallelism, else Megatron's (the tensor-parallel size)."""
+    naming a key that cannot be honoured, before anything starts. What the model is, when known,
+    gives Bridge's defaults of the keys the section leaves out: ``num_experts`` (its routed
+    experts) the expert tensor parallelism (1 under expert parallelism, else Megatron's: the
+    tensor-parallel size), ``mtp_layers`` (the HF config's ``num_nextn_predict_layers``) the
+    MTP layers."""
     model = bridge_config.get("model") or {}
     if not isinstance(model, dict):
         raise ValueError(f"model: expected a mapping, got {type(model).__name__}")
@@ -88,6 +91,8 @@ def train_layout(bridge_config: dict[str, Any], refit: RefitConfig, *, num_exper
         elif not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"model.{key}: expected int, got {value!r}")
         fields[field] = value
+    if "mtp_layers" not in fields and mtp_layers:
+        fields["mtp_layers"] = mtp_layers
     if "etp" not in fields and num_experts:
         fields["etp"] = 1 if fields.get("ep", 1) > 1 else fields.get("tp", 1)
     dp = refit.train_dp

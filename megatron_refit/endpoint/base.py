@@ -141,6 +141,10 @@ class Endpoint:
         """Pairs ``(a, b)`` of this rank's pieces where ``b`` starts in memory where ``a`` ends."""
         return []
 
+    def _local_optional(self) -> tuple[str, ...]:
+        """This rank's optional pieces (MTP layers): skipped by name where no engine rank holds them."""
+        return ()
+
     def prepare(self) -> RefitPlan:
         self._begin("prepare")
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
@@ -148,7 +152,8 @@ class Endpoint:
         # names apart from boxes: an engine's TP ranks hold pieces of the same parameters, and
         # the gather moves each distinct object once (DP replicas' pieces, TP ranks' names)
         names_gathered, name_digests = self.group.all_gather_unique(names, "prepare", digests=True)
-        mine = (self.role, layout, self.verify, self.bucket_bytes, self.direct_bytes, self.delta)
+        mine = (self.role, layout, self.verify, self.bucket_bytes, self.direct_bytes, self.delta,
+                self._local_optional())
         gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
@@ -161,7 +166,8 @@ class Endpoint:
         key = (tuple(name_digests), tuple(digests), self._local_rank())
         plan, prints = self.plans.get(key, (None, None)) if self.plans is not None else (None, None)
         if plan is None:
-            plan, prints = self._build([(n, g[1]) for n, g in zip(names_gathered, gathered)])
+            optional = frozenset(name for g in gathered for name in g[6])
+            plan, prints = self._build([(n, g[1]) for n, g in zip(names_gathered, gathered)], optional)
             if self.plans is not None:
                 self.plans[key] = plan, prints
         bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
@@ -172,11 +178,16 @@ class Endpoint:
         self._digesters = None
         return plan
 
-    def _build(self, pieces: list[tuple]) -> tuple[RefitPlan, dict]:
+    def _build(self, pieces: list[tuple], optional: frozenset[str] = frozenset()) -> tuple[RefitPlan, dict]:
         """The plan of what every rank of the group holds (``pieces``: each rank's
-        :func:`~megatron_refit.plan.pieces.pack`), and its fingerprints."""
+        :func:`~megatron_refit.plan.pieces.pack`; ``optional``: the train ranks' optional
+        pieces), and its fingerprints."""
         plan = build_local_plan(pieces, self.num_train, bucket_bytes=self.bucket_bytes,
-                                direct_bytes=self.direct_bytes, local=self._local_rank())
+                                direct_bytes=self.direct_bytes, local=self._local_rank(), optional=optional)
+        if plan.skipped_params and self._local_rank() == ("train", 0):
+            logger.warning("refit: %d MTP parameters are held by no engine rank and are not sent "
+                           "(refit/skipped_params), e.g. %s: an engine holds them only with an MTP draft",
+                           len(plan.skipped_params), list(plan.skipped_params[:3]))
         return plan, plan.fingerprints()
 
     def _local_rank(self) -> tuple[str, int]:
@@ -276,7 +287,8 @@ class Endpoint:
         ``report.failed_replicas`` with every failed rank's error (a second message, only
         then). Returns the refit ranks that failed."""
         rows = self.group.exchange("report", report_values(report, error is not None))
-        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal, self.replica_size)
+        report.summary = summarize(report.version, rows, self.num_train, report.bytes_minimal, self.replica_size,
+                                   skipped_params=len(self.plan.skipped_params))
         failed = [rank for rank, row in enumerate(rows) if row[0]]
         if failed:
             why = "" if error is None else f"{type(error).__name__}: {error}"[:500]

@@ -83,7 +83,7 @@ SUMMARY_KEYS = ("refit/version", "refit/ok", "refit/failed_ranks", "refit/replic
                 "refit/bytes_wire", "refit/bytes_minimal", "refit/bytes_full", "refit/delta", "refit/density",
                 "refit/buckets", "refit/pack_s", "refit/load_s", "refit/verify_s", "refit/onload_s",
                 "refit/offload_s", "refit/slowest_rank", "refit/train_ranks", "refit/gen_ranks", "refit/bytes_relayed",
-                "refit/relay_fallbacks")
+                "refit/relay_fallbacks", "refit/skipped_params")
 """The keys :func:`summarize` returns, in order (docs/quickstart.md says what each means)."""
 
 
@@ -93,11 +93,12 @@ def replicas_of(failed_ranks, num_train: int, replica_size: int) -> list[int]:
 
 
 def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal: int,
-              replica_size: int | None = None) -> dict:
+              replica_size: int | None = None, *, skipped_params: int = 0) -> dict:
     """The flat metrics of one refit from every rank's :func:`report_values` (``rows[r]`` is
     refit rank ``r``; train ranks first). Seconds are the slowest rank's (the group waits for
     it); bytes are summed over train ranks (each byte is sent once). ``replica_size``: engine
-    ranks per replica (``gen_tp``; default: all of them are one replica)."""
+    ranks per replica (``gen_tp``; default: all of them are one replica); ``skipped_params``:
+    the plan's optional parameters that no engine rank holds (MTP layers)."""
     rows = [dict(zip(_FIELDS, row[:len(_FIELDS)], strict=True)) for row in rows]
     train, gen = rows[:num_train], rows[num_train:]
     seconds = {t: [row[f"us_{t}"] / _US for row in rows] for t in _TIMES}
@@ -131,6 +132,7 @@ def summarize(version: int, rows: list[list[int]], num_train: int, bytes_minimal
         "refit/gen_ranks": len(gen),
         "refit/bytes_relayed": sum(row["bytes_relayed"] for row in gen),
         "refit/relay_fallbacks": sum(row["relay_fallback"] for row in gen),
+        "refit/skipped_params": skipped_params,
     }
     return out
 
@@ -185,5 +187,6 @@ def merge_reports(version: int, rank: int, reports: list[RefitReport], *, replic
         "refit/gen_ranks": total("refit/gen_ranks"),
         "refit/bytes_relayed": total("refit/bytes_relayed"),
         "refit/relay_fallbacks": total("refit/relay_fallbacks"),
+        "refit/skipped_params": int(peak("refit/skipped_params")),
     }
     return out

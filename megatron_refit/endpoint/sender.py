@@ -39,7 +39,9 @@ from megatron_refit.transport import Transport
 
 class HasPiece(Protocol):
     """A trainer's local piece: ``conversion.local_shards.LocalShard`` satisfies it. An
-    optional ``release()`` is called after every refit to drop copies ``tensor()`` made."""
+    optional ``release()`` is called after every refit to drop copies ``tensor()`` made; an
+    optional ``optional`` (``"mtp"``) marks a piece that an engine may not hold: skipped by name
+    where no engine rank holds it (``refit/skipped_params``), where any other is refused."""
 
     spec: ShardSpec
 
@@ -56,6 +58,8 @@ class TensorPiece:
     follows: str | None = None
     """Name of the piece whose memory this one starts right after, if any (a hint: pieces
     adjacent on both ends of a transfer can leave as one message)."""
+    optional: str | None = None
+    """Why an engine may not hold this piece (``"mtp"``), if it may not (see :class:`HasPiece`)."""
 
     def tensor(self) -> torch.Tensor:
         return self.data
@@ -91,6 +95,9 @@ class Refitter(Endpoint):
     def _local_adjacent(self) -> list[tuple[str, str]]:
         # declared by the pieces (``follows``: gate/up of one fused weight, q/k/v of one split)
         return [(p.follows, name) for name, p in self.pieces.items() if getattr(p, "follows", None) in self.pieces]
+
+    def _local_optional(self) -> tuple[str, ...]:
+        return tuple(sorted(name for name, p in self.pieces.items() if getattr(p, "optional", None)))
 
     def _delta_base(self) -> int:
         return self._delta.base

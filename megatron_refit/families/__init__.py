@@ -17,6 +17,16 @@ PRESETS: dict[str, dict] = {name: fields for f in FAMILIES for name, fields in f
 """Every family's presets by name."""
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_param(name: str, num_hidden_layers: int) -> bool:
+    """Whether HF parameter ``name`` is in a multi-token-prediction layer: DeepSeek-V3's MTP
+    layers follow the decoder layers (``model.layers.<N>.`` with ``N >= num_hidden_layers``)."""
+    match = _LAYER.match(name)
+    return match is not None and int(match.group(1)) >= num_hidden_layers
+
+
 def by_architecture(arch: str) -> ModelFamily:
     """The family of an HF architecture; ``ValueError`` naming it and the supported ones."""
     for f in FAMILIES:

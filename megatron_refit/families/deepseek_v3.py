@@ -37,16 +37,27 @@ FAMILY = ModelFamily(
                             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                             num_nextn_predict_layers=0, head_dim=8,  # HF: head_dim = qk_rope_head_dim
                             topk_method="noaux_tc", scoring_func="sigmoid"),  # read by vLLM
-        # Published shapes (config.json of deepseek-ai/DeepSeek-V3) without its MTP layer
-        # (num_nextn_predict_layers=1 there), for meta enumeration and dry runs only.
+        # Published shapes (config.json of deepseek-ai/DeepSeek-V3) with its MTP layer, for meta
+        # enumeration and dry runs only.
         "deepseek-v3-671b": dict(
             architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-            first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+            first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
             topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False,
             max_position_embeddings=163840,
+        ),
+        # Published shapes (config.json of moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture with
+        # 384 routed experts, 64 heads, one dense layer, no MTP layer), for dry runs only.
+        "kimi-k2": dict(
+            architectures=["DeepseekV3ForCausalLM"], vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0,
+            topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False, rope_theta=50000.0,
+            max_position_embeddings=131072,
         ),
     },
     roles=_MLA_ROLES + ROLES,

@@ -206,7 +206,8 @@ def _uneven(num_layers: int, pp: int, vpp: int | None, first: int | None, last: 
     return out
 
 
-def mtp_stages(*, pp: int, vpp: int | None, mtp_layers: int, stages: Stages | None = None) -> dict[tuple[int, int], int]:
+def mtp_stages(*, pp: int, vpp: int | None, mtp_layers: int,
+               stages: Stages | None = None) -> dict[tuple[int, int], int]:
     """``{(pipeline rank, virtual stage): MTP layers}`` where MTP layers are built: the layout's
     ``mtp`` entries, else all of them on the last pipeline rank's last virtual stage."""
     if not mtp_layers:

@@ -6,6 +6,7 @@ agree on it. All validation happens in :meth:`RefitPlan.build`, before any trans
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import Counter
 from collections.abc import Callable
@@ -97,6 +98,9 @@ class RefitPlan:
     """Ordered by (src_rank, dst_rank, index); of the local rank only, in a local plan."""
     unused_train_params: tuple[str, ...]
     """Train parameters that no gen rank needs (not sent)."""
+    skipped_params: tuple[str, ...] = ()
+    """Of those, the optional ones (e.g. MTP layers, which an engine holds only with an MTP draft):
+    skipped by name; :func:`build_local_plan` refuses any other."""
     gen_parts: dict[int, tuple[Names, Layout]] = field(repr=False)
     """Every gen rank's pieces in the compact form (:func:`megatron_refit.plan.pieces.pack`)."""
     local: tuple[str, int] | None = None
@@ -310,6 +314,7 @@ class RefitPlan:
             "num_transfers": self.num_transfers,
             "num_buckets": len(self.buckets),
             "num_unused_train_params": len(self.unused_train_params),
+            "num_skipped_params": len(self.skipped_params),
             "bytes_sent": self.bytes_sent,
             "bytes_minimal": self.bytes_minimal,
             "max_bytes_from_one_train_rank": max(self.train_bytes, default=0),
@@ -319,19 +324,30 @@ class RefitPlan:
 
 
 def build_local_plan(pieces: list[tuple[Names, Layout]], num_train: int, *, bucket_bytes: int,
-                     direct_bytes: int | None, local: tuple[str, int]) -> RefitPlan:
+                     direct_bytes: int | None, local: tuple[str, int],
+                     optional: frozenset[str] = frozenset()) -> RefitPlan:
     """What each rank's ``prepare()`` builds from every refit rank's gathered pieces (in refit
     rank order: the train ranks, then the gen ranks); the dry run times the same call. A
-    parameter the trainer produces but no gen rank holds is refused (``ValueError``)."""
+    parameter the trainer produces but no gen rank holds is refused (``ValueError``), unless it
+    is ``optional`` (the train ranks' optional pieces: MTP layers): then it is skipped by name
+    (:attr:`RefitPlan.skipped_params`)."""
     plan = RefitPlan.from_pieces(dict(enumerate(pieces[:num_train])), dict(enumerate(pieces[num_train:])),
                                  bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
                                  train_rank_ids=list(range(num_train)),
                                  gen_rank_ids=list(range(num_train, len(pieces))), local=local)
-    if plan.unused_train_params:
-        names = sorted(plan.unused_train_params)
-        raise ValueError(f"the trainer produces {len(names)} HF parameters that no generation rank holds "
-                         f"(the receiver does not know them), e.g. {names[:5]}")
-    return plan
+    return skip_optional(plan, optional)
+
+
+def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
+    """``plan`` with its unused optional parameters as :attr:`RefitPlan.skipped_params`;
+    ``ValueError`` naming any other parameter that no gen rank holds."""
+    refused = sorted(set(plan.unused_train_params) - optional)
+    if refused:
+        skipped = len(plan.unused_train_params) - len(refused)
+        raise ValueError(f"the trainer produces {len(refused)} HF parameters that no generation rank holds "
+                         f"(the receiver does not know them), e.g. {refused[:5]}"
+                         + (f" (and {skipped} optional MTP parameters, which may be skipped)" if skipped else ""))
+    return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
 
 
 def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:

@@ -27,7 +27,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         g_items = [item for _, item in landed]  # a replica that failed this refit holds nothing to check
         bit_exact, logit_diff = None, None
         if spec.collect:
-            export = t_items[0]["export"]
+            # MTP layers no engine rank holds are skipped by name (the plan says which)
+            export = {n: t for n, t in t_items[0]["export"].items() if n not in set(train[0]["skipped"])}
             if spec.fp8:
                 export = fp8_checkpoint(export)
             bit_exact = True
@@ -81,6 +82,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),
         gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),
         summary=train[0]["summary"],
+        skipped=train[0]["skipped"],
         refits=refits,
         bytes_shared=sum(r.get("bytes_shared", 0) for r in train) if spec.colocated else None,
     )

@@ -242,7 +242,24 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         for item in out:
             item.update(report=reports[item.pop("version")].as_dict())
             item["failed_replicas"] = item["report"]["failed_replicas"]
-    return dict(role="train", summary=summary, refits=out), fleet
+    return dict(role="train", summary=summary, skipped=list(fleet.plan.skipped_params), refits=out,
+                parallel=_built_parallel(built, fleet, rank)), fleet
+
+
+def _built_parallel(built, fleet, rank: int) -> dict:
+    """What Megatron built on this train rank, for the tests to hold against the layout: its
+    parallel sizes and coordinates, each model chunk's decoder layers (0-based) and MTP layers,
+    sequence parallelism, and the bytes this rank sends."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_attr_wrapped_model
+
+    layers = [[layer.layer_number - 1 for layer in get_attr_wrapped_model(chunk, "decoder").layers]
+              for chunk in built.model]
+    mtp = [len(get_attr_wrapped_model(chunk, "mtp").layers) if get_attr_wrapped_model(chunk, "mtp_process") else 0
+           for chunk in built.model]
+    return dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                pp_rank=ps.get_pipeline_model_parallel_rank(), sequence_parallel=built.config.sequence_parallel,
+                layers=layers, mtp=mtp, bytes_sent=fleet.plan.train_bytes[rank])
 
 
 def _overlapped_item(spec: RunSpec, fleet, built, cfg, version: int, rank: int, loss) -> dict:

@@ -39,6 +39,7 @@ from importlib import metadata
 
 from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
+from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.fanout import fanout_routes, resolve_mode
@@ -72,6 +73,8 @@ class DryRun:
     cache_path: str
     train_local_bytes: list[int] = field(default_factory=list)
     """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
+    skipped: tuple[str, ...] = ()
+    """The trainer's MTP parameters, which no engine rank holds (skipped by name, as the refit does)."""
     prepare: dict[str, tuple[float, int]] = field(default_factory=dict)
     """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
     fanout: dict | None = None
@@ -141,8 +144,9 @@ def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     if refit.model not in PRESETS:
         raise ValueError(f"{path}: refit.model {refit.model!r} is not a preset; choose from {sorted(PRESETS)}")
     preset = PRESETS[refit.model]
-    layout = train_layout(rest, refit)
-    layout.stage_layers(preset["num_hidden_layers"])
+    layout = train_layout(rest, refit, num_experts=num_experts(preset),
+                          mtp_layers=preset.get("num_nextn_predict_layers") or 0)
+    layout.chunk_layers(preset["num_hidden_layers"])
     from types import SimpleNamespace
 
     from conversion.testing.validate import check_train_layout  # plain arithmetic on the preset's sizes
@@ -189,20 +193,25 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
     start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
-        train_specs, targets, params = _targets(path, key, refit, preset, layout, gen)
+        train_specs, targets, params, skipped = _targets(path, key, refit, preset, layout, gen)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    prepare = time_prepare(train_specs, targets, senders, refit) if prepare else {}
+    refused = sorted(set(senders.unused_train_params) - set(skipped))
+    if refused:  # what the refit's prepare() refuses (MTP layers apart)
+        raise ValueError(f"the trainer produces {len(refused)} HF parameters that no generation rank holds, e.g. "
+                         f"{refused[:5]}")
+    prepare = time_prepare(train_specs, targets, senders, refit, frozenset(skipped)) if prepare else {}
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
              for _, specs in sorted(train_specs.items())]
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
-                  train_local_bytes=local, prepare=prepare)
+                  train_local_bytes=local, skipped=tuple(skipped), prepare=prepare)
 
 
-def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig) -> dict[str, tuple[float, int]]:
+def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig,
+                 optional: frozenset[str] = frozenset()) -> dict[str, tuple[float, int]]:
     """Step 3 of the module docstring, with ``refit``'s buckets on NCCL (``direct_mb: null``:
     one bucket). Each distinct part (equal objects: DP replicas, an engine's TP ranks' names)
     is encoded once, as the gather moves it."""
@@ -228,7 +237,8 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
         start = time.perf_counter()
         decoded = {key: wire.loads(blob) for key, blob in blobs.items()}
         gathered = [(decoded[id(names)], decoded[id(layout)]) for names, layout in parts]
-        plan = build_local_plan(gathered, num_train, bucket_bytes=bucket, direct_bytes=direct, local=(side, rank))
+        plan = build_local_plan(gathered, num_train, bucket_bytes=bucket, direct_bytes=direct, local=(side, rank),
+                                optional=optional)
         blob = wire.dumps(plan.fingerprints())
         # every rank's fingerprints, each as large as this rank's (no rank has more pairs than
         # the busiest), decoded and compared as prepare() does
@@ -239,22 +249,26 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
 
 
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
-    """Every train rank's pieces (derived from the cache), the engine TP ranks' targets, and
-    ``{HF name: (global shape, dtype)}``."""
+    """Every train rank's pieces (derived from the cache), the engine TP ranks' targets,
+    ``{HF name: (global shape, dtype)}`` of the trainer's parameters, and its MTP parameters
+    (which the engine's main model does not hold: skipped by name, as the refit does)."""
     train_specs = derive_all_ranks(layout, load_specs(path, key), num_experts(preset))
     params = {}
     for rank_specs in {id(specs): specs for specs in train_specs.values()}.values():
         for s in rank_specs:
             params.setdefault(s.name, (s.global_shape, s.dtype))
+    skipped = sorted(name for name in params if is_mtp_param(name, preset["num_hidden_layers"]))
+    held = {name: value for name, value in params.items() if name not in set(skipped)}
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
                        num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
                        vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
     style = refit.gen_style
-    targets = params
+    targets = held
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
         train_specs = _quantized(train_specs)
-        targets = fp8_param_table(params)
-    return train_specs, gen_targets(targets, gen, model, style=style), params
+        targets = fp8_param_table(held)
+        skipped = sorted({s.name for specs in train_specs.values() for s in specs} - set(targets))
+    return train_specs, gen_targets(targets, gen, model, style=style), params, skipped
 
 
 def _quantized(train_specs: dict) -> dict:
@@ -298,6 +312,20 @@ def fanout_bytes(run: DryRun) -> dict:
     return run.fanout
 
 
+def chunk_text(chunks: dict[tuple[int, int], range]) -> str:
+    """Decoder layers per pipeline rank, its virtual stages' ranges joined (``pp0 0-8,18-26 | …``)."""
+    ranks = sorted({rank for rank, _ in chunks})
+    text = []
+    for rank in ranks:
+        parts = [f"{r.start}-{r.stop - 1}" if len(r) else "-" for (p, _), r in sorted(chunks.items()) if p == rank]
+        text.append(f"pp{rank} {','.join(parts)}")
+    return " | ".join(text)
+
+
+def mtp_text(stages: dict[tuple[int, int], int]) -> str:
+    return "".join(f"; MTP x{n} on pp{rank} vp{vp}" for (rank, vp), n in sorted(stages.items()))
+
+
 def summary_lines(run: DryRun) -> list[str]:
     gen_bytes = run.senders.gen_bytes()
     train_bytes = run.senders.train_bytes
@@ -305,7 +333,9 @@ def summary_lines(run: DryRun) -> list[str]:
     lines = [
         f"config        {run.config_path}",
         f"model         {run.refit.model}: {run.num_params / 1e9:.2f}B parameters",
-        f"train         {run.train.describe()} = {run.train.world_size} ranks",
+        f"train         {run.train.describe_keys()} = {run.train.world_size} ranks",
+        f"layers        {chunk_text(run.train.chunk_layers(run.preset['num_hidden_layers']))}"
+        f"{mtp_text(run.train.mtp_stages())}",
         f"gen           {run.refit.engine} TP{run.gen.tp}xDP{run.gen.dp}"
         f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
         f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
@@ -313,7 +343,7 @@ def summary_lines(run: DryRun) -> list[str]:
         f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",
-        f"unused train  {len(run.senders.unused_train_params)} parameters",
+        f"skipped       {len(run.skipped)} MTP parameters (no engine rank holds them: they are not sent)",
         f"enumeration   {run.enumerate_seconds:.1f} s ({'cached' if run.enumerate_seconds == 0 else 'ran'}: "
         f"{run.cache_path})",
         f"plan          {run.plan_seconds:.2f} s wall, {run.plan_cpu_seconds:.2f} s CPU, "
@@ -361,6 +391,10 @@ def main(argv=None) -> int:
             "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0], default=""),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
+            "train": run.train.describe_keys(),
+            "chunk_layers": {f"pp{rank}.vp{vp}": [r.start, r.stop] for (rank, vp), r in
+                             sorted(run.train.chunk_layers(run.preset["num_hidden_layers"]).items())},
+            "skipped_params": len(run.skipped),
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
             "bytes_total": run.bytes_total(),
             "fanout": fanout_bytes(run),
