@@ -48,7 +48,13 @@ class MegatronForward:
 
     def prepare(self, *, fp8: bool) -> None:
         """Before the first check: compute with FP8-rounded linear weights (``fp8``: the trainer
-        quantizes what it sends); ``ValueError`` where that cannot match the engine's blocks."""
+        quantizes what it sends); ``ValueError`` where the reference cannot run: FP8 that cannot
+        match the engine's blocks, MTP layers on a stage of their own (a layout's ``mtp`` stage
+        before the loss's: the hidden states it passes on carry the MTP outputs too). Decided from
+        the model's config, the same on every train rank."""
+        if getattr(self.config, "mtp_standalone", False):
+            raise ValueError("refit.verify_serving: pipeline_model_parallel_layout puts the MTP layers on a stage "
+                             "before the loss's (a standalone MTP stage), which the reference forward does not run")
         self.fp8 = fp8
         if fp8:
             kv_channels = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads

@@ -98,10 +98,40 @@ def render(source: str | None = None) -> str:
     lines.append("")
     for f in items:
         lines += [f"### `{f['name']}`", "", f"`{f['type']}`, default `{_yaml(f['default'])}`.", "", f["doc"], ""]
+    lines += model_section()
     lines += ["## Every field at its default", "", "```yaml", "refit:"]
     lines += [f"  {f['name']}: {_yaml(f['default'])}" for f in items]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def model_section() -> list[str]:
+    """What the trainer layout reads of Bridge's ``model:`` section (``megatron_refit.config.bridge_model``)."""
+    sys.path.insert(0, str(ROOT))
+    from megatron_refit.config import bridge_model as bm
+
+    lines = ["## The `model:` section: parallel settings", "",
+             "The trainer layout (`train_layout`, the dry run, the cost model) comes from Megatron-Bridge's own "
+             "`model:` section, written as the recipes write it (`megatron/bridge/recipes/<family>/h100/`). Every "
+             "key that decides which weights a rank holds is honoured; a key that cannot be is refused by name "
+             "before anything starts; none is ignored. Layers per (pipeline rank, virtual stage) are Megatron's "
+             "(`TrainLayout.chunk_layers`); the dry run prints them.", "",
+             "| `model:` key | honoured as |", "|---|---|"]
+    lines += [f"| `{key}` | `TrainLayout.{field}` |" for key, field in bm.HONOURED.items()]
+    lines += ["", "Unset keys take Bridge's defaults: `expert_tensor_parallel_size` 1 under expert parallelism "
+              "(else the TP size, Megatron's), `mtp_num_layers` the HF config's `num_nextn_predict_layers`; the "
+              "data-parallel size is `refit.train_dp` (default: the fewest ranks that hold every expert).", "",
+              "Parallel keys that move no weight (how ranks communicate or schedule) are accepted as they are: "
+              + ", ".join(f"`{key}`" for key in sorted(bm.INERT)) + ".", "",
+              "Accepted only where they change nothing the refit plans: "
+              + ", ".join(f"`{key}: {_yaml(value)}`" for key, value in bm.DEFAULT_ONLY.items())
+              + "; `hierarchical_context_parallel_sizes` whose product is the CP size; "
+              "`tensor_parallel_num_weight_shards` / `expert_tensor_parallel_num_weight_shards` equal to the "
+              "TP / ETP size. FSDP (" + ", ".join(f"`{a}.{b}`" for a, b in bm.FSDP) + ") is refused: it shards "
+              "each parameter further.", "",
+              "Any other key that names a parallel setting (`…parallel…`, `…pipeline…`, `mtp_…`, …) is refused "
+              "by name, and so is a near-miss of an honoured key (`context_paralel_size`).", ""]
+    return lines
 
 
 def main(argv=None) -> int:

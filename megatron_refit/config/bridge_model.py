@@ -44,7 +44,7 @@ INERT = frozenset({
 })
 """Parallel keys that decide nothing about which weights a rank holds (accepted as they are)."""
 
-_DEFAULT_ONLY = {
+DEFAULT_ONLY = {
     "gtp_weight_remat_size": 1,
     "expert_gtp_weight_remat_size": 1,
     "mtp_use_repeated_layer": False,
@@ -118,7 +118,7 @@ def _check_consistent(model: dict, layout: TrainLayout) -> None:
 
 
 def _refuse_unknown(model: dict) -> None:
-    known = set(HONOURED) | INERT | set(_DEFAULT_ONLY) | set(_CONSISTENT)
+    known = set(HONOURED) | INERT | set(DEFAULT_ONLY) | set(_CONSISTENT)
     for key in model:
         if not isinstance(key, str) or key in known:
             continue
@@ -129,7 +129,7 @@ def _refuse_unknown(model: dict) -> None:
             raise ValueError(f"model.{key}: a parallel setting the refit does not know, so it cannot plan which "
                              f"weights each rank holds; known: {sorted(HONOURED)} (and the settings that move no "
                              "weight: docs/configuration.md)")
-    for key, default in _DEFAULT_ONLY.items():
+    for key, default in DEFAULT_ONLY.items():
         if key in model and model[key] != default and model[key] is not None:
             raise ValueError(f"model.{key}={model[key]!r}: not supported by the refit (it changes which weights a "
                              f"rank holds); use {default!r}")

@@ -59,8 +59,17 @@ def expert_re() -> re.Pattern[str]:
     return re.compile(rf"(?:^|\.)(?:{prefixes})\.(?P<expert>\d+)\.")
 
 
+_INDEX = re.compile(r"\.\d+(?=\.)")
+
+
 def classify(name: str) -> tuple[ModelFamily, str] | None:
-    """The family and role of the first rule that names HF parameter ``name``."""
+    """The family and role of the first rule that names HF parameter ``name``. No rule names a
+    layer or an expert by its index, so names that differ only there are classified once."""
+    return _classify(_INDEX.sub(".0", name))
+
+
+@cache
+def _classify(name: str) -> tuple[ModelFamily, str] | None:
     for f, role, pattern in role_rules():
         if pattern.search(name):
             return f, role

@@ -29,12 +29,13 @@ from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_pr
 
 logger = logging.getLogger(__name__)
 
-SERVING_KEYS = ("refit/serving_checked", "refit/serving_max_dlogprob", "refit/serving_s",
-                "refit/serving_reference_s")
-"""The fleet summary's serving metrics: replicas checked, their largest |Δ log-prob|, the check's
-seconds (the trainer's reference plus the slowest replica's answer) and the reference's alone;
-each replica's difference also under ``refit/serving_max_dlogprob/replica_<r>`` when it was
-checked."""
+SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
+                "refit/serving_s", "refit/serving_reference_s")
+"""The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
+check is off for a named reason, or the replica's engine cannot score), their largest |Δ
+log-prob|, the check's seconds (the trainer's reference plus the slowest replica's answer) and
+the reference's alone; each replica's difference also under
+``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
 
 
 @runtime_checkable
@@ -51,7 +52,8 @@ class TrainerForward(Protocol):
 
     def prepare(self, *, fp8: bool) -> None:
         """Once, before the first call: ``fp8``, the trainer quantizes what it sends (the reference
-        then computes with the FP8-rounded weights); ``ValueError`` where it cannot."""
+        then computes with the FP8-rounded weights); ``ValueError`` naming why where it cannot run
+        (the same on every train rank: decided from what they share, the model's config)."""
 
     def __call__(self, sequences: tuple[tuple[int, ...], ...]) -> list[list[float]]: ...
 
@@ -69,18 +71,25 @@ class ServingCheck:
         self.auto = cfg.verify_serving == "auto"
         self.rank = rank
         self.forward = forward
+        self.unchecked: str | None = None
+        """``auto``: why the check is off (every replica of every refit unchecked), None while it runs."""
         if self.every is not None and forward is None:
             if not self.auto:
                 raise ValueError(f"refit.verify_serving={cfg.verify_serving!r} needs the trainer model's forward to "
                                  "compare with: refit a Megatron model (RefitCallback, conversion.refit.trainer_refit, "
                                  "local_shard_source) or pass forward=conversion.serving.trainer_forward(...); "
                                  "or set verify_serving: off")
-            logger.info("refit.verify_serving auto: off (the trainer refits bare pieces: no forward to compare with)")
-            self.every = None
+            self._turn_off("the trainer refits bare pieces: no forward to compare with")
+        if self.every is not None:
+            try:
+                forward.prepare(fp8=cfg.trainer_quantize_fp8)
+            except ValueError as exc:
+                if not self.auto:
+                    raise
+                self._turn_off(str(exc))
         self.probe: Probe | None = None
         self.tolerance = self.floor = math.inf
         if self.every is not None:
-            forward.prepare(fp8=cfg.trainer_quantize_fp8)
             self.probe = make_probe(cfg.serving_probe, forward.vocab_size)
             self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
             self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
@@ -89,6 +98,14 @@ class ServingCheck:
         """Replicas that passed a check since they joined or last failed."""
         self.unable: set[int] = set()
         """``auto``: replicas whose engine cannot score the probe (not asked again until they rejoin)."""
+
+    def _turn_off(self, why: str) -> None:
+        """``auto`` where the check cannot run: off, said once (and counted per refit in
+        ``refit/serving_unchecked``)."""
+        if self.rank == 0:
+            logger.warning("refit.verify_serving auto: off, no replica's serving is checked (refit/serving_unchecked): "
+                           "%s", why)
+        self.unchecked, self.every = why, None
 
     @property
     def enabled(self) -> bool:
@@ -135,15 +152,16 @@ class ServingCheck:
             raise
         return dict(max_dlogprob=worst, seconds=seconds)
 
-    def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float) -> dict:
-        """Every train rank, after a refit: what train rank 0 found per checked replica
-        (:meth:`verdict`'s results; a mismatch's ``max_dlogprob`` too) and the refit's failures;
-        returns the serving metrics for the fleet summary."""
+    def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
+               replicas: list[int] = ()) -> dict:
+        """Every train rank, after a refit of ``replicas``: what train rank 0 found per checked
+        replica (:meth:`verdict`'s results; a mismatch's ``max_dlogprob`` too) and the refit's
+        failures; returns the serving metrics for the fleet summary."""
         for replica, result in found.items():
             if "unable" in result:
-                if replica not in self.unable:
-                    logger.info("refit.verify_serving auto: engine replica %d is not checked (%s)", replica,
-                                result["unable"])
+                if replica not in self.unable and self.rank == 0:
+                    logger.warning("refit.verify_serving auto: engine replica %d is not checked until it rejoins "
+                                   "(refit/serving_unchecked): %s", replica, result["unable"])
                 self.unable.add(replica)
             elif replica in failures:
                 self.verified.discard(replica)
@@ -152,7 +170,8 @@ class ServingCheck:
         for replica in failures:  # any failure: check it again at its next refit
             self.verified.discard(replica)
         checked = {r: v["max_dlogprob"] for r, v in found.items() if "max_dlogprob" in v}
-        metrics = {"refit/serving_checked": len(checked),
+        unchecked = len(replicas) if self.unchecked is not None else len(set(replicas) & self.unable)
+        metrics = {"refit/serving_checked": len(checked), "refit/serving_unchecked": unchecked,
                    "refit/serving_max_dlogprob": max(checked.values(), default=0.0),
                    "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
                    "refit/serving_reference_s": reference_s}

@@ -343,7 +343,7 @@ class TrainerFleet:
         for replica, verdict in found.items():  # its engine thinks it landed the version: the trainer forgets it did
             if verdict.get("mismatch") and replica in self.members:
                 self.members[replica].force_full(adapters=not probing.in_band)
-        serving = self.serving.record(found, failures, probing.reference_s)
+        serving = self.serving.record(found, failures, probing.reference_s, replicas)
         # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
         carried = [o.report for o in outcomes.values() if o.report is not None]
         report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,

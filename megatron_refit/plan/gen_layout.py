@@ -142,9 +142,11 @@ def _vllm_box(
     return box_along(shape, 0, *rows)
 
 
-def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, targets: dict) -> tuple[Box | None, ...]:
+def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, targets: dict,
+                 memo: dict | None = None) -> tuple[Box | None, ...]:
     """An FP8 ``*_scale_inv``'s tiles per TP rank: the weight's box ÷ 128, every edge of the
-    weight's box on the 128 grid (``ValueError`` naming parameter, dim and boundary)."""
+    weight's box on the 128 grid (``ValueError`` naming parameter, dim and boundary). ``memo``:
+    by weights' shared tuple of boxes (parameters of one role and shape share one), computed once."""
     weight = weight_name(name)
     if weight not in params:
         raise ValueError(f"{name}: FP8 scale without its weight {weight!r} in the parameter table")
@@ -152,7 +154,14 @@ def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, targets: dict)
     if shape != scale_shape(weight_shape):
         raise ValueError(f"{name}: shape {shape} is not that of {BLOCK}x{BLOCK} blocks of {weight} {weight_shape} "
                          f"(expected {scale_shape(weight_shape)})")
-    return tuple(None if box is None else scale_box(weight, box, weight_shape) for box in targets[weight][2])
+    boxes = targets[weight][2]
+    key = (id(boxes), weight_shape)
+    if memo is not None and key in memo:
+        return memo[key][1]
+    out = tuple(None if box is None else scale_box(weight, box, weight_shape) for box in boxes)
+    if memo is not None:
+        memo[key] = (boxes, out)  # the boxes kept alive: their id stays theirs
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,8 +217,9 @@ def gen_targets(
             if key is not None:
                 memo[key] = per_rank
         out[name] = (shape, dtype, per_rank)
+    tiles: dict = {}
     for name, shape, dtype in scales:  # FP8 *_scale_inv tiles follow their weight's boxes
-        out[name] = (shape, dtype, _scale_boxes(name, shape, params, out))
+        out[name] = (shape, dtype, _scale_boxes(name, shape, params, out, tiles))
     ranks = tuple(tuple(dp_index * layout.tp + tp_rank for dp_index in range(layout.dp))
                   for tp_rank in range(layout.tp))
     return GenTargets(ranks=ranks, params=out)

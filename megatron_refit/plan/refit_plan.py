@@ -343,10 +343,10 @@ def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
     ``ValueError`` naming any other parameter that no gen rank holds."""
     refused = sorted(set(plan.unused_train_params) - optional)
     if refused:
-        skipped = len(plan.unused_train_params) - len(refused)
+        skippable = len(plan.unused_train_params) - len(refused)
         raise ValueError(f"the trainer produces {len(refused)} HF parameters that no generation rank holds "
-                         f"(the receiver does not know them), e.g. {refused[:5]}"
-                         + (f" (and {skipped} optional MTP parameters, which may be skipped)" if skipped else ""))
+                         f"(the receiver does not know them), e.g. {refused[:5]}; {skippable} MTP parameters "
+                         "besides, which may be skipped")
     return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
 
 

@@ -28,7 +28,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         bit_exact, logit_diff = None, None
         if spec.collect:
             # MTP layers no engine rank holds are skipped by name (the plan says which)
-            export = {n: t for n, t in t_items[0]["export"].items() if n not in set(train[0]["skipped"])}
+            skipped = set(train[0]["skipped"])
+            export = {n: t for n, t in t_items[0]["export"].items() if n not in skipped}
             if spec.fp8:
                 export = fp8_checkpoint(export)
             bit_exact = True

@@ -6,7 +6,8 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
 1. *Enumeration* (cached per model + layout + dtype + package versions): the
    representative train ranks (:func:`conversion.testing.derive.representative_ranks`) are
    built on the meta device in a child process (``python -m conversion.testing.enumerate``; it
-   imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``.
+   imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``
+   (:mod:`megatron_refit.tools.enumeration_cache`).
 2. *Plan* (the measured figure): load that cache, derive every train rank's ShardSpecs,
    compute every engine TP rank's targets (:func:`megatron_refit.plan.gen_layout.gen_targets`),
    validate and assign senders (:class:`megatron_refit.plan.assignment.Assignment`: the senders,
@@ -26,18 +27,15 @@ YAML included, step 3 too); the enumeration's time is reported apart.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from dataclasses import dataclass, field
 
-from conversion.testing.derive import CACHE_FORMAT, derive_all_ranks, load_specs
+from conversion.testing.derive import derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
@@ -48,11 +46,8 @@ from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.plan.refit_plan import build_local_plan, disagreeing
+from megatron_refit.tools.enumeration_cache import cache_key, ensure_cache
 from megatron_refit import wire
-
-VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
-"""Packages whose versions key the enumeration cache."""
-
 
 @dataclass
 class DryRun:
@@ -75,6 +70,8 @@ class DryRun:
     """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
     skipped: tuple[str, ...] = ()
     """The trainer's MTP parameters, which no engine rank holds (skipped by name, as the refit does)."""
+    skipped_elements: int = 0
+    """Their elements."""
     prepare: dict[str, tuple[float, int]] = field(default_factory=dict)
     """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
     fanout: dict | None = None
@@ -89,49 +86,6 @@ class DryRun:
 
     def bytes_total(self) -> int:
         return sum(self.senders.gen_bytes().values())
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for package in VERSIONED:
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = "absent"
-    return out
-
-
-ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "local_shards.py", "mamba_shim.py", "te_shim.py",
-                       "testing/build.py", "testing/deepseek_v3_build.py", "testing/enumerate.py",
-                       "testing/families.py", "testing/hf_configs.py", "testing/meta.py",
-                       "testing/nemotron_h_build.py", "testing/validate.py")
-"""The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
-helpers do not); the family tables (``megatron_refit/families/``) do too."""
-
-
-def _enumeration_sources() -> str:
-    """sha256 of those sources (read, not imported): any change to how ranks are
-    enumerated makes old caches stale."""
-    import conversion
-
-    digest = hashlib.sha256()
-    folder = os.path.dirname(conversion.__file__)
-    tables = os.path.join(os.path.dirname(os.path.dirname(__file__)), "families")
-    paths = [os.path.join(folder, name) for name in ENUMERATION_SOURCES]
-    paths += sorted(os.path.join(tables, name) for name in os.listdir(tables) if name.endswith(".py"))
-    for path in paths:  # a listed source that is gone is an error: the key would stop seeing it
-        name = os.path.relpath(path, os.path.dirname(folder))
-        with open(path, "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()
-
-
-def cache_key(model: str, preset: dict, layout: TrainLayout, dtype: str) -> str:
-    """Key of an enumeration cache: preset, layout, dtype, package versions, conversion sources."""
-    text = json.dumps({"format": CACHE_FORMAT, "model": model, "preset": preset, "layout": asdict(layout),
-                       "dtype": dtype, "versions": _versions(), "sources": _enumeration_sources()},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
@@ -157,28 +111,6 @@ def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
 
 def num_experts(preset: dict) -> int:
     return preset.get("num_experts") or preset.get("n_routed_experts") or 0
-
-
-def ensure_cache(path: str, model: str, layout: TrainLayout, key: str, dtype: str) -> float:
-    """Enumerate into ``path`` in a child process unless a cache with ``key`` is there; seconds spent."""
-    if os.path.exists(path):
-        try:
-            load_specs(path, key)
-            return 0.0
-        except ValueError:
-            pass  # stale (other versions or format): enumerate again
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    start = time.perf_counter()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    layout_json = json.dumps({k: v for k, v in asdict(layout).items() if v is not None})
-    try:
-        subprocess.run([sys.executable, "-m", "conversion.testing.enumerate", "--model", model, "--layout", layout_json,
-                        "--dtype", dtype, "--key", key, "--out", tmp], check=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # the enumeration failed: leave no partial file behind
-            os.remove(tmp)
-    return time.perf_counter() - start
 
 
 def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16", prepare: bool = True) -> DryRun:
@@ -207,7 +139,8 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
-                  train_local_bytes=local, skipped=tuple(skipped), prepare=prepare)
+                  train_local_bytes=local, skipped=tuple(skipped), prepare=prepare,
+                  skipped_elements=sum(math.prod(params[n][0]) for n in skipped if n in params))
 
 
 def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig,
@@ -258,7 +191,8 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
         for s in rank_specs:
             params.setdefault(s.name, (s.global_shape, s.dtype))
     skipped = sorted(name for name in params if is_mtp_param(name, preset["num_hidden_layers"]))
-    held = {name: value for name, value in params.items() if name not in set(skipped)}
+    skip = set(skipped)
+    held = {name: value for name, value in params.items() if name not in skip}
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
                        num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
                        vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
@@ -310,6 +244,12 @@ def fanout_bytes(run: DryRun) -> dict:
         run.fanout = {"mode": mode, "bytes_from_trainers": routes.bytes_from_trainers,
                       "bytes_relayed": routes.bytes_relayed}
     return run.fanout
+
+
+def chunk_json(layout: TrainLayout, num_layers: int) -> dict[str, list[int]]:
+    """``{"pp<rank>.vp<stage>": [first, last + 1]}``: the decoder layers of every model chunk, as
+    Megatron builds them (the JSON summary's ``chunk_layers``)."""
+    return {f"pp{rank}.vp{vp}": [r.start, r.stop] for (rank, vp), r in sorted(layout.chunk_layers(num_layers).items())}
 
 
 def chunk_text(chunks: dict[tuple[int, int], range]) -> str:
@@ -392,9 +332,9 @@ def main(argv=None) -> int:
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "train": run.train.describe_keys(),
-            "chunk_layers": {f"pp{rank}.vp{vp}": [r.start, r.stop] for (rank, vp), r in
-                             sorted(run.train.chunk_layers(run.preset["num_hidden_layers"]).items())},
+            "chunk_layers": chunk_json(run.train, run.preset["num_hidden_layers"]),
             "skipped_params": len(run.skipped),
+            "num_params_skipped": run.skipped_elements,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
             "bytes_total": run.bytes_total(),
             "fanout": fanout_bytes(run),

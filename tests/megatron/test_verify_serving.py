@@ -104,9 +104,10 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
     assert check.due([0, 1, 2]) == {0: False, 1: True, 2: False}  # 1 failed: checked again
     check.forget(0)
     assert check.due([0, 2]) == {0: True, 2: False}
-    metrics = check.record({0: dict(max_dlogprob=2e-7, seconds=0.01)}, {}, 0.02)
-    assert metrics == {"refit/serving_checked": 1, "refit/serving_max_dlogprob": 2e-7, "refit/serving_s": 0.03,
-                       "refit/serving_reference_s": 0.02, "refit/serving_max_dlogprob/replica_0": 2e-7}
+    metrics = check.record({0: dict(max_dlogprob=2e-7, seconds=0.01)}, {}, 0.02, [0, 2])
+    assert metrics == {"refit/serving_checked": 1, "refit/serving_unchecked": 0, "refit/serving_max_dlogprob": 2e-7,
+                       "refit/serving_s": 0.03, "refit/serving_reference_s": 0.02,
+                       "refit/serving_max_dlogprob/replica_0": 2e-7}
 
 
 def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
@@ -121,7 +122,7 @@ def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
 
     found = auto.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
     assert "unable" in found
-    auto.record({0: found}, {}, 0.0)
+    assert auto.record({0: found}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 1
     assert auto.due([0, 1]) == {0: False, 1: True}  # not asked again; a new replica is
     on = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
     with pytest.raises(ServingMismatchError, match="engine replica 0 cannot score the serving probe"):
@@ -133,6 +134,26 @@ def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
     assert RefitConfig.from_dict({"enabled": True, "verify_serving": True}).serving_every == 1
     with pytest.raises(ValueError, match="serving_tolerance must be positive"):
         RefitConfig(enabled=True, serving_tolerance=0.0)
+
+
+class _CannotRun(_Forward):
+    """A trainer forward that cannot run this model (as a standalone MTP stage, FP8 off the grid)."""
+
+    def prepare(self, *, fp8):
+        raise ValueError("refit.verify_serving: the layout has a standalone MTP stage")
+
+
+def test_verify_serving_auto_turns_off_with_one_warning_where_the_forward_cannot_run(caplog):
+    caplog.set_level("WARNING", logger="megatron_refit")
+    auto = ServingCheck(RefitConfig(enabled=True), _CannotRun(), rank=0)
+    assert not auto.enabled and auto.due([0, 1]) == {}
+    warned = [r.getMessage() for r in caplog.records if "verify_serving auto: off" in r.getMessage()]
+    assert len(warned) == 1 and "standalone MTP stage" in warned[0]
+    for _ in range(2):  # every refit's replicas counted unchecked, no second warning
+        assert auto.record({}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 2
+    assert len([r for r in caplog.records if "verify_serving auto: off" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="standalone MTP stage"):  # on: refused at start, named
+        ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _CannotRun(), rank=0)
 
 
 # -- real refits: a broken replica caught, named, and recovered ----------------------------------
