@@ -69,6 +69,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             refit_s=t_items[0]["report"]["summary"]["refit/total_s"],
             bytes_relayed=t_items[0]["report"]["summary"]["refit/bytes_relayed"],
             relay_fallbacks=t_items[0]["report"]["summary"]["refit/relay_fallbacks"],
+            skipped_params=t_items[0]["report"]["summary"]["refit/skipped_params"],
         ))
     diffs = [r["max_logit_diff"] for r in refits if r["max_logit_diff"] is not None]
     return dict(

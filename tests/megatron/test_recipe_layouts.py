@@ -73,6 +73,7 @@ def test_recipe_setting_refits_bit_exact_and_serves(case):
         mtp_names = sorted(n for n in export if is_mtp_param(n, NUM_LAYERS[case]))
         assert mtp_names and result["skipped"] == mtp_names
         assert result["summary"]["num_skipped_params"] == len(mtp_names)
+        assert all(r["skipped_params"] == len(mtp_names) for r in result["refits"])  # refit/skipped_params
     else:
         assert result["skipped"] == []
     if spec.delta == "on":  # deltas after the first refit, every replica landing them

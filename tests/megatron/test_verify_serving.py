@@ -217,3 +217,25 @@ def test_verify_serving_under_overlap_comes_back_with_the_refits_report():
     assert [sorted(r["failed_replicas"]) for r in refits] == [[], [BROKEN], []]
     assert all(r["serving"]["checked"] == 2 for r in refits)
     assert refits[0]["bit_exact"] and refits[2]["bit_exact"]
+
+
+def test_reference_forward_refuses_a_standalone_mtp_stage_by_name():
+    """A layout whose MTP stage comes before the loss's (Megatron's ``mtp_standalone``, from its
+    layout, the same on every rank): the reference cannot run it, and says so at prepare()."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from conversion.serving import MegatronForward
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, standalone: bool):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.config = SimpleNamespace(mtp_standalone=standalone, kv_channels=128, hidden_size=128,
+                                          num_attention_heads=1)
+
+    MegatronForward([Chunk(False)], SimpleNamespace(vocab_size=10)).prepare(fp8=False)
+    with pytest.raises(ValueError, match=r"verify_serving: pipeline_model_parallel_layout puts the MTP layers on a "
+                                         r"stage before the loss's \(a standalone MTP stage\)"):
+        MegatronForward([Chunk(True)], SimpleNamespace(vocab_size=10)).prepare(fp8=False)

@@ -21,8 +21,10 @@ MODELS = sorted(os.path.basename(p)[:-7] for p in glob.glob(os.path.join(SLURM, 
 
 def test_every_model_has_a_script():
     configs = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-    assert MODELS == configs == ["deepseek-v3", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b",
-                                 "qwen3-4b"]
+    assert MODELS == configs == ["deepseek-v3", "kimi-k2-fp8-256to128", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b",
+                                 "qwen3-30b-a3b", "qwen3-4b", "recipe-deepseek-v3", "recipe-kimi-k2",
+                                 "recipe-llama3-70b", "recipe-nemotron-3-nano", "recipe-qwen3-235b-a22b",
+                                 "recipe-qwen3-30b-a3b"]
 
 
 SCRIPTS = sorted(glob.glob(os.path.join(SLURM, "*.sh")) + glob.glob(os.path.join(SLURM, "*.sbatch")))

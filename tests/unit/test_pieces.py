@@ -85,6 +85,28 @@ def test_a_trainer_parameter_no_gen_rank_holds_is_refused():
         build_local_plan(parts, 2, bucket_bytes=4096, direct_bytes=None, local=("gen", 0))
 
 
+def test_optional_pieces_no_gen_rank_holds_are_skipped_by_name_and_only_they():
+    """MTP layers: the train ranks mark them optional; where no engine rank holds them the plan
+    skips them (counted), where one does it sends them, and any other unheld piece is refused."""
+    train = _train()
+    held = {k: v for k, v in PARAMS.items() if k != "model.norm.weight"}
+    parts = [pack(train[0]), pack(train[1]), pack(gen_target_specs(held, GenLayout(tp=1), MODEL)[0])]
+    plan = build_local_plan(parts, 2, bucket_bytes=4096, direct_bytes=None, local=("gen", 0),
+                            optional=frozenset({"model.norm.weight"}))
+    assert plan.skipped_params == ("model.norm.weight",) and plan.summary()["num_skipped_params"] == 1
+    assert "model.norm.weight" not in {t.name for t in plan.transfers}
+    everything = [pack(train[0]), pack(train[1]), pack(gen_target_specs(PARAMS, GenLayout(tp=1), MODEL)[0])]
+    sent = build_local_plan(everything, 2, bucket_bytes=4096, direct_bytes=None, local=("gen", 0),
+                            optional=frozenset({"model.norm.weight"}))
+    assert sent.skipped_params == () and "model.norm.weight" in {t.name for t in sent.transfers}
+    fewer = {k: v for k, v in held.items() if k != "model.layers.0.self_attn.q_proj.weight"}
+    parts[2] = pack(gen_target_specs(fewer, GenLayout(tp=1), MODEL)[0])
+    with pytest.raises(ValueError, match=r"produces 1 HF parameters that no generation rank holds .*q_proj.*; 1 MTP "
+                                         r"parameters besides, which may be skipped"):
+        build_local_plan(parts, 2, bucket_bytes=4096, direct_bytes=None, local=("gen", 0),
+                         optional=frozenset({"model.norm.weight"}))
+
+
 def _gen_parts():
     return {rank: pack(specs) for rank, specs in gen_target_specs(PARAMS, GenLayout(tp=2), MODEL).items()}
 
