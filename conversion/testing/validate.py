@@ -20,8 +20,8 @@ def check_train_layout(hf_config, layout: TrainLayout) -> None:
     ]
     layout.chunk_layers(hf_config.num_hidden_layers)  # ValueError naming the keys if the layers do not split
     mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
-    if layout.mtp_layers != mtp:
-        raise ValueError(f"mtp_num_layers={layout.mtp_layers} but the model has {mtp} MTP layers "
+    if layout.mtp_layers > mtp:  # fewer (0: MTP off, as a recipe may set) build what Bridge maps
+        raise ValueError(f"mtp_num_layers={layout.mtp_layers} but the model has only {mtp} MTP layers "
                          f"(num_nextn_predict_layers={mtp}): Bridge maps the HF config's MTP layers")
     family_checks = of_config(hf_config).layout_checks(hf_config)  # e.g. MLA ranks, Mamba heads and groups
     checks += [(field, size, axis, getattr(layout, axis)) for field, size, axis in family_checks]

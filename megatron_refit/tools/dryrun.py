@@ -309,10 +309,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--cache-dir", default=None, help="enumeration cache (default: <config dir>/cache)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(ITEMSIZE), help="training dtype")
+    p.add_argument("--no-prepare", action="store_true", help="plan only: skip timing the slowest ranks' prepare()")
     args = p.parse_args(argv)
     model = None
     try:
-        run = build(args.config, cache_dir=args.cache_dir, dtype=args.dtype)
+        run = build(args.config, cache_dir=args.cache_dir, dtype=args.dtype, prepare=not args.no_prepare)
         model = run.refit.model
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)

@@ -285,7 +285,7 @@ def test_uneven_pipeline_stages():
     layout = TrainLayout(pp=16, ep=16, dp=16, first_stage_layers=3, last_stage_layers=2)
     assert layout.stage_layers(61) == [3] + [4] * 14 + [2]
     assert TrainLayout(pp=2, first_stage_layers=1).stage_layers(3) == [1, 2]
-    with pytest.raises(ValueError, match="num_layers=60 does not split over pp=16"):
+    with pytest.raises(ValueError, match="num_layers=60 does not split over pipeline_model_parallel_size=16"):
         layout.stage_layers(60)
     with pytest.raises(ValueError, match="first_stage_layers"):
         TrainLayout(first_stage_layers=3)

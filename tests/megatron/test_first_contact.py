@@ -65,7 +65,7 @@ def test_dry_run_of_a_layout_the_model_does_not_divide_is_one_error_line(tmp_pat
     config.write_text(text.replace("tensor_model_parallel_size: 2", "tensor_model_parallel_size: 3"))
     assert main(["--config", str(config), "--cache-dir", str(tmp_path / "cache")]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["error: model num_attention_heads=32 is not divisible by train tp=3 (layout TP3xPP1xDP4)"], err
+    assert err == ["error: model num_attention_heads=32 is not divisible by train tp=3 (layout TP3xPP1xDP4xSP)"], err
     assert not (tmp_path / "cache").exists()  # nothing enumerated
 
 

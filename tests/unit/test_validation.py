@@ -18,7 +18,7 @@ pytestmark = pytest.mark.reliability
         ("qwen3", TrainLayout(tp=3, dp=1), "num_attention_heads=4 is not divisible by train tp=3"),
         ("qwen3", TrainLayout(tp=4), "num_key_value_heads=2 is not divisible by train tp=4"),
         ("qwen3", TrainLayout(pp=3), "num_layers=2 does not split over pipeline_model_parallel_size=3"),
-        ("qwen3", TrainLayout(pp=2, mtp_layers=1), r"mtp_num_layers=1 but the model has 0 MTP layers"),
+        ("qwen3", TrainLayout(pp=2, mtp_layers=1), r"mtp_num_layers=1 but the model has only 0 MTP layers"),
         ("qwen3-moe", TrainLayout(ep=3, dp=3), "num_experts=4 is not divisible by train ep=3"),
         ("qwen3", TrainLayout(ep=2, dp=2), "has expert parallelism but the model has no experts"),
     ],
