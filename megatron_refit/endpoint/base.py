@@ -141,6 +141,12 @@ class Endpoint:
         """Pairs ``(a, b)`` of this rank's pieces where ``b`` starts in memory where ``a`` ends."""
         return []
 
+    @property
+    def plan_id(self) -> int:
+        """The plan's shared fingerprint as an int: equal for equal plans (those of replicas of one
+        layout, whether or not they share the plan object), 0 before :meth:`prepare`."""
+        return self._plan_id
+
     def _local_optional(self) -> tuple[str, ...]:
         """This rank's optional pieces (MTP layers): skipped by name where no engine rank holds them."""
         return ()

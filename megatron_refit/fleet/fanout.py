@@ -34,7 +34,8 @@ class FanoutRouter:
         for replica in sorted(members):
             endpoint = members[replica].endpoint(full)
             base = self._landed.get(replica) if self.delta != "off" else 0
-            groups.setdefault((id(endpoint.plan), base), []).append(replica)
+            # the same plan, not the same object: replicas that prepared at once each built their own
+            groups.setdefault((endpoint.plan_id, base), []).append(replica)
         shape = []
         for (_, base), replicas in groups.items():
             if len(replicas) < 2:

@@ -122,6 +122,7 @@ def test_auto_sends_direct_where_the_trainers_link_is_no_bottleneck_and_chains_w
 class _Endpoint:
     def __init__(self, plan, base):
         self.plan, self._base = plan, base
+        self.plan_id = plan  # equal plans, equal ids (the plan's shared fingerprint)
 
     def _delta_base(self):
         return self._base
@@ -139,9 +140,10 @@ def test_the_router_chains_replicas_of_one_plan_and_version_heads_the_one_with_c
     from megatron_refit.fleet.fanout import FanoutRouter
     from megatron_refit.plan.fanout import Route
 
-    plan, other = object(), object()
+    plan, other = 11, 12  # replica 1's plan is its own object with replica 0's fingerprint: one plan
     router = FanoutRouter("chain", delta="on", bucket_bytes=1 << 20, gen_tp=1)
     members = {0: _Member(plan), 1: _Member(plan), 2: _Member(plan), 3: _Member(other)}
+    members[1].ep.plan = object()
     first = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
     # nothing landed yet: replicas 0..2 (one plan) chain full refits; 3 (another plan) goes direct
     assert first == {0: Route(-1, 1, (1,), -1), 1: Route(0, 1, (2,), -1), 2: Route(1, 1, (), -1)}
