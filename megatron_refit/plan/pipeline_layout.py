@@ -73,8 +73,8 @@ def parse_layout(value: str | Sequence, pp: int) -> Stages:
 
 def check_layout(stages: Stages, pp: int, *, num_layers: int, mtp_layers: int) -> None:
     """Megatron's ``validate_layer_layout``: one embedding first, one loss last, every decoder
-    layer once and before the MTP layers, all MTP layers in one last virtual stage of a rank
-    that is not the first."""
+    layer once and before the MTP layers, all MTP layers in one stage, the last virtual stage
+    of its pipeline rank."""
     flat = [layer for stage in stages for layer in stage]  # layer-id order: the list's
     where = f"model.{LAYOUT_KEY}"
     if not flat or flat[0] != "embedding" or flat[-1] != "loss":
