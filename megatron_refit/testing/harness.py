@@ -207,7 +207,9 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     bar = Bar(versions, desc="refits") if spec.progress and rank == 0 else None
     fleet = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=rank, num_train=spec.num_train,
                          offloader=offloader, on_report=bar.on_report if bar is not None else None)
-    summary = fleet.plan.summary()  # (under overlap the last refit reads the replicas' leaves at its end)
+    # the plan now: under overlap the last refit reads the replicas' leaves at its end
+    summary, skipped = fleet.plan.summary(), list(fleet.plan.skipped_params)
+    parallel = _built_parallel(built, fleet, rank)
     hold = HoldRefits(fleet, spec.timeout_s) if spec.hold_refits else None
     out = []
     for version in bar or versions:
@@ -242,8 +244,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
         for item in out:
             item.update(report=reports[item.pop("version")].as_dict())
             item["failed_replicas"] = item["report"]["failed_replicas"]
-    return dict(role="train", summary=summary, skipped=list(fleet.plan.skipped_params), refits=out,
-                parallel=_built_parallel(built, fleet, rank)), fleet
+    return dict(role="train", summary=summary, skipped=skipped, refits=out, parallel=parallel), fleet
 
 
 def _built_parallel(built, fleet, rank: int) -> dict:
