@@ -72,7 +72,13 @@ class Load:
             tokens = complete(self.url, self.prompt, NEW_TOKENS)
             self.done.append((t0, time.monotonic(), tokens))
 
-    def stop(self) -> list:
+    def stop(self, after: float | None = None, count: int = 0, timeout_s: float = 60.0) -> list:
+        """Stop once ``count`` completions have started after monotonic time ``after`` (at most
+        ``timeout_s`` more: a slow machine answers fewer requests in a window, never none)."""
+        deadline = time.monotonic() + timeout_s
+        while after is not None and time.monotonic() < deadline and self._thread.is_alive() \
+                and sum(t0 >= after for t0, _, _ in list(self.done)) < count:
+            time.sleep(0.05)
         self._stop.set()
         self._thread.join(timeout=120)
         return self.done
@@ -169,9 +175,11 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
     time.sleep(0.5)
     if rank == 1:
         slow_next_refit(engine.source.weights, SLOW_RANK_S)
+    window = [time.monotonic()]
     engine.send_weights(6)
-    time.sleep(0.5)
-    out["no_pause"] = dict(old=old, new=new, completions=load.stop() if load else [], **ask())
+    window.append(time.monotonic())
+    out["no_pause"] = dict(old=old, new=new, window=window,
+                           completions=load.stop(after=window[1], count=3) if load else [], **ask())
     engine.shutdown()
 
     # 3. engine-side errors at init reach every train rank within seconds

@@ -57,7 +57,14 @@ def test_vllm_server_a_client_without_pause_never_kills_the_engine_and_never_get
     no_pause = run[0]["no_pause"]
     old, new, done = no_pause["old"], no_pause["new"], no_pause["completions"]
     assert old != new and no_pause["version"] == "6" and no_pause["tokens"] == new
-    assert len(done) >= 10 and done[0][2] == old and done[-1][2] == new, [tokens for _, _, tokens in done]
+    assert done[0][2] == old and done[-1][2] == new, [tokens for _, _, tokens in done]
+    # requests kept arriving through the refit (held open SLOW_RANK_S by train rank 1): some ran
+    # while it was open, and the three last started after it returned (counted, not timed: a
+    # loaded machine answers fewer in the window)
+    started, ended = no_pause["window"]
+    assert ended - started >= s.SLOW_RANK_S * 0.8
+    assert any(t0 < ended and t1 > started for t0, t1, _ in done), [(t0, t1) for t0, t1, _ in done]
+    assert sum(t0 >= ended for t0, _, _ in done) >= 3
     # every request came back whole (the engine never died, no forward pass met a model open for
     # reload); one running across the update may continue under the new version (no pause)
     assert all(len(tokens) == s.NEW_TOKENS for _, _, tokens in done)
