@@ -38,8 +38,8 @@ ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "context_parallel.py", "c
                        "testing/hf_configs.py", "testing/meta.py", "testing/nemotron_h_build.py",
                        "testing/validate.py")
 """The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
-helpers do not); the family tables (``megatron_refit/families/``) and the trainer layout
-(``megatron_refit/plan/layout.py``, ``pipeline_layout.py``) do too."""
+helpers do not); the family tables (``megatron_refit/families/``) do too. The trainer layout's
+fields are in the key itself; which layers a rank builds is Megatron's to decide."""
 
 
 def _enumeration_sources() -> str:
@@ -52,8 +52,6 @@ def _enumeration_sources() -> str:
     tables = os.path.join(os.path.dirname(os.path.dirname(__file__)), "families")
     paths = [os.path.join(folder, name) for name in ENUMERATION_SOURCES]
     paths += sorted(os.path.join(tables, name) for name in os.listdir(tables) if name.endswith(".py"))
-    plan = os.path.join(os.path.dirname(tables), "plan")
-    paths += [os.path.join(plan, name) for name in ("layout.py", "pipeline_layout.py")]
     for path in paths:  # a listed source that is gone is an error: the key would stop seeing it
         name = os.path.relpath(path, os.path.dirname(folder))
         with open(path, "rb") as f:
