@@ -105,8 +105,8 @@ def compare(served: Any, reference: list[list[float]], probe: Probe, *, toleranc
     """The largest |Δ log-prob| between what replica ``replica`` served for ``probe`` and the
     trainer's ``reference`` (one list per sequence, one value per scored token). Raises
     :class:`~megatron_refit.errors.ServingMismatchError` naming the replica, the version, the
-    largest difference and the first token beyond ``tolerance`` (a NaN, or a reply of another
-    shape, is a mismatch too). ``floor``: this dtype's default tolerance; a mismatch that stays
+    largest difference and the first token beyond ``tolerance`` (a NaN or inf on
+    either side, or a reply of another shape, is a mismatch too). ``floor``: this dtype's default tolerance; a mismatch that stays
     under it says the configured tolerance is tighter than the measured numerical noise."""
     where = f"refit {version}: engine replica {replica}"
     shape = [len(s) - 1 for s in probe.sequences]
@@ -119,7 +119,9 @@ def compare(served: Any, reference: list[list[float]], probe: Probe, *, toleranc
     worst, first, pair = 0.0, None, None
     for i, (got, want) in enumerate(zip(served, reference, strict=True)):
         for t, (g, w) in enumerate(zip(got, want, strict=True)):
-            d = abs(float(g) - float(w)) if g is not None and math.isfinite(float(g)) else math.inf
+            # anything non-finite on either side (a NaN reference too: max() would keep 0.0 past it) fails
+            finite = g is not None and w is not None and math.isfinite(float(g)) and math.isfinite(float(w))
+            d = abs(float(g) - float(w)) if finite else math.inf
             worst = max(worst, d)
             if d > tolerance and first is None:
                 first, pair = (i, t + 1), (g, w)
@@ -132,8 +134,12 @@ def compare(served: Any, reference: list[list[float]], probe: Probe, *, toleranc
     raise ServingMismatchError(
         f"{where} does not serve the trainer's model: its log-probs differ from the trainer's by up to "
         f"{worst:.4g} over the probe's {probe.num_tokens} tokens (tolerance {tolerance:g}); first beyond it at "
-        f"sequence {first[0]}, token {first[1]} (served {pair[0]}, trainer {pair[1]:.6g}). Its bytes landed; the "
+        f"sequence {first[0]}, token {first[1]} (served {pair[0]}, trainer {_value(pair[1])}). Its bytes landed; the "
         f"engine computes with "
         f"something else (e.g. its post-load step). It has not landed version {version}; its next refit is a "
         f"full one{tight}",
         replica=replica, version=version, max_dlogprob=worst, first=first)
+
+
+def _value(x: Any) -> str:
+    return f"{float(x):.6g}" if isinstance(x, (int, float)) else repr(x)

@@ -71,6 +71,11 @@ def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond
         compare([[math.nan, -2.0], [-1.0, -1.5, -3.0]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0,
                 version=1)
     assert caught.value.max_dlogprob == math.inf  # a NaN is never within a tolerance
+    for bad in (math.nan, math.inf, -math.inf):  # nor on the trainer's side (abs(x - nan) is nan: max() kept 0.0)
+        with pytest.raises(ServingMismatchError, match="first beyond it at sequence 1, token 3") as caught:
+            compare(reference, [[-1.0, -2.0], [-1.0, -1.5, bad]], probe, tolerance=1e-3, floor=1e-3, replica=0,
+                    version=1)
+        assert caught.value.max_dlogprob == math.inf
     with pytest.raises(ServingMismatchError, match=r"answered the serving probe with \[2, 2\] log-probs per "
                                                    r"sequence, expected \[2, 3\]"):
         compare([[-1.0, -2.0], [-1.0, -1.5]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0, version=1)
@@ -110,8 +115,11 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
                        "refit/serving_max_dlogprob/replica_0": 2e-7}
 
 
-def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
-    assert not ServingCheck(RefitConfig(enabled=True), None, rank=0).enabled  # auto: bare pieces, off
+def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it(caplog):
+    caplog.set_level("INFO", logger="megatron_refit")
+    bare = ServingCheck(RefitConfig(enabled=True), None, rank=0)  # auto: bare pieces, no forward: off, said
+    assert not bare.enabled and bare.record({}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 2
+    assert [r.levelname for r in caplog.records if "verify_serving auto: off" in r.getMessage()] == ["WARNING"]
     with pytest.raises(ValueError, match="refit.verify_serving='on' needs the trainer model's forward"):
         ServingCheck(RefitConfig(enabled=True, verify_serving="on"), None, rank=0)
     assert not ServingCheck(RefitConfig(enabled=True, verify_serving="off"), _Forward(), rank=0).enabled
@@ -122,7 +130,10 @@ def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it():
 
     found = auto.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
     assert "unable" in found
-    assert auto.record({0: found}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 1
+    for _ in range(2):  # a WARNING the first time, counted every refit
+        assert auto.record({0: found}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 1
+    said = [r for r in caplog.records if "replica 0 is not checked until it rejoins" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"] and "a client without score()" in said[0].getMessage()
     assert auto.due([0, 1]) == {0: False, 1: True}  # not asked again; a new replica is
     on = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
     with pytest.raises(ServingMismatchError, match="engine replica 0 cannot score the serving probe"):
