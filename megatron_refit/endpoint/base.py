@@ -85,7 +85,8 @@ class Endpoint:
 
     def __init__(self, group: Transport, *, num_train: int, num_gen: int, bucket_bytes: int, verify: str,
                  direct_bytes: int | str | None, on_report: Callable[[dict], None] | None = None,
-                 delta: str = "off", replica_size: int | None = None, plans: dict | None = None):
+                 delta: str = "off", replica_size: int | None = None, plans: dict | None = None,
+                 stall_s: float = 0.0):
         if group.world_size != num_train + num_gen:
             raise ValueError(
                 f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
@@ -113,6 +114,9 @@ class Endpoint:
         :mod:`megatron_refit.endpoint.integrity`)."""
         self.direct_bytes = resolve_direct_bytes(direct_bytes, group, bucket_bytes)
         """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
+        self.stall_s = float(stall_s)
+        """``refit.stall_s`` in force on this rank (0: off): the train ranks' watchdog judges the
+        engine ranks' beats by it, so every rank of the group must hold the same (``prepare``)."""
         self.plans = plans
         """Plans already built, shared by endpoints that meet the same pieces (a train rank's
         refit groups of every replica with one layout): ``prepare`` builds a plan once per
@@ -159,7 +163,7 @@ class Endpoint:
         # the gather moves each distinct object once (DP replicas' pieces, TP ranks' names)
         names_gathered, name_digests = self.group.all_gather_unique(names, "prepare", digests=True)
         mine = (self.role, layout, self.verify, self.bucket_bytes, self.direct_bytes, self.delta,
-                self._local_optional())
+                self._local_optional(), self.stall_s)
         gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
@@ -169,6 +173,13 @@ class Endpoint:
             values = [g[index] for g in gathered]
             if len(set(values)) != 1:
                 raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
+        stalls = {g[0]: g[7] for g in gathered}  # the watchdog (train) judges the beats (gen) by its own
+        if len({g[7] for g in gathered}) != 1:
+            raise ValueError(
+                f"the train ranks' refit.stall_s in force is {stalls['train']:g} s but the engine ranks' is "
+                f"{stalls['gen']:g} s (0: off, or not under refit.timeout_s): the engine would beat at another "
+                f"pace than the train ranks judge it by; set the same refit.stall_s and refit.timeout_s on both "
+                f"sides (by refit rank: {[g[7] for g in gathered]})")
         key = (tuple(name_digests), tuple(digests), self._local_rank())
         plan, prints = self.plans.get(key, (None, None)) if self.plans is not None else (None, None)
         if plan is None:

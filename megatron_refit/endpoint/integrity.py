@@ -57,6 +57,17 @@ def check_mode(verify) -> str:
     return verify
 
 
+def in_force(verify: str, fanout: str) -> str:
+    """The check every bucket gets: ``verify``, except that ``sampled`` reads every byte
+    (``full``) where replicas may relay (``refit.fanout`` other than ``off``, ``auto`` included):
+    a relay link is a hop no train rank reads, a corruption there can be anywhere in a bucket,
+    and the 1/128 that ``sampled`` reads of a large one would let it land in the next replica
+    and every one after it. The train ranks send one replica's bytes then, so reading them all
+    costs them no more than ``sampled`` costs ``off`` direct."""
+    check_mode(verify)
+    return "full" if verify == "sampled" and fanout != "off" else verify
+
+
 def bucket_seed(*parts: int) -> int:
     """A 64-bit seed from ints (a bucket's sender, receiver, index, length and plan id, then
     the version): each part folded in through a splitmix64 round."""

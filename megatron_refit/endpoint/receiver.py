@@ -30,9 +30,10 @@ class Receiver(Endpoint):
     def __init__(self, group: Transport, storage: Storage, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, delta: str = "off",
-                 replica_size: int | None = None, relay=None):
+                 replica_size: int | None = None, relay=None, stall_s: float = 0.0):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
-                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size)
+                         direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
+                         stall_s=stall_s)
         self.relay = relay
         """``refit.fanout``: this rank's :class:`~megatron_refit.endpoint.relay.RelayLinks` (None: it
         never relays; a route that asks it to is refused)."""

@@ -73,10 +73,11 @@ class Refitter(Endpoint):
     def __init__(self, group: Transport, pieces: list[HasPiece], *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, check_finite: bool = False,
-                 delta: str = "off", replica_size: int | None = None, plans: dict | None = None):
+                 delta: str = "off", replica_size: int | None = None, plans: dict | None = None,
+                 stall_s: float = 0.0):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
-                         plans=plans)
+                         plans=plans, stall_s=stall_s)
         self._delta = DeltaSender(delta)
         """The copies of what this rank last sent, for delta refits (``refit.delta``)."""
         self.check_finite = check_finite

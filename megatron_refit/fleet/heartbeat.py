@@ -56,15 +56,23 @@ def _store(host: str, port: int, prefix: str | None, timeout_s: float):
 
 
 class Heartbeat:
-    """An engine rank's beat (see the module docstring); started at once, stopped by :meth:`close`."""
+    """An engine rank's beat (see the module docstring); started at once, stopped by :meth:`close`.
+    A store error does not end it: the rank logs one WARNING, opens a new connection and beats on
+    at the next interval, so an error that passes within ``stall_s`` costs no stall (an error that
+    lasts is the store gone: the train ranks drop the replica, or are gone themselves)."""
 
-    def __init__(self, cfg, replica: int, incarnation: str, tp_rank: int):
+    def __init__(self, cfg, replica: int, incarnation: str, tp_rank: int, *, connect=None):
         self.interval_s = stall_s(cfg) / BEATS_PER_STALL
         self._stop = threading.Event()
         self._thread = None
+        self.errors = 0
+        """Store errors met so far (each one retried at the next beat)."""
         if not self.interval_s:
             return
-        self._store = _store(cfg.host, cfg.port, namespace(replica, incarnation), min(cfg.timeout_s, 30.0))
+        prefix = namespace(replica, incarnation)
+        self._connect = connect or (lambda: _store(cfg.host, cfg.port, prefix, min(cfg.timeout_s, 30.0)))
+        self._name = f"engine replica {replica} TP rank {tp_rank}"
+        self._store = self._connect()
         self._key = _key(tp_rank)
         self._store.add(self._key, 1)  # the counter exists before the rank joins its group
         self._thread = threading.Thread(target=self._beat, name=f"megatron_refit-heartbeat-{replica}-{tp_rank}",
@@ -72,17 +80,28 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
+        failing_since = None
         while not self._stop.wait(self.interval_s):
             try:
+                if self._store is None:
+                    self._store = self._connect()
                 self._store.add(self._key, 1)
-            except Exception as exc:  # noqa: BLE001 -- the store is gone: so are the train ranks
-                logger.info("refit: heartbeat stopped (the train ranks' store is gone): %s", exc)
-                return
+            except Exception as exc:  # noqa: BLE001 -- retried at the next beat, on a new connection
+                self.errors += 1
+                self._store = None
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    logger.warning("refit: heartbeat of %s failed, retrying every %.2f s: %s", self._name,
+                                   self.interval_s, exc)
+                continue
+            if failing_since is not None:
+                logger.info("refit: heartbeat of %s back after %.2f s", self._name, time.monotonic() - failing_since)
+                failing_since = None
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.interval_s + 5.0)
+            self._thread.join(self.interval_s + 35.0)  # a beat waits on a store call: at most its timeout
             self._thread = None
 
 
@@ -133,6 +152,9 @@ class Watchdog:
         self._watched: dict[tuple[int, str], _Watched] = {}
         self._lock = threading.Lock()
         self._store = store
+        self._own_store = store is None
+        self._failing = False
+        """The last poll met a store error (logged once per run of them)."""
         self._seen = 0
         """How much of :data:`STALLED` this rank has read."""
         self._stalled: dict[tuple[int, str], str] = {}
@@ -175,9 +197,17 @@ class Watchdog:
                 self._store = _store(self.cfg.host, self.cfg.port, None, 10.0)
             if self.leader:
                 self._find_stalls()
-            return self._abort_published()
-        except Exception as exc:  # noqa: BLE001 -- the store is gone: the fleet is ending anyway
-            logger.info("refit: heartbeats unreadable: %s", exc)
+            found = self._abort_published()
+            if self._failing:
+                logger.info("refit: heartbeats readable again")
+                self._failing = False
+            return found
+        except Exception as exc:  # noqa: BLE001 -- retried at the next poll, on a new connection
+            self._store = None if self._own_store else self._store
+            if not self._failing:
+                logger.warning("refit: heartbeats unreadable (retried every %.2f s; stalls go unseen until then, "
+                               "refit.timeout_s still bounds every wait): %s", self.poll_s, exc)
+            self._failing = True
             return []
 
     def _find_stalls(self) -> None:

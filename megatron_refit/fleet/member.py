@@ -8,9 +8,11 @@ import time
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.integrity import in_force
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
+from megatron_refit.fleet.heartbeat import stall_s
 from megatron_refit.fleet.serving import exchange_in_band
 
 
@@ -71,8 +73,8 @@ class TrainerMember(_Member):
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
                  on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp, plans=plans, check_finite=cfg.check_finite)
+                  direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp, plans=plans, check_finite=cfg.check_finite, stall_s=stall_s(cfg))
         self.group = group
         self.full = Refitter(group, pieces + adapters, **kw)
         self.plan = self.full.prepare()
@@ -124,8 +126,8 @@ class EngineMember(_Member):
         self._score = getattr(storage, "score", None)
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
         kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=cfg.verify, on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp, relay=relay)
+                  direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report, delta=cfg.delta,
+                  replica_size=cfg.gen_tp, relay=relay, stall_s=stall_s(cfg))
         self.group = group
         self.relay = relay
         """``refit.fanout``: this rank's links to the other replicas (closed with the member)."""

@@ -36,7 +36,13 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
     from megatron_refit.fleet.store import JOINS
     from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
 
-    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=2048 / (1 << 20),
+    big = scenario == "corrupt-sampled"
+    if big:  # one 2 MiB weight: each train rank's half is one bucket of 1 MiB, read 1/128 by `sampled`
+        from megatron_refit.testing import toy_fleet
+
+        toy_fleet.SHAPES = {"big.w": (2048, 256)}
+    cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port,
+                      bucket_mb=2.0 if big else 2048 / (1 << 20),
                       direct_mb=None, timeout_s=TIMEOUT_S, stall_s=STALL_S, delta=delta, fanout=mode,
                       on_replica_failure="continue", overlap=overlap)
     out = []
@@ -87,7 +93,7 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
 
         store.on_buffer = failing
-    if first == RELAY * tp and scenario == "corrupt":  # one bit of one bucket it forwards in refit BAD flips
+    if first == RELAY * tp and scenario.startswith("corrupt"):  # one bit of a bucket it forwards in refit BAD flips
         from megatron_refit.endpoint.relay import Forwarder
 
         forward, forwarded = Forwarder.bucket, [0]
@@ -97,7 +103,7 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
                 forwarded[0] += 1
                 if forwarded[0] == 2:  # a copy: its own bytes stay good
                     data, stable = data.clone(), True
-                    data[-1] ^= 0x04
+                    data[200_000 if big else -1] ^= 0x04  # big: a byte `sampled` does not read
             return forward(self, src, bucket, encoding, data, stable=stable)
 
         Forwarder.bucket = corrupting
@@ -231,6 +237,17 @@ def test_fanout_bytes_corrupted_on_a_relay_link_are_taken_again_from_the_train_r
         assert all(o["failed"] == {} for o in outcome)
         assert outcome[BAD - 1]["summary"]["refit/relay_fallbacks"] == 2
         assert outcome[BAD]["summary"]["refit/relay_fallbacks"] == 0  # a new epoch, the chain as before
+
+
+def test_fanout_relay_link_is_checked_fully_under_the_default_sampled_verify(tmp_path):
+    """``refit.verify: sampled`` (the default) reads 4 KiB of every 512 KiB of a large bucket; a
+    byte flipped on a relay link outside them would land in every replica down the chain. Under
+    fan-out every byte is read, so the flip in a 1 MiB bucket is found and taken again."""
+    train, gen, _ = _run("corrupt-sampled", tmp_path)
+    for outcome in gen:
+        _landed(outcome, VERSIONS)
+    assert [outcome[BAD - 1]["fallback"] for outcome in gen] == [False, True, True]
+    assert train[0][BAD - 1]["summary"]["refit/relay_fallbacks"] == 2
 
 
 def test_fanout_relay_raising_mid_refit_fails_alone_and_its_successors_land(tmp_path):

@@ -67,6 +67,8 @@ def _rank(rank, world, port, scenario):
     group = group_cls.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=TIMEOUT_S)
     verify = "full" if scenario == "verify-mismatch" and rank == 0 else "sampled"  # the default
     kw = dict(num_train=NUM_TRAIN, num_gen=NUM_GEN, bucket_bytes=2048, verify=verify)
+    if scenario == "stall-mismatch":  # refit.stall_s in force: 30 on the train ranks, off on the engine's
+        kw["stall_s"] = 30.0 if rank < NUM_TRAIN else 0.0
     if rank < NUM_TRAIN:
         on_read = die_after(3) if scenario == "kill-train" and rank == 1 else None
         names = NAMES if scenario != "unused-name" else NAMES | {}
@@ -156,6 +158,12 @@ def test_trainer_name_unknown_to_receiver_is_refused_before_transfer():
 def test_verify_flag_must_agree():
     with pytest.raises(SpawnError, match=r"disagree on verify"):
         run_spawned(_rank, NUM_TRAIN + NUM_GEN, "verify-mismatch", timeout_s=120)
+
+
+def test_stall_s_must_agree_and_the_error_names_both_sides():
+    with pytest.raises(SpawnError, match=r"the train ranks' refit.stall_s in force is 30 s but the engine ranks' is "
+                                         r"0 s"):
+        run_spawned(_rank, NUM_TRAIN + NUM_GEN, "stall-mismatch", timeout_s=120)
 
 
 def test_hf_receiver_refuses_to_generate_while_stale():

@@ -133,3 +133,66 @@ def test_the_bound_in_force_is_off_where_it_is_zero_or_the_timeout_comes_first(s
 def test_stall_s_is_checked_naming_the_bad_value():
     with pytest.raises(ValueError, match=r"refit.stall_s must be 0 \(off\) or positive, got -1"):
         RefitConfig(stall_s=-1)
+
+
+class _Flaky(_Store):
+    """A store connection whose next ``add`` calls raise (a reset, a timeout), then work again."""
+
+    def __init__(self, shared: _Store, failures: int):
+        self.shared, self.failures = shared, failures
+
+    def add(self, key, n):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("Connection reset by peer")
+        return self.shared.add(key, n)
+
+
+def test_a_beat_survives_a_store_error_on_a_new_connection_and_logs_one_warning(caplog):
+    import time
+
+    shared, connections, prefix = _Store(), [], "megatron_refit/replica/0/a/"
+
+    def connect():
+        connections.append(_Flaky(shared, failures=0))
+        return _Prefixed(connections[-1], prefix)
+
+    cfg = RefitConfig(enabled=True, stall_s=0.3, timeout_s=30.0)
+    beat = Heartbeat(cfg, 0, "a", 1, connect=connect)
+    connections[0].failures = 1  # its first add went through (the counter exists): the next beat raises
+    key = prefix + "heartbeat/1"
+    with caplog.at_level("INFO", logger="megatron_refit.fleet.heartbeat"):
+        deadline = time.monotonic() + 5.0  # 0.05 s a beat: 4 beats in 0.2 s when it lives on
+        while int(shared.values.get(key, b"0")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beat.close()
+    assert beat.errors == 1 and len(connections) == 2  # one error, then a new connection beats on
+    assert int(shared.values[key]) >= 4
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "heartbeat of engine replica 0 TP rank 1 failed" in warnings[0].getMessage()
+    assert any("back after" in r.getMessage() for r in caplog.records)
+
+
+class _Prefixed:
+    def __init__(self, store, prefix):
+        self.store, self.prefix = store, prefix
+
+    def add(self, key, n):
+        return self.store.add(self.prefix + key, n)
+
+
+def test_watchdog_store_errors_are_a_warning_once_and_it_reads_on(caplog):
+    store, clock = _Store(), _Clock()
+    flaky = _Flaky(store, failures=0)
+    flaky.check = lambda keys: (_ for _ in ()).throw(RuntimeError("store timeout")) if flaky.failures else \
+        store.check(keys)
+    dog = Watchdog(RefitConfig(enabled=True, gen_tp=1, stall_s=2.0, timeout_s=30.0), leader=False, store=flaky)
+    dog.watch(0, "a", lambda why: None)
+    flaky.failures = 3
+    with caplog.at_level("INFO", logger="megatron_refit.fleet.heartbeat"):
+        for _ in range(3):
+            assert dog.check() == []
+        flaky.failures = 0
+        assert dog.check() == []
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert "heartbeats unreadable" in caplog.records[0].getMessage()
