@@ -66,15 +66,20 @@ class _Member:
                 self.relay.close()
 
 
+def _endpoint_kw(cfg: RefitConfig, num_train: int, on_report) -> dict:
+    """What both sides' endpoints take from the ``refit:`` config (they must agree on it: ``prepare``)."""
+    return dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+                direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report,
+                delta=cfg.delta, replica_size=cfg.gen_tp, stall_s=stall_s(cfg))
+
+
 class TrainerMember(_Member):
     """Train side of the refit (one per train rank); see the module docstring. ``plans``: plans
     built already (shared by a train rank's replica groups: one plan per replica layout)."""
 
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
                  on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
-        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp, plans=plans, check_finite=cfg.check_finite, stall_s=stall_s(cfg))
+        kw = dict(_endpoint_kw(cfg, num_train, on_report), plans=plans, check_finite=cfg.check_finite)
         self.group = group
         self.full = Refitter(group, pieces + adapters, **kw)
         self.plan = self.full.prepare()
@@ -125,9 +130,7 @@ class EngineMember(_Member):
         self.num_train = num_train
         self._score = getattr(storage, "score", None)
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
-        kw = dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
-                  direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report, delta=cfg.delta,
-                  replica_size=cfg.gen_tp, relay=relay, stall_s=stall_s(cfg))
+        kw = dict(_endpoint_kw(cfg, num_train, on_report), relay=relay)
         self.group = group
         self.relay = relay
         """``refit.fanout``: this rank's links to the other replicas (closed with the member)."""

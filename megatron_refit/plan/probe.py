@@ -106,8 +106,9 @@ def compare(served: Any, reference: list[list[float]], probe: Probe, *, toleranc
     trainer's ``reference`` (one list per sequence, one value per scored token). Raises
     :class:`~megatron_refit.errors.ServingMismatchError` naming the replica, the version, the
     largest difference and the first token beyond ``tolerance`` (a NaN or inf on
-    either side, or a reply of another shape, is a mismatch too). ``floor``: this dtype's default tolerance; a mismatch that stays
-    under it says the configured tolerance is tighter than the measured numerical noise."""
+    either side, or a reply of another shape, is a mismatch too). ``floor``: this dtype's
+    default tolerance; a mismatch that stays under it says the configured tolerance is
+    tighter than the measured numerical noise."""
     where = f"refit {version}: engine replica {replica}"
     shape = [len(s) - 1 for s in probe.sequences]
     if not isinstance(served, list) or [len(s) if isinstance(s, list) else None for s in served] != shape:

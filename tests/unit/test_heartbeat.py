@@ -182,7 +182,7 @@ class _Prefixed:
 
 
 def test_watchdog_store_errors_are_a_warning_once_and_it_reads_on(caplog):
-    store, clock = _Store(), _Clock()
+    store = _Store()
     flaky = _Flaky(store, failures=0)
     flaky.check = lambda keys: (_ for _ in ()).throw(RuntimeError("store timeout")) if flaky.failures else \
         store.check(keys)
