@@ -78,11 +78,20 @@ class WeightsState:
     weights_version: int | None = None
     """Version of the last complete refit (None before the first)."""
 
+    held: str | None = None
+    """Why the engine refuses to serve the weights it holds (:meth:`hold`), until the next refit."""
+
     def set_state(self, state: str, version: int | None) -> None:
         if state not in STATES:
             raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
         with self.serving:  # a forward pass under way finishes on the weights it started with
-            self.state, self.weights_version = state, version
+            self.state, self.weights_version, self.held = state, version, None
+
+    def hold(self, why: str) -> None:
+        """The version these weights hold failed its serving check (``refit.verify_serving``,
+        told in band): refuse to serve them (``stale``) until the next refit lands."""
+        with self.serving:
+            self.state, self.held = "stale", why
 
     @property
     def serving(self) -> threading.Lock:
@@ -96,6 +105,9 @@ class WeightsState:
 
     def require_ready(self, what: str) -> None:
         """``StaleWeightsError`` unless the weights are those of a complete refit."""
+        if self.held is not None:
+            raise StaleWeightsError(f"{what}: the weights of refit {self.weights_version} failed their serving "
+                                    f"check ({self.held}); refusing to serve until the next refit lands")
         if self.state != "ready":
             raise StaleWeightsError(f"{what}: weights are {self.state} (last complete refit: "
                                     f"{self.weights_version}); refusing to serve until a refit completes")

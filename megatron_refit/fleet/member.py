@@ -4,6 +4,7 @@ pieces and, under LoRA adapter sync, one for the adapters only (sharing one vers
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -12,8 +13,11 @@ from megatron_refit.endpoint.integrity import in_force
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
+from megatron_refit.errors import ServingMismatchError
 from megatron_refit.fleet.heartbeat import stall_s
-from megatron_refit.fleet.serving import exchange_in_band
+from megatron_refit.fleet.serving import exchange_in_band, verdict_in_band
+
+logger = logging.getLogger(__name__)
 
 
 class _Member:
@@ -93,19 +97,31 @@ class TrainerMember(_Member):
         every train and generation rank calls it with the same ``version`` and ``full``."""
         return self.refit_and_probe(version, full=full)[0]
 
-    def refit_and_probe(self, version: int, *, full: bool = False, probe=None) -> tuple[RefitReport, object, float]:
+    def refit_and_probe(self, version: int, *, full: bool = False, probe=None,
+                        judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
         """:meth:`refit`, then, with a ``probe`` (``refit.verify_serving``, in band), the engine's
-        answer to it over the group once every rank applied the refit (None: not asked) and the
-        seconds the answer took."""
+        answer to it over the group once every rank applied the refit, and train rank 0's verdict
+        on it (``judge(answer)``: :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which
+        the engine ranks hear in band before the call returns: one that fails holds its weights.
+        Returns the report, the verdict (None: not asked, or not train rank 0; a failed one as its
+        :class:`~megatron_refit.errors.ServingMismatchError`, once told) and the seconds from the
+        answer's request to the verdict told."""
         endpoint = self._endpoint(full)
         endpoint.probe_due = probe is not None
         report = endpoint.refit(version)
         self._advance(version)
         self._resend = False
-        answer, t0 = None, time.perf_counter()
+        verdict, t0 = None, time.perf_counter()
         if probe is not None and report.summary["refit/ok"]:
             answer = exchange_in_band(self.group, self.full.num_train, probe=probe if self.group.rank == 0 else None)
-        return report, answer, time.perf_counter() - t0
+            try:
+                verdict = judge(answer) if judge is not None else None
+            except ServingMismatchError as exc:
+                verdict = exc
+            finally:  # told whatever judge did (an error of its own is this replica's outcome, untold)
+                failed = str(verdict) if isinstance(verdict, ServingMismatchError) else None
+                verdict_in_band(self.group, self.full.num_train, failed=failed)
+        return report, verdict, time.perf_counter() - t0
 
     def set_route(self, route) -> None:
         """``refit.fanout``: where the next refit's bytes go (a :class:`~megatron_refit.plan.fanout.Route`)."""
@@ -129,6 +145,7 @@ class EngineMember(_Member):
                  on_report: Callable[[dict], None] | None = None, relay=None):
         self.num_train = num_train
         self._score = getattr(storage, "score", None)
+        self._hold_storage = getattr(storage, "hold", None)
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
         kw = dict(_endpoint_kw(cfg, num_train, on_report), relay=relay)
         self.group = group
@@ -157,7 +174,21 @@ class EngineMember(_Member):
         self._advance(report.version)
         if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
             exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None)
+            failed = verdict_in_band(self.group, self.num_train)
+            if failed is not None:
+                self._hold(failed)
         return report
+
+    def _hold(self, why: str) -> None:
+        """Train rank 0 found this replica serving another model than the trainer's: its engine
+        refuses to serve until the next refit lands (a storage without ``hold`` cannot: said)."""
+        if callable(self._hold_storage):
+            self._hold_storage(why)
+            logger.warning("refit: this engine failed its serving check and holds its weights until the next "
+                           "refit lands: %s", why)
+        else:
+            logger.error("refit: this engine failed its serving check but its storage cannot hold its weights "
+                         "(no hold()): it goes on serving them: %s", why)
 
     @property
     def state(self) -> str:

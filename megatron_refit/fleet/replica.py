@@ -87,9 +87,17 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
     try:
         if hooks is not None:
             hooks.start(replica, version, member.is_full(full))
-        answer, answer_s = None, 0.0
-        if probe is not None and probing.in_band:
-            out.report, answer, answer_s = member.refit_and_probe(version, full=full, probe=probe)
+        verdict = None
+        if probe is not None and probing.in_band:  # the verdict is told to the engine ranks in band
+            def judge(answer):
+                return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference)
+
+            out.report, verdict, answer_s = member.refit_and_probe(version, full=full, probe=probe,
+                                                                   judge=judge if rank == 0 else None)
+            if isinstance(verdict, ServingMismatchError):
+                raise verdict  # told to its engine ranks already: they hold their weights
+            if verdict is not None:
+                verdict["seconds"] = answer_s  # the engine scored it inside its refit's group, then heard it
         else:
             out.report = member.refit(version, full=full)
         if out.report.failed_ranks:  # an engine rank could not apply it (its group drained it: intact)
@@ -101,15 +109,13 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
             hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
         if probe is not None and rank == 0:
             if probing.in_band:
-                def score():
-                    return served_or_raise(answer)
+                out.serving = verdict
             else:
                 def score():
                     if hooks is None:
                         raise ServingUnavailableError("train rank 0 holds no control client of this engine to ask it")
                     return hooks.score(replica, probe.sequences)
-            out.serving = probing.check.verdict(replica, version, score, probing.reference)
-            out.serving["seconds"] += answer_s  # in band: the engine scored it inside its refit's group
+                out.serving = probing.check.verdict(replica, version, score, probing.reference)
     except ServingMismatchError as exc:
         out.error, out.serving = exc, dict(max_dlogprob=exc.max_dlogprob, seconds=0.0, mismatch=True)
         if hooks is not None:

@@ -204,6 +204,14 @@ def exchange_in_band(group, num_train: int, *, probe: Probe | None = None,
     return group.all_gather_object(answer, "served")[num_train]
 
 
+def verdict_in_band(group, num_train: int, *, failed: str | None = None) -> str | None:
+    """After :func:`exchange_in_band`, train rank 0 tells the replica's engine ranks its verdict
+    (collective over the group: ``failed``, why it does not serve the trainer's model, from train
+    rank 0; None elsewhere or where it passed): an engine rank told it holds its weights
+    (:meth:`~megatron_refit.endpoint.storage.WeightsState.hold`). Returns it on every rank."""
+    return group.all_gather_object(failed if group.rank == 0 else None, "verdict")[0]
+
+
 def served_or_raise(answer: Any) -> Any:
     """An in-band answer (:func:`exchange_in_band`) as :meth:`ServingCheck.verdict`'s ``score()``
     gives it: the log-probs, or :class:`ServingUnavailableError`; an engine error raises as itself."""

@@ -320,13 +320,27 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
                 raise
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue
-        item = dict(report=report.as_dict())
+        item = dict(report=report.as_dict(), serves=_serves(backend, cfg))
         if spec.collect:
             weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
-            item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if hasattr(backend, "logits") else None
+            item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
     return dict(role="gen", gen_index=gen_index, refits=out), member
+
+
+def _serves(backend, cfg) -> bool | str | None:
+    """Whether the engine serves after a refit: True, the error it refuses with (a replica held
+    after a failed serving check), or None where it has no forward here."""
+    from megatron_refit.errors import StaleWeightsError
+
+    if not hasattr(backend, "logits"):
+        return None
+    try:
+        backend.logits(tokens_for(0, cfg.vocab_size)[:, :4])
+    except StaleWeightsError as exc:
+        return str(exc)
+    return True
 
 
 def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bool]]]:

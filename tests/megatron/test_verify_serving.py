@@ -190,6 +190,7 @@ def test_verify_serving_catches_permuted_experts_and_an_unloaded_layer_on_exactl
     assert [r["bit_exact"] for r in refits] == [True, False, False, True]  # the breaks are real
     if verify == "off":
         assert all(r["failed_replicas"] == {} and r["serving"]["checked"] == 0 for r in refits)
+        assert all(r["serves"] == {0: True, BROKEN: True} for r in refits)  # nobody told: it serves the wrong model
         return
     for r in refits:
         assert r["serving"]["checked"] == 2, r  # every replica, every refit (on)
@@ -201,7 +202,13 @@ def test_verify_serving_catches_permuted_experts_and_an_unloaded_layer_on_exactl
         assert why.startswith(want), why
         assert "first beyond it at sequence" in why and r["serving"][f"max_dlogprob/replica_{BROKEN}"] > 1e-2
         assert r["replicas_ok"] == 1
+        # told in band before the refit returned: the HF engine refuses to serve what failed, the other serves
+        held = r["serves"][BROKEN]
+        assert r["serves"][0] is True and isinstance(held, str), r["serves"]
+        assert f"the weights of refit {r['version']} failed their serving check (refit {r['version']}: engine " \
+               f"replica {BROKEN} does not serve" in held, held
     assert refits[3]["failed_replicas"] == {} and refits[3]["serving"]["max_dlogprob"] <= 1e-5
+    assert refits[3]["serves"] == {0: True, BROKEN: True}  # the next version landed and passed: served again
 
 
 @pytest.mark.slow

@@ -53,6 +53,18 @@ def _rank(rank: int, world: int, port: int, save_dir: str, checkpoint: str, refi
         served = client.score(saved["probe"])  # the serving probe through LLM.generate's prompt_logprobs
         out["max_dlogprob"] = max(abs(a - b) for got, want in zip(served, saved["logprobs"], strict=True)
                                   for a, b in zip(got, want, strict=True))
+        client.hold()  # what the fleet does to a replica that failed its serving check
+        try:
+            llm.generate([{"prompt_token_ids": saved["prompt"]}], SamplingParams(max_tokens=1))
+            out["held"] = None
+        except Exception as exc:  # noqa: BLE001 -- the test reads what generate raised
+            out["held"] = f"{type(exc).__name__}: {exc}"
+        out["scored_while_held"] = client.score(saved["probe"]) == served  # the check itself goes on
+    engine.send_weights(8)  # the next version lands: served again
+    if rank == 0:
+        generated = llm.generate([{"prompt_token_ids": saved["prompt"]}],
+                                 SamplingParams(temperature=0.0, max_tokens=len(saved["megatron"]), ignore_eos=True))
+        out["tokens_after_hold"] = list(generated[0].outputs[0].token_ids)
     engine.shutdown()
     return out
 

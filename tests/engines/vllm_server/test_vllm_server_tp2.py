@@ -63,3 +63,7 @@ def test_vllm_server_offline_llm_refit_through_vllms_own_trainer_factory(refits,
     assert out["metadata"] > 0
     assert out["tokens"] == out["megatron"], out
     assert out["max_dlogprob"] <= 1e-3, out  # LLMClient.score: LLM.generate's prompt_logprobs
+    # a held LLMClient (its replica failed its serving check) refuses generate until a version lands
+    assert out["held"] == ("StaleWeightsError: vLLM LLM: the weights of version 7 failed their serving check "
+                           "(refit.verify_serving); refusing to generate until the next refit lands"), out
+    assert out["scored_while_held"] and out["tokens_after_hold"] == out["megatron"], out

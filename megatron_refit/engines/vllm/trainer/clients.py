@@ -27,6 +27,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from megatron_refit.errors import StaleWeightsError
+
 
 PAUSE_MODES = ("wait", "abort")
 POLICIES = ("drain", "in_flight")
@@ -38,6 +40,8 @@ class LLMClient:
 
     def __init__(self, llm) -> None:
         self.llm = llm
+        self.version: str | None = None
+        """The weight version of the last update that completed."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -51,17 +55,33 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()  # no prompt may reuse KV computed under the old weights
+        self.llm.__dict__.pop("generate", None)  # a version landed: a hold (below) ends
+        self.version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def hold(self) -> None:
+        """Stop serving: the engine failed its serving check (``refit.verify_serving``). From now
+        until the next update completes, this ``LLM``'s ``generate`` raises
+        :class:`~megatron_refit.errors.StaleWeightsError` (no rollout comes from a version that
+        does not serve the trainer's model); the probe's own scoring goes on."""
+        why = (f"vLLM LLM: the weights of version {self.version} failed their serving check "
+               "(refit.verify_serving); refusing to generate until the next refit lands")
+
+        def refused(*args, **kwargs):
+            raise StaleWeightsError(why)
+
+        self.llm.generate = refused
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The serving probe (``refit.verify_serving``) through ``LLM.generate``: each prompt's
         ``prompt_logprobs`` (the log-prob vLLM computes for every prompt token after the first)."""
-        from vllm import SamplingParams
+        from vllm import LLM, SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        generate = LLM.generate.__get__(self.llm) if isinstance(self.llm, LLM) else self.llm.generate  # past a hold
+        outputs = generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [prompt_token_logprobs(s, [None if e is None else {t: lp.logprob for t, lp in e.items()}
                                           for e in out.prompt_logprobs]) for s, out in zip(sequences, outputs)]
 
