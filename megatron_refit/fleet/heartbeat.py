@@ -70,9 +70,10 @@ class Heartbeat:
         if not self.interval_s:
             return
         prefix = namespace(replica, incarnation)
-        self._connect = connect or (lambda: _store(cfg.host, cfg.port, prefix, min(cfg.timeout_s, 30.0)))
+        # after an error, a new connection waits at most a beat for the store (close is not held up)
+        self._connect = connect or (lambda: _store(cfg.host, cfg.port, prefix, max(self.interval_s, 1.0)))
         self._name = f"engine replica {replica} TP rank {tp_rank}"
-        self._store = self._connect()
+        self._store = connect() if connect else _store(cfg.host, cfg.port, prefix, min(cfg.timeout_s, 30.0))
         self._key = _key(tp_rank)
         self._store.add(self._key, 1)  # the counter exists before the rank joins its group
         self._thread = threading.Thread(target=self._beat, name=f"megatron_refit-heartbeat-{replica}-{tp_rank}",
@@ -101,7 +102,7 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.interval_s + 35.0)  # a beat waits on a store call: at most its timeout
+            self._thread.join(self.interval_s + 5.0)
             self._thread = None
 
 

@@ -66,11 +66,11 @@ class LLMClient:
         until the next update completes, this ``LLM``'s ``generate`` raises
         :class:`~megatron_refit.errors.StaleWeightsError` (no rollout comes from a version that
         does not serve the trainer's model); the probe's own scoring goes on."""
-        why = (f"vLLM LLM: the weights of version {self.version} failed their serving check "
-               "(refit.verify_serving); refusing to generate until the next refit lands")
+        version = self.version
 
         def refused(*args, **kwargs):
-            raise StaleWeightsError(why)
+            raise StaleWeightsError(f"vLLM LLM: the weights of version {version} failed their serving check "
+                                    "(refit.verify_serving); refusing to generate until the next refit lands")
 
         self.llm.generate = refused
 
