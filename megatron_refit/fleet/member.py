@@ -145,8 +145,9 @@ class EngineMember(_Member):
                  on_report: Callable[[dict], None] | None = None, relay=None):
         self.num_train = num_train
         self._score = getattr(storage, "score", None)
-        self._hold_storage = getattr(storage, "hold", None)
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
+        self._hold_storage = getattr(storage, "hold", None)
+        """How the engine stops serving a version that failed its serving check, if it can."""
         kw = dict(_endpoint_kw(cfg, num_train, on_report), relay=relay)
         self.group = group
         self.relay = relay
