@@ -109,8 +109,8 @@ class RefitConfig:
     stale, swapped or misrouted buckets at a few percent of a refit; ``full`` reads every
     byte (also single flipped bytes; on CPU/gloo ~40 % longer refits, on GPUs far less);
     ``off``. Under ``refit.fanout`` (chain, tree, auto) ``sampled`` reads every byte: a relay
-    link is a hop no train rank reads. A mismatch raises ``RefitCorruptionError`` naming the parameters, marks the
-    engine's weights stale, and the next refit restores them."""
+    link is a hop no train rank reads. A mismatch raises ``RefitCorruptionError`` naming the
+    parameters, marks the engine's weights stale, and the next refit restores them."""
     check_finite: bool = False
     """Read every trainer piece for NaN / Inf before each refit (one pass over this rank's
     weights); one found ends the refit on every rank before any byte moves, naming the

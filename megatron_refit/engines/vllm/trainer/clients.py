@@ -77,11 +77,11 @@ class LLMClient:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The serving probe (``refit.verify_serving``) through ``LLM.generate``: each prompt's
         ``prompt_logprobs`` (the log-prob vLLM computes for every prompt token after the first)."""
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        generate = LLM.generate.__get__(self.llm) if isinstance(self.llm, LLM) else self.llm.generate  # past a hold
-        outputs = generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        prompts = [{"prompt_token_ids": list(s)} for s in sequences]
+        outputs = type(self.llm).generate(self.llm, prompts, params, use_tqdm=False)  # the class's: past a hold
         return [prompt_token_logprobs(s, [None if e is None else {t: lp.logprob for t, lp in e.items()}
                                           for e in out.prompt_logprobs]) for s, out in zip(sequences, outputs)]
 
