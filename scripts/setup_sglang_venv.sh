@@ -28,5 +28,7 @@ grep -iE '^sglang([=<>~! ]|$)' "$REQS" > "$tmp/sglang.txt"
 $PIP install -r "$tmp/deps.txt"
 $PIP install --no-deps -r "$tmp/sglang.txt"
 $PIP install --no-deps -e .
+# the same torch / nvidia-* files in every project venv held once (hard links; scripts/link_venvs.py)
+"$VENV/bin/python" scripts/link_venvs.py "$VENV" .venv .venv-vllm .venv-vllm-cpu .venv-sglang
 echo "$want" > "$STAMP"
 echo "setup_sglang_venv: done ($VENV)"

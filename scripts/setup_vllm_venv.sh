@@ -58,5 +58,7 @@ PY
 $PIP install -r "$tmp/reqs.txt" pytest
 $PIP install --no-deps "$wheel"
 $PIP install --no-deps -e .
+# the same torch / nvidia-* files in every project venv held once (hard links; scripts/link_venvs.py)
+"$VENV/bin/python" scripts/link_venvs.py "$VENV" .venv .venv-vllm .venv-vllm-cpu .venv-sglang
 echo "$want" > "$STAMP"
 echo "setup_vllm_venv: done ($VENV)"
