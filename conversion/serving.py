@@ -28,6 +28,7 @@ import re
 import torch
 
 from conversion.forward import cpu_forward, gather_sequence, last_rank_holds_output, pipeline_forward
+from conversion.routing import RoutedExperts
 
 QUANTIZED = re.compile(r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
 """Megatron linear weights whose HF pieces trainer-side FP8 quantizes (experts' too; the router,
@@ -45,6 +46,10 @@ class MegatronForward:
         self.vocab_size = hf_config.vocab_size
         self.dtype = str(next(model[0].parameters()).dtype).removeprefix("torch.")
         self.fp8, self.lora = False, lora
+        self.routes = RoutedExperts(model, self.config)
+        self.experts: tuple[int, int] | None = None
+        """After a call, for a MoE model: ``(experts routed, experts)`` over its decoder MoE layers."""
+        self._moe_layers: torch.Tensor | None = None
 
     def prepare(self, *, fp8: bool) -> None:
         """Before the first check: compute with FP8-rounded linear weights (``fp8``: the trainer
@@ -65,22 +70,85 @@ class MegatronForward:
 
     @torch.no_grad()
     def __call__(self, sequences) -> list[list[float]]:
+        logprobs, seen = self._run(sequences)
+        self.experts = None if seen is None else self._count(seen.any(dim=0))
+        return logprobs
+
+    @torch.no_grad()
+    def cover(self, base, *, budget: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
+        """``base`` (the probe's sequences) and, where they leave an expert of a MoE layer
+        unrouted under the router as it is now, candidate sequences (a seeded sweep of the
+        vocabulary in ``base``'s first length: :func:`~megatron_refit.plan.probe.sweep`) chosen
+        greedily to route the most of the missing ones, at most ``budget`` tokens more
+        (collective over the train ranks; the same answer on every one). A dense model: ``base``."""
+        from megatron_refit.plan.probe import SWEEP_TOKENS, greedy_cover, sweep
+
+        _, seen = self._run(base)
+        if seen is None:
+            return tuple(base)
+        moe = self._moe_layers
+        missing = self._flat(~seen.any(dim=0) & moe[:, None])
+        length = max(2, len(base[0]))
+        candidates: list[tuple[int, ...]] = []
+        gains: list[set] = []
+        found: set = set()
+        batch = max(1, 1024 // length)  # 1024 tokens a forward: its logits stay small at a 150k vocabulary
+        pool = list(sweep(self.vocab_size, length, seed, SWEEP_TOKENS))
+        for start in range(0, len(pool), batch):
+            if not missing - found:
+                break
+            chunk = pool[start:start + batch]
+            _, routed = self._run(chunk, scored=False)
+            for seq, row in zip(chunk, routed, strict=True):
+                gain = self._flat(row & moe[:, None]) & missing
+                if gain:
+                    candidates.append(seq)
+                    gains.append(gain)
+                    found |= gain
+        chosen = greedy_cover(missing, gains, [len(s) for s in candidates], budget)
+        return tuple(base) + tuple(candidates[i] for i in chosen)
+
+    def _run(self, sequences, *, scored: bool = True) -> tuple[list[list[float]] | None, torch.Tensor | None]:
+        """Each sequence's log-probs (``scored``; else None) and, for a MoE model, the experts its
+        tokens were routed to (``[sequences, layers, experts]`` bool,
+        :meth:`conversion.routing.RoutedExperts.per_sequence`)."""
         by_length: dict[int, list[int]] = {}
         for i, seq in enumerate(sequences):
             by_length.setdefault(len(seq), []).append(i)
         out: list = [None] * len(sequences)
+        seen = None
+        if self.routes.moe:
+            seen = torch.zeros(len(sequences), self.routes.num_layers, self.routes.num_experts, dtype=torch.bool)
         with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
             for indices in by_length.values():
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
-                for i, row in zip(indices, self._logprobs(tokens).tolist(), strict=True):
+                with self.routes.capture() if self.routes.moe else contextlib.nullcontext():
+                    logprobs, run = self._logprobs(tokens, scored=scored)
+                for i, row in zip(indices, logprobs.tolist() if scored else [None] * len(indices), strict=True):
                     out[i] = row
-        return out
+                if seen is not None:
+                    routed, self._moe_layers = self.routes.per_sequence(run, len(indices))
+                    seen[indices] = routed
+        return (out if scored else None), seen
 
-    def _logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, [batch, seq - 1] (float32), on every rank."""
+    def _count(self, union: torch.Tensor) -> tuple[int, int]:
+        """``(experts routed, experts)`` over the MoE layers of ``union`` ``[layers, experts]``."""
+        moe = self._moe_layers
+        return int(union[moe].sum()), int(moe.sum()) * self.routes.num_experts
+
+    def _flat(self, mask: torch.Tensor) -> set:
+        """``(layer, expert)`` pairs where ``mask`` ``[layers, experts]`` is True, as flat indices."""
+        return set(torch.nonzero(mask.flatten()).flatten().tolist())
+
+    def _logprobs(self, tokens: torch.Tensor, *, scored: bool = True):
+        """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, [batch, seq - 1] (float32), on every
+        rank (``scored``; else None: the forward alone), and this rank's
+        :class:`~conversion.forward.PipelinePass`."""
         from megatron.core import parallel_state as ps
 
         run = pipeline_forward(self.model, tokens)
+        if not scored:
+            return None, run
         device = run.next_tokens.device
         result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=device)
         if last_rank_holds_output(self.model):
@@ -90,7 +158,7 @@ class MegatronForward:
         if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage gets the last stage's answer
             torch.distributed.broadcast(result, ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
-        return result.cpu()
+        return result.cpu(), run
 
     @contextlib.contextmanager
     def _untouched(self):

@@ -189,7 +189,11 @@ class RefitConfig:
     serving_probe: dict | None = None
     """The probe of ``verify_serving``: ``{sequences: 4, length: 16, seed: 0}`` (token ids drawn
     uniformly from the vocabulary with the seed), or ``{tokens: [[id, ...], ...]}``; null: the
-    defaults."""
+    defaults. Either with ``cover_tokens`` (default 1024; 0: never): of a MoE model, where the
+    probe leaves an expert of some layer unrouted under the trainer's router, sequences from a
+    seeded sweep of the vocabulary are added, at most this many tokens, chosen to route the rest
+    (``refit/serving_experts_covered`` of ``refit/serving_experts_total``; a WARNING where they
+    cannot all be reached)."""
     serving_tolerance: float | None = None
     """Largest |Δ log-prob| per probe token between the engine and the trainer; null: by the
     engine's dtype (float32 1e-3, bfloat16 0.05, float16 0.02), plus 0.02 under

@@ -46,6 +46,8 @@ class Probing:
     check: ServingCheck
     due: dict[int, bool] = field(default_factory=dict)
     reference: Any = None
+    probe: Any = None
+    """The probe ``reference`` scored (:meth:`~megatron_refit.fleet.serving.ServingCheck.take_reference`)."""
     reference_s: float = 0.0
     in_band: bool = False
 
@@ -83,14 +85,15 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
     :class:`~megatron_refit.fleet.member.TrainerMember`): its engine's calls around its group's
     refit, then its serving check where ``probing`` says so. Never raises: the outcome says."""
     out = ReplicaOutcome()
-    probe = probing.check.probe if probing is not None and probing.due.get(replica) else None
+    probe = probing.probe if probing is not None and probing.due.get(replica) else None
     try:
         if hooks is not None:
             hooks.start(replica, version, member.is_full(full))
         verdict = None
         if probe is not None and probing.in_band:  # the verdict is told to the engine ranks in band
             def judge(answer):
-                return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference)
+                return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference,
+                                            probe)
 
             out.report, verdict, answer_s = member.refit_and_probe(version, full=full, probe=probe,
                                                                    judge=judge if rank == 0 else None)
@@ -115,7 +118,7 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
                     if hooks is None:
                         raise ServingUnavailableError("train rank 0 holds no control client of this engine to ask it")
                     return hooks.score(replica, probe.sequences)
-                out.serving = probing.check.verdict(replica, version, score, probing.reference)
+                out.serving = probing.check.verdict(replica, version, score, probing.reference, probe)
     except ServingMismatchError as exc:
         out.error, out.serving = exc, dict(max_dlogprob=exc.max_dlogprob, seconds=0.0, mismatch=True)
         if hooks is not None:

@@ -25,17 +25,20 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
-from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_probe
+from megatron_refit.plan.probe import DEFAULT_COVER_TOKENS, Probe, compare, default_tolerance, make_probe
 
 logger = logging.getLogger(__name__)
 
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
-                "refit/serving_s", "refit/serving_reference_s")
+                "refit/serving_s", "refit/serving_reference_s", "refit/serving_experts_covered",
+                "refit/serving_experts_total")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
 log-prob|, the check's seconds (the trainer's reference plus the slowest replica's answer) and
-the reference's alone; each replica's difference also under
-``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
+the reference's alone, and of a MoE model the (layer, expert) pairs the probe routes to under
+the trainer's router at the last reference, of all of them (0 of 0: a dense model, or no
+reference yet); each replica's difference also under ``refit/serving_max_dlogprob/replica_<r>``
+when it was checked."""
 
 
 @runtime_checkable
@@ -45,6 +48,9 @@ class TrainerForward(Protocol):
     the per-token log-probs of each sequence on every rank."""
 
     vocab_size: int
+    experts: tuple[int, int] | None
+    """After a call, for a MoE model: ``(experts the sequences were routed to, experts)`` over its
+    MoE layers (every (layer, expert) pair counts once); None for a dense model."""
     dtype: str
     """The dtype of the weights it sends (the engine's: the tolerance's dtype)."""
     lora: bool
@@ -56,6 +62,10 @@ class TrainerForward(Protocol):
         (the same on every train rank: decided from what they share, the model's config)."""
 
     def __call__(self, sequences: tuple[tuple[int, ...], ...]) -> list[list[float]]: ...
+
+    def cover(self, base: tuple[tuple[int, ...], ...], *, budget: int, seed: int) -> tuple[tuple[int, ...], ...]:
+        """``base`` and at most ``budget`` tokens more, chosen so that every expert is routed
+        (collective; the same on every train rank)."""
 
 
 class ServingUnavailableError(Exception):
@@ -88,11 +98,19 @@ class ServingCheck:
                     raise
                 self._turn_off(str(exc))
         self.probe: Probe | None = None
+        """The probe the last reference scored: :attr:`base`, extended to route every expert."""
+        self.base: Probe | None = None
+        """``refit.serving_probe``'s sequences."""
+        self.cover_tokens = (cfg.serving_probe or {}).get("cover_tokens", DEFAULT_COVER_TOKENS)
+        self.seed = (cfg.serving_probe or {}).get("seed", 0)
+        self.experts: tuple[int, int] = (0, 0)
+        """Of a MoE model at the last reference: (experts the probe routes to, experts)."""
         self.tolerance = self.floor = math.inf
         if self.every is not None:
-            self.probe = make_probe(cfg.serving_probe, forward.vocab_size)
+            self.base = self.probe = make_probe(cfg.serving_probe, forward.vocab_size)
             self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
             self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
+        self._said_uncovered = False
         self.refits = 0
         self.verified: set[int] = set()
         """Replicas that passed a check since they joined or last failed."""
@@ -119,15 +137,32 @@ class ServingCheck:
         hit = self.refits % self.every == 0
         return {r: (hit or r not in self.verified) and r not in self.unable for r in replicas}
 
-    def take_reference(self) -> tuple[list[list[float]], float]:
-        """The trainer's log-probs on the probe now (collective over the train ranks) and the
-        seconds they took."""
+    def take_reference(self) -> tuple[Probe, list[list[float]], float]:
+        """The probe, the trainer's log-probs on it now (collective over the train ranks) and the
+        seconds they took. Of a MoE model, the probe routes every expert under the router as it is
+        now where ``cover_tokens`` allows: the last probe is kept while it does, and extended from
+        ``refit.serving_probe``'s own sequences (:meth:`TrainerForward.cover`) when it no longer
+        does (the router trained); a probe that cannot cover them all is a WARNING, once."""
         t0 = time.perf_counter()
         reference = self.forward(self.probe.sequences)
-        return reference, time.perf_counter() - t0
+        experts = getattr(self.forward, "experts", None) or (0, 0)
+        if experts[0] < experts[1] and self.cover_tokens and hasattr(self.forward, "cover"):
+            sequences = self.forward.cover(self.base.sequences, budget=self.cover_tokens, seed=self.seed)
+            if sequences != self.probe.sequences:
+                self.probe = Probe(tuple(sequences))
+                reference = self.forward(self.probe.sequences)
+                experts = self.forward.experts
+            if experts[0] < experts[1] and self.rank == 0 and not self._said_uncovered:
+                logger.warning("refit.verify_serving: the serving probe routes %d of the %d experts (layer, expert) "
+                               "under the trainer's router (refit.serving_probe.cover_tokens=%d tokens more at most); "
+                               "a fault in the others goes unseen (refit/serving_experts_covered)",
+                               experts[0], experts[1], self.cover_tokens)
+                self._said_uncovered = True
+        self.experts = experts
+        return self.probe, reference, time.perf_counter() - t0
 
-    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference) -> dict:
-        """Train rank 0: replica ``replica``'s score of the probe (``score()``: its log-probs, or
+    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference, probe: Probe) -> dict:
+        """Train rank 0: replica ``replica``'s score of ``probe`` (``score()``: its log-probs, or
         raises :class:`ServingUnavailableError`) against ``reference``. Returns what :meth:`record`
         takes; raises :class:`~megatron_refit.errors.ServingMismatchError` where it differs."""
         t0 = time.perf_counter()
@@ -145,7 +180,7 @@ class ServingCheck:
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
         try:
-            worst = compare(served, reference, self.probe, tolerance=self.tolerance, floor=self.floor,
+            worst = compare(served, reference, probe, tolerance=self.tolerance, floor=self.floor,
                             replica=replica, version=version)
         except ServingMismatchError as exc:
             exc.seconds = seconds
@@ -174,7 +209,8 @@ class ServingCheck:
         metrics = {"refit/serving_checked": len(checked), "refit/serving_unchecked": unchecked,
                    "refit/serving_max_dlogprob": max(checked.values(), default=0.0),
                    "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
-                   "refit/serving_reference_s": reference_s}
+                   "refit/serving_reference_s": reference_s, "refit/serving_experts_covered": self.experts[0],
+                   "refit/serving_experts_total": self.experts[1]}
         metrics.update({f"refit/serving_max_dlogprob/replica_{r}": d for r, d in sorted(checked.items())})
         return metrics
 

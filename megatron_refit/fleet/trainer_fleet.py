@@ -282,7 +282,7 @@ class TrainerFleet:
         probing = Probing(self.serving, due=self.serving.due(sorted(self.members)),
                           in_band=engine_named(self.cfg.engine).scores == "in_band")
         if any(probing.due.values()):
-            probing.reference, probing.reference_s = self.serving.take_reference()
+            probing.probe, probing.reference, probing.reference_s = self.serving.take_reference()
         return probing
 
     def _refit(self, version: int, *, full: bool, background: bool) -> RefitReport:

@@ -19,8 +19,12 @@ from typing import Any
 
 from megatron_refit.errors import ServingMismatchError
 
-PROBE_KEYS = ("sequences", "length", "seed", "tokens")
+PROBE_KEYS = ("sequences", "length", "seed", "tokens", "cover_tokens")
 DEFAULT_PROBE = {"sequences": 4, "length": 16, "seed": 0}
+DEFAULT_COVER_TOKENS = 1024
+"""At most this many tokens are added to the probe so that every expert is routed (``cover_tokens``)."""
+SWEEP_TOKENS = 65536
+"""The candidates for those tokens: a seeded walk over at most this much of the vocabulary."""
 
 TOLERANCES = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.02}
 """Default largest |Δ log-prob| per probe token, by the dtype the engine computes in (see
@@ -47,7 +51,8 @@ class Probe:
 
 def check_probe_spec(spec: Any) -> None:
     """``ValueError`` naming the first bad value of ``refit.serving_probe`` (a mapping: either
-    ``tokens`` (a list of token-id lists), or any of ``sequences``, ``length``, ``seed``)."""
+    ``tokens`` (a list of token-id lists), or any of ``sequences``, ``length``, ``seed``; either
+    with ``cover_tokens``)."""
     if spec is None:
         return
     if not isinstance(spec, dict):
@@ -55,8 +60,11 @@ def check_probe_spec(spec: Any) -> None:
     unknown = sorted(set(spec) - set(PROBE_KEYS))
     if unknown:
         raise ValueError(f"refit.serving_probe: unknown key(s) {unknown}; expected some of {list(PROBE_KEYS)}")
+    cover = spec.get("cover_tokens", DEFAULT_COVER_TOKENS)
+    if not isinstance(cover, int) or isinstance(cover, bool) or not 0 <= cover <= 1 << 20:
+        raise ValueError(f"refit.serving_probe.cover_tokens must be an int in 0..{1 << 20}, got {cover!r}")
     if "tokens" in spec:
-        if set(spec) != {"tokens"}:
+        if set(spec) - {"cover_tokens"} != {"tokens"}:
             raise ValueError("refit.serving_probe: give either tokens, or sequences / length / seed, not both")
         tokens = spec["tokens"]
         if not isinstance(tokens, list) or not tokens:
@@ -78,7 +86,7 @@ def make_probe(spec: dict | None, vocab_size: int) -> Probe:
     ``tokens``, or ``sequences`` sequences of ``length`` token ids drawn uniformly with ``seed``
     (the same on every rank and every run)."""
     check_probe_spec(spec)
-    spec = spec or {}
+    spec = {k: v for k, v in (spec or {}).items() if k != "cover_tokens"}
     if "tokens" in spec:
         bad = [t for seq in spec["tokens"] for t in seq if t >= vocab_size]
         if bad:
@@ -89,6 +97,40 @@ def make_probe(spec: dict | None, vocab_size: int) -> Probe:
     rng = random.Random(spec["seed"])
     return Probe(tuple(tuple(rng.randrange(vocab_size) for _ in range(spec["length"]))
                        for _ in range(spec["sequences"])))
+
+
+def sweep(vocab_size: int, length: int, seed: int, limit: int = SWEEP_TOKENS):
+    """Candidate sequences for expert coverage: a seeded permutation of the vocabulary (at most
+    ``limit`` tokens of it) cut into sequences of ``length`` tokens, so each token id shows up once
+    (the last sequence filled from the permutation's start)."""
+    order = list(range(vocab_size))
+    random.Random(seed).shuffle(order)
+    order = order[:limit]
+    for start in range(0, len(order), length):
+        seq = order[start:start + length]
+        yield tuple(seq + order[:length - len(seq)])
+
+
+def greedy_cover(missing: set, candidates: list[set], costs: list[int], budget: int) -> list[int]:
+    """The candidates (indices) that cover most of ``missing`` within ``budget``: each round takes
+    the candidate that adds the most still-missing items (the first of equals), while it fits the
+    budget left, until nothing is missing or nothing more fits or helps. The classic greedy set
+    cover: within a factor ``ln n`` of the fewest candidates that cover everything."""
+    missing, chosen, left = set(missing), [], budget
+    while missing:
+        best, gain = None, 0
+        for i, items in enumerate(candidates):
+            if i in chosen or costs[i] > left:
+                continue
+            g = len(items & missing)
+            if g > gain:
+                best, gain = i, g
+        if best is None:
+            break
+        chosen.append(best)
+        missing -= candidates[best]
+        left -= costs[best]
+    return chosen
 
 
 def default_tolerance(dtype: str, *, fp8: bool = False, lora: bool = False) -> float:

@@ -15,7 +15,7 @@ from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.plan.probe import Probe, compare, default_tolerance, make_probe
+from megatron_refit.plan.probe import Probe, compare, default_tolerance, greedy_cover, make_probe, sweep
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 
@@ -45,7 +45,11 @@ def test_verify_serving_probe_is_seeded_given_or_refused_by_name():
     assert make_probe({"seed": 1}, 100) != a and all(0 <= t < 100 for s in a.sequences for t in s)
     assert make_probe({"sequences": 2, "length": 3}, 7).num_tokens == 4
     assert make_probe({"tokens": [[1, 2, 3], [4, 5]]}, 10).sequences == ((1, 2, 3), (4, 5))
-    for bad, words in [({"tokens": [[1]]}, "tokens[0] must be a list of at least 2"),
+    assert make_probe({"tokens": [[1, 2]], "cover_tokens": 0}, 10).sequences == ((1, 2),)
+    assert make_probe({"seed": 1, "cover_tokens": 64}, 100) == make_probe({"seed": 1}, 100)
+    for bad, words in [({"cover_tokens": -1}, "cover_tokens must be an int in 0..1048576, got -1"),
+                       ({"tokens": [[1, 2]], "cover_tokens": 1.5}, "cover_tokens must be an int"),
+                       ({"tokens": [[1]]}, "tokens[0] must be a list of at least 2"),
                        ({"tokens": [[1, 2]], "seed": 3}, "not both"), ({"length": 1}, "length must be an int"),
                        ({"sequences": True}, "sequences must be an int"), ({"sede": 1}, "unknown key(s) ['sede']"),
                        ([1, 2], "must be a mapping")]:
@@ -53,6 +57,20 @@ def test_verify_serving_probe_is_seeded_given_or_refused_by_name():
             make_probe(bad, 10)
     with pytest.raises(ValueError, match="token id 12, outside the model's vocabulary of 10"):
         make_probe({"tokens": [[1, 12]]}, 10)
+
+
+def test_the_coverage_sweep_holds_each_token_once_and_the_greedy_cover_keeps_its_budget():
+    pool = list(sweep(10, 4, seed=3))
+    assert [len(s) for s in pool] == [4, 4, 4] and sorted({t for s in pool for t in s}) == list(range(10))
+    assert pool == list(sweep(10, 4, seed=3)) and pool != list(sweep(10, 4, seed=4))
+    assert pool[-1][2:] == pool[0][:2]  # the last filled from the permutation's start
+    assert len(list(sweep(1000, 16, seed=0, limit=64))) == 4
+    candidates = [{1, 2}, {3}, {1, 2, 3, 4}, {5}]
+    assert greedy_cover({1, 2, 3, 4, 5}, candidates, [1, 1, 1, 1], budget=10) == [2, 3]
+    assert greedy_cover({1, 2, 3, 4, 5}, candidates, [1, 1, 5, 1], budget=3) == [0, 1, 3]  # 2 too costly
+    assert greedy_cover({1, 2, 3, 4, 5}, candidates, [1, 1, 1, 1], budget=1) == [2]
+    assert greedy_cover({9}, candidates, [1, 1, 1, 1], budget=10) == []  # nothing helps
+    assert greedy_cover(set(), candidates, [1, 1, 1, 1], budget=10) == []
 
 
 def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond_the_tolerance():
@@ -112,7 +130,54 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
     metrics = check.record({0: dict(max_dlogprob=2e-7, seconds=0.01)}, {}, 0.02, [0, 2])
     assert metrics == {"refit/serving_checked": 1, "refit/serving_unchecked": 0, "refit/serving_max_dlogprob": 2e-7,
                        "refit/serving_s": 0.03, "refit/serving_reference_s": 0.02,
+                       "refit/serving_experts_covered": 0, "refit/serving_experts_total": 0,
                        "refit/serving_max_dlogprob/replica_0": 2e-7}
+
+
+class _Routed(_Forward):
+    """A MoE trainer forward: each sequence routes the experts named by its first token (a token
+    ``t`` routes experts ``t % 12`` and ``(t + 1) % 12`` of 12); ``cover`` adds sequences from a pool."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool, self.covers, self.experts = pool, [], None
+
+    def __call__(self, sequences):
+        routed = {e for s in sequences for e in (s[0] % 12, (s[0] + 1) % 12)}
+        self.experts = (len(routed), 12)
+        return super().__call__(sequences)
+
+    def cover(self, base, *, budget, seed):
+        self.covers.append((budget, seed))
+        return tuple(base) + tuple(self.pool[: budget // 2])
+
+
+def test_verify_serving_probe_is_extended_until_every_expert_is_routed_and_kept_while_it_is(caplog):
+    """The reference's probe: ``serving_probe`` while it routes every expert; extended by the
+    forward's ``cover`` where it does not; a WARNING, once, where ``cover_tokens`` runs out; the
+    verdict compares with the probe the reference scored."""
+    caplog.set_level("WARNING", logger="megatron_refit")
+    spec = {"tokens": [[0, 1], [2, 1], [4, 1], [6, 1], [8, 1]]}  # experts 0-9 of 12
+    forward = _Routed(pool=((10, 3), (1, 3), (5, 3)))
+    check = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=2)),
+                         forward, rank=0)
+    probe, reference, _ = check.take_reference()  # 2 tokens: one sequence more, experts 10 and 11
+    assert probe.sequences == tuple(map(tuple, spec["tokens"])) + ((10, 3),) and check.probe == probe
+    assert check.experts == (12, 12) and forward.covers == [(2, 0)] and len(reference) == 6
+    assert check.record({}, {}, 0.0)["refit/serving_experts_covered"] == 12
+    assert check.verdict(0, 1, lambda: reference, reference, probe)["max_dlogprob"] == 0.0
+    assert check.take_reference()[0] == probe and len(forward.covers) == 1  # still covers: kept, no search
+    assert not caplog.records
+    short = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=1)),
+                         _Routed(pool=((10, 3),)), rank=0)
+    for _ in range(2):
+        assert short.take_reference()[0].sequences == tuple(map(tuple, spec["tokens"]))  # nothing fits
+    assert short.experts == (10, 12)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "the serving probe routes 10 of the 12 experts" in said[0] and "cover_tokens=1" in said[0]
+    off = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=0)),
+                       _Routed(pool=((10, 3),)), rank=0)
+    assert off.take_reference()[0] == off.base and off.forward.covers == []  # cover_tokens 0: never extended
 
 
 def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it(caplog):
@@ -128,7 +193,7 @@ def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it(capl
     def cannot():
         raise ServingUnavailableError("a client without score()")
 
-    found = auto.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
+    found = auto.verdict(0, 1, cannot, [[-1.0] * 15] * 4, auto.probe)
     assert "unable" in found
     for _ in range(2):  # a WARNING the first time, counted every refit
         assert auto.record({0: found}, {}, 0.0, [0, 1])["refit/serving_unchecked"] == 1
@@ -137,7 +202,7 @@ def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it(capl
     assert auto.due([0, 1]) == {0: False, 1: True}  # not asked again; a new replica is
     on = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
     with pytest.raises(ServingMismatchError, match="engine replica 0 cannot score the serving probe"):
-        on.verdict(0, 1, cannot, [[-1.0] * 15] * 4)
+        on.verdict(0, 1, cannot, [[-1.0] * 15] * 4, on.probe)
     for value, words in [(0, "positive int"), ("sometimes", "not one of"), (-1, "positive int")]:
         with pytest.raises(ValueError, match=words):
             RefitConfig(enabled=True, verify_serving=value)
