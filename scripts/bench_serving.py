@@ -15,6 +15,11 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   refit at version 3 (:func:`megatron_refit.testing.faults.break_post_load`): the check names
   replica 1 at version 3 and no other, and the next refit serves right again.
 
+- ``moe``: the same check on a MoE model as users train one: Qwen3-MoE with 64 experts top-8,
+  bf16, train TP2 with sequence parallelism x EP2, RL learning rate 1e-6: the check's cost, its
+  clean max |Δ| over the refits, and ``experts_covered`` of ``experts_total`` (the (layer,
+  expert) pairs the probe routes to under the trainer's router, after its extension).
+
 ``--larger``: about 5M parameters (``bench_overlap.py``'s model) instead of the tests' one.
 ``--json``: the last line is one JSON object.
 """
@@ -69,6 +74,23 @@ def caught(shape: dict) -> dict:
                 failed_by_version=failed)
 
 
+MOE = dict(experts=64, num_experts_per_tok=8, vocab=4096)
+
+
+def moe(refits: int, warmup: int) -> dict:
+    spec = RunSpec(model="qwen3-moe", overrides=MOE, train=TrainLayout(tp=2, ep=2, sequence_parallel=True),
+                   gen=GenLayout(tp=1, dp=2), refits=refits, bucket_bytes=4 << 20, collect=False,
+                   verify_serving="on", dtype="bfloat16", lr=1e-6)
+    summaries = [r["serving"] | {"total_s": r["refit_s"]} for r in evaluate(spec, run(spec))["refits"]]
+    kept = summaries[warmup:]
+    check = statistics.median(s["s"] for s in kept)
+    refit = statistics.median(s["total_s"] for s in kept)
+    return dict(model="qwen3-moe 64 experts top-8, bf16, lr 1e-6", refit_s=refit, serving_check_s=check,
+                check_over_refit=check / refit, first_check_s=summaries[0]["s"],
+                max_dlogprob=max(s["max_dlogprob"] for s in summaries),
+                experts_covered=summaries[-1]["experts_covered"], experts_total=summaries[-1]["experts_total"])
+
+
 @reports_user_errors
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +109,12 @@ def main(argv=None) -> dict:
     result |= caught(shape)
     print(f"caught_broken {result['caught_broken']} (replica 1 at version {BROKEN_AT}: "
           f"|dlogprob| {result['broken_dlogprob']:.3g})", flush=True)
+    result["moe"] = moe(max(args.warmup + 3, 5), min(args.warmup, 2))
+    m = result["moe"]
+    print(f"moe (64 experts top-8, bf16): refit {m['refit_s'] * 1e3:.1f} ms, serving check "
+          f"{m['serving_check_s'] * 1e3:.1f} ms (x{m['check_over_refit']:.2f}; the first, with the probe's "
+          f"extension, {m['first_check_s'] * 1e3:.1f} ms), max |dlogprob| {m['max_dlogprob']:.2e}, experts covered "
+          f"{m['experts_covered']} of {m['experts_total']}", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)
     if args.json:

@@ -120,7 +120,8 @@ def _rank(rank, world, port, model_name, gen_tp, vllm_port, workdir):
     from megatron_refit.transport import ProcessGroupTransport
 
     num_train = 2
-    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=120)
+    # the train ranks' prepare waits for the gen ranks to build vLLM's model (gen TP2: ~100 s on 2 busy cores)
+    group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=300)
     versions = {1: 11, 2: 22}
     if rank < num_train:
         out = []
