@@ -40,6 +40,8 @@ class Receiver(Endpoint):
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.storage = storage
+        self._landed = None
+        """The digests of the last refit that landed (:meth:`stale_live` reads the engine against them)."""
         self.gen_index = group.rank - num_train
         self.state = "stale"
         self.weights_version: int | None = None
@@ -147,9 +149,19 @@ class Receiver(Endpoint):
                     pass
                 raise
         self.version = version
+        self._landed = digests
         report.seconds["total"] = time.perf_counter() - start
         self._summarize(report)
         return report
+
+    def stale_live(self) -> list[str]:
+        """The parameters of the last refit that the engine no longer holds as they arrived, read
+        back from its storage and digested again (:meth:`~megatron_refit.endpoint.stages.ReceiveDigests.stale_in`):
+        a tensor its post-load step left stale or changed. Only for a storage whose ``buffer()`` is
+        the weights it serves after ``finalize()`` (``live_buffers``: the HF engine's); [] elsewhere."""
+        if self._landed is None or not getattr(self.storage, "live_buffers", False):
+            return []
+        return self._landed.stale_in(self.storage.buffer)
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_refit.endpoint.bytes import repack_bucket
 from megatron_refit.endpoint.integrity import chunk_sums
 from megatron_refit.errors import RefitCorruptionError, RefitTransportError
 
@@ -171,6 +172,28 @@ class ReceiveDigests:
             self.received[src] = self.received.get(src, [])[:count]
             self.left[src] = self.counts[src] - count
             self.computed.pop(src, None)
+
+    def stale_in(self, get_dst: Callable[[str], torch.Tensor]) -> list[str]:
+        """After :meth:`compare` passed and the engine's post-load step ran: the parameters of
+        every bucket (all of them: digests are per bucket) whose bytes, read back from the
+        engine's storage now (``get_dst``: where the refit wrote each parameter;
+        :func:`~megatron_refit.endpoint.bytes.repack_bucket`), no longer give the senders'
+        digest (a tensor left stale or changed after the load). Reads what ``verify`` reads; one
+        bucket of scratch memory; [] under ``verify: off``."""
+        if self.verify == "off" or not self.received:
+            return []
+        changed = []
+        size = max(b.nbytes for entries in self.received.values() for b, _ in entries)
+        scratch = None
+        for src, entries in self.received.items():
+            sums = []
+            for bucket, _ in entries:
+                if scratch is None:
+                    scratch = torch.empty(size, dtype=torch.uint8, device=get_dst(bucket.items[0].transfer.name).device)
+                sums.append(chunk_sums(repack_bucket(bucket, get_dst, scratch), self.verify))
+            live = self.digesters[src](sums, self.version).cpu()
+            changed += [entries[i][0] for i in (live != self.sent[src].buffer.cpu()).nonzero().flatten().tolist()]
+        return sorted({item.transfer.name for bucket in changed for item in bucket.items})
 
     def compare(self) -> None:
         """``RefitCorruptionError`` naming the parameters of every bucket whose digest differs."""

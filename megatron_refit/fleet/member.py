@@ -174,7 +174,8 @@ class EngineMember(_Member):
         report = self._last.receive(version)
         self._advance(report.version)
         if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
-            exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None)
+            exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None,
+                             stale=self._last.stale_live)
             failed = verdict_in_band(self.group, self.num_train)
             if failed is not None:
                 self._hold(failed)

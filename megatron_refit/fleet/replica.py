@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise
+from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
 
 
@@ -93,7 +93,7 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
         if probe is not None and probing.in_band:  # the verdict is told to the engine ranks in band
             def judge(answer):
                 return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference,
-                                            probe)
+                                            probe, stale_of(answer))
 
             out.report, verdict, answer_s = member.refit_and_probe(version, full=full, probe=probe,
                                                                    judge=judge if rank == 0 else None)

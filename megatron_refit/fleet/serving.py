@@ -161,10 +161,13 @@ class ServingCheck:
         self.experts = experts
         return self.probe, reference, time.perf_counter() - t0
 
-    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference, probe: Probe) -> dict:
+    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference, probe: Probe,
+                stale: list[str] = ()) -> dict:
         """Train rank 0: replica ``replica``'s score of ``probe`` (``score()``: its log-probs, or
         raises :class:`ServingUnavailableError`) against ``reference``. Returns what :meth:`record`
-        takes; raises :class:`~megatron_refit.errors.ServingMismatchError` where it differs."""
+        takes; raises :class:`~megatron_refit.errors.ServingMismatchError` where it differs, or
+        where its engine reads back ``stale`` parameters: weights that no longer hold the bytes
+        they received (below any log-prob tolerance: one bf16 step of an RL update)."""
         t0 = time.perf_counter()
         try:
             served = score()
@@ -185,6 +188,16 @@ class ServingCheck:
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
+        if stale:
+            exc = ServingMismatchError(
+                f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, read "
+                f"back after its post-load step, no longer hold the bytes it received in the buckets of "
+                f"{len(stale)} parameter(s) {list(stale)[:8]}{' ...' if len(stale) > 8 else ''} (a tensor left "
+                f"stale or changed after the load; its log-probs are within {worst:.3g} of the trainer's). It has "
+                f"not landed version {version}; its next refit is a full one",
+                replica=replica, version=version, max_dlogprob=worst, first=None)
+            exc.seconds = seconds
+            raise exc
         return dict(max_dlogprob=worst, seconds=seconds)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
@@ -221,11 +234,13 @@ class ServingCheck:
 
 
 def exchange_in_band(group, num_train: int, *, probe: Probe | None = None,
-                     score: Callable[[tuple], Any] | None = None) -> Any:
+                     score: Callable[[tuple], Any] | None = None, stale: Callable[[], list[str]] | None = None) -> Any:
     """A replica group scores the probe in band, after a refit it applied (collective over the
     group: every train rank passes nothing, train rank 0 the ``probe``; every engine rank its
-    ``score``, or None where its storage cannot score). Returns, on every rank, what the engine's
-    first rank answered: its log-probs, ``{"unable": why}`` or ``{"error": why}``."""
+    ``score``, or None where its storage cannot score, and its ``stale``: the parameters it no
+    longer holds as they arrived, ``Receiver.stale_live``). Returns, on every rank, what the
+    engine's first rank answered: its log-probs, ``{"unable": why}`` or ``{"error": why}``; where
+    an engine rank holds a stale parameter, ``{"served": that answer, "stale": [names]}``."""
     sent = group.all_gather_object(list(map(list, probe.sequences)) if probe is not None else None, "probe")
     sequences = tuple(tuple(s) for s in sent[0])
     answer = None
@@ -237,7 +252,13 @@ def exchange_in_band(group, num_train: int, *, probe: Probe | None = None,
                 answer = score(sequences)
             except Exception as exc:  # noqa: BLE001 -- the train ranks learn why this replica could not score
                 answer = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    return group.all_gather_object(answer, "served")[num_train]
+        try:
+            answer = (answer, stale() if stale is not None else [])
+        except Exception as exc:  # noqa: BLE001 -- reading its weights back failed: it cannot vouch for them
+            answer = ({"error": f"reading its weights back: {type(exc).__name__}: {exc}"[:500]}, [])
+    rows = group.all_gather_object(answer, "served")
+    names = sorted({name for row in rows[num_train:] for name in row[1]})
+    return {"served": rows[num_train][0], "stale": names} if names else rows[num_train][0]
 
 
 def verdict_in_band(group, num_train: int, *, failed: str | None = None) -> str | None:
@@ -248,9 +269,16 @@ def verdict_in_band(group, num_train: int, *, failed: str | None = None) -> str 
     return group.all_gather_object(failed if group.rank == 0 else None, "verdict")[0]
 
 
+def stale_of(answer: Any) -> list[str]:
+    """The parameters an in-band answer (:func:`exchange_in_band`) names stale: [] for most."""
+    return answer["stale"] if isinstance(answer, dict) and "stale" in answer else []
+
+
 def served_or_raise(answer: Any) -> Any:
     """An in-band answer (:func:`exchange_in_band`) as :meth:`ServingCheck.verdict`'s ``score()``
     gives it: the log-probs, or :class:`ServingUnavailableError`; an engine error raises as itself."""
+    if isinstance(answer, dict) and "stale" in answer:
+        answer = answer["served"]
     if isinstance(answer, dict) and "unable" in answer:
         raise ServingUnavailableError(f"its engine answered: {answer['unable']}")
     if isinstance(answer, dict) and "error" in answer:

@@ -3,6 +3,8 @@ a slow train rank, a slow link, a background refit held until the next training 
 
 from __future__ import annotations
 
+import re
+
 import threading
 import time
 
@@ -82,11 +84,12 @@ class HoldRefits:
             self.cond.notify_all()
 
 
-BREAKS = ("permute_experts", "unload_layer", "stale_scale")
+BREAKS = ("permute_experts", "unload_layer", "stale_scale", "stale_tensor")
 """Ways :func:`break_post_load` breaks an engine's post-load step (the serving check must catch
 each): the first MoE layer's experts 0 and 1 swapped after the load; the first decoder layer left
 as it was before the refit (not loaded); one FP8 weight dequantized with the last refit's
-``weight_scale_inv`` (stale)."""
+``weight_scale_inv`` (stale); one weight (the first layer's MLP down projection, of expert 0 in a
+MoE layer) put back as it was before the refit after the load (one version stale)."""
 
 
 def break_post_load(storage, how: str, armed: list[bool]) -> None:
@@ -100,9 +103,12 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
     before: dict = {}
     scales: dict = {}
 
-    def snapshot(state, version):  # before the refit writes: the layer as it is (unloaded)
+    def snapshot(state, version):  # before the refit writes: the layer (or one weight) as it is
         if state == "updating" and armed[0] and how == "unload_layer":
             before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
+        if state == "updating" and armed[0] and how == "stale_tensor":
+            name = next(n for n in sorted(storage._views) if re.search(r"layers\.0\.mlp\.(experts\.0\.)?down_proj", n))
+            before[name] = storage._views[name].detach().clone()
         set_state(state, version)
 
     def broken():
@@ -120,5 +126,8 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         elif how == "unload_layer":
             for name, old in before.items():
                 params[name].data.copy_(old)
+        elif how == "stale_tensor":
+            for name, old in before.items():
+                storage._views[name].data.copy_(old)
 
     storage.set_state, storage.finalize = snapshot, broken

@@ -322,3 +322,25 @@ def test_reference_forward_refuses_a_standalone_mtp_stage_by_name():
     with pytest.raises(ValueError, match=r"verify_serving: pipeline_model_parallel_layout puts the MTP layers on a "
                                          r"stage before the loss's \(a standalone MTP stage\)"):
         MegatronForward([Chunk(True)], SimpleNamespace(vocab_size=10)).prepare(fp8=False)
+
+
+@pytest.mark.slow
+def test_verify_serving_reads_the_hf_engines_weights_back_and_catches_one_left_a_version_stale():
+    """bf16 at an RL learning rate (1e-6): replica 1's post-load step puts one weight back as it
+    was before refit 2. It differs from the sent one by a bf16 step in a few elements, far
+    below any log-prob tolerance; the HF engine's weights read back against the refit's digests
+    name it, on that replica alone, and the next (full) refit serves again."""
+    spec = RunSpec(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=3,
+                   bucket_bytes=64 << 10, dtype="bfloat16", lr=1e-6, verify_serving="on",
+                   breaks=((BROKEN, 2, "stale_tensor"),))
+    refits = evaluate(spec, run(spec))["refits"]
+    assert [r["bit_exact"] for r in refits] == [True, False, True]  # the stale weight is real
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[], [BROKEN], []]
+    why = refits[1]["failed_replicas"][BROKEN]
+    assert why.startswith(f"ServingMismatchError: refit 2: engine replica {BROKEN} does not serve the trainer's "
+                          "model: its weights, read back after its post-load step, no longer hold the bytes"), why
+    assert "model.layers.0.mlp.down_proj.weight" in why  # with the others of its buckets
+    assert refits[1]["serving"][f"max_dlogprob/replica_{BROKEN}"] < default_tolerance("bfloat16")  # log-probs: unseen
+    held = refits[1]["serves"][BROKEN]
+    assert isinstance(held, str) and "failed their serving check" in held and refits[1]["serves"][0] is True
+    assert refits[2]["serves"] == {0: True, BROKEN: True}

@@ -33,6 +33,7 @@ class StagedHFStorage(HFStorage):
 
     def __init__(self, model: torch.nn.Module, *, fp8: bool = False, budget_bytes: int | None = None):
         super().__init__(model, fp8=fp8)
+        self.live_buffers = False  # a refit writes the shadow, swapped in after
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"staged swap budget must be a non-negative number of bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes

@@ -41,6 +41,10 @@ class HFStorage(WeightsState):
             if any(key in name.split(".") for key in keep_fp32):
                 buf.data = buf.data.float()
         self._views = self._live_views()
+        self.live_buffers = not fp8
+        """Where a refit writes (:meth:`buffer`) is what the engine serves after :meth:`finalize`
+        (not under FP8: the received FP8 data is dequantized into it), so the refit's digests can
+        be checked against the live weights (``Receiver.stale_live``)."""
         self.rebinds = 0
         """Targets re-resolved because the model re-allocated their storage (see :meth:`refresh_targets`)."""
         self._staged: dict[str, torch.Tensor] = {}
