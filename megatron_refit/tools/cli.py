@@ -9,6 +9,7 @@ traceback: it is a bug, not a bad input.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 
@@ -16,6 +17,14 @@ from megatron_refit.testing.launch import SpawnError
 
 USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
 """Errors a rank raises on a bad layout or model (the message names the bad value)."""
+
+
+def plain(doc: str) -> str:
+    """A module docstring as ``--help`` text: reST roles and literals as plain words
+    (```x``` -> ``x``; ``:mod:`a.b``` -> ``a.b``; ``:func:`~a.b.c``` -> ``c``)."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1] if m.group(0).find("~") > 0
+                 else m.group(1), doc)
+    return doc.replace("``", "")
 
 
 def user_error(message: str) -> int:

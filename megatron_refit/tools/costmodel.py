@@ -15,6 +15,7 @@ from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import (GB, Cluster, delta_fraction, delta_prediction, fanout_prediction,
                                       overlap_stall, placement, predict, swap_pause)
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
+from megatron_refit.tools.cli import plain
 from megatron_refit.tools.dryrun import build
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
@@ -65,7 +66,7 @@ def fanout_summary(routes, prediction, pairs: dict[tuple[int, int], int], gen_by
 
 def main(argv=None) -> int:
     defaults = Cluster()
-    p = argparse.ArgumentParser(prog="python -m megatron_refit.costmodel", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.costmodel", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training YAML with a refit: section")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")

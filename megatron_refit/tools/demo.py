@@ -18,7 +18,7 @@ from dataclasses import replace
 from megatron_refit.families import FAMILIES, PRESETS
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.tools.cli import USER_ERRORS
+from megatron_refit.tools.cli import USER_ERRORS, plain
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, hf_config_for, run
 from megatron_refit.testing.launch import SpawnError
@@ -42,7 +42,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=__doc__.replace("``", "'"),
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.demo", description=plain(__doc__),
                                 formatter_class=_HelpFormatter)
     p.add_argument("--model", default="qwen3", choices=MODELS,
                    help="tiny preset (one per model family)")

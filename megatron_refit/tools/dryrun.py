@@ -46,6 +46,7 @@ from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.plan.refit_plan import build_local_plan, disagreeing
+from megatron_refit.tools.cli import plain
 from megatron_refit.tools.enumeration_cache import cache_key, ensure_cache
 from megatron_refit import wire
 
@@ -303,7 +304,7 @@ def summary_lines(run: DryRun) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_refit.dryrun", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.dryrun", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training YAML with a refit: section")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
