@@ -75,8 +75,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    linked, saved = link(argv[0], argv[1:])
-    print(f"link_venvs: {argv[0]}: {linked} files shared with {', '.join(argv[1:]) or 'no other venv'}"
+    others = [o for o in argv[1:] if os.path.isdir(o) and not os.path.samefile(o, argv[0])]
+    linked, saved = link(argv[0], others)
+    print(f"link_venvs: {argv[0]}: {linked} files shared with {', '.join(others) or 'no other venv'}"
           f" ({saved / 2**30:.1f} GiB)")
     return 0
 

@@ -155,18 +155,35 @@ def _from_trainers(refit: dict, spec: RunSpec) -> int:
     return refit["bytes_minimal"] // spec.gen.dp
 
 
+def plan_line(summary: dict, replicas: int) -> str:
+    """The plan's figures as a sentence (``RefitPlan.summary()`` of train rank 0's plan: one
+    replica's group, the train ranks and that replica's gen ranks)."""
+    s = summary
+    each = s["bytes_sent"]
+    total = f" ({each * replicas:,} to all {replicas})" if replicas > 1 else ""
+    return (f"plan, built once per replica group ({s['num_train_ranks']} train + {s['num_gen_ranks']} gen ranks): "
+            f"{s['num_transfers']} transfers, {each:,} bytes to each replica{total}, "
+            f"{s['min_bytes_from_one_train_rank']:,}-{s['max_bytes_from_one_train_rank']:,} bytes from each train "
+            f"rank; train rank 0 sends {s['num_buckets']} bucket(s) of at most {s['max_bucket_bytes']:,} bytes")
+
+
 def format_table(result: dict) -> str:
     t, g = result["train"], result["gen"]
     deltas = result.get("delta", "off") != "off"
     fanout = result.get("fanout", "off") != "off"
+    offload = bool(result.get("offload"))
+    failures = any(r.get("failed_replicas") for r in result["refits"])
     lines = [
         f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
         f"train TP{t['tp']}xPP{t['pp']}xEP{t['ep']}xDP{t['dp']}"
-        f" -> gen TP{g['tp']}xDP{g['dp']}; plan: {result['summary']}",
+        f" -> gen TP{g['tp']}xDP{g['dp']}",
+        plan_line(result["summary"], g["dp"]),
         f"{'ver':>3} {'bit-exact':>9} {'max|dlogit|':>11} {'served':>8} {'bytes sent':>11} {'minimal':>11} "
         f"{'total s':>8} {'pack s':>8} {'xfer s':>8} {'load s':>8} {'check s':>8} {'GB/s':>6}"
         + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else "")
-        + (f" {'relayed':>11}" if fanout else ""),
+        + (f" {'relayed':>11}" if fanout else "")
+        + (f" {'onload s':>8} {'offload s':>9}" if offload else "")
+        + (f" {'failed':>8}" if failures else ""),
     ]
     for r in result["refits"]:
         s = r["seconds"]
@@ -182,11 +199,17 @@ def format_table(result: dict) -> str:
             + (f" {r['bytes_full']:>11,} {r['bytes_sent'] / r['bytes_full']:>9.3f} {r['density']:>8.4f}"
                if deltas else "")
             + (f" {r['bytes_relayed']:>11,}" if fanout else "")
+            + (f" {s['onload']:>8.4f} {s['offload']:>9.4f}" if offload else "")
+            + (f" {','.join(map(str, sorted(r['failed_replicas']))) or '-':>8}" if failures else "")
         )
     for r in result["refits"]:
         for replica, why in r.get("failed_replicas", {}).items():
             lines.append(f"refit {r['version']}: engine replica {replica} lost it ({why}); the other "
                          f"{r['replicas_ok']} replica(s) hold it, bit-exact: {r['bit_exact']}")
+    if not any(r.get("serving", {}).get("checked") for r in result["refits"]) and result["gen"]["tp"] > 1:
+        lines.append(f"served / check s / max|dlogit|: n/a at gen TP{result['gen']['tp']}: the demo's gen TP > 1 "
+                     "receiver holds vLLM's layout and has no forward of its own (the running vLLM server's tests "
+                     "check serving there: docs/guide-serving.md)")
     if "bytes_ratio_vs_bf16" in result:
         lines.append(f"FP8 bytes / bf16 bytes (same model and layout, measured): {result['refits'][-1]['bytes_sent']:,}"
                      f" / {result['bf16_bytes_sent']:,} = {result['bytes_ratio_vs_bf16']:.4f}")
@@ -206,7 +229,7 @@ def main(argv=None) -> int:
         return 2
     quiet = not args.verbose
     try:
-        result = evaluate(spec, run(spec, quiet=quiet))
+        result = evaluate(spec, run(spec, quiet=quiet)) | {"offload": spec.offload}
         if spec.fp8:
             # the same model and layout refit in bf16, for the byte ratio
             bf16 = replace(spec, fp8="", dtype="bfloat16", refits=1, collect=False)

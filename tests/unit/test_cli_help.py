@@ -38,3 +38,15 @@ def test_outside_the_venv_a_command_says_in_one_line_what_to_run():
     assert out.stderr.strip().count("\n") == 0, out.stderr  # one line, no traceback
     assert "megatron_refit's commands need torch and omegaconf" in out.stderr
     assert "source .venv/bin/activate" in out.stderr
+
+
+def test_the_demos_plan_line_is_a_sentence_that_agrees_with_its_table():
+    from megatron_refit.tools.demo import plan_line
+
+    summary = {"local": "train rank 0", "num_train_ranks": 2, "num_gen_ranks": 1, "num_transfers": 41,
+               "num_buckets": 1, "num_unused_train_params": 0, "num_skipped_params": 0, "bytes_sent": 375296,
+               "bytes_minimal": 375296, "max_bytes_from_one_train_rank": 187776,
+               "min_bytes_from_one_train_rank": 187520, "max_bucket_bytes": 187776}
+    line = plan_line(summary, replicas=2)
+    assert "{" not in line and "375,296 bytes to each replica (750,592 to all 2)" in line  # the table's 750,592
+    assert "(2 train + 1 gen ranks)" in line and "to all" not in plan_line(summary, replicas=1)
