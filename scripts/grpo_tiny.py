@@ -220,10 +220,12 @@ def main(argv=None) -> int:
     train, gen = out[0], out[-1]
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'call s':>8} {'refit s':>8} {'bytes':>10} {'max|dlogp|':>10}")
     for t, gm in zip(train, gen):
-        print(f"{t['step']:>4} {t['reward']:7.3f} {t['loss']:9.4f} {max(t['refit_s'], gm['refit_s']):8.3f} "
+        print(f"{t['step']:>4} {t['reward']:7.3f} {t['loss']:9.1e} {max(t['refit_s'], gm['refit_s']):8.3f} "
               f"{max(t['report_s'], gm['report_s']):8.3f} {sum(o[t['step'] - 1]['bytes'] for o in out[:-1]):>10,} "
               f"{t['max_logprob_diff']:10.2e}")
     print("call s: the refit / receive call, waiting for the other side included; refit s: the refit itself")
+    print("loss: the clipped policy-gradient loss of the step; on policy (one step per batch: ratio 1) it is minus the "
+          "mean of group-normalised advantages, 0 up to rounding by construction, while its gradient is not")
     diffs = [m["max_logprob_diff"] for m in train]
     result = dict(
         steps=len(train),
