@@ -28,7 +28,8 @@ class RoutedExperts:
         self.num_layers = getattr(config, "num_layers", 0)
         self.num_experts = getattr(config, "num_moe_experts", None) or 0
         self.routers = [m for chunk in model for name, m in chunk.named_modules()
-                        if isinstance(m, TopKRouter) and not getattr(m, "is_mtp_layer", False) and ".mtp." not in name]
+                        if isinstance(m, TopKRouter) and not getattr(m, "is_mtp_layer", False)
+                        and not (name.startswith("mtp.") or ".mtp." in name)]
         self.maps: list[tuple[int, torch.Tensor]] = []
         self.device = next(model[0].parameters()).device
         """Where the reductions run (the model's device: CUDA under NCCL)."""
