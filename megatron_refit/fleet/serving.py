@@ -185,19 +185,17 @@ class ServingCheck:
         try:
             worst = compare(served, reference, probe, tolerance=self.tolerance, floor=self.floor,
                             replica=replica, version=version)
+            if stale:
+                raise ServingMismatchError(
+                    f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
+                    f"read back after its post-load step, no longer hold the bytes it received in the buckets of "
+                    f"{len(stale)} parameter(s) {list(stale)[:8]}{' ...' if len(stale) > 8 else ''} (a tensor left "
+                    f"stale or changed after the load; its log-probs are within {worst:.3g} of the trainer's). It "
+                    f"has not landed version {version}; its next refit is a full one",
+                    replica=replica, version=version, max_dlogprob=worst, first=None)
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
-        if stale:
-            exc = ServingMismatchError(
-                f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, read "
-                f"back after its post-load step, no longer hold the bytes it received in the buckets of "
-                f"{len(stale)} parameter(s) {list(stale)[:8]}{' ...' if len(stale) > 8 else ''} (a tensor left "
-                f"stale or changed after the load; its log-probs are within {worst:.3g} of the trainer's). It has "
-                f"not landed version {version}; its next refit is a full one",
-                replica=replica, version=version, max_dlogprob=worst, first=None)
-            exc.seconds = seconds
-            raise exc
         return dict(max_dlogprob=worst, seconds=seconds)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,

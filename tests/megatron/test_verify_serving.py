@@ -11,7 +11,7 @@ import math
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError
+from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
@@ -178,6 +178,21 @@ def test_verify_serving_probe_is_extended_until_every_expert_is_routed_and_kept_
     off = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=0)),
                        _Routed(pool=((10, 3),)), rank=0)
     assert off.take_reference()[0] == off.base and off.forward.covers == []  # cover_tokens 0: never extended
+
+
+def test_verify_serving_a_stale_read_back_fails_a_replica_whose_log_probs_agree():
+    """An in-band answer that names stale parameters (the HF engine's read-back) fails the replica
+    even where its log-probs are within the tolerance; without them the same answer passes."""
+    check = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
+    probe, reference, _ = check.take_reference()
+    answer = {"served": reference, "stale": ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]}
+    assert served_or_raise(answer) == reference and stale_of(answer) == answer["stale"] and stale_of(reference) == []
+    assert check.verdict(0, 3, lambda: served_or_raise(reference), reference, probe)["max_dlogprob"] == 0.0
+    with pytest.raises(ServingMismatchError, match=r"refit 3: engine replica 0 does not serve the trainer's model: "
+                       r"its weights, read back after its post-load step, no longer hold the bytes it received in "
+                       r"the buckets of 2 parameter\(s\) \['model.layers.0.mlp.down_proj.weight'") as caught:
+        check.verdict(0, 3, lambda: served_or_raise(answer), reference, probe, stale_of(answer))
+    assert caught.value.max_dlogprob == 0.0 and caught.value.replica == 0
 
 
 def test_verify_serving_auto_skips_what_cannot_be_checked_and_on_refuses_it(caplog):
