@@ -320,7 +320,8 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
                 raise
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue
-        item = dict(report=report.as_dict(), serves=_serves(backend, cfg))
+        item = dict(report=report.as_dict(), serves=_serves(backend, cfg),
+                    pause_s=getattr(backend, "last_pause_s", None))  # a staged swap's hold of the engine
         if spec.collect:
             weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
             item["weights"] = {name: t.cpu() for name, t in weights.items()}

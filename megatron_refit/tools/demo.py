@@ -172,6 +172,7 @@ def format_table(result: dict) -> str:
     deltas = result.get("delta", "off") != "off"
     fanout = result.get("fanout", "off") != "off"
     offload = bool(result.get("offload"))
+    staged = any(r.get("pause_s") is not None for r in result["refits"])
     failures = any(r.get("failed_replicas") for r in result["refits"])
     lines = [
         f"model {result['model']} ({result['dtype']}{', FP8 ' + result['fp8'] if result.get('fp8') else ''}), "
@@ -183,6 +184,7 @@ def format_table(result: dict) -> str:
         + (f" {'full bytes':>11} {'sent/full':>9} {'density':>8}" if deltas else "")
         + (f" {'relayed':>11}" if fanout else "")
         + (f" {'onload s':>8} {'offload s':>9}" if offload else "")
+        + (f" {'pause s':>8}" if staged else "")
         + (f" {'failed':>8}" if failures else ""),
     ]
     for r in result["refits"]:
@@ -200,6 +202,7 @@ def format_table(result: dict) -> str:
                if deltas else "")
             + (f" {r['bytes_relayed']:>11,}" if fanout else "")
             + (f" {s['onload']:>8.4f} {s['offload']:>9.4f}" if offload else "")
+            + (f" {r['pause_s']:>8.4f}" if staged else "")
             + (f" {','.join(map(str, sorted(r['failed_replicas']))) or '-':>8}" if failures else "")
         )
     for r in result["refits"]:
