@@ -111,6 +111,8 @@ class ServingCheck:
             self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
             self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
         self._said_uncovered = False
+        self._reached = math.inf
+        """The experts the last search's probe routed (searched again only below it)."""
         self.refits = 0
         self.verified: set[int] = set()
         """Replicas that passed a check since they joined or last failed."""
@@ -140,18 +142,21 @@ class ServingCheck:
     def take_reference(self) -> tuple[Probe, list[list[float]], float]:
         """The probe, the trainer's log-probs on it now (collective over the train ranks) and the
         seconds they took. Of a MoE model, the probe routes every expert under the router as it is
-        now where ``cover_tokens`` allows: the last probe is kept while it does, and extended from
-        ``refit.serving_probe``'s own sequences (:meth:`TrainerForward.cover`) when it no longer
-        does (the router trained); a probe that cannot cover them all is a WARNING, once."""
+        now where ``cover_tokens`` allows: the last probe is kept while it routes as many as the
+        last search reached, and extended again from ``refit.serving_probe``'s own sequences
+        (:meth:`TrainerForward.cover`) when it routes fewer (the router trained); a probe that
+        cannot cover them all is a WARNING, once (an expert no token reaches is not searched for
+        again at every check)."""
         t0 = time.perf_counter()
         reference = self.forward(self.probe.sequences)
         experts = getattr(self.forward, "experts", None) or (0, 0)
-        if experts[0] < experts[1] and self.cover_tokens and hasattr(self.forward, "cover"):
+        if experts[0] < min(experts[1], self._reached) and self.cover_tokens and hasattr(self.forward, "cover"):
             sequences = self.forward.cover(self.base.sequences, budget=self.cover_tokens, seed=self.seed)
             if sequences != self.probe.sequences:
                 self.probe = Probe(tuple(sequences))
                 reference = self.forward(self.probe.sequences)
                 experts = self.forward.experts
+            self._reached = experts[0]
             if experts[0] < experts[1] and self.rank == 0 and not self._said_uncovered:
                 logger.warning("refit.verify_serving: the serving probe routes %d of the %d experts (layer, expert) "
                                "under the trainer's router (refit.serving_probe.cover_tokens=%d tokens more at most); "

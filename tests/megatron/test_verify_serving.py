@@ -140,10 +140,10 @@ class _Routed(_Forward):
 
     def __init__(self, pool):
         super().__init__()
-        self.pool, self.covers, self.experts = pool, [], None
+        self.pool, self.covers, self.experts, self.dead = pool, [], None, set()
 
-    def __call__(self, sequences):
-        routed = {e for s in sequences for e in (s[0] % 12, (s[0] + 1) % 12)}
+    def __call__(self, sequences):  # ``dead``: experts the router (trained on) no longer sends a token to
+        routed = {e for s in sequences for e in (s[0] % 12, (s[0] + 1) % 12)} - self.dead
         self.experts = (len(routed), 12)
         return super().__call__(sequences)
 
@@ -168,11 +168,16 @@ def test_verify_serving_probe_is_extended_until_every_expert_is_routed_and_kept_
     assert check.verdict(0, 1, lambda: reference, reference, probe)["max_dlogprob"] == 0.0
     assert check.take_reference()[0] == probe and len(forward.covers) == 1  # still covers: kept, no search
     assert not caplog.records
+    forward.dead = {3}  # the router moved on: the probe routes fewer than the last search reached
+    assert check.take_reference()[0] == probe and len(forward.covers) == 2 and check.experts == (11, 12)
+    assert check.take_reference()[0] == probe and len(forward.covers) == 2  # 11 is what a search reaches now
+    assert ["routes 11 of the 12" in r.getMessage() for r in caplog.records] == [True]
+    caplog.clear()
     short = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=1)),
                          _Routed(pool=((10, 3),)), rank=0)
     for _ in range(2):
         assert short.take_reference()[0].sequences == tuple(map(tuple, spec["tokens"]))  # nothing fits
-    assert short.experts == (10, 12)
+    assert short.experts == (10, 12) and len(short.forward.covers) == 1  # not searched again at 10 of 12
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "the serving probe routes 10 of the 12 experts" in said[0] and "cover_tokens=1" in said[0]
     off = ServingCheck(RefitConfig(enabled=True, verify_serving="on", serving_probe=dict(spec, cover_tokens=0)),
