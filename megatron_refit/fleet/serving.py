@@ -25,20 +25,21 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
-from megatron_refit.plan.probe import DEFAULT_COVER_TOKENS, Probe, compare, default_tolerance, make_probe
+from megatron_refit.plan.probe import (DEFAULT_COVER_TOKENS, Probe, compare, default_tolerance, make_probe,
+                                      mean_difference)
 
 logger = logging.getLogger(__name__)
 
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
-                "refit/serving_s", "refit/serving_reference_s", "refit/serving_experts_covered",
-                "refit/serving_experts_total")
+                "refit/serving_mean_dlogprob", "refit/serving_s", "refit/serving_reference_s",
+                "refit/serving_experts_covered", "refit/serving_experts_total")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
-log-prob|, the check's seconds (the trainer's reference plus the slowest replica's answer) and
-the reference's alone, and of a MoE model the (layer, expert) pairs the probe routes to under
-the trainer's router at the last reference, of all of them (0 of 0: a dense model, or no
-reference yet); each replica's difference also under ``refit/serving_max_dlogprob/replica_<r>``
-when it was checked."""
+log-prob| and the largest of their mean |Δ| over the probe's tokens, the check's seconds (the
+trainer's reference plus the slowest replica's answer) and the reference's alone, and of a MoE
+model the (layer, expert) pairs the probe routes to under the trainer's router at the last
+reference, of all of them (0 of 0: a dense model, or no reference yet); each replica's
+difference also under ``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
 
 
 @runtime_checkable
@@ -201,7 +202,7 @@ class ServingCheck:
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
-        return dict(max_dlogprob=worst, seconds=seconds)
+        return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
                replicas: list[int] = ()) -> dict:
@@ -224,6 +225,8 @@ class ServingCheck:
         unchecked = len(replicas) if self.unchecked is not None else len(set(replicas) & self.unable)
         metrics = {"refit/serving_checked": len(checked), "refit/serving_unchecked": unchecked,
                    "refit/serving_max_dlogprob": max(checked.values(), default=0.0),
+                   "refit/serving_mean_dlogprob": max((v.get("mean_dlogprob", 0.0) for v in found.values()
+                                                       if "max_dlogprob" in v), default=0.0),
                    "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
                    "refit/serving_reference_s": reference_s, "refit/serving_experts_covered": self.experts[0],
                    "refit/serving_experts_total": self.experts[1]}

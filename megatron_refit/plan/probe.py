@@ -184,5 +184,13 @@ def compare(served: Any, reference: list[list[float]], probe: Probe, *, toleranc
         replica=replica, version=version, max_dlogprob=worst, first=first)
 
 
+def mean_difference(served: list[list[float]], reference: list[list[float]]) -> float:
+    """The mean |Δ log-prob| over every scored token (after :func:`compare` passed: both finite
+    and of the probe's shape): reported beside the largest, not judged."""
+    diffs = [abs(float(g) - float(w)) for got, want in zip(served, reference, strict=True)
+             for g, w in zip(got, want, strict=True)]
+    return sum(diffs) / len(diffs) if diffs else 0.0
+
+
 def _value(x: Any) -> str:
     return f"{float(x):.6g}" if isinstance(x, (int, float)) else repr(x)

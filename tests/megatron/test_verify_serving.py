@@ -15,7 +15,8 @@ from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, 
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.plan.probe import Probe, compare, default_tolerance, greedy_cover, make_probe, sweep
+from megatron_refit.plan.probe import (Probe, compare, default_tolerance, greedy_cover, make_probe, mean_difference,
+                                      sweep)
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 
@@ -73,6 +74,11 @@ def test_the_coverage_sweep_holds_each_token_once_and_the_greedy_cover_keeps_its
     assert greedy_cover(set(), candidates, [1, 1, 1, 1], budget=10) == []
 
 
+def test_the_mean_difference_is_over_every_scored_token():
+    assert mean_difference([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]]) == pytest.approx(0.5)
+    assert mean_difference([], []) == 0.0
+
+
 def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond_the_tolerance():
     probe = Probe(((1, 2, 3), (4, 5, 6, 7)))
     reference = [[-1.0, -2.0], [-1.0, -1.5, -3.0]]
@@ -127,8 +133,9 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
     assert check.due([0, 1, 2]) == {0: False, 1: True, 2: False}  # 1 failed: checked again
     check.forget(0)
     assert check.due([0, 2]) == {0: True, 2: False}
-    metrics = check.record({0: dict(max_dlogprob=2e-7, seconds=0.01)}, {}, 0.02, [0, 2])
+    metrics = check.record({0: dict(max_dlogprob=2e-7, mean_dlogprob=1e-7, seconds=0.01)}, {}, 0.02, [0, 2])
     assert metrics == {"refit/serving_checked": 1, "refit/serving_unchecked": 0, "refit/serving_max_dlogprob": 2e-7,
+                       "refit/serving_mean_dlogprob": 1e-7,
                        "refit/serving_s": 0.03, "refit/serving_reference_s": 0.02,
                        "refit/serving_experts_covered": 0, "refit/serving_experts_total": 0,
                        "refit/serving_max_dlogprob/replica_0": 2e-7}
