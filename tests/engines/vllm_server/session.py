@@ -72,6 +72,12 @@ class Load:
             tokens = complete(self.url, self.prompt, NEW_TOKENS)
             self.done.append((t0, time.monotonic(), tokens))
 
+    def wait(self, count: int = 1, timeout_s: float = 60.0) -> None:
+        """Until ``count`` completions have ended (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.done) < count and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+
     def stop(self, after: float | None = None, count: int = 0, timeout_s: float = 60.0) -> list:
         """Stop once ``count`` completions have started after monotonic time ``after`` (at most
         ``timeout_s`` more: a slow machine answers fewer requests in a window, never none)."""
@@ -172,7 +178,10 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
         train_step(built, optimizer, torch.cat([tokens[:, :PROMPT_LEN], other], dim=1))
     old, new = out["staged"]["new"], greedy_decode(built, prompt, NEW_TOKENS)
     load = Load(url, prompt) if rank == 0 else None
-    time.sleep(0.5)
+    if load is not None:  # one whole answer of the old version before the refit starts (a slow machine: >0.5 s)
+        load.wait(1)
+    else:
+        time.sleep(0.5)
     if rank == 1:
         slow_next_refit(engine.source.weights, SLOW_RANK_S)
     window = [time.monotonic()]
