@@ -4,7 +4,6 @@ a slow train rank, a slow link, a background refit held until the next training 
 from __future__ import annotations
 
 import re
-
 import threading
 import time
 
