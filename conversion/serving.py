@@ -49,6 +49,9 @@ class MegatronForward:
         self.routes = RoutedExperts(model, self.config)
         self.experts: tuple[int, int] | None = None
         """After a call, for a MoE model: ``(experts routed, experts)`` over its decoder MoE layers."""
+        self.scale: list[list[float]] | None = None
+        """After a call: per scored token, ``|its logit| + |the largest logit|``
+        (:attr:`megatron_refit.plan.probe.Reference.scale`)."""
         self._moe_layers: torch.Tensor | None = None
 
     def prepare(self, *, fp8: bool) -> None:
@@ -72,7 +75,8 @@ class MegatronForward:
     def __call__(self, sequences) -> list[list[float]]:
         logprobs, seen = self._run(sequences)
         self.experts = None if seen is None else self._count(seen.any(dim=0))
-        return logprobs
+        self.scale = [[m for _, m in row] for row in logprobs]
+        return [[lp for lp, _ in row] for row in logprobs]
 
     @torch.no_grad()
     def cover(self, base, *, budget: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
@@ -141,8 +145,9 @@ class MegatronForward:
         return set(torch.nonzero(mask.flatten()).flatten().tolist())
 
     def _logprobs(self, tokens: torch.Tensor, *, scored: bool = True):
-        """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, [batch, seq - 1] (float32), on every
-        rank (``scored``; else None: the forward alone), and this rank's
+        """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1 and the magnitude of its logits
+        (:func:`_vocab_parallel_logprobs`), [batch, seq - 1, 2] (float32), on every rank
+        (``scored``; else None: the forward alone), and this rank's
         :class:`~conversion.forward.PipelinePass`."""
         from megatron.core import parallel_state as ps
 
@@ -150,7 +155,7 @@ class MegatronForward:
         if not scored:
             return None, run
         device = run.next_tokens.device
-        result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=device)
+        result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, 2, dtype=torch.float32, device=device)
         if last_rank_holds_output(self.model):
             with cpu_forward():
                 local = _vocab_parallel_logprobs(run.output, run.next_tokens, self.vocab_size)
@@ -235,7 +240,8 @@ def fp8_rounded_weights(model: list):
 
 def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``log_softmax(logits)[label]`` over the first ``vocab_size`` columns of vocab-parallel
-    ``logits`` [batch, seq, vocab / TP] (each TP rank holds a contiguous slice), float32."""
+    ``logits`` [batch, seq, vocab / TP] (each TP rank holds a contiguous slice) and the magnitude
+    its error scales with, ``|logit of the label| + |largest logit|``: float32 [batch, seq, 2]."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
@@ -252,7 +258,7 @@ def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     mine = (local >= 0) & (local < valid)
     picked = torch.where(mine, logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1), 0.0)
     torch.distributed.all_reduce(picked, group=group)
-    return picked - peak - sums.log()
+    return torch.stack([picked - peak - sums.log(), picked.abs() + peak.abs()], dim=-1)
 
 
 def trainer_forward(model: list, hf_config, *, lora: bool = False) -> MegatronForward:

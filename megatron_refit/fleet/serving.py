@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
-from megatron_refit.plan.probe import (DEFAULT_COVER_TOKENS, Probe, compare, default_tolerance, make_probe,
-                                      mean_difference)
+from megatron_refit.plan.probe import (DEFAULT_COVER_TOKENS, Probe, Reference, compare, default_tolerance,
+                                      make_probe, mean_difference, relative_tolerance)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class TrainerForward(Protocol):
     MoE layers (every (layer, expert) pair counts once); None for a dense model."""
     dtype: str
     """The dtype of the weights it sends (the engine's: the tolerance's dtype)."""
+    scale: list[list[float]] | None
+    """After a call: per scored token, ``|its logit| + |the largest logit|``
+    (:attr:`~megatron_refit.plan.probe.Reference.scale`; None: not measured)."""
     lora: bool
     """The model carries LoRA adapters (the engine merges them)."""
 
@@ -107,8 +110,10 @@ class ServingCheck:
         self.experts: tuple[int, int] = (0, 0)
         """Of a MoE model at the last reference: (experts the probe routes to, experts)."""
         self.tolerance = self.floor = math.inf
+        self.relative = 0.0
         if self.every is not None:
             self.base = self.probe = make_probe(cfg.serving_probe, forward.vocab_size)
+            self.relative = relative_tolerance(forward.dtype)
             self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
             self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
         self._said_uncovered = False
@@ -140,9 +145,10 @@ class ServingCheck:
         hit = self.refits % self.every == 0
         return {r: (hit or r not in self.verified) and r not in self.unable for r in replicas}
 
-    def take_reference(self) -> tuple[Probe, list[list[float]], float]:
-        """The probe, the trainer's log-probs on it now (collective over the train ranks) and the
-        seconds they took. Of a MoE model, the probe routes every expert under the router as it is
+    def take_reference(self) -> tuple[Probe, Reference, float]:
+        """The probe, the trainer's answer to it now (collective over the train ranks: its
+        log-probs and the magnitude of their logits where the forward gives it) and the seconds
+        they took. Of a MoE model, the probe routes every expert under the router as it is
         now where ``cover_tokens`` allows: the last probe is kept while it routes as many as the
         last search reached, and extended again from ``refit.serving_probe``'s own sequences
         (:meth:`TrainerForward.cover`) when it routes fewer (the router trained); a probe that
@@ -165,9 +171,10 @@ class ServingCheck:
                                experts[0], experts[1], self.cover_tokens)
                 self._said_uncovered = True
         self.experts = experts
-        return self.probe, reference, time.perf_counter() - t0
+        answer = Reference(reference, getattr(self.forward, "scale", None))
+        return self.probe, answer, time.perf_counter() - t0
 
-    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference, probe: Probe,
+    def verdict(self, replica: int, version: int, score: Callable[[], Any], reference: Reference, probe: Probe,
                 stale: list[str] = ()) -> dict:
         """Train rank 0: replica ``replica``'s score of ``probe`` (``score()``: its log-probs, or
         raises :class:`ServingUnavailableError`) against ``reference``. Returns what :meth:`record`
@@ -189,8 +196,8 @@ class ServingCheck:
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
         try:
-            worst = compare(served, reference, probe, tolerance=self.tolerance, floor=self.floor,
-                            replica=replica, version=version)
+            worst = compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
+                            floor=self.floor, replica=replica, version=version)
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "

@@ -37,7 +37,7 @@ def _rank(rank, world, port):
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.plan.probe import compare, default_tolerance, make_probe
+    from megatron_refit.plan.probe import Reference, compare, default_tolerance, make_probe, relative_tolerance
 
     init_gloo(rank, world, port)
     layout = TrainLayout(tp=2, ep=2, sequence_parallel=True)
@@ -70,12 +70,12 @@ def _rank(rank, world, port):
 
     forward = trainer_forward(built.model, cfg)
     forward.prepare(fp8=False)
-    base_reference = forward(probe.sequences)
+    base_reference = Reference(forward(probe.sequences), forward.scale)
     base_experts = forward.experts
     start = time.perf_counter()
     sequences = forward.cover(probe.sequences, budget=1024)
     cover_s = time.perf_counter() - start
-    reference = forward(sequences)
+    reference = Reference(forward(sequences), forward.scale)
     covered = forward.experts
     weights = dict(built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False))
     if rank:
@@ -88,13 +88,13 @@ def _rank(rank, world, port):
     for name, tensor in weights.items():
         engine.buffer(name).copy_(tensor)
     engine.set_state("ready", 1)
-    tolerance = default_tolerance("bfloat16")
+    tolerance, relative = default_tolerance("bfloat16"), relative_tolerance("bfloat16")
     extended = type(probe)(tuple(sequences))
 
-    def check(probe_, ref):
+    def check(probe_, ref):  # the serving check's own comparison, its bf16 defaults
         try:
-            return compare(engine.score(probe_.sequences), ref, probe_, tolerance=tolerance, floor=tolerance,
-                           replica=0, version=1)
+            return compare(engine.score(probe_.sequences), ref, probe_, tolerance=tolerance, relative=relative,
+                           floor=tolerance, replica=0, version=1)
         except ServingMismatchError as exc:
             return dict(max_dlogprob=exc.max_dlogprob, message=str(exc))
 
@@ -113,8 +113,8 @@ def test_the_probe_routes_every_expert_and_catches_one_no_random_probe_reaches()
     assert total == 2 * 64 and covered == total  # every (layer, expert) of the two MoE layers
     assert found["base"][1] == total and found["base"][0] < total  # the random probe misses some: EXPERT
     assert found["reaches"] and 0 < found["added"] <= 1024 // 16
-    assert isinstance(found["clean"], float) and found["clean"] <= 0.05  # no false alarm on the extended probe
+    assert isinstance(found["clean"], float) and found["clean"] <= 0.02  # no false alarm on the extended probe
     assert isinstance(found["broken_base"], float)  # the random probe never routes EXPERT: it passes
     broken = found["broken_extended"]
     assert isinstance(broken, dict), f"the extended probe must catch the broken expert (max |Δ| {broken})"
-    assert broken["max_dlogprob"] > 0.05 and "does not serve the trainer's model" in broken["message"]
+    assert broken["max_dlogprob"] > 0.1 and "does not serve the trainer's model" in broken["message"]

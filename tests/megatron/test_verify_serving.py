@@ -15,8 +15,8 @@ from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, 
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.plan.probe import (Probe, compare, default_tolerance, greedy_cover, make_probe, mean_difference,
-                                      sweep)
+from megatron_refit.plan.probe import (Probe, Reference, compare, default_tolerance, greedy_cover, make_probe,
+                                      mean_difference, sweep)
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 
@@ -90,7 +90,8 @@ def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond
     err = caught.value
     assert (err.replica, err.version, err.first) == (3, 7, (1, 2)) and err.max_dlogprob == pytest.approx(0.5)
     assert "refit 7: engine replica 3 does not serve the trainer's model" in str(err)
-    assert "up to 0.5 over the probe's 5 tokens (tolerance 0.001); first beyond it at sequence 1, token 2" in str(err)
+    assert ("up to 0.5, 2 of the probe's 5 tokens beyond the tolerance 0.001 + 0 x their logits' magnitude; first "
+            "beyond it at sequence 1, token 2" in str(err))
     with pytest.raises(ServingMismatchError, match="first beyond it at sequence 0, token 1") as caught:
         compare([[math.nan, -2.0], [-1.0, -1.5, -3.0]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0,
                 version=1)
@@ -103,6 +104,24 @@ def test_verify_serving_compare_names_the_replica_version_and_first_token_beyond
     with pytest.raises(ServingMismatchError, match=r"answered the serving probe with \[2, 2\] log-probs per "
                                                    r"sequence, expected \[2, 3\]"):
         compare([[-1.0, -2.0], [-1.0, -1.5]], reference, probe, tolerance=1e-3, floor=1e-3, replica=0, version=1)
+
+
+def test_verify_serving_allows_each_token_for_its_logits_magnitude():
+    """Both sides compute the logits to the dtype's relative precision: a token whose logits are
+    large (|its logit| + |the largest|: the trainer measures it) is allowed ``relative`` times that
+    more; a token whose logits are small is held to the absolute tolerance."""
+    probe = Probe((tuple(range(33)),))
+    want = [[-11.0] * 32]
+    moved = [[-11.0 + 0.1] + [-11.0] * 31]
+    for reference in (want, Reference(want, [[1.0] * 32])):  # small logits: the tolerance alone
+        with pytest.raises(ServingMismatchError, match=r"1 of the probe's 32 tokens beyond the tolerance 0.02 \+ "
+                                                       r"0.05 x their logits' magnitude;"):
+            compare(moved, reference, probe, tolerance=0.02, relative=0.05, floor=0.02, replica=0, version=1)
+    assert compare(moved, Reference(want, [[2.0] + [1.0] * 31]), probe, tolerance=0.02, relative=0.05, floor=0.02,
+                   replica=0, version=1) == pytest.approx(0.1)  # 0.1 <= 0.02 + 0.05 * 2
+    with pytest.raises(ServingMismatchError, match="32 of the probe's 32 tokens"):  # a NaN never passes
+        compare([[math.nan] * 32], Reference(want, [[1e9] * 32]), probe, tolerance=0.02, relative=0.05, floor=0.02,
+                replica=0, version=1)
 
 
 def test_verify_serving_a_tolerance_tighter_than_the_dtypes_noise_says_so():
@@ -170,9 +189,9 @@ def test_verify_serving_probe_is_extended_until_every_expert_is_routed_and_kept_
                          forward, rank=0)
     probe, reference, _ = check.take_reference()  # 2 tokens: one sequence more, experts 10 and 11
     assert probe.sequences == tuple(map(tuple, spec["tokens"])) + ((10, 3),) and check.probe == probe
-    assert check.experts == (12, 12) and forward.covers == [(2, 0)] and len(reference) == 6
+    assert check.experts == (12, 12) and forward.covers == [(2, 0)] and len(reference.logprobs) == 6
     assert check.record({}, {}, 0.0)["refit/serving_experts_covered"] == 12
-    assert check.verdict(0, 1, lambda: reference, reference, probe)["max_dlogprob"] == 0.0
+    assert check.verdict(0, 1, lambda: reference.logprobs, reference, probe)["max_dlogprob"] == 0.0
     assert check.take_reference()[0] == probe and len(forward.covers) == 1  # still covers: kept, no search
     assert not caplog.records
     forward.dead = {3}  # the router moved on: the probe routes fewer than the last search reached
@@ -197,9 +216,10 @@ def test_verify_serving_a_stale_read_back_fails_a_replica_whose_log_probs_agree(
     even where its log-probs are within the tolerance; without them the same answer passes."""
     check = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), _Forward(), rank=0)
     probe, reference, _ = check.take_reference()
-    answer = {"served": reference, "stale": ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]}
-    assert served_or_raise(answer) == reference and stale_of(answer) == answer["stale"] and stale_of(reference) == []
-    assert check.verdict(0, 3, lambda: served_or_raise(reference), reference, probe)["max_dlogprob"] == 0.0
+    served = reference.logprobs
+    answer = {"served": served, "stale": ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]}
+    assert served_or_raise(answer) == served and stale_of(answer) == answer["stale"] and stale_of(served) == []
+    assert check.verdict(0, 3, lambda: served_or_raise(served), reference, probe)["max_dlogprob"] == 0.0
     with pytest.raises(ServingMismatchError, match=r"refit 3: engine replica 0 does not serve the trainer's model: "
                        r"its weights, read back after its post-load step, no longer hold the bytes it received in "
                        r"the buckets of 2 parameter\(s\) \['model.layers.0.mlp.down_proj.weight'") as caught:
