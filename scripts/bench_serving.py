@@ -17,7 +17,8 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
 
 - ``moe``: the same check on a MoE model as users train one: Qwen3-MoE with 64 experts top-8,
   bf16, train TP2 with sequence parallelism x EP2, RL learning rate 1e-6: the check's cost, its
-  clean max and mean |Δ| over the refits beside the bf16 tolerance, and ``experts_covered`` of
+  clean max and mean |Δ| over the refits beside the bf16 tolerance (absolute, and ``relative``: times
+  each token's logits' magnitude), and ``experts_covered`` of
   ``experts_total`` (the (layer, expert) pairs the probe routes to under the trainer's router,
   after its extension).
 
@@ -35,7 +36,7 @@ import time
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.plan.probe import default_tolerance
+from megatron_refit.plan.probe import default_tolerance, relative_tolerance
 from megatron_refit.tools.cli import reports_user_errors
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
@@ -63,7 +64,7 @@ def measure(shape: dict, refits: int, warmup: int) -> dict:
                 reference_s=statistics.median(s["reference_s"] for s in kept),
                 max_dlogprob=max(s["max_dlogprob"] for s in summaries),
                 mean_dlogprob=max(s["mean_dlogprob"] for s in summaries), tolerance=default_tolerance("float32"),
-                checked=[s["checked"] for s in summaries])
+                relative=relative_tolerance("float32"), checked=[s["checked"] for s in summaries])
 
 
 def caught(shape: dict) -> dict:
@@ -92,7 +93,8 @@ def moe(refits: int, warmup: int) -> dict:
                 check_over_refit=check / refit, first_check_s=summaries[0]["s"],
                 max_dlogprob=max(s["max_dlogprob"] for s in summaries),
                 mean_dlogprob=max(s["mean_dlogprob"] for s in summaries), tolerance=default_tolerance("bfloat16"),
-                experts_covered=summaries[-1]["experts_covered"], experts_total=summaries[-1]["experts_total"])
+                relative=relative_tolerance("bfloat16"), experts_covered=summaries[-1]["experts_covered"],
+                experts_total=summaries[-1]["experts_total"])
 
 
 @reports_user_errors
@@ -118,7 +120,8 @@ def main(argv=None) -> dict:
     print(f"moe (64 experts top-8, bf16): refit {m['refit_s'] * 1e3:.1f} ms, serving check "
           f"{m['serving_check_s'] * 1e3:.1f} ms (x{m['check_over_refit']:.2f}; the first, with the probe's "
           f"extension, {m['first_check_s'] * 1e3:.1f} ms), max |dlogprob| {m['max_dlogprob']:.2e}, mean "
-          f"{m['mean_dlogprob']:.2e} (tolerance {m['tolerance']:g}), experts covered "
+          f"{m['mean_dlogprob']:.2e} (tolerance {m['tolerance']:g} + {m['relative']:g} x the logits' magnitude), "
+          f"experts covered "
           f"{m['experts_covered']} of {m['experts_total']}", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)

@@ -210,9 +210,10 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
     raise ServingMismatchError(
         f"{where} does not serve the trainer's model: its log-probs differ from the trainer's by up to "
         f"{worst:.4g}, {beyond} of the probe's {probe.num_tokens} tokens beyond the tolerance "
-        f"{tolerance:g} + {relative:g} x their logits' magnitude; first beyond it at sequence {first[0]}, token {first[1]} (served {pair[0]}, trainer "
-        f"{_value(pair[1])}). Its bytes landed; the engine computes with something else (e.g. its post-load step). "
-        f"It has not landed version {version}; its next refit is a full one{tight}",
+        f"{tolerance:g} + {relative:g} x their logits' magnitude; first beyond it at sequence {first[0]}, token "
+        f"{first[1]} (served {pair[0]}, trainer {_value(pair[1])}). Its bytes landed; the engine computes with "
+        f"something else (e.g. its post-load step). It has not landed version {version}; its next refit is a "
+        f"full one{tight}",
         replica=replica, version=version, max_dlogprob=worst, first=first)
 
 
