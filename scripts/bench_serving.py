@@ -22,6 +22,11 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   ``experts_total`` (the (layer, expert) pairs the probe routes to under the trainer's router,
   after its extension).
 
+- ``power``: what the check sees at bf16 (:mod:`megatron_refit.testing.serving_power`): a
+  64-expert top-8 Qwen3-MoE nearly flat and peaked, 20 clean refits at lr 1e-6 each, then five
+  engines broken after the load; per state the clean max and mean |Δ|, the thresholds, each
+  fault's |Δ| and whether it was caught, and ``smallest_caught``.
+
 ``--larger``: about 5M parameters (``bench_overlap.py``'s model) instead of the tests' one.
 ``--json``: the last line is one JSON object.
 """
@@ -40,6 +45,8 @@ from megatron_refit.plan.probe import default_tolerance, relative_tolerance
 from megatron_refit.tools.cli import reports_user_errors
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.testing.launch import run_spawned
+from megatron_refit.testing.serving_power import power_rank, summary
 
 LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
 BROKEN_AT = 3
@@ -123,6 +130,13 @@ def main(argv=None) -> dict:
           f"{m['mean_dlogprob']:.2e} (tolerance {m['tolerance']:g} + {m['relative']:g} x the logits' magnitude), "
           f"experts covered "
           f"{m['experts_covered']} of {m['experts_total']}", flush=True)
+    result["power"] = summary(run_spawned(power_rank, 1, timeout_s=900)[0])
+    for state, p in result["power"].items():
+        seen = [f for f, v in p["faults"].items() if v["caught"]]
+        print(f"power, {state} (bf16, 64 experts top-8): {p['clean_passed']} of {p['clean_refits']} clean refits "
+              f"pass (max |dlogprob| {p['clean_max_dlogprob']:.3g}, mean {p['clean_mean_dlogprob']:.2g}; tolerance "
+              f"{p['tolerance']:g} + {p['relative']:g} x the logits' magnitude); caught {seen}; smallest caught "
+              f"{p['smallest_caught']}", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)
     if args.json:

@@ -197,7 +197,7 @@ class RefitConfig:
     serving_tolerance: float | None = None
     """Largest |Δ log-prob| per probe token between the engine and the trainer, to which each
     token adds a share of its logits' magnitude (``|its logit| + |the largest logit|`` times
-    float32 1e-4, bfloat16 0.05, float16 0.01: the dtype's relative precision); null: by the
+    float32 1e-4, bfloat16 0.1, float16 0.02: the dtype's relative precision); null: by the
     engine's dtype (float32 1e-3, bfloat16 0.02, float16 0.01), plus 0.02 under
     ``trainer_quantize_fp8`` and 1e-3 with LoRA adapters (the measured margins:
     docs/guide-serving.md)."""

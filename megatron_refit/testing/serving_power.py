@@ -1,0 +1,132 @@
+"""What the serving check (``refit.verify_serving``) sees at bf16: clean refits and broken engines
+on a 64-expert top-8 MoE, in a nearly flat and in a peaked model state (#50 item 2).
+
+:func:`power_rank` (one spawned rank, :func:`~megatron_refit.testing.launch.run_spawned`) builds
+Qwen3-MoE through Megatron-Bridge in bf16 for each state of :data:`STATES`, trains it (Adam), then
+runs 20 refits at lr 1e-6 into an HF engine in bf16, each checked by
+:class:`~megatron_refit.fleet.serving.ServingCheck` with its defaults; then, at the last version,
+an engine whose post-load step breaks the model as each of :data:`FAULTS` says. Used by
+``tests/megatron/test_serving_bf16.py`` and ``scripts/bench_serving.py`` (its ``power`` section).
+"""
+
+from __future__ import annotations
+
+import math
+
+STATES = {"flat": dict(steps=10, lr=1e-2, corpus=False), "peaked": dict(steps=150, lr=3e-3, corpus=True)}
+"""``flat``: 10 steps on random tokens from random init; ``peaked``: 150 steps on 8 repeated
+sequences (the trainer then predicts them with mean probability > 0.9)."""
+FAULTS = ("nan", "rope", "swap", "expert x1.05", "o_proj x1.02")
+"""A NaN in one routed expert's down projection; the RoPE base 1e6 for the config's 1e4; experts 3
+and 5 of layer 0 swapped; expert 3's down projection x1.05; layer 1's attention output x1.02."""
+CLEAN_REFITS = 20
+
+
+def break_engine(model, fault: str) -> None:
+    """An HF engine's post-load step gone wrong: ``fault`` (of :data:`FAULTS`) applied to its
+    Qwen3-MoE ``model`` in place."""
+    import torch
+
+    with torch.no_grad():
+        if fault == "rope":
+            for module in model.modules():
+                if hasattr(module, "inv_freq"):
+                    dim = module.inv_freq.numel() * 2
+                    module.inv_freq.copy_(1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim)))
+                    module.original_inv_freq = module.inv_freq.clone()
+            return
+        if fault == "o_proj x1.02":
+            model.model.layers[1].self_attn.o_proj.weight.mul_(1.02)
+            return
+        stacked = {n: p for n, p in model.model.layers[0].mlp.experts.named_parameters() if p.dim() == 3}
+        if not stacked or fault not in FAULTS:
+            raise ValueError(f"cannot break this engine with {fault!r} (stacked experts: {sorted(stacked)})")
+        for name, param in stacked.items():
+            if fault == "swap":
+                param[[3, 5]] = param[[5, 3]]
+            elif fault == "expert x1.05" and "down" in name:
+                param[3] *= 1.05
+            elif fault == "nan" and "down" in name:
+                param[3, 0, 0] = math.nan
+
+
+def power_rank(rank, world, port, states=tuple(STATES)):
+    """Each state's ``clean`` (per refit: the largest |Δ log-prob|, or the mismatch), ``mean``
+    (the largest mean |Δ| of a clean refit), ``faults`` (per fault: the same), the training's last
+    ``loss``, the probe's ``experts`` (routed, total) and the check's ``tolerance`` / ``relative``."""
+    import torch
+
+    from conversion.serving import trainer_forward
+    from conversion.testing.build import build_model, init_gloo, init_model_parallel
+    from conversion.testing.hf_configs import hf_config
+    from conversion.testing.train_step import train_step
+    from megatron_refit.config.section import RefitConfig
+    from megatron_refit.engines.hf.storage import HFStorage
+    from megatron_refit.errors import ServingMismatchError
+    from megatron_refit.fleet.serving import ServingCheck
+    from megatron_refit.plan.layout import TrainLayout
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout())
+    found = {}
+    for state in states:
+        spec = STATES[state]
+        cfg = hf_config("qwen3-moe", experts=64, num_experts_per_tok=8, vocab=2048)
+        built = build_model(cfg, TrainLayout(), dtype=torch.bfloat16)
+        optimizer = torch.optim.Adam([p for c in built.model for p in c.parameters()], lr=spec["lr"])
+        rng = torch.Generator().manual_seed(3)
+        corpus = torch.tensor([[(s * 37 + i * 5) % cfg.vocab_size for i in range(33)] for s in range(8)])
+        for _ in range(spec["steps"]):
+            loss = train_step(built, optimizer, corpus if spec["corpus"] else
+                              torch.randint(0, cfg.vocab_size, (8, 33), generator=rng))
+        check = ServingCheck(RefitConfig(enabled=True, verify_serving="on"), trainer_forward(built.model, cfg), rank=0)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-6  # from here on, RL refits
+
+        def load(engine, version: int):
+            for name, tensor in built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False):
+                engine.buffer(name).copy_(tensor)
+            engine.set_state("ready", version)
+            return engine
+
+        def verdict(engine, version, probe, reference):
+            try:
+                return check.verdict(0, version, lambda: engine.score(probe.sequences), reference, probe)
+            except ServingMismatchError as exc:
+                return dict(max_dlogprob=exc.max_dlogprob, message=str(exc))
+
+        clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
+        for version in range(1, CLEAN_REFITS + 1):
+            train_step(built, optimizer, torch.randint(0, cfg.vocab_size, (8, 33), generator=rng))
+            load(engine, version)
+            probe, reference, _ = check.take_reference()
+            clean.append(verdict(engine, version, probe, reference))
+        faults = {}
+        for fault in FAULTS:
+            broken = load(HFStorage.from_config(cfg, dtype=torch.bfloat16), CLEAN_REFITS + 1)
+            break_engine(broken.model, fault)
+            faults[fault] = verdict(broken, CLEAN_REFITS + 1, probe, reference)
+        found[state] = dict(clean=clean, faults=faults, loss=loss, experts=check.experts,
+                            tolerance=check.tolerance, relative=check.relative)
+    return found
+
+
+def summary(found: dict) -> dict:
+    """Per state: the clean refits' largest max / mean |Δ|, how many passed, and per fault its
+    largest |Δ| and whether the check caught it; ``smallest_caught``: the caught fault that moved
+    the log-probs least (its name and |Δ|)."""
+    out = {}
+    for state, got in found.items():
+        clean = got["clean"]
+        caught = {f: "message" in r for f, r in got["faults"].items()}
+        moved = {f: r["max_dlogprob"] for f, r in got["faults"].items()}
+        smallest = min((f for f in caught if caught[f]), key=lambda f: moved[f], default=None)
+        out[state] = dict(clean_passed=sum("message" not in r for r in clean), clean_refits=len(clean),
+                          clean_max_dlogprob=max(r["max_dlogprob"] for r in clean),
+                          clean_mean_dlogprob=max(r.get("mean_dlogprob", math.inf) for r in clean),
+                          tolerance=got["tolerance"], relative=got["relative"], loss=got["loss"],
+                          experts_covered=got["experts"][0], experts_total=got["experts"][1],
+                          faults={f: dict(max_dlogprob=moved[f], caught=caught[f]) for f in moved},
+                          smallest_caught=None if smallest is None else dict(fault=smallest,
+                                                                              max_dlogprob=moved[smallest]))
+    return out
