@@ -193,11 +193,13 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
     for i, (got, want, sizes) in enumerate(zip(served, reference.logprobs, scale, strict=True)):
         for t, (g, w, size) in enumerate(zip(got, want, sizes, strict=True)):
             extra = relative * float(size)
-            # anything non-finite on either side (a NaN reference too: max() would keep 0.0 past it) fails
-            finite = g is not None and w is not None and math.isfinite(float(g)) and math.isfinite(float(w))
+            # anything non-finite on either side (a NaN reference too: max() would keep 0.0 past it, and a
+            # NaN limit compares False) fails
+            finite = (g is not None and w is not None and math.isfinite(float(g)) and math.isfinite(float(w))
+                      and math.isfinite(extra))
             d = abs(float(g) - float(w)) if finite else math.inf
             worst = max(worst, d)
-            if d > tolerance + extra:
+            if not finite or d > tolerance + extra:
                 beyond += 1
                 within_floor = within_floor and d <= floor + extra
                 if first is None:

@@ -122,6 +122,14 @@ def test_verify_serving_allows_each_token_for_its_logits_magnitude():
     with pytest.raises(ServingMismatchError, match="32 of the probe's 32 tokens"):  # a NaN never passes
         compare([[math.nan] * 32], Reference(want, [[1e9] * 32]), probe, tolerance=0.02, relative=0.05, floor=0.02,
                 replica=0, version=1)
+    for bad in (math.nan, math.inf):  # nor NaN logits on the trainer's side: its log-prob and magnitude NaN
+        with pytest.raises(ServingMismatchError, match="1 of the probe's 32 tokens") as caught:
+            compare(want, Reference([[bad] + [-11.0] * 31], [[bad] + [1.0] * 31]), probe, tolerance=0.02,
+                    relative=0.05, floor=0.02, replica=0, version=1)
+        assert caught.value.max_dlogprob == math.inf
+    with pytest.raises(ServingMismatchError, match="1 of the probe's 32 tokens"):  # a magnitude alone non-finite
+        compare(want, Reference(want, [[math.nan] + [1.0] * 31]), probe, tolerance=0.02, relative=0.05, floor=0.02,
+                replica=0, version=1)
 
 
 def test_verify_serving_a_tolerance_tighter_than_the_dtypes_noise_says_so():
