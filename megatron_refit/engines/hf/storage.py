@@ -152,13 +152,22 @@ class HFStorage(WeightsState):
     def score(self, sequences) -> list[list[float]]:
         """The serving probe (``refit.verify_serving``) through this engine's forward: each
         sequence's ``log p(token t | tokens < t)`` for every token after the first (a float32
-        log-softmax over the vocabulary)."""
-        out = []
-        for sequence in sequences:
-            tokens = torch.tensor([list(sequence)], dtype=torch.long)
-            logits, _ = self.step(tokens)
-            logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-            out.append(logprobs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist())
+        log-softmax over the vocabulary). One batch per sequence length, all under one hold of
+        :attr:`serving`: the whole probe is scored by one version, also while a staged swap waits."""
+        by_length: dict[int, list[int]] = {}
+        for i, sequence in enumerate(sequences):
+            by_length.setdefault(len(sequence), []).append(i)
+        out: list = [None] * len(sequences)
+        with self.serving:
+            self.require_ready("HF receiver")
+            device = next(self.model.parameters()).device
+            for indices in by_length.values():
+                tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
+                logits = self.model(tokens.to(device)).logits.float().cpu()
+                logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+                for i, row in zip(indices, logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist(),
+                                  strict=True):
+                    out[i] = row
         return out
 
     @torch.no_grad()
