@@ -88,3 +88,28 @@ def test_staged_receiver_keeps_serving_after_a_failed_refit_and_follows_a_reallo
     assert recv.refresh_targets() is False
     recv.model.model.embed_tokens.weight.data = recv.model.model.embed_tokens.weight.data.clone()
     assert recv.refresh_targets() is True and recv.refresh_targets() is False
+
+
+def test_the_serving_probe_is_scored_by_one_version_one_batch_per_length():
+    """``HFStorage.score`` holds the serving lock for the whole probe (a staged swap waits for it:
+    no probe is scored half by one version, half by the next) and runs one forward per sequence
+    length; each sequence's log-probs equal its own forward's."""
+    from transformers import Qwen3Config
+
+    from megatron_refit.engines.hf.staged import StagedHFStorage
+
+    cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    recv = StagedHFStorage.from_config(cfg)
+    recv.set_state("ready", 1)
+    held = []
+    hook = recv.model.register_forward_hook(lambda module, args, out: held.append((recv.serving.locked(),
+                                                                                   args[0].shape[0])))
+    probe = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
+    scored = recv.score(probe)
+    hook.remove()
+    assert held == [(True, 2), (True, 1)]  # two lengths: two forwards, each under the lock
+    for sequence, row in zip(probe, scored, strict=True):
+        logits = recv.step(torch.tensor([sequence]))[0]
+        want = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, torch.tensor(sequence[1:])[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(row), want, atol=1e-6)
