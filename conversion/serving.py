@@ -29,6 +29,7 @@ import torch
 
 from conversion.forward import cpu_forward, gather_sequence, last_rank_holds_output, pipeline_forward
 from conversion.routing import RoutedExperts
+from megatron_refit.plan.probe import by_length
 
 QUANTIZED = re.compile(r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
 """Megatron linear weights whose HF pieces trainer-side FP8 quantizes (experts' too; the router,
@@ -116,15 +117,12 @@ class MegatronForward:
         """Each sequence's log-probs (``scored``; else None) and, for a MoE model, the experts its
         tokens were routed to (``[sequences, layers, experts]`` bool,
         :meth:`conversion.routing.RoutedExperts.per_sequence`)."""
-        by_length: dict[int, list[int]] = {}
-        for i, seq in enumerate(sequences):
-            by_length.setdefault(len(seq), []).append(i)
         out: list = [None] * len(sequences)
         seen = None
         if self.routes.moe:
             seen = torch.zeros(len(sequences), self.routes.num_layers, self.routes.num_experts, dtype=torch.bool)
         with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
-            for indices in by_length.values():
+            for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
                 with self.routes.capture() if self.routes.moe else contextlib.nullcontext():
                     logprobs, run = self._logprobs(tokens, scored=scored)

@@ -118,6 +118,15 @@ def make_probe(spec: dict | None, vocab_size: int) -> Probe:
                        for _ in range(spec["sequences"])))
 
 
+def by_length(sequences) -> list[list[int]]:
+    """The indices of ``sequences``, grouped by their length (first seen first): what one forward
+    can score as a batch, without padding."""
+    groups: dict[int, list[int]] = {}
+    for i, sequence in enumerate(sequences):
+        groups.setdefault(len(sequence), []).append(i)
+    return list(groups.values())
+
+
 def sweep(vocab_size: int, length: int, seed: int, limit: int = SWEEP_TOKENS):
     """Candidate sequences for expert coverage: a seeded permutation of the vocabulary (at most
     ``limit`` tokens of it) cut into sequences of ``length`` tokens, so each token id shows up once

@@ -75,7 +75,7 @@ def _commands_in(text: str) -> list[tuple[str, bool]]:
 def _words(line: str) -> list[tuple[str, ...]]:
     """The words of one command line, one tuple per combination of its ``a|b`` alternatives."""
     line = line.split("&&")[-1]  # `make setup && python …`: the command after the setup
-    words = [w for w in shlex.split(line, comments=True)]
+    words = shlex.split(line, comments=True)
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value before the command
         words.pop(0)
     words = [w.removeprefix(".venv/bin/") for w in words]

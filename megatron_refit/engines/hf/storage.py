@@ -25,6 +25,7 @@ from megatron_refit.endpoint.fp8 import FP8_DTYPE, dequantize_blockwise
 from megatron_refit.endpoint.storage import WeightsState
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.plan.fp8_layout import fp8_specs, is_quantized, scale_name, scale_shape
+from megatron_refit.plan.probe import by_length
 from megatron_refit.plan.spec import ShardSpec, full_box
 
 
@@ -154,17 +155,11 @@ class HFStorage(WeightsState):
         sequence's ``log p(token t | tokens < t)`` for every token after the first (a float32
         log-softmax over the vocabulary). One batch per sequence length, all under one hold of
         :attr:`serving`: the whole probe is scored by one version, also while a staged swap waits."""
-        by_length: dict[int, list[int]] = {}
-        for i, sequence in enumerate(sequences):
-            by_length.setdefault(len(sequence), []).append(i)
         out: list = [None] * len(sequences)
         with self.serving:
-            self.require_ready("HF receiver")
-            device = next(self.model.parameters()).device
-            for indices in by_length.values():
+            for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
-                logits = self.model(tokens.to(device)).logits.float().cpu()
-                logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+                logprobs = torch.log_softmax(self._forward(tokens)[:, :-1], dim=-1)
                 for i, row in zip(indices, logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist(),
                                   strict=True):
                     out[i] = row
@@ -175,6 +170,11 @@ class HFStorage(WeightsState):
         """One forward pass: the logits and the version of the weights that produced them
         (the pass holds :attr:`serving`, so a swap waits for it and it sees one version)."""
         with self.serving:
-            self.require_ready("HF receiver")
-            device = next(self.model.parameters()).device
-            return self.model(tokens.to(device)).logits.float().cpu(), self.weights_version
+            return self._forward(tokens), self.weights_version
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the received model for ``tokens``, on the CPU (the caller holds
+        :attr:`serving`); refuses unless the last refit completed."""
+        self.require_ready("HF receiver")
+        device = next(self.model.parameters()).device
+        return self.model(tokens.to(device)).logits.float().cpu()
