@@ -1,8 +1,8 @@
 """Multi-process tests fork their ranks from a forkserver that imported torch, transformers
-and Megatron once (megatron_refit/testing/preload.py): the suite's largest cost on 2 cores is
-each fresh rank importing them again. Only where Megatron is installed (not in the vLLM
-suite's environment, whose engine starts processes of its own); ``REFIT_SPAWN_PRELOAD=``
-(empty) turns it off."""
+and Megatron once (megatron_refit/testing/preload.py), or, in the engine suites' environments
+(no Megatron), vLLM's or SGLang's worker and model modules (megatron_refit/testing/preload_engines.py):
+the suites' largest cost on 2 cores is each fresh rank importing them again.
+``REFIT_SPAWN_PRELOAD=`` (empty) turns it off."""
 
 import importlib.util
 import os
@@ -12,6 +12,8 @@ import pytest
 
 if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload")
+elif importlib.util.find_spec("vllm") is not None or importlib.util.find_spec("sglang") is not None:
+    os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload_engines")
 
 
 TIERS = ("unit", "mp", "megatron", "engines")
