@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -211,15 +212,13 @@ def session(rank: int, world: int, port: int, url: str, server_pid: int, restart
         os.killpg(server_pid, signal.SIGKILL)
         time.sleep(1.0)
     out["killed"] = _error(lambda: refit_once(engine, 9, steps=1))
-    server = None
     if rank == 0:
         server = VllmServer(**restart).start()
+        Path(restart["log"]).with_suffix(".pid").write_text(str(server.process.pid))  # serves on: see conftest
         out["restart_s"] = server.wait_ready()
         out["rejoined"] = engine.add_engine(HTTPClient(url), replica=0)
     out["after_restart"] = refit_once(engine, 10)
     engine.shutdown()
-    if server is not None:
-        server.stop()
     torch.distributed.destroy_process_group()
     return out
 

@@ -5,25 +5,20 @@ TP2 train ranks (Bridge, real optimizer steps) over gloo through ``HTTPClient``.
 
 Checked by what the server generates: after every refit its greedy ``/v1/completions`` tokens
 equal the Megatron model's own greedy decode of the same prompt, and ``/weight_info`` reports
-the step. One server and one train session per module (each start costs tens of seconds on
-2 cores); the session's phases are in ``session.py``.
+the step. One server and one train session for the module, the server shared with
+``test_vllm_server_swap.py`` (``conftest.py``: each start costs a minute of CPU on 2 cores); the
+session's phases are in ``session.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports
-from megatron_refit.testing.vllm_server import VllmServer
 from tests.engines.vllm_server import session as s
 
 @pytest.fixture(scope="module")
-def run(checkpoint, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    server_port, *ports = free_ports(7)
-    restart = dict(model=str(checkpoint), port=server_port, log=logs / "server-restarted.log")
-    server = VllmServer(model=str(checkpoint), port=server_port, log=logs / "server.log")
-    return server.run_beside(s.session, s.TRAIN_TP, restart, ports)
+def run(dense_runs):
+    return dense_runs["session"]
 
 
 def test_vllm_server_refits_change_generation_to_the_megatron_models_greedy_decode(run):

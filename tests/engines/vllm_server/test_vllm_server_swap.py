@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports
-from megatron_refit.testing.vllm_server import ROOT, VllmServer
 from tests.engines.vllm_server import swap_session as s
 
 
 @pytest.fixture(scope="module")
-def run(checkpoint, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    break_file = logs / "break"
-    server_port, *ports = free_ports(3)
-    env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
-           "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
-    server = VllmServer(model=str(checkpoint), port=server_port, log=logs / "server.log", env=env)
-    return server.run_beside(s.session_swap, s.TRAIN_TP, ports, str(break_file))
+def run(dense_runs):
+    return dense_runs["swap"]  # against test_vllm_server.py's server, restarted (conftest.py)
 
 
 def _answered(phase: dict) -> list:
