@@ -102,6 +102,16 @@ QUIET_ENV = "REFIT_QUIET_LOGS"
 read it to silence third-party chatter without importing this module."""
 
 
+CORES_ENV = "REFIT_CORES"
+"""The cores this run may use (``make test`` sets it to the machine's cores divided by its lanes,
+``scripts/run_suites.sh``); unset, all of the machine's."""
+
+
+def cores() -> int:
+    """The cores a group of ranks shares (:data:`CORES_ENV`, else the machine's)."""
+    return max(1, int(os.environ.get(CORES_ENV) or os.cpu_count() or 1))
+
+
 def quiet() -> bool:
     """True inside a rank spawned with ``quiet=True`` (helpers silence third-party chatter)."""
     return os.environ.get(QUIET_ENV) == "1"
@@ -119,8 +129,8 @@ def _entry(fn, rank, world_size, port, args, results, env):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
     import torch
 
-    # the ranks share this machine's cores: more intra-op threads than cores per rank only spin
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # the ranks share this run's cores: more intra-op threads than cores per rank only spin
+    torch.set_num_threads(max(1, cores() // world_size))
     try:
         profile_dir = os.environ.get("REFIT_CPROFILE_DIR")  # debugging: one cProfile dump per rank
         if profile_dir:
