@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,22 @@ def dense_runs(checkpoint, tmp_path_factory) -> dict:
         return out
     finally:
         if pid_file.exists():
+            _stop(int(pid_file.read_text()))
+
+
+def _stop(pid: int, wait_s: float = 30.0) -> None:
+    """Stop the server whose process group ``pid`` leads (not this process's child): SIGTERM,
+    SIGKILL after ``wait_s``."""
+    alive = process_alive(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
             try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                alive()
+            except RuntimeError:
+                return
+            time.sleep(0.2)
