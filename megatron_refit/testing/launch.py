@@ -7,6 +7,7 @@ raises in the parent with the failing rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -100,6 +101,23 @@ the same lines once per rank). Warnings of megatron_refit and conversion still s
 QUIET_ENV = "REFIT_QUIET_LOGS"
 """Set to ``1`` inside a rank spawned with ``quiet=True``: model builders (``conversion.testing``)
 read it to silence third-party chatter without importing this module."""
+
+
+@contextlib.contextmanager
+def quiet_imports(*modules: str):
+    """Imports (a forkserver's preload) with third-party warnings and log lines below ERROR
+    dropped: :data:`THIRD_PARTY_WARNINGS` and the modules named."""
+    import logging
+    import warnings
+
+    with warnings.catch_warnings():
+        for module in (*THIRD_PARTY_WARNINGS, *modules):
+            warnings.filterwarnings("ignore", module=module)
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 CORES_ENV = "REFIT_CORES"

@@ -9,23 +9,14 @@ the same state, as a rank that imported them itself (Bridge through ``conversion
 shim, as every rank does). Their import-time warnings are dropped here, once.
 """
 
-import logging
-import warnings
+from megatron_refit.testing.launch import quiet_imports
 
-from megatron_refit.testing.launch import THIRD_PARTY_WARNINGS
+with quiet_imports():
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
 
-with warnings.catch_warnings():
-    for _module in THIRD_PARTY_WARNINGS:
-        warnings.filterwarnings("ignore", module=_module)
-    logging.disable(logging.WARNING)
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+    from conversion.te_shim import import_bridge
 
-        from conversion.te_shim import import_bridge
-
-        import_bridge()
-        import megatron.bridge.models.conversion.model_bridge  # noqa: F401
-        import megatron.core.parallel_state  # noqa: F401
-    finally:
-        logging.disable(logging.NOTSET)
+    import_bridge()
+    import megatron.bridge.models.conversion.model_bridge  # noqa: F401
+    import megatron.core.parallel_state  # noqa: F401

@@ -10,10 +10,8 @@ starts a thread, a process or a device: the engines do that in the rank, as befo
 """
 
 import importlib.util
-import logging
-import warnings
 
-from megatron_refit.testing.launch import THIRD_PARTY_WARNINGS
+from megatron_refit.testing.launch import quiet_imports
 
 VLLM = (
     "vllm.config",
@@ -45,17 +43,11 @@ def _load(modules: tuple[str, ...]) -> None:
             pass
 
 
-with warnings.catch_warnings():
-    for _module in (*THIRD_PARTY_WARNINGS, r"vllm", r"sglang"):
-        warnings.filterwarnings("ignore", module=_module)
-    logging.disable(logging.WARNING)
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+with quiet_imports(r"vllm", r"sglang"):
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
 
-        if importlib.util.find_spec("vllm") is not None:
-            _load(VLLM)
-        if importlib.util.find_spec("sglang") is not None:
-            _load(SGLANG)
-    finally:
-        logging.disable(logging.NOTSET)
+    if importlib.util.find_spec("vllm") is not None:
+        _load(VLLM)
+    if importlib.util.find_spec("sglang") is not None:
+        _load(SGLANG)
