@@ -17,10 +17,11 @@ Import stubs (only where the real package is absent; removed from ``sys.modules`
 - ``torch.utils.tensorboard``: bridge's state.py imports its SummaryWriter at module level;
   tensorboard is not installed.
 
+On CPU and GPU alike, where the wheel ships no Makefile (``make`` would fail and it calls
+``sys.exit(1)``; the prebuilt helpers .so is used): ``initialize.compile_helpers`` a no-op.
+
 CPU patches (none when CUDA is available):
 - ``setup.initialize_megatron``: called with ``allow_no_cuda=True`` (setup() never passes it; it asserts CUDA).
-- ``initialize.compile_helpers``: no-op (the wheel ships no Makefile: ``make`` fails and it calls ``sys.exit(1)``;
-  the prebuilt helpers .so is used).
 - ``torch.cuda.synchronize``: no-op (Megatron's timers call it on every start/stop).
 - ``torch.cuda.Stream``: a host stand-in (Megatron's DDP wrapping builds an init stream; ``torch.cuda.stream(...)``
   is already a no-op without CUDA).
@@ -148,6 +149,19 @@ def _patched(obj, name, value):
 
 
 @contextlib.contextmanager
+def _helpers_prebuilt():
+    """``initialize.compile_helpers`` a no-op where the wheel ships no Makefile (CPU or GPU)."""
+    from megatron.bridge.training import initialize
+    from megatron.core import datasets
+
+    if os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile")):
+        yield
+        return
+    with _patched(initialize, "compile_helpers", lambda: None):
+        yield
+
+
+@contextlib.contextmanager
 def _cpu_patches():
     """CUDA assumptions of Bridge's setup/train loop and Megatron's DDP/optimizer, on a host."""
     if torch.cuda.is_available():
@@ -155,7 +169,7 @@ def _cpu_patches():
         return
     import functools
 
-    from megatron.bridge.training import initialize, setup
+    from megatron.bridge.training import setup
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from conversion.cpu_shim import HostStream, cuda_calls_on_cpu
@@ -163,7 +177,6 @@ def _cpu_patches():
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(setup, "initialize_megatron",
                                      functools.partial(setup.initialize_megatron, allow_no_cuda=True)))
-        stack.enter_context(_patched(initialize, "compile_helpers", lambda: None))
         stack.enter_context(_patched(torch.cuda, "synchronize", lambda *a, **k: None))
         stack.enter_context(_patched(torch.cuda, "Stream", HostStream))
         stack.enter_context(_patched(get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext()))
@@ -266,7 +279,7 @@ def run_tiny_pretrain(hf_config, *, train_iters: int, callbacks: list, tp: int =
                          overlap_param_gather=overlap_param_gather, seed=seed,
                          micro_batch_size=micro_batch_size, seq_length=seq_length)
         with _env(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                  LOCAL_RANK=os.environ.get("LOCAL_RANK", os.environ["RANK"])), _cpu_patches():
+                  LOCAL_RANK=os.environ.get("LOCAL_RANK", os.environ["RANK"])), _helpers_prebuilt(), _cpu_patches():
             pretrain(config, forward_step, callbacks=[*callbacks, _Record()])
     record.setdefault("iterations", 0)
     record["seconds"] = time.perf_counter() - start

@@ -11,6 +11,7 @@ Train-rank code imports ``conversion`` (Megatron); generation-rank code does not
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field, replace
 
@@ -103,6 +104,9 @@ class RunSpec:
             raise ValueError(f"device 'cuda' runs colocated at train PP 1 (every rank shares the one GPU; "
                              f"pipeline activations travel over gloo), got colocated={self.colocated}, "
                              f"pp={self.train.pp}")
+        if self.device == "cuda" and self.dtype == "bfloat16" and self.num_train > 1 and not self.lora_rank:
+            raise ValueError(f"device 'cuda' trains bf16 over NCCL (over gloo a rank died, SIGSEGV), one train rank "
+                             f"on the one GPU: got {self.num_train}")
         if self.swap == "staged" and (self.gen.tp != 1 or self.lora_rank):
             raise ValueError(f"swap 'staged' runs with the HF receiver (gen TP 1, no LoRA), got gen tp {self.gen.tp}, "
                              f"lora rank {self.lora_rank}")
@@ -174,7 +178,11 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from megatron_refit.testing.faults import HoldRefits
     from megatron_refit.testing.progress import Bar
 
-    init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
+    if spec.device == "cuda" and spec.num_train == 1:  # NCCL, as Megatron trains (see RunSpec's checks)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{spec.megatron_port}", rank=0,
+                                             world_size=1, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    else:
+        init_gloo(rank, spec.num_train, spec.megatron_port, timeout_s=spec.timeout_s)
     init_model_parallel(spec.train)
     built = build_model(cfg, spec.train, dtype=getattr(torch, spec.dtype))
     if spec.device == "cuda":

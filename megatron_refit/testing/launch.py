@@ -178,6 +178,27 @@ def _context():
     return ctx
 
 
+def _others(first: int, procs, results, out: dict, may_die: frozenset[int], grace_s: float = 1.0) -> str:
+    """What the other ranks did within ``grace_s`` of rank ``first``'s failure: their own
+    failures' last lines and deaths, so a rank that fails because a peer crashed does not hide
+    the peer's cause (a rank's report can arrive after its peer's)."""
+    notes: dict[int, str] = {}
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.05)
+        except queue.Empty:
+            if all(p.exitcode is not None for r, p in enumerate(procs) if r != first and r not in out):
+                break  # every other rank has ended, and what they sent is read
+            continue
+        if not ok and rank != first:
+            notes[rank] = f"failed: {[line for line in str(value).splitlines() if line.strip()][-1][:300]}"
+    for r, p in enumerate(procs):
+        if r not in notes and r != first and r not in out and r not in may_die and p.exitcode not in (None, 0):
+            notes[r] = f"died with exit code {p.exitcode}"
+    return f" (meanwhile {'; '.join(f'rank {r} {n}' for r, n in sorted(notes.items()))})" if notes else ""
+
+
 def run_spawned(
     fn: Callable[..., Any],
     world_size: int,
@@ -233,7 +254,7 @@ from a warm forkserver with ``REFIT_SPAWN_PRELOAD``, see :data:`PRELOAD_ENV`).
                 else:
                     continue
             if not ok:
-                raise SpawnError(f"rank {rank} failed:\n{value}")
+                raise SpawnError(f"rank {rank} failed{_others(rank, procs, results, out, may_die)}:\n{value}")
             out[rank] = _from_bytes(value)
     finally:
         for p in procs:

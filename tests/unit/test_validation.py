@@ -67,3 +67,5 @@ def test_cuda_harness_runs_colocated_only():
         RunSpec(device="cuda")
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         RunSpec(device="tpu")
+    with pytest.raises(ValueError, match="device 'cuda' trains bf16 over NCCL .*one train rank on the one GPU: got 2"):
+        RunSpec(device="cuda", colocated=True, dtype="bfloat16", train=TrainLayout(tp=2))
