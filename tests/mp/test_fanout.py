@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.testing.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -308,7 +308,7 @@ def test_fanout_bench_reports_one_json_line():
     root = Path(__file__).resolve().parents[2]
     bench = [sys.executable, str(root / "scripts" / "bench_fanout.py")]
     run = subprocess.run([*bench, "--json", "--dim", "256", "--layers", "4", "--reps", "2", "--mbps", "200"],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+                         capture_output=True, text=True, timeout=300, cwd=root, env=preload_env("torch"))
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["bit_exact"] is True and result["relay_killed_ok"] is True

@@ -15,7 +15,7 @@ import torch
 from megatron_refit.endpoint.report import SUMMARY_KEYS
 from megatron_refit.fleet.heartbeat import BEATS_PER_STALL
 from megatron_refit.fleet.serving import SERVING_KEYS
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.testing.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -466,7 +466,7 @@ def test_fleet_bench_reports_one_json_line():
     root = Path(__file__).resolve().parents[2]
     bench = [sys.executable, str(root / "scripts" / "bench_fleet.py")]
     run = subprocess.run([*bench, "--json", "--dim", "64", "--layers", "2", "--reps", "2", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+                         capture_output=True, text=True, timeout=300, cwd=root, env=preload_env("torch"))
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["bit_exact"] is True and result["failed_replicas"] == {"3": [1], "5": [1]}
