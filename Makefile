@@ -29,8 +29,8 @@ setup-sglang: setup
 # SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
 # (scripts/run_suites.sh; a third lane does not help, the cores are busy), about even in CPU time:
 # the tiers whose tests spawn ranks (mp, megatron), beside vLLM, the vLLM server, SGLang and the
-# unit tier. Measured 2026-11-28 on a 2-core AMD EPYC: 1053 s (1053 s beside ~1000 s; 1,926 CPU-s),
-# over the budget.
+# unit tier. Measured 2026-11-28 on a 2-core AMD EPYC, two runs of one tree: 1053 s and 1118 s (1,926
+# and 2,102 CPU-s), over the budget.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
 	@scripts/run_suites.sh test-spawned - $(if $(filter 1,$(SKIP_VLLM)),,test-vllm) \
