@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.plan.fp8_layout import fp8_param_table
-from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.testing.run_spec import RunSpec
 
 SEQ, BATCH = 8, 2
 
@@ -37,95 +36,6 @@ refit:
 """
 """A training config as Bridge's ``pretrain()`` reads it (OmegaConf, the refit port from the
 environment): the Bridge-callback tests start from it."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunSpec:
-    model: str = "qwen3"
-    overrides: dict = field(default_factory=dict)
-    train: TrainLayout = TrainLayout()
-    gen: GenLayout = GenLayout()
-    bucket_bytes: int = 1 << 20
-    refits: int = 3
-    dtype: str = "float32"
-    megatron_port: int = 0
-    collect: bool = True
-    """Return weights and logits for checking (off in benchmarks)."""
-    timeout_s: float = 120.0
-    fp8: str = ""
-    """``"trainer"``: trainer-side blockwise FP8 quantization of the linear weights."""
-    offload: bool = False
-    """Trainer parameters live in host memory between steps (loaded for each step and refit)."""
-    colocated: bool = False
-    """Bucket bytes through shared staging buffers (:mod:`megatron_refit.transport.ipc`)."""
-    lora_rank: int = 0
-    """> 0: the trainer trains LoRA adapters of this rank (Bridge PEFT); refit 1 moves base +
-    adapters, later refits only the adapters (gen TP 1, the HF receiver merges)."""
-    lora_alpha: int = 8
-    device: str = "cpu"
-    """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
-    by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
-    progress: bool = False
-    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.testing.progress`: terminals only)."""
-    lr: float = 1e-2
-    """Learning rate of the step before each refit."""
-    delta: str = "off"
-    """``refit.delta``: ``on`` / ``auto`` send only the elements that changed since the last refit."""
-    swap: str = "in_place"
-    """``refit.swap``: ``staged`` streams into a copy while the engine serves, then swaps (gen TP 1)."""
-    swap_budget_bytes: int | None = None
-    """``refit.swap_budget_mb`` in bytes (None: the whole model)."""
-    fail_replica: tuple[int, int] | None = None
-    """``(replica, version)``: that engine replica's first rank raises while ``version`` lands (an
-    engine error, as a CUDA fault would); run with ``refit.on_replica_failure: continue``, the
-    other replicas land it and the next refit brings the replica back."""
-    fanout: str = "off"
-    """``refit.fanout``: the train ranks send to the chain's head, the replicas forward."""
-    overlap: bool = False
-    """``refit.overlap: on``: each refit sends from a snapshot in the background while the
-    next step trains (the export checked against is taken at the step boundary)."""
-    verify_serving: str | int = "off"
-    """``refit.verify_serving``: replicas score the probe after a version lands (the HF engine in band)."""
-    serving_tolerance: float | None = None
-    breaks: tuple[tuple[int, int, str], ...] = ()
-    """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
-    lands (:func:`~megatron_refit.testing.faults.break_post_load`); the serving check must catch it."""
-    hold_refits: bool = False
-    """``overlap``: each background refit starts (reads nothing) only once the next training
-    step has changed the weights (the last one once training ends), so every refit provably
-    overlaps a step."""
-
-    def __post_init__(self) -> None:
-        if self.fp8 not in ("", "trainer"):
-            raise ValueError(f"fp8 must be '' or 'trainer', got {self.fp8!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and (not self.colocated or self.train.pp != 1):
-            raise ValueError(f"device 'cuda' runs colocated at train PP 1 (every rank shares the one GPU; "
-                             f"pipeline activations travel over gloo), got colocated={self.colocated}, "
-                             f"pp={self.train.pp}")
-        if self.device == "cuda" and self.dtype == "bfloat16" and self.num_train > 1 and not self.lora_rank:
-            raise ValueError(f"device 'cuda' trains bf16 over NCCL (over gloo a rank died, SIGSEGV), one train rank "
-                             f"on the one GPU: got {self.num_train}")
-        if self.swap == "staged" and (self.gen.tp != 1 or self.lora_rank):
-            raise ValueError(f"swap 'staged' runs with the HF receiver (gen TP 1, no LoRA), got gen tp {self.gen.tp}, "
-                             f"lora rank {self.lora_rank}")
-        if self.fail_replica is not None:
-            replica, version = self.fail_replica
-            if not (0 <= replica < self.gen.dp and 1 <= version <= self.refits):
-                raise ValueError(f"--fail-replica {replica}@{version}: the replica must be in 0..{self.gen.dp - 1} "
-                                 f"(gen DP {self.gen.dp}) and the version in 1..{self.refits}")
-        if self.lora_rank and (self.gen.tp != 1 or self.fp8):
-            raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
-                             f"{self.gen.tp}, fp8 {self.fp8!r}")
-
-    @property
-    def num_train(self) -> int:
-        return self.train.world_size
-
-    @property
-    def num_gen(self) -> int:
-        return self.gen.world_size
 
 
 def tokens_for(version: int, vocab: int) -> torch.Tensor:
