@@ -60,5 +60,9 @@ $PIP install --no-deps "$wheel"
 $PIP install --no-deps -e .
 # the same torch / nvidia-* files in every project venv held once (hard links; scripts/link_venvs.py)
 "$VENV/bin/python" scripts/link_venvs.py "$VENV" .venv .venv-vllm .venv-vllm-cpu .venv-sglang
+# vLLM's model-info cache, filled here once per architecture (scripts/warm_vllm_cache.py), not by
+# the first test process of each: the venv's own cache, where tests/conftest.py and the test
+# server's environment (megatron_refit/testing/vllm_server.py) point vLLM
+VLLM_CACHE_ROOT="$(cd "$VENV" && pwd)/vllm-cache" HUMMING_DISABLE_PARALLEL_BUILD=1 "$VENV/bin/python" scripts/warm_vllm_cache.py
 echo "$want" > "$STAMP"
 echo "setup_vllm_venv: done ($VENV)"

@@ -6,6 +6,7 @@ the suites' largest cost on 2 cores is each fresh rank importing them again.
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,13 @@ if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload")
 elif importlib.util.find_spec("vllm") is not None or importlib.util.find_spec("sglang") is not None:
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload_engines")
+if importlib.util.find_spec("vllm") is not None:
+    # vLLM's model-info cache of this venv, filled at setup (scripts/warm_vllm_cache.py): without
+    # it each process that meets a model class first inspects it in a fresh interpreter
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
+    # vLLM 0.33's humming kernels start two interpreters in the background at import, to build a
+    # CUDA launcher that a CPU run never calls
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
 
 TIERS = ("unit", "mp", "megatron", "engines")

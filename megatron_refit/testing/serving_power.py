@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 
-STATES = {"flat": dict(steps=10, lr=1e-2, corpus=False), "peaked": dict(steps=150, lr=3e-3, corpus=True)}
-"""``flat``: 10 steps on random tokens from random init; ``peaked``: 150 steps on 8 repeated
-sequences (the trainer then predicts them with mean probability > 0.9)."""
+STATES = {"flat": dict(steps=10, lr=1e-2, corpus=False), "peaked": dict(steps=33, lr=5e-3, corpus=True)}
+"""``flat``: 10 steps on random tokens from random init; ``peaked``: 33 steps on 8 repeated
+sequences (the trainer then predicts them with mean probability 0.95: corpus loss 0.050; 150
+steps at lr 3e-3, 0.034, cost 4x as much). Much further (a loss near 0.01) the check's clean
+margin goes: docs/guide-serving.md, the "trained hard" rows."""
 FAULTS = ("nan", "rope", "swap", "expert x1.05", "o_proj x1.02")
 """A NaN in one routed expert's down projection; the RoPE base 1e6 for the config's 1e4; experts 3
 and 5 of layer 0 swapped; expert 3's down projection x1.05; layer 1's attention output x1.02."""

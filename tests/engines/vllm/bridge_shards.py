@@ -89,7 +89,11 @@ def load(out_dir: str, name: str, version: int, rank: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.testing.launch import PRELOAD_ENV, run_spawned
+
+    # the ranks fork from a forkserver that imported Megatron once (the engine suite that starts
+    # this script names its own environment's modules, which this one lacks)
+    os.environ[PRELOAD_ENV] = "megatron_refit.testing.preload"
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

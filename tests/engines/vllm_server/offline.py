@@ -77,7 +77,13 @@ def main() -> int:
     save_dir, checkpoint = sys.argv[1:3]
     port, refit_port = free_ports(2)
     args = (NUM_TRAIN, port, save_dir, checkpoint, refit_port)
-    other = mp.get_context("spawn").Process(target=_rank, args=(1, *args))  # rank 0 holds the LLM here:
+    # vLLM and the trainer side imported once, then rank 1 forked (still one thread: a fresh
+    # interpreter would import vLLM again, about 20 CPU-s on 2 cores)
+    import vllm.distributed.weight_transfer.factory  # noqa: F401
+    import vllm.plugins  # noqa: F401
+
+    import megatron_refit.engines.vllm.trainer.engine  # noqa: F401
+    other = mp.get_context("fork").Process(target=_rank, args=(1, *args))  # rank 0 holds the LLM here:
     other.start()  # vLLM starts processes of its own, which a daemonic rank could not
     try:
         out = _rank(0, *args)
