@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 # SKIP_SGLANG=1 skips the SGLang-engine tests (they need a 6 GB venv of their own).
 SKIP_SGLANG ?= 0
 
-.PHONY: setup setup-vllm setup-vllm-server setup-sglang setup-slurm test test-fast test-main test-spawned test-vllm test-vllm-server \
+.PHONY: setup setup-vllm setup-vllm-server setup-sglang setup-slurm test test-fast test-main test-spawned test-mp test-megatron test-vllm test-vllm-server \
 	test-sglang demo docs lint clean gpu-check
 setup:
 	@VENV=$(VENV) scripts/setup_venv.sh
@@ -27,14 +27,12 @@ setup-sglang: setup
 
 # All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
 # SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
-# (scripts/run_suites.sh; a third lane does not help, the cores are busy), about even in CPU time:
-# the tiers whose tests spawn ranks (mp, megatron), beside vLLM, the vLLM server, SGLang and the
-# unit tier. Measured 2026-11-28 on a 2-core AMD EPYC, two runs of one tree: 1053 s and 1118 s (1,926
-# and 2,102 CPU-s), over the budget.
+# (scripts/run_suites.sh; a third lane does not help, the cores are busy), each taking the next
+# suite not yet started, longest first.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
-	@scripts/run_suites.sh test-spawned - $(if $(filter 1,$(SKIP_VLLM)),,test-vllm) \
-		$(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
+	@scripts/run_suites.sh 2 test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
+		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
 # ranks, no Megatron), megatron (Megatron builds the models), engines (each in its own venv).
@@ -42,10 +40,18 @@ test-main: setup
 	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 tests/unit tests/mp tests/megatron; rc=$$?; \
 	echo "make test-main: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# The tiers whose tests spawn ranks (make test runs the unit tier in the other lane).
+# The tiers whose tests spawn ranks; make test runs each as a suite of its own.
 test-spawned: setup
 	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 tests/mp tests/megatron; rc=$$?; \
 	echo "make test-spawned: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-mp: setup
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=10 tests/mp; rc=$$?; \
+	echo "make test-mp: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-megatron: setup
+	@start=$$(date +%s); $(PY) -m pytest -q -rs --durations=15 tests/megatron; rc=$$?; \
+	echo "make test-megatron: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The unit tier alone (no process, no Megatron build): the check to run after every change.
 test-fast: setup

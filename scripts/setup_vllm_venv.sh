@@ -19,7 +19,7 @@ VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 TORCH=${TORCH:-}
 STAMP="$VENV/.setup-stamp"
 # pyproject.toml too: the editable install carries its entry points (the vLLM plugin)
-want="$DIST==$VLLM_VERSION $TORCH $(cat scripts/setup_vllm_venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$DIST==$VLLM_VERSION $TORCH $(cat scripts/setup_vllm_venv.sh scripts/warm_vllm_cache.py pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
 PY=$(.venv/bin/python -c 'import sys; print(sys.executable)' 2>/dev/null || true)
 [ -n "$PY" ] || { echo "setup_vllm_venv: run 'make setup' first (needs the Python 3.12 of .venv)" >&2; exit 1; }

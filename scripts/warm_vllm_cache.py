@@ -17,6 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+ALSO = ("Qwen2ForCausalLM",)
+"""Architectures the test suites build beside the supported families (Qwen2, whose q/k/v
+projections have biases: ``tests/engines/vllm/test_staged_prepare.py``)."""
+
 
 def main() -> int:
     root = os.environ.get("VLLM_CACHE_ROOT")
@@ -27,7 +31,7 @@ def main() -> int:
 
     from megatron_refit.families import FAMILIES
 
-    archs = sorted({arch for family in FAMILIES for arch in family.architectures})
+    archs = sorted({arch for family in FAMILIES for arch in family.architectures} | set(ALSO))
     missing = [arch for arch in archs if ModelRegistry._try_inspect_model_cls(arch) is None]
     if missing:
         print(f"warm_vllm_cache: vLLM has no model class for {missing}", file=sys.stderr)

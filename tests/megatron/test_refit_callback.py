@@ -303,11 +303,18 @@ def run_pretrain_refit(workdir: str, *, num_train: int = 2, device: str = "cpu",
                 losses=train[0]["record"]["losses"], closed=all(t["closed"] for t in train))
 
 
-def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
+@pytest.fixture(scope="module")
+def pretrain_runs(tmp_path_factory) -> dict:
+    """Bridge's pretrain() with the refit callback, once with ``verify_serving: on`` and once
+    ``off``; both tests below read them (its default, ``auto``, runs in the replicas test below)."""
+    return {mode: run_pretrain_refit(str(tmp_path_factory.mktemp(mode)), verify_serving=mode) for mode in ("on", "off")}
+
+
+def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(pretrain_runs):
     """Bridge's own pretrain() (mock data, bf16, DistributedOptimizer, overlap_param_gather,
     TP1 x DP2), the refit switched on in the training YAML and the callback list built as
     docs/quickstart.md shows; bit-exact at the start and after every iteration."""
-    result = run_pretrain_refit(str(tmp_path))
+    result = pretrain_runs["on"]
     assert result["versions"] == list(range(PRETRAIN_ITERATIONS + 1))
     assert result["iterations"] == PRETRAIN_ITERATIONS and result["closed"]
     for version, check in result["checks"].items():
@@ -318,15 +325,12 @@ def test_callback_inside_bridge_pretrain_with_overlapped_param_gather(tmp_path):
     assert len(losses) == PRETRAIN_ITERATIONS and len(set(losses)) == PRETRAIN_ITERATIONS
 
 
-def test_callback_verify_serving_inside_bridge_pretrain_changes_no_training(tmp_path):
+def test_callback_verify_serving_inside_bridge_pretrain_changes_no_training(pretrain_runs):
     """The serving check's reference forward runs where the callback runs, inside Bridge's own
     pretrain() (bf16, DistributedOptimizer, overlap_param_gather, TP1 x DP2): with the check on
-    every refit, the losses, every rank's generator states after every step and the weights the
-    engine holds are those of the same training with the check off, bit for bit."""
-    (tmp_path / "on").mkdir()
-    (tmp_path / "off").mkdir()
-    on = run_pretrain_refit(str(tmp_path / "on"), verify_serving="on")
-    off = run_pretrain_refit(str(tmp_path / "off"), verify_serving="off")
+    every refit, the losses, every rank's generator states after every step and the
+    weights the engine holds are those of the same training with the check off, bit for bit."""
+    on, off = pretrain_runs["on"], pretrain_runs["off"]
     assert on["losses"] == off["losses"] and len(set(on["losses"])) == PRETRAIN_ITERATIONS
     for version in on["versions"]:
         a, b = on["checks"][version], off["checks"][version]

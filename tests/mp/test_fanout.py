@@ -298,7 +298,7 @@ def test_fanout_deltas_travel_along_the_chain(tmp_path):
     assert [r["delta"] for r in gen[0]] == [False, True, True, True]
 
 
-def test_fanout_bench_reports_one_json_line():
+def test_fanout_bench_reports_one_json_line(capsys):
     """scripts/bench_fanout.py at a tiny size: direct and chain side by side, a head killed."""
     import json
     import subprocess
@@ -314,8 +314,12 @@ def test_fanout_bench_reports_one_json_line():
     assert result["bit_exact"] is True and result["relay_killed_ok"] is True
     assert result["trainer_egress_over_minimal"] == 1.0 and result["direct_egress_over_minimal"] == 3.0
     assert result["fanout_over_direct_s"] > 0
-    bad = subprocess.run([*bench, "--replicas", "1"], capture_output=True, text=True, timeout=120, cwd=root)
-    assert bad.returncode == 2 and "fan-out needs at least 2 replicas" in bad.stderr
+    sys.path.insert(0, str(root / "scripts"))  # its refusal, in this process (a fresh one imports torch again)
+    import bench_fanout
+
+    with pytest.raises(SystemExit) as bad:
+        bench_fanout.main(["--replicas", "1"])
+    assert bad.value.code == 2 and "fan-out needs at least 2 replicas" in capsys.readouterr().err
 
 
 def test_fanout_demo_megatron_to_three_transformers_replicas_in_a_chain(capfd):
