@@ -31,7 +31,7 @@ setup-sglang: setup
 # suite not yet started, longest first.
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
-	@scripts/run_suites.sh 2 test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
+	@scripts/run_suites.sh 3 test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
 		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
