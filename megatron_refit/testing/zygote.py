@@ -129,7 +129,8 @@ class Zygote:
 
 
 class Child:
-    """A forked child, as much of ``subprocess.Popen`` as the tests use."""
+    """A forked child, as much of ``subprocess.Popen`` as the tests use (:meth:`wait` raises
+    ``TimeoutError``)."""
 
     def __init__(self, zygote: Zygote, pid: int):
         self.zygote, self.pid = zygote, pid
@@ -140,7 +141,7 @@ class Child:
     def wait(self, timeout: float | None = None) -> int:
         code = self.zygote.exit_code(self.pid, 1e9 if timeout is None else timeout)
         if code is None:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            raise TimeoutError(f"the zygote's child {self.pid} did not exit within {timeout} s")
         return code
 
     def send_signal(self, sig: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -66,7 +65,7 @@ class _Rank:
     def exit_within(self, seconds: float) -> int | None:
         try:
             code = self.proc.wait(seconds)
-        except subprocess.TimeoutExpired:
+        except TimeoutError:
             return None
         self._stop.set()
         time.sleep(0.1)  # the tail reads what the rank wrote last
