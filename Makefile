@@ -31,9 +31,10 @@ setup-sglang: setup
 # 2026-11-28 on a 2-core AMD EPYC: 1,035-1,133 s with two lanes (the same tree varies by 10 %;
 # 1,127 s before this day's cuts), over the budget still; three lanes ran in 932 s, but there a
 # timing test (test_swap.py: the engine serves while a refit streams in) failed under the load.
+LANES ?= 3
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
-	@scripts/run_suites.sh 2 test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
+	@scripts/run_suites.sh $(LANES) test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
 		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned

@@ -73,7 +73,23 @@ def _generate(backend, stop: threading.Event, passes: list) -> None:
         passes.append((start, time.perf_counter(), version, logits[0, -1]))
 
 
-def _gen(spec: RunSpec, cfg, refit_cfg):
+def _hold_swap_for_a_pass(backend, passes: list, bound_s: float = 30.0) -> None:
+    """Before each swap, wait (at most ``bound_s``) until a forward pass has started and ended
+    after the swap was due: whatever the load on the machine, a staged engine then shows it
+    serves the previous version inside the refit's window. An engine that cannot serve while a
+    refit is open shows no such pass (the window then holds none of the previous version)."""
+    finalize = backend.finalize
+
+    def held():
+        due, deadline = time.perf_counter(), time.perf_counter() + bound_s
+        while time.perf_counter() < deadline and not any(p[0] >= due for p in passes[-3:]):
+            time.sleep(0.002)
+        finalize()
+
+    backend.finalize = held
+
+
+def _gen(spec: RunSpec, cfg, refit_cfg, hold_swap: bool):
     from megatron_refit.refit import engine_refit
     from megatron_refit.testing.harness import make_gen_backend
 
@@ -81,6 +97,8 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
     member = engine_refit(refit_cfg, backend, gen_index=0, num_train=spec.num_train)
     member.receive(1)  # the engine starts from the trainer's weights, then serves
     passes, refits, weights = [], [], {1: backend.state_dict_hf()}
+    if hold_swap:
+        _hold_swap_for_a_pass(backend, passes)
     stop = threading.Event()
     thread = threading.Thread(target=_generate, args=(backend, stop, passes), daemon=True)
     thread.start()
@@ -119,23 +137,26 @@ def _gen(spec: RunSpec, cfg, refit_cfg):
                 tags_monotonic=tags == sorted(tags), versions_served=sorted(set(tags)))
 
 
-def swap_rank(rank, world, port, spec: RunSpec):
+def swap_rank(rank, world, port, spec: RunSpec, hold_swap: bool = False):
     from megatron_refit.testing.harness import hf_config_for, refit_config
 
     torch.manual_seed(0)
     cfg = hf_config_for(spec)
     refit_cfg = refit_config(spec, port)
-    return _train(rank, spec, cfg, refit_cfg) if rank < spec.num_train else _gen(spec, cfg, refit_cfg)
+    return _train(rank, spec, cfg, refit_cfg) if rank < spec.num_train else _gen(spec, cfg, refit_cfg, hold_swap)
 
 
-def run_swap(spec: RunSpec) -> dict:
+def run_swap(spec: RunSpec, *, hold_swap: bool = False) -> dict:
+    """``hold_swap`` (tests): each swap waits for one forward pass that starts after it was due
+    (:func:`_hold_swap_for_a_pass`), so that a loaded machine cannot starve the generation thread
+    of the whole window; it lengthens the transfers it measures, so the bench leaves it off."""
     from dataclasses import replace
 
     from megatron_refit.testing.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)
-    out = run_spawned(swap_rank, spec.num_train + 1, spec, timeout_s=600, port=refit_port)
+    out = run_spawned(swap_rank, spec.num_train + 1, spec, hold_swap, timeout_s=600, port=refit_port)
     exports, gen = out[0]["exports"], out[-1]
     bit_exact = all(set(gen["weights"][v]) <= set(exports[v]) and
                     all(torch.equal(t, exports[v][n]) for n, t in gen["weights"][v].items()) for v in exports)
