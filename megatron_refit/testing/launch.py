@@ -11,13 +11,13 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import random
 import re
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from megatron_refit.testing.ports import free_port, free_ports  # noqa: F401 -- this module's callers take them here
 
 
 class SpawnError(RuntimeError):
@@ -30,48 +30,6 @@ class SpawnError(RuntimeError):
         lines = [line for line in str(self).splitlines() if line.strip()]
         match = re.match(r"([A-Za-z_][\w.]*): (.*)", lines[-1]) if len(lines) > 1 else None
         return (match.group(1).rsplit(".", 1)[-1], match.group(2)) if match else None
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports, below the kernel's ephemeral range where it is known:
-    a port from that range, free when chosen, can be taken by an outgoing connection (gloo's
-    pair connections, made by thousands in a test run) before the rendezvous binds it
-    (``EADDRINUSE``). All sockets are held until all are chosen (ports picked one at a time
-    could repeat)."""
-    low = _ephemeral_low()
-    socks = []
-    tries = 0
-    try:
-        while len(socks) < count:
-            tries += 1
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:  # the kernel's pick after 100 taken ones
-                s.bind(("127.0.0.1", _RNG.randrange(max(1024, low - 10000), low) if low and tries <= 100 else 0))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-_RNG = random.SystemRandom()  # not the random module's state: tests seed that
-
-
-def _ephemeral_low() -> int | None:
-    """The first port of the kernel's ephemeral range (Linux), if it leaves room below."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return low if low > 2048 else None
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _to_bytes(value: Any) -> bytes:
