@@ -13,6 +13,12 @@ import pytest
 
 if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload")
+    # Megatron-Core's fused activations and MoE routing go through torch.compile: on CPU each
+    # rank then looks up, loads and hashes Inductor's C++ builds (and runs g++ on a miss), about
+    # 15 % of a Megatron test's CPU; eager runs the same math (the refit moves weights, and every
+    # served-versus-trainer comparison has its measured tolerance). vLLM servers keep their own
+    # setting (megatron_refit.testing.vllm_server.server_env).
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 elif importlib.util.find_spec("vllm") is not None or importlib.util.find_spec("sglang") is not None:
     os.environ.setdefault("REFIT_SPAWN_PRELOAD", "megatron_refit.testing.preload_engines")
 if importlib.util.find_spec("vllm") is not None:

@@ -25,6 +25,8 @@ VLLM = (
     "megatron_refit.engines.vllm.worker.engine",
     "megatron_refit.engines.vllm.trainer.engine",
 )
+OURS = ("megatron_refit.refit", "megatron_refit.fleet.member", "megatron_refit.fleet.trainer_fleet")
+"""This project's modules every rank imports (neither side needs Megatron to import them)."""
 SGLANG = (
     "sglang.srt.server_args",
     "sglang.srt.managers.tp_worker",
@@ -47,6 +49,7 @@ with quiet_imports(r"vllm", r"sglang"):
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
+    _load(OURS)
     if importlib.util.find_spec("vllm") is not None:
         _load(VLLM)
     if importlib.util.find_spec("sglang") is not None:

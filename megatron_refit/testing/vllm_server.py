@@ -43,6 +43,7 @@ def server_env(tp: int = 1) -> dict[str, str]:
     a small host lacks)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHDYNAMO_DISABLE", None)  # the trainer-side tests' setting (tests/conftest.py), not vLLM's
     python = server_python()
     if python is not None:  # the venv's model-info cache, filled at setup (scripts/warm_vllm_cache.py)
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))),
