@@ -238,6 +238,12 @@ def _config(hf_config, *, train_iters, tp, dp, lr, overlap_param_gather, seed, m
     )
 
 
+MOCK_DOCUMENTS = 2000
+"""Documents of Megatron's mock dataset (its own default: 100,000, about 13 million samples of 16
+tokens, whose shuffle index each rank builds for each split: 2 s of a run's CPU). A few thousand
+iterations' worth is plenty for a run of a few."""
+
+
 def run_tiny_pretrain(hf_config, *, train_iters: int, callbacks: list, tp: int = 1, dp: int = 1,
                         lr: float = 1e-3, overlap_param_gather: bool = False, seed: int = 1234,
                         micro_batch_size: int = 1, seq_length: int = 16) -> dict:
@@ -278,8 +284,11 @@ def run_tiny_pretrain(hf_config, *, train_iters: int, callbacks: list, tp: int =
         config = _config(hf_config, train_iters=train_iters, tp=tp, dp=dp, lr=lr,
                          overlap_param_gather=overlap_param_gather, seed=seed,
                          micro_batch_size=micro_batch_size, seq_length=seq_length)
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
         with _env(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                  LOCAL_RANK=os.environ.get("LOCAL_RANK", os.environ["RANK"])), _helpers_prebuilt(), _cpu_patches():
+                  LOCAL_RANK=os.environ.get("LOCAL_RANK", os.environ["RANK"])), _helpers_prebuilt(), _cpu_patches(), \
+                _patched(MockGPTLowLevelDataset, "size", MOCK_DOCUMENTS):
             pretrain(config, forward_step, callbacks=[*callbacks, _Record()])
     record.setdefault("iterations", 0)
     record["seconds"] = time.perf_counter() - start
