@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     # the ranks fork from a forkserver that imported Megatron once (the engine suite that starts
     # this script names its own environment's modules, which this one lacks)
     os.environ[PRELOAD_ENV] = "megatron_refit.testing.preload"
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's torch.compile off, as in tests/conftest.py
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
