@@ -79,16 +79,37 @@ def local_slurm(tmp_path_factory):
         subprocess.run([script, "stop", str(state)], check=False, timeout=60)
 
 
+_DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE"}
+
+
 def _sbatch_wait(args: list[str], env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """``sbatch --wait ARGS``; a job still queued or running after ``timeout_s`` is cancelled and
-    fails the test with what SLURM says of it (its state and the reason it waits)."""
-    try:
-        return subprocess.run(["sbatch", "--wait", *args], cwd=ROOT, env=env, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], env=env, capture_output=True, text=True,
+    """``sbatch ARGS``, then the job's state every half second until it ends: the returned
+    ``returncode`` is the job's exit code (or 128 + the signal that ended it), as ``sbatch --wait``
+    gives (which polls at growing intervals: up to 15 s after the job ended). A job still queued
+    or running after ``timeout_s`` is cancelled and fails the test with what SLURM says of it
+    (its state and the reason it waits)."""
+    import time
+
+    submitted = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=60, check=False)
+    if submitted.returncode != 0:
+        print(submitted.stderr)
+        return submitted
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True,
                                timeout=30, check=False).stdout
-        subprocess.run(["scancel", "--user", "root"], env=env, timeout=30, check=False)
-        pytest.fail(f"sbatch {' '.join(args)} did not end within {timeout_s:g} s; squeue: {queue.strip()!r}")
+        state, code = re.search(r"JobState=(\S+)", shown), re.search(r"ExitCode=(\d+):(\d+)", shown)
+        if state and state.group(1) in _DONE and code:
+            exit_code, signal = int(code.group(1)), int(code.group(2))
+            return subprocess.CompletedProcess(args, 128 + signal if signal else exit_code)
+        time.sleep(0.5)
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], env=env, capture_output=True, text=True,
+                           timeout=30, check=False).stdout
+    subprocess.run(["scancel", "--user", "root"], env=env, timeout=30, check=False)
+    pytest.fail(f"sbatch {' '.join(args)} did not end within {timeout_s:g} s; squeue: {queue.strip()!r}")
 
 
 @pytest.mark.slow
