@@ -25,7 +25,10 @@ _RNG = random.SystemRandom()  # not the random module's state: tests seed that
 
 
 def _registry() -> str:
-    return os.environ.get("REFIT_PORTS_FILE") or os.path.join(tempfile.gettempdir(), "megatron-refit-ports.json")
+    """The registry file: ``REFIT_PORTS_FILE``, else one per user in the temp dir (another user's
+    would not be writable; their ports are still skipped when taken, by the bind)."""
+    return os.environ.get("REFIT_PORTS_FILE") or os.path.join(tempfile.gettempdir(),
+                                                              f"megatron-refit-ports-{os.getuid()}.json")
 
 
 def free_ports(count: int) -> list[int]:
