@@ -26,20 +26,22 @@ setup-sglang: setup
 	@SGLANG_VENV=$(SGLANG_VENV) scripts/setup_sglang_venv.sh
 
 # All suites (the vLLM ones unless SKIP_VLLM=1 / SKIP_VLLM_SERVER=1, the SGLang one unless
-# SKIP_SGLANG=1), timed after setup: the budget is 15 minutes. Two lanes at once
-# (scripts/run_suites.sh), each taking the next suite not yet started, longest first. Measured
-# 2026-11-28 on a 2-core AMD EPYC: 1,035-1,133 s with two lanes (the same tree varies by 10 %;
-# 1,127 s before this day's cuts), over the budget still; three lanes ran in 932 s, but there a
-# timing test (test_swap.py: the engine serves while a refit streams in) failed under the load.
-# The project's own modules are compiled first: this environment runs Python with
-# PYTHONDONTWRITEBYTECODE (and the ranks with -B), so each of the ~1,000 processes of a run
-# compiled them from source again otherwise (a stale .pyc is ignored by Python, never wrong).
+# SKIP_SGLANG=1), timed after setup: the budget is 15 minutes on 2 cores. Two lanes at once
+# (scripts/run_suites.sh), each taking the next suite not yet started. The order keeps the two
+# lanes' sums close: the Megatron tier then mp on one, the server suite then vllm, sglang and fast
+# on the other (whichever lane frees first takes the next). Measured on a 2-core AMD EPYC,
+# 2026-11-28: 1,035-1,133 s at the day's start; 896-938 s after its cuts in longest-first order
+# (megatron, server, mp, vllm, sglang, fast: test-fast alone at the end), which this order would
+# have made 854-925 s on the same runs. Three lanes are slower (1,220 s: every suite 1.5x, the
+# test CPU up a fifth). The project's own modules are compiled first: this environment runs
+# Python with PYTHONDONTWRITEBYTECODE (and the ranks with -B), so each of the ~1,000 processes of
+# a run compiled them from source again otherwise (a stale .pyc is ignored by Python, never wrong).
 LANES ?= 2
 test: setup $(if $(filter 1,$(SKIP_VLLM)),,setup-vllm) $(if $(filter 1,$(SKIP_VLLM_SERVER)),,setup-vllm-server) \
 		$(if $(filter 1,$(SKIP_SGLANG)),,setup-sglang)
 	@$(PY) -m compileall -q megatron_refit conversion scripts tests > /dev/null
-	@scripts/run_suites.sh $(LANES) test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) test-mp \
-		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
+	@scripts/run_suites.sh $(LANES) test-megatron $(if $(filter 1,$(SKIP_VLLM_SERVER)),,test-vllm-server) \
+		$(if $(filter 1,$(SKIP_VLLM)),,test-vllm) test-mp $(if $(filter 1,$(SKIP_SGLANG)),,test-sglang) test-fast
 
 # The tiers of tests/ (markers set by folder, tests/conftest.py): unit (no process), mp (spawned
 # ranks, no Megatron), megatron (Megatron builds the models), engines (each in its own venv).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make test: the suites in lanes at once (2 cores: one suite alone leaves about 45 % of them idle:
 # its ranks wait on each other, on servers starting, on the timeouts it tests). Each lane takes
-# the next suite not yet started, in the order given (longest first: the lanes then end close
-# together, whatever each suite's time on the day); each suite's output goes to
+# the next suite not yet started, in the order given (one that keeps the lanes' sums close: see
+# the Makefile's test target); each suite's output goes to
 # .test-logs/<suite>.log and is printed whole once it ends, then every suite's exit code, its
 # seconds, and the time in all.
 # Usage: scripts/run_suites.sh LANES SUITE... (make targets)
