@@ -48,6 +48,9 @@ class Receiver(Endpoint):
         """Version of the last complete refit (None before the first)."""
         self._moved = False
         """The engine re-allocated its parameters since the last refit: the next is a full one."""
+        self.gate: Callable[[int], None] | None = None
+        """The engine's :meth:`~megatron_refit.endpoint.storage.GatesTraffic.gate`, called at the start
+        of a refit the train ranks will check (``refit.verify_serving``); its member releases it."""
         self._set_state("stale")
 
     def _set_state(self, state: str) -> None:
@@ -88,6 +91,8 @@ class Receiver(Endpoint):
         or corrupted payload) is confined to it: the rest of the refit is received and
         dropped, so the group and every other rank carry on."""
         version, delta_from = self._agree_on_version(version, self._refresh_targets)
+        if self.probe_due and self.gate is not None:  # scored before it takes traffic
+            self.gate(version)
         if isinstance(self.storage, ExpectsVersion):  # a staged engine tags the swap with it
             self.storage.expect_version(version)
         self._set_state("updating")

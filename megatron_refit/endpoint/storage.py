@@ -11,6 +11,7 @@ those of a complete refit. Nothing here imports the endpoint, a transport or Meg
 from __future__ import annotations
 
 import threading
+import time
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -63,6 +64,18 @@ class ExpectsVersion(Protocol):
     def expect_version(self, version: int) -> None: ...
 
 
+@runtime_checkable
+class GatesTraffic(Protocol):
+    """Optional: keeps traffic off a version until its serving check passed
+    (``refit.verify_serving``: the version is scored before it takes traffic). The receiver
+    calls :meth:`gate` at the start of a checked refit; the engine's member calls
+    :meth:`release` once the verdict is in (a failed one holds the weights first)."""
+
+    def gate(self, version: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
 _LOCKS = threading.Lock()
 
 
@@ -81,17 +94,59 @@ class WeightsState:
     held: str | None = None
     """Why the engine refuses to serve the weights it holds (:meth:`hold`), until the next refit."""
 
+    gated: int | None = None
+    """A version under its serving check (:meth:`gate`): traffic's forward passes over it wait."""
+    last_gate_s: float = 0.0
+    """Seconds the last gated version was live before its verdict: what traffic waited on it."""
+    _live_at: float | None = None
+
     def set_state(self, state: str, version: int | None) -> None:
         if state not in STATES:
             raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
         with self.serving:  # a forward pass under way finishes on the weights it started with
             self.state, self.weights_version, self.held = state, version, None
+            if state == "ready" and version is not None and version == self.gated:
+                self._live_at = time.perf_counter()
 
     def hold(self, why: str) -> None:
         """The version these weights hold failed its serving check (``refit.verify_serving``,
         told in band): refuse to serve them (``stale``) until the next refit lands."""
         with self.serving:
             self.state, self.held = "stale", why
+            self._gate_condition.notify_all()  # traffic waiting at the gate is refused now
+
+    def gate(self, version: int) -> None:
+        """Refit ``version`` is checked: from the moment it goes live until :meth:`release` (or
+        :meth:`hold`), traffic's forward passes over it wait (:meth:`wait_gate`); the version
+        before it serves on meanwhile (a staged swap), and the probe's scoring passes."""
+        with self.serving:
+            self.gated, self._live_at = version, None
+
+    def release(self) -> None:
+        """The verdict is in: traffic waiting at the gate goes on (over the version, or refused
+        where it failed and was held)."""
+        with self.serving:
+            if self.gated is not None and self._live_at is not None:
+                self.last_gate_s = time.perf_counter() - self._live_at
+            self.gated = self._live_at = None
+            self._gate_condition.notify_all()
+
+    def wait_gate(self) -> None:
+        """Traffic, holding :attr:`serving`: wait while the version it would read is under its
+        check (the lock is free meanwhile: the probe scores, the verdict comes). The engine's
+        member releases the gate in every case once its refit and check end (each bounded by
+        ``refit.timeout_s``)."""
+        while self.gated is not None and self.gated == self.weights_version and self.state == "ready":
+            self._gate_condition.wait(timeout=1.0)
+
+    @property
+    def _gate_condition(self) -> threading.Condition:
+        condition = self.__dict__.get("_gate_cv")
+        if condition is None:
+            lock = self.serving  # created first: it takes _LOCKS too
+            with _LOCKS:
+                condition = self.__dict__.setdefault("_gate_cv", threading.Condition(lock))
+        return condition
 
     @property
     def serving(self) -> threading.Lock:

@@ -55,6 +55,8 @@ class _Client:
     lane: str
     pending: Future | None = None
     """The call whose outcome :meth:`ReplicaLanes.land` waits for (the receiving one)."""
+    gated: bool = False
+    """:meth:`ReplicaLanes.land` gated its client: the version is scored before it takes traffic."""
 
 
 class ReplicaLanes:
@@ -185,9 +187,12 @@ class ReplicaLanes:
             return
         entry.pending = self._submit(entry, self.receive_call(version, full))
 
-    def land(self, replica: int, version: int) -> None:
+    def land(self, replica: int, version: int, *, gate: bool = False) -> None:
         """After replica ``replica``'s group carried refit ``version``: its receiving call's
-        outcome, then the call that makes the version live (``EngineLoadError`` if either failed)."""
+        outcome, then the call that makes the version live (``EngineLoadError`` if either failed).
+        ``gate`` (its serving check follows): a client that can keep traffic off the version
+        until the verdict (``gate(timeout_s)``: the offline ``LLM``) does so from before it lands;
+        :meth:`release` ends it."""
         entry = self._entry(replica)
         if entry is None:
             return
@@ -196,6 +201,10 @@ class ReplicaLanes:
             reason = _outcome(pending, self.timeout_s)
             if reason:
                 raise EngineLoadError(f"{self.engine} replica {replica}: receiving version {version} failed: {reason}")
+        if gate and callable(getattr(entry.client, "gate", None)):
+            # land, score and verdict each within timeout_s: the gate opens or holds before 3 x timeout_s
+            self._submit(entry, lambda client: client.gate(3 * self.timeout_s))
+            entry.gated = True
         reason = _outcome(self._submit(entry, self.land_call(version)), self.timeout_s)
         if reason:
             raise EngineLoadError(f"{self.engine} replica {replica}: making version {version} live failed: {reason}")
@@ -223,11 +232,26 @@ class ReplicaLanes:
         fails or does not return is logged: the failure is reported all the same); the next version
         that lands on it resumes it."""
         entry = self._entry(replica)
+        if entry is not None:
+            entry.gated = False  # a hold ends a gate (a waiting generate is refused)
         if entry is not None and callable(getattr(entry.client, "hold", None)):
             reason = _outcome(self._submit(entry, lambda client: client.hold()), self.timeout_s)
             if reason:
                 logger.error("%s replica %d failed its serving check and could not be held: %s",
                              self.engine, replica, reason)
+
+    def release(self, replica: int, *, passed: bool) -> None:
+        """The verdict on a replica :meth:`land` gated: it ``passed`` (traffic goes on, over the
+        version; also where it could not be scored under ``auto``) or not (its client holds: a
+        waiting ``generate`` is refused). Nothing where the client was not gated."""
+        entry = self._entry(replica)
+        if entry is None or not entry.gated:
+            return
+        entry.gated = False
+        reason = _outcome(self._submit(entry, lambda client: client.release() if passed else client.hold()),
+                          self.timeout_s)
+        if reason:
+            logger.error("%s replica %d: ending its serving check's gate failed: %s", self.engine, replica, reason)
 
     def forget(self, replica: int) -> None:
         """The fleet dropped replica ``replica`` (it left, or its group broke): its client and lane

@@ -13,6 +13,7 @@ from megatron_refit.endpoint.integrity import in_force
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
+from megatron_refit.endpoint.storage import GatesTraffic
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.fleet.heartbeat import stall_s
 from megatron_refit.fleet.serving import exchange_in_band, verdict_in_band
@@ -148,6 +149,8 @@ class EngineMember(_Member):
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
         self._hold_storage = getattr(storage, "hold", None)
         """How the engine stops serving a version that failed its serving check, if it can."""
+        self._gates = storage if isinstance(storage, GatesTraffic) else None
+        """An engine that keeps traffic off a checked version until its verdict (scored first)."""
         kw = dict(_endpoint_kw(cfg, num_train, on_report), relay=relay)
         self.group = group
         self.relay = relay
@@ -165,20 +168,27 @@ class EngineMember(_Member):
         else:
             self.full = Receiver(group, storage, **kw)
             self.plan = self.full.prepare()
+        for endpoint in (self.full, self.adapters):
+            if endpoint is not None and self._gates is not None:
+                endpoint.gate = self._gates.gate
         self._last = self.full
 
     def receive(self, version: int | None = None, *, full: bool = False) -> RefitReport:
         """Receive refit ``version`` into the engine (see :meth:`TrainerMember.refit`); None:
         the version the train ranks send next (a replica that joined a running trainer)."""
         self._last = self._endpoint(full)
-        report = self._last.receive(version)
-        self._advance(report.version)
-        if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
-            exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None,
-                             stale=self._last.stale_live)
-            failed = verdict_in_band(self.group, self.num_train)
-            if failed is not None:
-                self._hold(failed)
+        try:
+            report = self._last.receive(version)
+            self._advance(report.version)
+            if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
+                exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None,
+                                 stale=self._last.stale_live)
+                failed = verdict_in_band(self.group, self.num_train)
+                if failed is not None:
+                    self._hold(failed)
+        finally:  # the verdict is in (or the refit ended without one): traffic goes on, or is refused if held
+            if self._gates is not None:
+                self._gates.release()
         return report
 
     def _hold(self, why: str) -> None:

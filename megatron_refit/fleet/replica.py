@@ -23,8 +23,14 @@ class ReplicaHooks(Protocol):
     def start(self, replica: int, version: int, full: bool) -> None:
         """Before the replica's bytes move (its engine's receiving call, not waited for)."""
 
-    def land(self, replica: int, version: int) -> None:
-        """Once its group carried the refit: the engine makes the version live (or raises)."""
+    def land(self, replica: int, version: int, *, gate: bool = False) -> None:
+        """Once its group carried the refit: the engine makes the version live (or raises);
+        ``gate``: its serving check follows, and an engine that can keeps traffic off the
+        version until :meth:`release`."""
+
+    def release(self, replica: int, *, passed: bool) -> None:
+        """The verdict on a version :meth:`land` gated: traffic goes on (``passed``) or the
+        engine holds."""
 
     def score(self, replica: int, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Once the version is live: the engine's per-token log-probs of ``sequences`` through its
@@ -108,8 +114,9 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
             out.error = ReplicaFailedError(f"refit {version}: engine replica {replica} could not apply it: {why}",
                                            report=out.report)
             return out
+        gate = probe is not None and rank == 0 and not probing.in_band  # scored before it takes traffic
         if hooks is not None:
-            hooks.land(replica, version)  # its error fails this replica alone (its group is intact)
+            hooks.land(replica, version, gate=gate)  # its error fails this replica alone (its group is intact)
         if probe is not None and rank == 0:
             if probing.in_band:
                 out.serving = verdict
@@ -119,12 +126,17 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
                         raise ServingUnavailableError("train rank 0 holds no control client of this engine to ask it")
                     return hooks.score(replica, probe.sequences)
                 out.serving = probing.check.verdict(replica, version, score, probing.reference, probe)
+                if hooks is not None:
+                    hooks.release(replica, passed=True)
     except ServingMismatchError as exc:
         out.error, out.serving = exc, dict(max_dlogprob=exc.max_dlogprob, seconds=0.0, mismatch=True)
         if hooks is not None:
             hooks.hold(replica)
+            hooks.release(replica, passed=False)
     except Exception as exc:  # noqa: BLE001 -- one replica's failure is its outcome, not raised here
         out.error = exc
         if isinstance(exc, ReplicaFailedError) and exc.report is not None:
             out.report = exc.report
+        if hooks is not None:  # a gated version that failed to land or to be judged takes no traffic
+            hooks.release(replica, passed=False)
     return out

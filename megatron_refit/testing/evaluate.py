@@ -65,6 +65,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             failed_replicas=t_items[0].get("failed_replicas", {}),
             serves={g["gen_index"] // spec.gen.tp: item.get("serves") for g, item in landed},
             pause_s=max((item["pause_s"] for item in g_items if item.get("pause_s") is not None), default=None),
+            traffic={g["gen_index"] // spec.gen.tp: item.get("traffic") for g, item in landed if item.get("traffic")},
+            gate_s=max((item["gate_s"] or 0.0 for item in g_items if item.get("gate_s") is not None), default=None),
             replicas_ok=t_items[0]["report"]["summary"]["refit/replicas_ok"],
             serving={k.removeprefix("refit/serving_"): v for k, v in t_items[0]["report"]["summary"].items()
                      if k.startswith("refit/serving_")},

@@ -20,6 +20,7 @@ import torch
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.testing.run_spec import RunSpec
+from megatron_refit.testing.traffic import Traffic
 
 SEQ, BATCH = 8, 2
 
@@ -226,6 +227,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     fail_at = spec.fail_replica[1] if spec.fail_replica and gen_index == spec.fail_replica[0] * spec.gen.tp else None
     armed = _failing(backend) if fail_at else [False]
     breaks = _breaking(backend, spec, gen_index)
+    traffic = Traffic(backend, tokens_for(0, cfg.vocab_size)[:, :4]) if spec.traffic else None
     out = []
     for version in range(1, spec.refits + 1):
         armed[0] = version == fail_at
@@ -239,13 +241,24 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue
         item = dict(report=report.as_dict(), serves=_serves(backend, cfg),
-                    pause_s=getattr(backend, "last_pause_s", None))  # a staged swap's hold of the engine
+                    pause_s=getattr(backend, "last_pause_s", None),  # a staged swap's hold of the engine
+                    gate_s=_gate_s(backend), traffic=traffic.take() if traffic else None)
         if spec.collect:
             weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
+    if traffic is not None:
+        traffic.close()
     return dict(role="gen", gen_index=gen_index, refits=out), member
+
+
+def _gate_s(backend) -> float | None:
+    """Seconds this refit's version was live before its serving check's verdict (0.0: unchecked)."""
+    seconds = getattr(backend, "last_gate_s", None)
+    if seconds is not None:
+        backend.last_gate_s = 0.0
+    return seconds
 
 
 def _serves(backend, cfg) -> bool | str | None:

@@ -61,6 +61,10 @@ class RunSpec:
     breaks: tuple[tuple[int, int, str], ...] = ()
     """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
     lands (:func:`~megatron_refit.testing.faults.break_post_load`); the serving check must catch it."""
+    traffic: bool = False
+    """HF engine ranks answer one forward pass from a client thread each time a version goes live
+    (:class:`~megatron_refit.testing.traffic.Traffic`): each refit's ``traffic`` lists the versions
+    those passes were answered with, or ``"refused"``."""
     hold_refits: bool = False
     """``overlap``: each background refit starts (reads nothing) only once the next training
     step has changed the weights (the last one once training ends), so every refit provably

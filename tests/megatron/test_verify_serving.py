@@ -305,9 +305,17 @@ def _broken_run(verify: str, model: str, breaks, **kw) -> list[dict]:
 def test_verify_serving_catches_permuted_experts_and_an_unloaded_layer_on_exactly_that_replica(verify):
     """Qwen3-MoE, train TP2xEP2 into gen TP1xDP2, deltas on: replica 1's post-load step swaps
     two experts (version 2), then leaves a layer unloaded (version 3). With the check off the
-    same refits report success while replica 1 holds other weights: only the check catches it."""
-    refits = _broken_run(verify, "qwen3-moe", ((BROKEN, 2, "permute_experts"), (BROKEN, 3, "unload_layer")))
+    same refits report success while replica 1 holds other weights: only the check catches it.
+    A client asks each replica for a forward pass the moment a version goes live: with the check
+    on, that pass waits for the verdict, so no answer ever comes from a version that failed it."""
+    refits = _broken_run(verify, "qwen3-moe", ((BROKEN, 2, "permute_experts"), (BROKEN, 3, "unload_layer")),
+                         traffic=True)
     assert [r["bit_exact"] for r in refits] == [True, False, False, True]  # the breaks are real
+    for r in refits:  # a client's pass asked the moment each version went live, on each replica
+        failed = set(r["failed_replicas"]) if verify == "on" else set()
+        assert r["traffic"] == {rep: ["refused" if rep in failed else r["version"]] for rep in (0, BROKEN)}, r
+    # checked: each version was scored before it took traffic (the pass waited for the verdict)
+    assert [r["gate_s"] > 0 for r in refits] == [verify == "on"] * 4, [r["gate_s"] for r in refits]
     if verify == "off":
         assert all(r["failed_replicas"] == {} and r["serving"]["checked"] == 0 for r in refits)
         assert all(r["serves"] == {0: True, BROKEN: True} for r in refits)  # nobody told: it serves the wrong model

@@ -168,8 +168,10 @@ class HFStorage(WeightsState):
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         """One forward pass: the logits and the version of the weights that produced them
-        (the pass holds :attr:`serving`, so a swap waits for it and it sees one version)."""
+        (the pass holds :attr:`serving`, so a swap waits for it and it sees one version; over a
+        version under its serving check it waits for the verdict: :meth:`wait_gate`)."""
         with self.serving:
+            self.wait_gate()  # a version under its serving check takes no traffic before its verdict
             return self._forward(tokens), self.weights_version
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,8 @@ def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, ref
         served = dict(tokens=complete(url, prompt, NEW_TOKENS), version=weight_version(url)) if rank == 0 else {}
         return dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
                     checked=report.summary["refit/serving_checked"],
-                    dlogprob=report.summary["refit/serving_max_dlogprob"], **served)
+                    dlogprob=report.summary["refit/serving_max_dlogprob"],
+                    serving_s=report.summary["refit/serving_s"], refit_s=report.summary["refit/total_s"], **served)
 
     refits = [refit_once(step) for step in (1, 2)]
     broken = {}
@@ -264,10 +265,13 @@ def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, ref
     engine.shutdown()
     train_step(built, optimizer, tokens)  # a version the offline engine has not seen
     weights, adapters = local_pieces(built.bridge, built.model, cfg)
-    probe = make_probe(None, cfg.vocab_size).sequences  # what LLMClient.score is asked in offline.py
+    probe = make_probe(None, cfg.vocab_size).sequences  # what the offline run's serving check asks LLMClient
+    forward = trainer_forward(built.model, cfg)
+    logprobs = forward(probe)
     torch.save(dict(weights=[(p.spec, p.tensor().detach().clone()) for p in weights], prompt=prompt,
                     megatron=greedy_decode(built, prompt, NEW_TOKENS), probe=[list(q) for q in probe],
-                    logprobs=trainer_forward(built.model, cfg)(probe)), os.path.join(save_dir, f"rank{rank}.pt"))
+                    logprobs=logprobs, scale=forward.scale, vocab_size=cfg.vocab_size),
+               os.path.join(save_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return dict(refits=refits, broken=broken)
 

@@ -6,7 +6,9 @@ under the old weights. And a request running while ``update_weights`` writes wou
 versions. These clients close both holes around every update:
 
 - :class:`LLMClient` over an offline ``vllm.LLM`` (its calls are synchronous, so no request
-  runs during an update): the prefix cache is reset after ``finish_weight_update``.
+  runs during an update): the prefix cache is reset after ``finish_weight_update``. A version
+  the fleet checks (``refit.verify_serving``) is scored before it takes traffic: ``generate``
+  waits at the client's gate from before the version lands until the verdict.
 - :class:`HTTPClient` over ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1`` exposes the RL routes):
   ``/pause`` (in-flight requests finish or are aborted; KV and prefix caches are cleared)
   before ``start_weight_update`` and ``/resume`` after ``finish_weight_update``. After a
@@ -23,6 +25,7 @@ versions. These clients close both holes around every update:
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from typing import Any
@@ -42,6 +45,10 @@ class LLMClient:
         self.llm = llm
         self.version: str | None = None
         """The weight version of the last update that completed."""
+        self._opened: threading.Event | None = None
+        """Set when the gate (:meth:`gate`) of the version under its serving check opens."""
+        self._gating = False
+        """:meth:`gate` was called for the update under way (its finish keeps the gate closed)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -55,8 +62,41 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()  # no prompt may reuse KV computed under the old weights
-        self.llm.__dict__.pop("generate", None)  # a version landed: a hold (below) ends
+        gated, self._gating = self._gating, False
+        if not gated:  # a version landed unchecked: a hold (below), or a gate left without a verdict, ends
+            self.llm.__dict__.pop("generate", None)
+            self._open()
         self.version = weight_version
+
+    def gate(self, timeout_s: float = 900.0) -> None:
+        """The version about to land is scored before it takes traffic (``refit.verify_serving``):
+        from now until :meth:`release` (it passed) or :meth:`hold` (it did not), this ``LLM``'s
+        ``generate`` waits, then runs over the version or is refused; after ``timeout_s`` without
+        a verdict it raises :class:`~megatron_refit.errors.StaleWeightsError`. The probe's own
+        scoring passes."""
+        self._open()  # one left without a verdict
+        opened = self._opened = threading.Event()
+        self._gating = True
+        llm = self.llm
+
+        def waiting(*args, **kwargs):
+            if not opened.wait(timeout_s):
+                raise StaleWeightsError(f"vLLM LLM: the version under its serving check (refit.verify_serving) got "
+                                        f"no verdict within {timeout_s:g} s; refusing to generate from it")
+            return llm.generate(*args, **kwargs)  # now the class's (released) or the refusal (held)
+
+        llm.generate = waiting
+
+    def release(self) -> None:
+        """The gated version passed its serving check: ``generate`` runs over it again (calls that
+        waited go on)."""
+        self.llm.__dict__.pop("generate", None)
+        self._open()
+
+    def _open(self) -> None:
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            opened.set()
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
@@ -73,6 +113,8 @@ class LLMClient:
                                     "(refit.verify_serving); refusing to generate until the next refit lands")
 
         self.llm.generate = refused
+        self._gating = False
+        self._open()  # calls waiting at a gate are refused
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The serving probe (``refit.verify_serving``) through ``LLM.generate``: each prompt's
