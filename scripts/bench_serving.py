@@ -11,6 +11,10 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   divides it by N);
 - ``reference_s``: the trainer's forward alone (what the training loop waits for under
   ``refit.overlap: on``);
+- ``gate_s``: how long a checked version is live but kept from traffic until its verdict (it is
+  scored before it takes traffic), beside ``blocked_s``, what the refit itself blocks traffic for
+  (in place: the whole refit; ``staged``: the swap's pause, measured in a second run under
+  ``refit.swap: staged``), and their ratio ``gate_over_blocked``;
 - ``caught_broken``: a second run whose replica 1 keeps its first decoder layer from before the
   refit at version 3 (:func:`megatron_refit.testing.faults.break_post_load`): the check names
   replica 1 at version 3 and no other, and the next refit serves right again.
@@ -60,14 +64,19 @@ def _cpu() -> str:
         return platform.processor()
 
 
-def measure(shape: dict, refits: int, warmup: int) -> dict:
+def measure(shape: dict, refits: int, warmup: int, swap: str = "in_place") -> dict:
     spec = RunSpec(model="qwen3", overrides=shape, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2),
-                   refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving="on")
-    summaries = [r["serving"] | {"total_s": r["refit_s"]} for r in evaluate(spec, run(spec))["refits"]]
+                   refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving="on", swap=swap)
+    summaries = [r["serving"] | {"total_s": r["refit_s"], "gate_s": r["gate_s"], "pause_s": r["pause_s"]}
+                 for r in evaluate(spec, run(spec))["refits"]]
     kept = summaries[warmup:]
     check = statistics.median(s["s"] for s in kept)
     refit = statistics.median(s["total_s"] for s in kept)
-    return dict(refit_s=refit, serving_check_s=check, check_over_refit=check / refit,
+    gate = statistics.median(s["gate_s"] for s in kept)
+    # what traffic cannot be answered for: in place the whole refit, staged the swap; plus the gate
+    blocked = statistics.median(s["pause_s"] for s in kept) if swap == "staged" else refit
+    return dict(refit_s=refit, serving_check_s=check, check_over_refit=check / refit, gate_s=gate,
+                blocked_s=blocked, gate_over_blocked=gate / blocked,
                 reference_s=statistics.median(s["reference_s"] for s in kept),
                 max_dlogprob=max(s["max_dlogprob"] for s in summaries),
                 mean_dlogprob=max(s["mean_dlogprob"] for s in summaries), tolerance=default_tolerance("float32"),
@@ -119,6 +128,13 @@ def main(argv=None) -> dict:
     result = measure(shape, args.refits, args.warmup)
     print(f"refit {result['refit_s'] * 1e3:.1f} ms, serving check {result['serving_check_s'] * 1e3:.1f} ms "
           f"(x{result['check_over_refit']:.2f}), max |dlogprob| {result['max_dlogprob']:.2e}", flush=True)
+    staged = measure(shape, args.refits, args.warmup, swap="staged")
+    result["staged"] = {k: staged[k] for k in ("refit_s", "serving_check_s", "gate_s", "blocked_s",
+                                               "gate_over_blocked")}
+    for name, r in (("in place", result), ("staged", staged)):
+        print(f"{name}: a checked version is scored before it takes traffic: gate {r['gate_s'] * 1e3:.1f} ms "
+              f"on top of {r['blocked_s'] * 1e3:.2f} ms blocked by the refit (x{r['gate_over_blocked']:.2f})",
+              flush=True)
     result |= caught(shape)
     print(f"caught_broken {result['caught_broken']} (replica 1 at version {BROKEN_AT}: "
           f"|dlogprob| {result['broken_dlogprob']:.3g})", flush=True)
