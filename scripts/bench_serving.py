@@ -11,6 +11,9 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   divides it by N);
 - ``reference_s``: the trainer's forward alone (what the training loop waits for under
   ``refit.overlap: on``);
+- ``added_s``: what the check adds to the training loop's wait for a refit (``fleet.refit``'s wall
+  time, every refit checked, against a run with the check off, side by side), ``wall_off_s`` that
+  wait without it, and ``added_over_refit_auto`` the share under ``auto`` (every 10th refit);
 - ``gate_s``: how long a checked version is live but kept from traffic until its verdict (it is
   scored before it takes traffic), beside ``blocked_s``, what the refit itself blocks traffic for
   (in place: the whole refit; ``staged``: the swap's pause, measured in a second run under
@@ -64,11 +67,26 @@ def _cpu() -> str:
         return platform.processor()
 
 
-def measure(shape: dict, refits: int, warmup: int, swap: str = "in_place") -> dict:
+def _runs(shape: dict, refits: int, swap: str, verify: str) -> list[dict]:
     spec = RunSpec(model="qwen3", overrides=shape, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2),
-                   refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving="on", swap=swap)
-    summaries = [r["serving"] | {"total_s": r["refit_s"], "gate_s": r["gate_s"], "pause_s": r["pause_s"]}
-                 for r in evaluate(spec, run(spec))["refits"]]
+                   refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving=verify, swap=swap)
+    return [r["serving"] | {k: r[k] for k in ("refit_s", "gate_s", "pause_s", "wall_s")} | {"total_s": r["refit_s"]}
+            for r in evaluate(spec, run(spec))["refits"]]
+
+
+def added(shape: dict, refits: int, warmup: int) -> dict:
+    """What the check adds to the training loop's wait for a refit (``fleet.refit``'s wall time),
+    every refit checked against none, side by side: ``added_s`` and, under ``auto`` (every 10th
+    refit), ``added_over_refit_auto``."""
+    walls = {verify: statistics.median(r["wall_s"] for r in _runs(shape, refits, "in_place", verify)[warmup:])
+             for verify in ("off", "on")}
+    more = walls["on"] - walls["off"]
+    return dict(wall_off_s=walls["off"], wall_on_s=walls["on"], added_s=more,
+                added_over_refit_auto=more / 10 / walls["off"])
+
+
+def measure(shape: dict, refits: int, warmup: int, swap: str = "in_place") -> dict:
+    summaries = _runs(shape, refits, swap, "on")
     kept = summaries[warmup:]
     check = statistics.median(s["s"] for s in kept)
     refit = statistics.median(s["total_s"] for s in kept)
@@ -128,6 +146,9 @@ def main(argv=None) -> dict:
     result = measure(shape, args.refits, args.warmup)
     print(f"refit {result['refit_s'] * 1e3:.1f} ms, serving check {result['serving_check_s'] * 1e3:.1f} ms "
           f"(x{result['check_over_refit']:.2f}), max |dlogprob| {result['max_dlogprob']:.2e}", flush=True)
+    result |= added(shape, args.refits, args.warmup)
+    print(f"the check adds {result['added_s'] * 1e3:.1f} ms to the training loop's {result['wall_off_s'] * 1e3:.1f} ms "
+          f"wait for a refit: under auto (every 10th) {result['added_over_refit_auto']:.1%}", flush=True)
     staged = measure(shape, args.refits, args.warmup, swap="staged")
     result["staged"] = {k: staged[k] for k in ("refit_s", "serving_check_s", "gate_s", "blocked_s",
                                                "gate_over_blocked")}

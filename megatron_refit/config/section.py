@@ -204,7 +204,9 @@ class RefitConfig:
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the
-    rest in place under the pause, which then starts when the first of them is written."""
+    rest in place under the pause, which then starts when the first of them is written. vLLM:
+    the staging buffers and the shadow together; a version whose shadow does not fit loads
+    under the pause (named in the log)."""
     model: str | None = None
     """Preset of ``conversion.testing.hf_configs.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""

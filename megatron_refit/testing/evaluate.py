@@ -71,6 +71,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             serving={k.removeprefix("refit/serving_"): v for k, v in t_items[0]["report"]["summary"].items()
                      if k.startswith("refit/serving_")},
             refit_s=t_items[0]["report"]["summary"]["refit/total_s"],
+            wall_s=max((item["wall_s"] for item in t_items if "wall_s" in item), default=None),
             bytes_relayed=t_items[0]["report"]["summary"]["refit/bytes_relayed"],
             relay_fallbacks=t_items[0]["report"]["summary"]["refit/relay_fallbacks"],
             skipped_params=t_items[0]["report"]["summary"]["refit/skipped_params"],

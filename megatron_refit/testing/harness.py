@@ -146,12 +146,14 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             offloader.offload()  # between steps the parameters wait in host memory
             if any(p.numel() for p in params):
                 raise RuntimeError("offload left parameters in place")
+        t0 = time.perf_counter()
         report = fleet.refit(version)
+        wall = time.perf_counter() - t0  # what the training loop waited for (the serving check too)
         if offloader is not None:
             if not offloader.offloaded:  # the refit puts them back where it found them
                 raise RuntimeError(f"refit {version} left offloaded parameters loaded")
             offloader.onload()  # for the checks below
-        item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas)
+        item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas, wall_s=wall)
         if spec.collect:
             item.update(_trainer_weights(spec, built, cfg, rank))
         out.append(item)

@@ -31,6 +31,9 @@ class _Received:
 class _Backend:
     """Staging buffers that record where they were loaded: the live model or a shadow."""
 
+    nbytes = 1 << 20
+    """The staging buffers' bytes."""
+
     def __init__(self):
         self.loads: list[str] = []
 
@@ -78,6 +81,21 @@ def test_staged_version_that_cannot_be_prepared_beside_the_model_is_named_and_lo
     assert staged._backend.loads == ["live"]  # vLLM's reload of the live model, under the pause
     assert staged.state == "ready" and staged.weights_version == 1
     assert staged.last_swap["prepared"] is False and staged.last_swap["why"] == why and staged.last_swap["swap_s"] >= 0
+
+
+def test_staged_shadow_over_swap_budget_mb_is_not_made_the_version_loads_under_the_pause_named(staged, caplog):
+    """refit.swap_budget_mb bounds the staging buffers and the shadow together: here the buffers
+    (1 MiB) leave 4 bytes, and the shadow of the model (a Linear(1, 1): 8 bytes) does not fit."""
+    staged._budget_bytes = staged._backend.nbytes + 4
+    staged.start_weight_update()
+    staged.update_weights({"version": 3})
+    with caplog.at_level(logging.WARNING, logger="megatron_refit"):
+        staged.update_weights({"version": 3, "complete": True})
+    assert any("loads under the pause: its shadow would take about" in r.getMessage()
+               and "refit.swap_budget_mb" in r.getMessage() for r in caplog.records), caplog.text
+    staged.finish_weight_update()
+    assert staged._backend.loads == ["live"] and staged.state == "ready"
+    assert staged.last_swap["prepared"] is False and staged.last_swap["staging_bytes"] == 1 << 20
 
 
 def test_staged_version_whose_preparation_fails_fails_its_update_weights_and_never_touches_the_live_model(

@@ -78,6 +78,11 @@ class StagedPiecesStorage:
     def target_specs(self) -> list[ShardSpec]:
         return list(self._pieces)
 
+    @property
+    def nbytes(self) -> int:
+        """The staging buffers' bytes (on the engine's device)."""
+        return sum(t.nbytes for t in self._staged.values())
+
     def buffer(self, name: str) -> torch.Tensor:
         return self._staged[name]
 
@@ -135,6 +140,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._staged_swap = False
         self._backend = None
         self._timeout_s = 0.0
+        self._budget_bytes: int | None = None
+        """``refit.swap_budget_mb`` in bytes: the staging buffers and the shadow together (None: no bound)."""
         self._staging: Future | None = None
         """``swap: staged``: the receive running in a thread while the engine serves."""
         self._prepared: Prepared | None = None
@@ -178,6 +185,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._mode = mode
         self._backend = backend
         self._timeout_s = cfg.timeout_s
+        self._budget_bytes = None if cfg.swap_budget_mb is None else int(cfg.swap_budget_mb * 2**20)
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.member = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
@@ -285,13 +293,18 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
     def _prepare(self) -> None:
         """The staged version processed in a shadow of the model (:mod:`.prepare`); a version
         that cannot be is named in the log and loads under the pause, as without."""
+        staging = self._backend.nbytes
+        budget = None if self._budget_bytes is None else self._budget_bytes - staging
         try:
-            self._prepared = prepare(self.model, self._backend.load, first_load_setup=FirstLoadSetup)
+            self._prepared = prepare(self.model, self._backend.load, first_load_setup=FirstLoadSetup,
+                                     budget_bytes=budget)
         except NotPreparableError as exc:
-            self.last_swap = dict(prepared=False, why=str(exc))
+            self.last_swap = dict(prepared=False, why=str(exc), staging_bytes=staging)
             logger.warning("megatron_refit: swap: staged: this version loads under the pause: %s", exc)
             return
-        self.last_swap = dict(prepared=True, prepare_s=self._prepared.seconds, staging_bytes=self._prepared.nbytes)
+        # what the device holds for the swap: the staging buffers and the shadow's processed tensors
+        self.last_swap = dict(prepared=True, prepare_s=self._prepared.seconds,
+                              staging_bytes=staging + self._prepared.nbytes)
 
     @torch.no_grad()
     def _make_live(self) -> None:
@@ -336,6 +349,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             else:
                 try:
                     prepared.swap()
+                    if self.device.type == "cuda":  # the copies into the live storage done before any step
+                        torch.cuda.synchronize(self.device)
                 except BaseException:  # half taken over: no complete version, as a failed load
                     self.state, self._received = "stale", None
                     raise

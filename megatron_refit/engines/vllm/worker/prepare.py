@@ -20,8 +20,14 @@ into the live storage instead, as vLLM's own reload does, since CUDA graphs keep
 What cannot be prepared beside the live model is named (:class:`NotPreparableError`), and the worker
 then loads that version under the pause, as before: an attention layer whose reload loads
 tensors (KV-cache scales are processed with the live cache); a vLLM without the layerwise
-reload. The shadow's memory is reported (:attr:`Prepared.nbytes`): one processed copy of the
-weights this rank loads, freed at the swap (the old ones then go).
+reload; on a GPU, a post-load tensor whose shape, dtype or device differs from the live one (it
+could only be swapped by reference, which CUDA graphs, holding the live address, would not see);
+a shadow larger than ``refit.swap_budget_mb`` allows. The shadow's memory is reported
+(:attr:`Prepared.nbytes`): one processed copy of the weights this rank loads, freed at the swap
+(the old ones then go).
+
+The GPU path (copies into the live storage, the budget, the synchronize after the swap) is
+written for CUDA but has not yet run on a GPU: ``make gpu-check`` has no staged vLLM case yet.
 """
 
 from __future__ import annotations
@@ -79,6 +85,35 @@ class _Pair:
 
 
 _NONE = object()
+
+
+def graph_bound(tensor: torch.Tensor) -> bool:
+    """A tensor whose address a captured CUDA graph may hold: one on a GPU."""
+    return tensor.is_cuda
+
+
+def check_copyable(pairs: list[_Pair], names: dict[int, str]) -> None:
+    """On a GPU every tensor the swap hands a live module must be copied into the live storage
+    (CUDA graphs replay the addresses they captured): ``NotPreparableError`` naming the first
+    whose shape, dtype or device differs from the live tensor it replaces, or that has no live
+    tensor to go into, before any swap."""
+    for pair in pairs:
+        now, start, live = pair.shadow.__dict__, pair.tables, pair.live.__dict__
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in now[table].items():
+                if tensor is None or (name in start[table] and start[table][name] is tensor):
+                    continue  # not reloaded
+                kept = live[table].get(name)
+                if not (graph_bound(tensor) or (kept is not None and graph_bound(kept))):
+                    continue
+                if kept is None or (kept.shape, kept.dtype, kept.device) != (tensor.shape, tensor.dtype,
+                                                                             tensor.device):
+                    was = "none" if kept is None else f"{tuple(kept.shape)} {kept.dtype} on {kept.device}"
+                    raise NotPreparableError(
+                        f"vLLM layer {names.get(id(pair.shadow), '?')}: its post-load step made {name} "
+                        f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device} where the live one is {was}: "
+                        "it could only be swapped by reference, which CUDA graphs (holding the live address) "
+                        "would not see")
 
 
 class Prepared:
@@ -152,12 +187,23 @@ def _meta(recorded: torch.Tensor, layerwise) -> torch.Tensor:
     return meta
 
 
+def shadow_estimate(model: torch.nn.Module) -> int:
+    """Bytes a shadow of ``model`` makes: about one processed copy of its weights."""
+    return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta)
+
+
 @torch.no_grad()
-def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
+def prepare(model: torch.nn.Module, load, *, first_load_setup, budget_bytes: int | None = None) -> Prepared:
     """Run vLLM's layerwise load of the staged version (``load(shadow)`` feeds it to the shadow's
     ``load_weights``) on a shadow of ``model``, never touching the live tensors; ``NotPreparableError``
-    names what cannot be. ``first_load_setup``: the MoE experts' post-load step (moe_reload)."""
+    names what cannot be. ``first_load_setup``: the MoE experts' post-load step (moe_reload).
+    ``budget_bytes`` (``refit.swap_budget_mb`` less the staging buffers; None: no bound): a shadow
+    estimated larger is not made (the version loads under the pause)."""
     t0 = time.perf_counter()
+    if budget_bytes is not None and (need := shadow_estimate(model)) > budget_bytes:
+        raise NotPreparableError(f"its shadow would take about {need / 2**20:.1f} MiB, over the "
+                                 f"{max(budget_bytes, 0) / 2**20:.1f} MiB refit.swap_budget_mb leaves beside the "
+                                 "staging buffers")
     try:
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload import layerwise
@@ -201,6 +247,7 @@ def prepare(model: torch.nn.Module, load, *, first_load_setup) -> Prepared:
             layerwise.LAYERWISE_INFO.pop(pair.shadow, None)
     if not loaded:
         raise RuntimeError("swap: staged: the shadow of the vLLM model loaded none of the staged weights")
+    check_copyable(pairs, names)
     for pair in pairs:
         kept = {id(t) for table in ("_parameters", "_buffers") for t in pair.tables[table].values()}
         made += sum(t.nbytes for t in list(pair.shadow._parameters.values()) + list(pair.shadow._buffers.values())
