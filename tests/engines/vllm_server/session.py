@@ -32,6 +32,8 @@ TP2_BREAKS = ("unload_layer", "permute_experts")
 (vLLM's fused-MoE reload without megatron_refit's fix is not among them: at TP2 the experts'
 intermediate dim is padded for the CPU kernel, and without the fix the reload fails outright,
 copying unpadded experts into padded storage, rather than serving another model.)"""
+LOAD_LENGTHS = (NEW_TOKENS, NEW_TOKENS - 3)
+"""The MoE session's clients: tokens per request (each answer a prefix of a version's greedy decode)."""
 SLOW_RANK_S = 3.0
 """Staged phase: train rank 1 reads its first piece this slowly (``slow_next_refit``), so the
 engine's update stays open (its worker receiving) that long while the server keeps answering."""
@@ -278,26 +280,36 @@ def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, ref
 
 def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, refit_port: int, break_file: str):
     """A tiny Qwen3-MoE (4 experts, top-2) trained at TP2xEP2 into a running server at gen TP1,
-    deltas and ``verify_serving: on``: three refits, each compared by what the server serves (its
-    greedy tokens and its ``prompt_logprobs`` on the probe) with Megatron's own; then one made live
-    by vLLM's fused-MoE reload as it is without megatron_refit's fix (``tests/engines/vllm_server/breaks``:
-    the experts left unpacked), which the serving check must catch on replica 0; then one after it."""
+    deltas, ``swap: staged`` (``drain``) and ``verify_serving: on``: three refits, each while
+    clients keep asking the server (``LOAD_LENGTHS``; every answer with the weight version that
+    sampled it) and each compared by what the server serves (its greedy tokens and its
+    ``prompt_logprobs`` on the probe) with Megatron's own; then one made live by vLLM's fused-MoE
+    reload as it is without megatron_refit's fix (``tests/engines/vllm_server/breaks``: the experts
+    left unpacked), which the serving check must catch on replica 0; then one after it, which
+    cannot be prepared beside the live model (injected) and so loads under the pause."""
     from conversion.serving import trainer_forward
     from conversion.testing.train_step import greedy_decode, train_step
+    from megatron_refit.testing.vllm_server import GenerateLoad
 
     cfg, built, tokens, prompt, optimizer = _trainer(rank, world, port, seed=3, model="qwen3-moe", ep=2)
     wait_healthy(url, alive=process_alive(server_pid))
-    refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on", verify_serving="on", port=refit_port)
-    engine = _connect(refit, rank, built, cfg, HTTPClient(url))
+    refit = dict(engine="vllm", gen_tp=1, timeout_s=60, delta="on", verify_serving="on", swap="staged",
+                 port=refit_port)
+    engine = _connect(refit, rank, built, cfg, HTTPClient(url, swap="staged"))
     probe = engine.fleet.serving.probe.sequences
     forward = trainer_forward(built.model, cfg)
 
-    def refit_once(step: int) -> dict:
+    def refit_once(step: int, loaded: bool = True) -> dict:
         for _ in range(2):
             train_step(built, optimizer, tokens)
-        report = engine.send_weights(step)
+        # (not while a refit fails its check: the server is then held, and a request waits in it)
+        load = GenerateLoad(url, prompt, list(LOAD_LENGTHS)) if rank == 0 and loaded else None
+        try:
+            report = engine.send_weights(step)
+        finally:
+            answers = load.stop() if load is not None else []
         out = dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
-                   megatron_logprobs=forward(probe),
+                   megatron_logprobs=forward(probe), answers=answers,
                    serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving")})
         if rank == 0:
             out.update(tokens=complete(url, prompt, NEW_TOKENS), logprobs=HTTPClient(url).score(probe),
@@ -309,12 +321,16 @@ def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, ref
         with open(break_file, "w") as f:
             f.write("moe_reload")
     torch.distributed.barrier()
-    out["broken"] = _error(lambda: refit_once(4))
+    out["broken"] = _error(lambda: refit_once(4, loaded=False))
     if rank == 0:
         out["paused_after_broken"] = is_paused(url)
         os.remove(break_file)
     torch.distributed.barrier()
-    out["after"] = refit_once(5)
+    if rank == 0:  # the version after it cannot be prepared: it loads under the pause, warned
+        with open(break_file, "w") as f:
+            f.write("not_preparable")
+    torch.distributed.barrier()
+    out["after"] = refit_once(5, loaded=False)
     engine.shutdown()
     torch.distributed.destroy_process_group()
     return out

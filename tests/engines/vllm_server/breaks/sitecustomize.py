@@ -13,6 +13,8 @@ reads the file before making each refit live:
   (their weights, as vLLM holds them);
 - ``staged_raise``: (``swap: staged``) the staged version's preparation beside the live model
   raises, once the bytes have landed in staging;
+- ``not_preparable``: (``swap: staged``) the staged version cannot be prepared beside the live
+  model (``NotPreparableError``): it loads under the pause, with the worker's WARNING;
 - empty or absent: nothing is broken.
 """
 
@@ -90,6 +92,8 @@ def _patch(worker) -> None:
     def maybe_raising(*args, **kwargs):
         if _break() == "staged_raise":
             raise RuntimeError("engine error while the staged version was prepared (injected)")
+        if _break() == "not_preparable":
+            raise worker.NotPreparableError("this version cannot be prepared beside the live model (injected)")
         return prepare(*args, **kwargs)
 
     worker.prepare = maybe_raising
