@@ -105,8 +105,13 @@ class WeightsState:
             raise ValueError(f"receiver state must be one of {STATES}, got {state!r}")
         with self.serving:  # a forward pass under way finishes on the weights it started with
             self.state, self.weights_version, self.held = state, version, None
-            if state == "ready" and version is not None and version == self.gated:
-                self._live_at = time.perf_counter()
+            self.went_live()
+
+    def went_live(self) -> None:
+        """(Holding :attr:`serving`) the state just changed: a gated version going live starts
+        :attr:`last_gate_s`."""
+        if self.state == "ready" and self.weights_version is not None and self.weights_version == self.gated:
+            self._live_at = time.perf_counter()
 
     def hold(self, why: str) -> None:
         """The version these weights hold failed its serving check (``refit.verify_serving``,

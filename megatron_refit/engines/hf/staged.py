@@ -116,6 +116,7 @@ class StagedHFStorage(HFStorage):
         self._updating = state == "updating"
         if self._paused_at is not None and state != "updating":
             self.state, self.weights_version = state, version  # we hold the pause
+            self.went_live()
             self._paused_at = None
             self.serving.release()
             return
