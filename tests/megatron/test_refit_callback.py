@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 4
 
-def _train(rank, world, refit, tp, overlap, skipped, port):
+def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None):
 
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.hf_configs import hf_config
@@ -60,6 +60,8 @@ def _train(rank, world, refit, tp, overlap, skipped, port):
                                                                               show_progress=False)}
     out = []
     for it in range(ITERATIONS):
+        if it == 1 and wait_for_replica is not None:  # the joiner announced itself: the next refit takes it in
+            _await_join(refit, wait_for_replica)
         loss = train_step(built, optimizer, tokens_for(it + 1, cfg.vocab_size))
         before = [p.detach().clone() for chunk in built.model for p in chunk.parameters()]
         manager.fire("on_train_step_end", context(skipped_iter=it + 1 in skipped, loss_dict={"lm loss": loss}))
@@ -406,9 +408,23 @@ def _joining_gen(refit, num_train, gen_index=1):
     return dict(role="gen", refits=out)
 
 
+def _await_join(refit, replica: int, timeout_s: float = 120.0) -> None:
+    """Until engine replica ``replica`` announced its join in the train ranks' store (however
+    slowly the machine starts it, training does not end before it joins)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_refit.fleet.store import JOINS
+
+    store = dist.TCPStore(refit.host, refit.port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    store.wait([f"{JOINS}/{replica}"])
+
+
 def _rank_with_joiner(rank, world, port, refit, megatron_port):
     if rank < 2:
-        return _train(rank, 2, refit, 2, False, set(), megatron_port)
+        return _train(rank, 2, refit, 2, False, set(), megatron_port, wait_for_replica=1)
     if rank == 2:
         return _gen(refit, [0, *range(1, ITERATIONS + 1)], num_train=2)
     return _joining_gen(refit, num_train=2)
