@@ -69,6 +69,8 @@ class ReplicaLanes:
 
     def __init__(self, clients: Sequence, refit: dict | RefitConfig):
         self.cfg = refit_section(refit, "control")
+        self.staged = self.cfg.swap == "staged"
+        """Each engine rank notes whether it prepared a version beside the live model (read after land)."""
         if clients and len(clients) != self.cfg.gen_dp:
             raise ValueError(f"{type(self).__name__}: {len(clients)} engine clients for refit.gen_dp={self.cfg.gen_dp} "
                              "replicas: pass one client per starting replica (engines that start later join through "

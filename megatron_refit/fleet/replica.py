@@ -6,19 +6,28 @@ replica's from every train rank and applies the one failure policy."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
+from megatron_refit.fleet.store import unprepared
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
+
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaHooks(Protocol):
     """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
     control plane: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`). All run in the
     replica's own refit thread; an error from any fails that replica alone."""
+
+    staged: bool
+    """``swap: staged``: each engine rank notes whether it prepared the version beside the live
+    model (:func:`~megatron_refit.fleet.store.note_swap`)."""
 
     def start(self, replica: int, version: int, full: bool) -> None:
         """Before the replica's bytes move (its engine's receiving call, not waited for)."""
@@ -69,6 +78,8 @@ class ReplicaOutcome:
     serving: dict | None = None
     """Train rank 0, a checked replica: its verdict (``max_dlogprob``, ``seconds``; ``mismatch`` where
     it failed; or ``unable``)."""
+    unprepared: str | None = None
+    """Train rank 0, ``swap: staged``: why the version loaded under the pause (None: prepared)."""
 
     @property
     def broken(self) -> bool:
@@ -117,6 +128,8 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
         gate = probe is not None and rank == 0 and not probing.in_band  # scored before it takes traffic
         if hooks is not None:
             hooks.land(replica, version, gate=gate)  # its error fails this replica alone (its group is intact)
+            if rank == 0 and hooks.staged:
+                out.unprepared = _unprepared(member, replica, version)
         if probe is not None and rank == 0:
             if probing.in_band:
                 out.serving = verdict
@@ -140,3 +153,13 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
         if hooks is not None:  # a gated version that failed to land or to be judged takes no traffic
             hooks.release(replica, passed=False)
     return out
+
+
+def _unprepared(member, replica: int, version: int) -> str | None:
+    """Why the staged ``version`` loaded under the pause on ``replica`` (its engine ranks' notes),
+    None where it was prepared; a store that fails here costs the count only (logged)."""
+    try:
+        return unprepared(member.group.store, version, member.full.num_gen)
+    except Exception as exc:  # noqa: BLE001 -- the version landed; only its note is lost
+        logger.warning("refit %d: engine replica %d's swap note could not be read: %s", version, replica, exc)
+        return None

@@ -9,6 +9,7 @@ Each replica's refit group keeps its own keys under :func:`namespace`.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 
@@ -23,6 +24,9 @@ JOINS, LEAVES = "megatron_refit/fleet/join", "megatron_refit/fleet/leave"
 counts only for the incarnation that is a member."""
 ABORT = "megatron_refit/fleet/abort"
 """Store keys ``ABORT/<replica>``: why a starting replica's engine will not join (:func:`abort_join`)."""
+SWAP = "megatron_refit/swap"
+"""Replica group keys ``SWAP/<version>/<engine rank>``: (``swap: staged``) whether that rank
+prepared the version beside the live model (:func:`note_swap`, :func:`unprepared`)."""
 
 
 def namespace(replica: int, incarnation: str) -> str:
@@ -106,3 +110,29 @@ class Announcements:
         text = self.store.get(key).decode()
         new, self.seen[key] = text[self.seen[key]:], len(text)
         return [(int(r), who) for r, _, who in (entry.partition(":") for entry in new.split(",") if entry)]
+
+
+def note_swap(store, version: int, rank: int, why: str | None) -> None:
+    """Engine rank ``rank`` of a replica (``swap: staged``), once it staged ``version`` and before
+    the client pauses for its swap: ``why`` it could not prepare it beside the live model (it then
+    loads under the pause), or None where it did. In its replica group's store (``store``: the
+    group's, None: a transport without one, nothing noted)."""
+    if store is not None:
+        store.set(f"{SWAP}/{version}/{rank}", json.dumps({"why": why}))
+
+
+def unprepared(store, version: int, ranks: int) -> str | None:
+    """Train rank 0, once ``version`` landed on a replica of ``ranks`` engine ranks: why it loaded
+    under the pause (the first rank that noted so, named), None where every rank that noted
+    prepared it. The notes are removed."""
+    if store is None:
+        return None
+    why = None
+    for rank in range(ranks):
+        key = f"{SWAP}/{version}/{rank}"
+        if store.check([key]):
+            noted = json.loads(store.get(key))["why"]
+            store.delete_key(key)
+            if noted is not None and why is None:
+                why = f"TP rank {rank}: {noted}"
+    return why

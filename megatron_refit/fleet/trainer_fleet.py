@@ -329,9 +329,10 @@ class TrainerFleet:
         broke dropped; the fleet's report (its serving metrics too)."""
         mine = {r: (o.why(), o.broken) for r, o in outcomes.items() if o.error is not None}
         checked = {r: o.serving for r, o in outcomes.items() if o.serving is not None}  # train rank 0's
-        gathered = self.control.all_gather_object((mine, moved, checked), "fleet")
-        moved_max = {key: max(m[key] for _, m, _ in gathered) for key in moved}
-        failed, broken = failed_replicas([view for view, _, _ in gathered], replicas)
+        unprepared = {r: o.unprepared for r, o in outcomes.items() if o.unprepared}  # train rank 0's too
+        gathered = self.control.all_gather_object((mine, moved, checked, unprepared), "fleet")
+        moved_max = {key: max(m[key] for _, m, _, _ in gathered) for key in moved}
+        failed, broken = failed_replicas([view for view, _, _, _ in gathered], replicas)
         failures.update(failed)
         with self._lock:
             for replica in broken:
@@ -349,6 +350,10 @@ class TrainerFleet:
         report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,
                                seconds=time.perf_counter() - start, moved=moved, moved_max=moved_max)
         report.summary.update(serving)
+        report.summary["refit/swap_unprepared"] = len(gathered[0][3])
+        for replica, why in gathered[0][3].items() if self.control.rank == 0 else ():
+            logger.warning("refit %d: engine replica %d loaded the version under the pause (swap: staged could "
+                           "not prepare it beside the live model; refit/swap_unprepared): %s", version, replica, why)
         self.router.record(version, replicas, failures, report.summary)
         if self.on_report is not None:
             self.on_report(report.summary)

@@ -46,6 +46,9 @@ class Transport(ABC):
     """Set by the first timeout or transport failure; every later call then fails at once."""
     direct_ok: bool = True
     """Whether the endpoint may send a tensor straight from / into its own memory (no staging)."""
+    store = None
+    """The group's store, where small notes pass between its ranks outside a refit (None: the
+    transport has none)."""
 
     def auto_direct_bytes(self, bucket_bytes: int) -> int | None:
         """``direct_bytes="auto"`` (``refit.direct_mb: null``) on this transport: the size from

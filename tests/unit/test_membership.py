@@ -54,3 +54,4 @@ def test_resolve_decides_alike_from_every_rank_view():
     assert joined == [0] and pending == [1]
     assert failed == {2: "rank 1 saw it", 3: "boom"}
     assert resolve([{}, {}], [5]) == ([], {}, [5])  # not started anywhere yet
+

@@ -10,6 +10,7 @@ running-server suite: ``tests/engines/vllm_server``.)
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ pytest.importorskip("vllm")
 
 
 class _Received:
-    """What the refit group hands over: each version, every byte in."""
+    """What the refit group hands over: each version, every byte in (its group has no store)."""
+
+    group = None
 
     def receive(self, version, full=False):
         from megatron_refit.endpoint.report import RefitReport
@@ -52,6 +55,8 @@ def staged(tmp_path, monkeypatch):
     engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="megatron_refit"), vcfg,
                                                        torch.device("cpu"), torch.nn.Linear(1, 1))
     engine.member, engine._backend, engine._mode, engine._staged_swap = _Received(), _Backend(), "load_weights", True
+    engine.member.group = types.SimpleNamespace(store=None)
+    engine.gen_index = 0
     engine._timeout_s = 30.0
     return engine
 

@@ -310,6 +310,7 @@ def session_moe(rank: int, world: int, port: int, url: str, server_pid: int, ref
             answers = load.stop() if load is not None else []
         out = dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
                    megatron_logprobs=forward(probe), answers=answers,
+                   unprepared=report.summary["refit/swap_unprepared"],
                    serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving")})
         if rank == 0:
             out.update(tokens=complete(url, prompt, NEW_TOKENS), logprobs=HTTPClient(url).score(probe),

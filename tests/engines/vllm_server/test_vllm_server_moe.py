@@ -70,6 +70,8 @@ def test_vllm_server_moe_staged_under_load_every_answer_is_its_versions_decode_a
     # the one version that could not be (the last, injected) is the only one warned of
     fallbacks = [line for line in run[0]["log"].splitlines() if "loads under the pause" in line]
     assert len(fallbacks) == 1 and "cannot be prepared beside the live model (injected)" in fallbacks[0], fallbacks
+    for out in run:  # and counted by every train rank: refit/swap_unprepared
+        assert [r["unprepared"] for r in out["refits"]] == [0, 0, 0] and out["after"]["unprepared"] == 1, out
 
 
 def test_vllm_server_moe_reload_without_the_fix_is_caught_by_verify_serving(run):

@@ -53,6 +53,7 @@ from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.engines.vllm.worker.prepare import NotPreparableError, Prepared, prepare
 from megatron_refit.errors import RepackedParameterError
+from megatron_refit.fleet.store import note_swap
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
@@ -140,6 +141,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._staged_swap = False
         self._backend = None
         self._timeout_s = 0.0
+        self._tp = 1
         self._budget_bytes: int | None = None
         """``refit.swap_budget_mb`` in bytes: the staging buffers and the shadow together (None: no bound)."""
         self._staging: Future | None = None
@@ -186,6 +188,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._backend = backend
         self._timeout_s = cfg.timeout_s
         self._budget_bytes = None if cfg.swap_budget_mb is None else int(cfg.swap_budget_mb * 2**20)
+        self._tp = cfg.gen_tp
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.member = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
@@ -287,12 +290,13 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise
         self.last_report = report
         if self._staged_swap:  # still beside the serving model: its post-load step too
-            self._prepare()
+            self._prepare(update_info.version)
         self._received = update_info.version
 
-    def _prepare(self) -> None:
+    def _prepare(self, version: int) -> None:
         """The staged version processed in a shadow of the model (:mod:`.prepare`); a version
-        that cannot be is named in the log and loads under the pause, as without."""
+        that cannot be is named in the log and loads under the pause, as without, and noted for
+        the train ranks (``refit/swap_unprepared``)."""
         staging = self._backend.nbytes
         budget = None if self._budget_bytes is None else self._budget_bytes - staging
         try:
@@ -301,10 +305,21 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         except NotPreparableError as exc:
             self.last_swap = dict(prepared=False, why=str(exc), staging_bytes=staging)
             logger.warning("megatron_refit: swap: staged: this version loads under the pause: %s", exc)
+            self._note(version, str(exc))
             return
+        self._note(version, None)
         # what the device holds for the swap: the staging buffers and the shadow's processed tensors
         self.last_swap = dict(prepared=True, prepare_s=self._prepared.seconds,
                               staging_bytes=staging + self._prepared.nbytes)
+
+    def _note(self, version: int, why: str | None) -> None:
+        """Tell the train ranks whether ``version`` was prepared (``refit/swap_unprepared``); a
+        store that fails here costs the count, not the version (logged)."""
+        try:
+            note_swap(self.member.group.store, version, self.gen_index % self._tp, why)
+        except Exception as exc:  # noqa: BLE001 -- the version itself is fine
+            logger.warning("megatron_refit: swap: staged: could not note version %s for the train ranks: %s",
+                           version, exc)
 
     @torch.no_grad()
     def _make_live(self) -> None:

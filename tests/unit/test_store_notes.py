@@ -1,0 +1,38 @@
+"""Notes a replica's engine ranks leave its train ranks in their group's store
+(megatron_refit.fleet.store): under ``swap: staged`` whether each prepared a version beside the
+live model, read once by train rank 0 after the version landed (``refit/swap_unprepared``)."""
+
+from __future__ import annotations
+
+
+class _Store:
+    """The store calls a replica group's notes use."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def set(self, key, value):
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+    def delete_key(self, key):
+        return self.keys.pop(key, None) is not None
+
+
+def test_swap_notes_name_the_first_engine_rank_that_loaded_under_the_pause_and_are_removed():
+    from megatron_refit.fleet.store import note_swap, unprepared
+
+    store = _Store()
+    note_swap(store, 7, 0, None)
+    note_swap(store, 7, 1, "its shadow would take about 3.0 MiB, over the 1.0 MiB refit.swap_budget_mb ...")
+    note_swap(store, 8, 0, None)
+    assert unprepared(store, 7, ranks=2) == "TP rank 1: its shadow would take about 3.0 MiB, over the 1.0 MiB " \
+                                           "refit.swap_budget_mb ..."
+    assert unprepared(store, 8, ranks=2) is None  # prepared (rank 1 noted nothing: not counted)
+    assert store.keys == {}  # read once
+    assert unprepared(None, 9, ranks=1) is None  # a transport without a store
