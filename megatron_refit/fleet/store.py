@@ -27,6 +27,9 @@ ABORT = "megatron_refit/fleet/abort"
 SWAP = "megatron_refit/swap"
 """Replica group keys ``SWAP/<version>/<engine rank>``: (``swap: staged``) whether that rank
 prepared the version beside the live model (:func:`note_swap`, :func:`unprepared`)."""
+SWAP_KEYS = ("refit/swap_unprepared",)
+"""The fleet summary's swap metric, after its serving ones: the replicas whose version loaded
+under the pause, not prepared beside the live model (``swap: staged``; 0 otherwise)."""
 
 
 def namespace(replica: int, incarnation: str) -> str:

@@ -33,7 +33,8 @@ from megatron_refit.fleet.policy import check_landed, failed_replicas
 from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
 from megatron_refit.fleet.runner import Runner, abort_at_exit
 from megatron_refit.fleet.serving import ServingCheck
-from megatron_refit.fleet.store import JOINS, LEAVES, Announcements, abort_join, await_announced
+from megatron_refit.fleet.store import (JOINS, LEAVES, SWAP_KEYS, Announcements, abort_join,
+                                        await_announced)
 from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.registry import engine_named
 
@@ -350,7 +351,7 @@ class TrainerFleet:
         report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,
                                seconds=time.perf_counter() - start, moved=moved, moved_max=moved_max)
         report.summary.update(serving)
-        report.summary["refit/swap_unprepared"] = len(gathered[0][3])
+        report.summary[SWAP_KEYS[0]] = len(gathered[0][3])
         for replica, why in gathered[0][3].items() if self.control.rank == 0 else ():
             logger.warning("refit %d: engine replica %d loaded the version under the pause (swap: staged could "
                            "not prepare it beside the live model; refit/swap_unprepared): %s", version, replica, why)

@@ -15,6 +15,7 @@ import torch
 from megatron_refit.endpoint.report import SUMMARY_KEYS
 from megatron_refit.fleet.heartbeat import BEATS_PER_STALL
 from megatron_refit.fleet.serving import SERVING_KEYS
+from megatron_refit.fleet.store import SWAP_KEYS
 from megatron_refit.testing.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
@@ -135,7 +136,7 @@ def _check_isolated(tp, dp, train, gen, bad, error):
         assert report["failed"][FAILED_REPLICA].startswith(f"TP rank 0: {error}: "), report["failed"]
         s = report["summary"]
         assert (s["refit/replicas_ok"], s["refit/replicas_failed"], s["refit/ok"]) == (dp - 1, 1, 0)
-        assert tuple(s) == SUMMARY_KEYS + SERVING_KEYS and s == train[0][bad - 1]["summary"]  # same on all
+        assert tuple(s) == SUMMARY_KEYS + SERVING_KEYS + SWAP_KEYS and s == train[0][bad - 1]["summary"]  # same on all
         assert s["refit/serving_checked"] == 0  # auto: bare pieces, nothing to compare with
         assert s["refit/gen_ranks"] == tp * dp
         if bad == 2:  # a full refit: every replica's bytes once, the failed one's too (it drained them)
