@@ -33,7 +33,8 @@ setup-sglang: setup
 # 2026-11-28: 1,035-1,133 s at the day's start; 896-938 s after its cuts in longest-first order
 # (megatron, server, mp, vllm, sglang, fast: test-fast alone at the end), which this order would
 # have made 854-925 s on the same runs. Three lanes are slower (1,220 s: every suite 1.5x, the
-# test CPU up a fifth). The project's own modules are compiled first: this environment runs
+# test CPU up a fifth). Another 2-core box that also names itself "AMD EPYC" ran the same
+# suites (a few tests more) in 346-367 s the next session: the CPU name alone does not fix the time. The project's own modules are compiled first: this environment runs
 # Python with PYTHONDONTWRITEBYTECODE (and the ranks with -B), so each of the ~1,000 processes of
 # a run compiled them from source again otherwise (a stale .pyc is ignored by Python, never wrong).
 LANES ?= 2
