@@ -14,7 +14,9 @@ after the other on the same server:
 to ``/resume`` answered) over the refits' wall time (``send_weights``). ``p99_latency_ratio`` and
 ``max_latency_ratio``: request latency of the requests that overlap a refit, against the same
 load's before the refits (per policy). ``bit_exact``: after each policy's last refit the server's
-greedy tokens equal the Megatron model's greedy decode. ``--json``: one JSON line last.
+greedy tokens equal the Megatron model's greedy decode. ``prepared_all``: every measured refit's
+version was prepared beside the live model (``refit/swap_unprepared`` 0: none fell back to loading
+under the pause). ``--json``: one JSON line last.
 """
 
 from __future__ import annotations
@@ -69,14 +71,14 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
         engine.send_weights(version)  # the engine's first (full), outside the measurement
         load = GenerateLoad(url, prompt, [tokens] * clients) if rank == 0 else None
         time.sleep(baseline_s)  # the same load, no refit
-        windows, blocked = [], []
+        windows, blocked, unprepared = [], [], 0
         for _ in range(refits):
             train_step(built, optimizer, sequence)
             version += 1
             torch.distributed.barrier()
             client.calls.clear()
             t0 = time.monotonic()
-            engine.send_weights(version)
+            unprepared += engine.send_weights(version).summary["refit/swap_unprepared"]
             windows.append((t0, time.monotonic()))
             calls = {route: (a, b) for route, a, b in client.calls}
             if rank == 0:
@@ -97,7 +99,8 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
                                 max_before_s=round(max(before, default=float("nan")), 4),
                                 max_during_s=round(max(during, default=float("nan")), 4),
                                 median_before_s=round(statistics.median(before), 4) if before else None,
-                                bit_exact=served == megatron and spans == [(str(version), 0, tokens)])
+                                bit_exact=served == megatron and spans == [(str(version), 0, tokens)],
+                                prepared_all=unprepared == 0)
         engine.shutdown()
     return rows
 
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
                 p99_latency_ratio={k: round(rows[k]["p99_during_s"] / rows[k]["p99_before_s"], 2) for k in POLICIES},
                 max_latency_ratio={k: round(rows[k]["max_during_s"] / rows[k]["max_before_s"], 2) for k in POLICIES},
                 errors=sum(rows[k]["errors"] for k in POLICIES),
-                bit_exact=all(rows[k]["bit_exact"] for k in POLICIES), per_policy=rows)
+                bit_exact=all(rows[k]["bit_exact"] for k in POLICIES),
+                prepared_all=all(rows[k]["prepared_all"] for k in POLICIES), per_policy=rows)
     print(f"{'policy':>10} {'refit_s':>8} {'blocked_s':>10} {'blocked/refit':>14} {'p99 before':>11} "
           f"{'p99 during':>11} {'requests':>9} {'errors':>7} {'bit_exact':>10}")
     for k in POLICIES:
