@@ -1,7 +1,7 @@
 """The part of a refit endpoint both sides share (see :mod:`megatron_refit.endpoint.sender`).
 
 ``prepare()`` gathers every rank's pieces, builds and validates the plan and checks that
-all ranks built the same one; ``_agree_on_version`` is the per-refit handshake; ``_run``
+all ranks built the same one; ``_agree_on_version`` is the per-refit handshake; ``run_buckets``
 posts buckets in the plan's order and retires them in the same order, at most two packed
 buckets (the two staging buffers) and ``MAX_DIRECT_IN_FLIGHT`` direct ones outstanding.
 """
@@ -213,7 +213,7 @@ class Endpoint:
             return ("train", self.group.rank)
         return ("gen", self.group.rank - self.num_train)
 
-    def _delta_base(self) -> int:
+    def delta_base(self) -> int:
         """The version a delta refit would start from on this rank (-1: none): the trainer's
         copies of what it last sent, the engine's weights."""
         return -1
@@ -245,7 +245,7 @@ class Endpoint:
         except Exception as exc:  # reported to every rank below, then re-raised here
             error = exc
         shown = (ANY_VERSION if version is None else version) if error is None else -1
-        base = self._delta_base() if self.delta != "off" and error is None else -1
+        base = self.delta_base() if self.delta != "off" and error is None else -1
         probe = int(self.probe_due) if self.role == "train" else 0
         route = self.route.values() if self.role == "train" else [0] * ROUTE_VALUES
         rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *route])
@@ -331,7 +331,7 @@ class Endpoint:
         route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
         report.routes[route] += 1
 
-    def _run(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None,
+    def run_buckets(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None,
              direct_window: int = MAX_DIRECT_IN_FLIGHT) -> None:
         """Post buckets in order and retire them in the same order (FIFO). At most two
         packed buckets are in flight (they occupy the two staging buffers); direct buckets

@@ -65,7 +65,7 @@ class Receiver(Endpoint):
         # from the engine storage's addresses (it stays put between refits)
         return adjacent_pieces({spec.name: self.storage.buffer(spec.name) for spec in self.storage.target_specs()})
 
-    def _delta_base(self) -> int:
+    def delta_base(self) -> int:
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
         version = getattr(self.storage, "weights_version", self.weights_version)
         if self.state != "ready" or self._moved or version is None or not getattr(self.storage, "holds_sent_bytes",
@@ -128,7 +128,7 @@ class Receiver(Endpoint):
                 if route.relayed:
                     receive_relayed(self, route, buckets, run, report)
                 else:
-                    self._run(buckets, run.post, run.retire, report, direct_window=run.window)
+                    self.run_buckets(buckets, run.post, run.retire, report, direct_window=run.window)
                 if run.forward is not None:  # the train ranks' digests go on with the bytes
                     digests.wait_sent()
                     run.forward.digests({src: pending.buffer for src, pending in digests.sent.items()})
@@ -198,7 +198,7 @@ class Receiver(Endpoint):
 
 class _ReceiveRun:
     """One refit's bucket loop on a receiver: ``post`` and ``retire`` for
-    :meth:`~megatron_refit.endpoint.base.Endpoint._run`, chaining the stages."""
+    :meth:`~megatron_refit.endpoint.base.Endpoint.run_buckets`, chaining the stages."""
 
     def __init__(self, receiver: Receiver, version: int, delta_from: set[int], digests: ReceiveDigests, drain: Drain,
                  report: RefitReport):

@@ -278,7 +278,7 @@ def receive_relayed(rx, route, buckets, run, report) -> None:
         link = relay.link(route.epoch, route.upstream, relay.replica)
         view = UpstreamView(link, positions(buckets, src_of))
         run.use(view, {src_of(b) for b in buckets}, chain_base=route.chain_base)
-        rx._run(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
+        rx.run_buckets(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
         run.digests.post(view)
         run.digests.wait_sent()
         complete = True
@@ -315,4 +315,4 @@ def receive_relayed(rx, route, buckets, run, report) -> None:
     run.use(rx.group, set(), chain_base=-1)
     if rx.verify != "off":
         run.digests.post(rx.group)
-    rx._run(rest, run.post, run.retire, report, direct_window=run.window)
+    rx.run_buckets(rest, run.post, run.retire, report, direct_window=run.window)

@@ -100,7 +100,7 @@ class Refitter(Endpoint):
     def _local_optional(self) -> tuple[str, ...]:
         return tuple(sorted(name for name, p in self.pieces.items() if getattr(p, "optional", None)))
 
-    def _delta_base(self) -> int:
+    def delta_base(self) -> int:
         return self._delta.base
 
     def forget_delta_base(self) -> None:
@@ -129,7 +129,7 @@ class Refitter(Endpoint):
             post = functools.partial(self._post, sources, digests, report)
         try:
             with torch.no_grad():
-                self._run(buckets, post, lambda bucket, pending: sources.after(bucket), report)
+                self.run_buckets(buckets, post, lambda bucket, pending: sources.after(bucket), report)
                 digests.wait()
         finally:
             sources.release_all()  # also pieces of a failed refit, or never sent
@@ -181,7 +181,7 @@ class Refitter(Endpoint):
                                 scratch = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
                             data = pack_bucket(bucket, sources, out=scratch)
                         digests.add(bucket, data)
-                    self._run(resend, functools.partial(self._post, sources, digests, report),
+                    self.run_buckets(resend, functools.partial(self._post, sources, digests, report),
                               lambda bucket, pending: None, report)
                     digests.wait()
             finally:

@@ -50,9 +50,9 @@ class FanoutRouter:
             if mode == "off":
                 continue
             head = next((r for r in replicas if base is not None and self.delta != "off"
-                         and members[r].endpoint(full)._delta_base() == base), replicas[0])
+                         and members[r].endpoint(full).delta_base() == base), replicas[0])
             order = [head] + [r for r in replicas if r != head]
-            chain_base = members[head].endpoint(full)._delta_base() if self.delta != "off" else -1
+            chain_base = members[head].endpoint(full).delta_base() if self.delta != "off" else -1
             for replica, (up, successors) in relay_routes(order, mode).items():
                 shape.append((replica, up, successors, chain_base))
         signature = (sorted(shape), tuple((r, id(m)) for r, m in sorted(members.items())))

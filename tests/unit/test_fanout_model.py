@@ -124,7 +124,7 @@ class _Endpoint:
         self.plan, self._base = plan, base
         self.plan_id = plan  # equal plans, equal ids (the plan's shared fingerprint)
 
-    def _delta_base(self):
+    def delta_base(self):
         return self._base
 
 
