@@ -129,7 +129,10 @@ class WeightsState:
 
     def release(self) -> None:
         """The verdict is in: traffic waiting at the gate goes on (over the version, or refused
-        where it failed and was held)."""
+        where it failed and was held). Nothing gated (an unchecked refit): no lock taken, no
+        forward pass waited for."""
+        if self.gated is None:  # set and cleared by the refit's own thread, this one
+            return
         with self.serving:
             if self.gated is not None and self._live_at is not None:
                 self.last_gate_s = time.perf_counter() - self._live_at
