@@ -18,6 +18,7 @@ import torch
 
 from megatron_refit.endpoint.bytes import contiguous_bytes
 from megatron_refit.endpoint.delta import check_mode as check_delta_mode
+from megatron_refit.endpoint.direct import resolve_direct_bytes
 from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
@@ -48,32 +49,6 @@ def delta_tag(index: int) -> int:
     if not 0 <= index < DELTA_TAG:
         raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
     return DELTA_TAG + index
-
-
-def resolve_direct_bytes(direct_bytes: int | str | None, group: Transport, bucket_bytes: int) -> int | None:
-    """The size from which a transfer skips packing on ``group`` (None: none does): ``"auto"``
-    asks the transport (:meth:`~megatron_refit.transport.base.Transport.auto_direct_bytes`:
-    1 MiB on gloo, one bucket on NCCL); a transport that cannot send from the pieces' own
-    memory (``direct_ok`` false: colocated IPC) packs everything."""
-    if direct_bytes != "auto" and direct_bytes is not None and (
-            isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int) or direct_bytes < 1):
-        raise ValueError(f"direct_bytes must be a positive int, 'auto' or None, got {direct_bytes!r}")
-    if not group.direct_ok:
-        return None  # nothing goes direct (colocated): fill whole buckets, fewer handshakes
-    return group.auto_direct_bytes(bucket_bytes) if direct_bytes == "auto" else direct_bytes
-
-
-def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
-    """Pairs ``(a, b)`` of contiguous tensors where ``b`` starts in the same storage where
-    ``a`` ends."""
-    starts, ends = {}, {}
-    for name, t in tensors.items():
-        if t.is_contiguous() and t.numel():
-            storage = t.untyped_storage().data_ptr()
-            starts[storage, t.data_ptr()] = name
-            ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
-    return [(a, starts[end]) for a, end in ends.items() if end in starts]
-
 
 
 class Endpoint:
@@ -113,7 +88,8 @@ class Endpoint:
         """Integrity check of every bucket: ``"sampled"``, ``"full"`` or ``"off"`` (see
         :mod:`megatron_refit.endpoint.integrity`)."""
         self.direct_bytes = resolve_direct_bytes(direct_bytes, group, bucket_bytes)
-        """Transfers of at least this many bytes skip packing (see :func:`resolve_direct_bytes`)."""
+        """Transfers of at least this many bytes skip packing
+        (:func:`~megatron_refit.endpoint.direct.resolve_direct_bytes`)."""
         self.stall_s = float(stall_s)
         """``refit.stall_s`` in force on this rank (0: off): the train ranks' watchdog judges the
         engine ranks' beats by it, so every rank of the group must hold the same (``prepare``)."""

@@ -14,7 +14,7 @@ from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.sender import Refitter
 import torch
 
-from megatron_refit.endpoint.base import resolve_direct_bytes
+from megatron_refit.endpoint.direct import resolve_direct_bytes
 from megatron_refit.plan.gen_layout import ModelShape, gen_target_specs
 from megatron_refit.plan.refit_plan import RefitPlan
 from megatron_refit.transport import ProcessGroupTransport
