@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.fleet.trainer_fleet import TrainerFleet, member_config
+from megatron_refit.fleet.member import member_config
+from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.fleet.heartbeat import Heartbeat, stall_s
 from megatron_refit.fleet.store import JOINS, announce, namespace
 from megatron_refit.fleet.member import EngineMember, TrainerMember

@@ -4,6 +4,7 @@ pieces and, under LoRA adapter sync, one for the adapters only (sharing one vers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,19 @@ from megatron_refit.fleet.heartbeat import stall_s
 from megatron_refit.fleet.serving import exchange_in_band, verdict_in_band
 
 logger = logging.getLogger(__name__)
+
+
+def member_config(cfg: RefitConfig) -> RefitConfig:
+    """The ``refit:`` section of one replica's group: the same, with one replica."""
+    return dataclasses.replace(cfg, gen_dp=1)
+
+
+def close_quietly(member, replica: int) -> None:
+    """Release replica ``replica``'s group on this rank; a broken one only logs (its peer is gone)."""
+    try:
+        member.close()
+    except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
+        logger.warning("refit: closing replica %d's group failed", replica, exc_info=True)
 
 
 class _Member:

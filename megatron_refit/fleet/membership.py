@@ -19,6 +19,15 @@ DONE, PENDING = "done", "pending"
 """A join's status on one train rank; a failed one shows ``"failed: <why>"``."""
 
 
+def join_status(future) -> str:
+    """How a join went on this rank (``future``: the join's): :data:`DONE`, :data:`PENDING` or
+    ``"failed: <why>"``."""
+    if not future.done():
+        return PENDING
+    exc = future.exception()
+    return DONE if exc is None else f"failed: {type(exc).__name__}: {exc}"[:1000]
+
+
 @dataclass
 class Changes:
     """What every train rank does at the start of a refit (decided by train rank 0)."""

@@ -16,7 +16,6 @@ whole story, and every failure path with its bound.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -26,9 +25,9 @@ from concurrent.futures import Future
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import RefitTransportError
 from megatron_refit.fleet.fanout import FanoutRouter
-from megatron_refit.fleet.member import TrainerMember
+from megatron_refit.fleet.member import TrainerMember, close_quietly
 from megatron_refit.fleet.heartbeat import Watchdog
-from megatron_refit.fleet.membership import DONE, PENDING, Changes, Membership, resolve
+from megatron_refit.fleet.membership import Changes, Membership, join_status, resolve
 from megatron_refit.fleet.policy import check_landed, failed_replicas
 from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
 from megatron_refit.fleet.runner import Runner, abort_at_exit
@@ -42,11 +41,6 @@ logger = logging.getLogger(__name__)
 
 JOIN_POLL_S = 0.05
 """How often the train ranks compare how their joins went, while one is still under way."""
-
-
-def member_config(cfg: RefitConfig) -> RefitConfig:
-    """The ``refit:`` section of one replica's group: the same, with one replica."""
-    return dataclasses.replace(cfg, gen_dp=1)
 
 
 class TrainerFleet:
@@ -161,7 +155,7 @@ class TrainerFleet:
         then take in those every train rank completed; the failed ones' reasons."""
         failures: dict[int, str] = {}
         while self._joining:
-            mine = {r: _status(f) for r, f in self._joining.items()}
+            mine = {r: join_status(f) for r, f in self._joining.items()}
             joined, failed, pending = resolve(self.control.all_gather_object(mine, "fleet"), self._joining)
             for replica in joined:
                 self.members[replica] = self._joining.pop(replica).result()
@@ -170,7 +164,7 @@ class TrainerFleet:
                 future = self._joining.pop(replica)
                 self.watchdog.unwatch(replica)
                 if future.done() and future.exception() is None:  # done here, not on another rank
-                    _close_quietly(future.result(), replica)
+                    close_quietly(future.result(), replica)
                 self.runner.retire(f"replica-{replica}")
                 self._forget(replica)
                 failures[replica] = f"joining failed: {why}"[:1000]
@@ -212,7 +206,7 @@ class TrainerFleet:
         if self._hooks is not None:
             self._hooks.forget(replica)
         self.runner.retire(f"replica-{replica}")
-        _close_quietly(member, replica)
+        close_quietly(member, replica)
 
     # -- refits --------------------------------------------------------------------------------
     @property
@@ -400,18 +394,3 @@ class TrainerFleet:
         self.control.close()
         if error is not None:
             raise error
-
-
-def _status(future: Future) -> str:
-    """How a join went on this rank: :data:`DONE`, :data:`PENDING` or ``"failed: <why>"``."""
-    if not future.done():
-        return PENDING
-    exc = future.exception()
-    return DONE if exc is None else f"failed: {type(exc).__name__}: {exc}"[:1000]
-
-
-def _close_quietly(member, replica: int) -> None:
-    try:
-        member.close()
-    except Exception:  # noqa: BLE001 -- a broken group: its peer is gone, there is nothing to release
-        logger.warning("refit: closing replica %d's group failed", replica, exc_info=True)
