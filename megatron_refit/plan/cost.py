@@ -98,6 +98,21 @@ def swap_pause(gen_bytes: int, cluster: Cluster, *, copy: bool = True) -> float:
     return gen_bytes / (cluster.copy_gbps * cluster.efficiency * GB) if copy else 0.0
 
 
+def staged_pause(gen_bytes: int, transfer_s: float, cluster: Cluster, *, engine: str,
+                 budget_bytes: int | None) -> tuple[float, str]:
+    """Seconds a staged refit pauses generation on a generation rank holding ``gen_bytes`` under
+    ``refit.swap_budget_mb`` (``budget_bytes``; None: no bound), and how. vLLM holds its
+    staging buffers and the prepared shadow (about two copies): a version that does not fit
+    is not prepared and loads under the pause (at least a device copy: vLLM's reload is not
+    modelled). The HF engine shadows what fits and writes the rest in place under the pause,
+    from the first unshadowed tensor on: that share of the transfer. Otherwise the swap."""
+    if budget_bytes is not None and engine == "vllm" and 2 * gen_bytes > budget_bytes:
+        return swap_pause(gen_bytes, cluster), "not prepared: vLLM loads the version under the pause, at least"
+    if budget_bytes is not None and engine != "vllm" and gen_bytes > budget_bytes:
+        return transfer_s * (1 - budget_bytes / gen_bytes), "the transfer of what the budget does not shadow"
+    return swap_pause(gen_bytes, cluster), "staging -> parameters, device copy"
+
+
 def overlap_stall(train_bytes: int, cluster: Cluster) -> float:
     """``refit.overlap: on``: the training-step stall per refit of a train rank that sends
     ``train_bytes``: its snapshot, one device copy of those bytes (the send runs behind the next
@@ -147,7 +162,7 @@ def predict(
 
     A route's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
     on NCCL with its default ``direct_bytes`` (one bucket; see
-    :func:`megatron_refit.endpoint.base.resolve_direct_bytes`), where transfers smaller than a
+    :func:`megatron_refit.endpoint.direct.resolve_direct_bytes`), where transfers smaller than a
     bucket are packed together.
     """
     if bucket_bytes < 1:

@@ -13,7 +13,7 @@ import sys
 
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import (GB, Cluster, delta_fraction, delta_prediction, fanout_prediction,
-                                      overlap_stall, placement, predict, swap_pause)
+                                      overlap_stall, placement, predict, staged_pause)
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
 from megatron_refit.tools.cli import plain
 from megatron_refit.tools.dryrun import build
@@ -144,9 +144,13 @@ def main(argv=None) -> int:
               f"{fanout[1].bottleneck}"
               + (f"; floor of any scheme: {floor:.2f} s (each gen rank's bytes through its own NIC)" if floor else ""))
     swap = args.swap or run.refit.swap
-    pause = prediction.seconds if swap == "in_place" else swap_pause(run.gen_bytes_max(), cluster)
-    print(f"generation pause per refit ({swap}): {pause:.3f} s"
-          + (" (the whole transfer)" if swap == "in_place" else " (staging -> parameters, device copy)"))
+    if swap == "in_place":
+        pause, how = prediction.seconds, "the whole transfer"
+    else:
+        budget = run.refit.swap_budget_mb
+        pause, how = staged_pause(run.gen_bytes_max(), prediction.seconds, cluster, engine=run.refit.engine,
+                                  budget_bytes=None if budget is None else int(budget * 2**20))
+    print(f"generation pause per refit ({swap}): {pause:.3f} s ({how})")
     stall = None
     if args.overlap:
         sent = snapshot_bytes_max(pairs, run.train_local_bytes)

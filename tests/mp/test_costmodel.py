@@ -137,6 +137,16 @@ def test_staged_swap_pause_is_a_device_copy_of_the_generation_rank_bytes():
     cluster = Cluster()
     assert swap_pause(60 * 10**9, cluster) == pytest.approx(60e9 / (1500e9 * 0.8))  # vLLM: staging -> params
     assert swap_pause(60 * 10**9, cluster, copy=False) == 0.0  # a pointer swap
+    # refit.swap_budget_mb: vLLM needs its staging buffers and the shadow (two copies), else it
+    # loads under the pause (at least the copy); the HF engine pauses for the unshadowed share
+    from megatron_refit.plan.cost import staged_pause
+
+    copy = swap_pause(60 * 10**9, cluster)
+    assert staged_pause(60 * 10**9, 2.0, cluster, engine="vllm", budget_bytes=None)[0] == copy
+    assert staged_pause(60 * 10**9, 2.0, cluster, engine="vllm", budget_bytes=120 * 10**9)[0] == copy
+    slow, how = staged_pause(60 * 10**9, 2.0, cluster, engine="vllm", budget_bytes=100 * 10**9)
+    assert slow == copy and how.startswith("not prepared")
+    assert staged_pause(60 * 10**9, 2.0, cluster, engine="hf", budget_bytes=15 * 10**9)[0] == pytest.approx(1.5)
     out = subprocess.run([sys.executable, "-m", "megatron_refit.costmodel", "--config", "configs/qwen3-30b-a3b.yaml",
                           "--swap", "staged", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          check=False)
