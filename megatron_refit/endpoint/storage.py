@@ -134,7 +134,7 @@ class WeightsState:
         if self.gated is None:  # set and cleared by the refit's own thread, this one
             return
         with self.serving:
-            if self.gated is not None and self._live_at is not None:
+            if self._live_at is not None:
                 self.last_gate_s = time.perf_counter() - self._live_at
             self.gated = self._live_at = None
             self._gate_condition.notify_all()

@@ -412,14 +412,15 @@ def _await_join(refit, replica: int, timeout_s: float = 120.0) -> None:
     """Until engine replica ``replica`` announced its join in the train ranks' store (however
     slowly the machine starts it, training does not end before it joins)."""
     import datetime
+    import threading
 
     import torch.distributed as dist
 
-    from megatron_refit.fleet.store import JOINS
+    from megatron_refit.fleet.store import await_announced
 
     store = dist.TCPStore(refit.host, refit.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    store.wait([f"{JOINS}/{replica}"])
+    await_announced(store, replica, timeout_s, threading.Event())  # the fleet's own wait for a join
 
 
 def _rank_with_joiner(rank, world, port, refit, megatron_port):

@@ -36,3 +36,21 @@ def test_swap_notes_name_the_first_engine_rank_that_loaded_under_the_pause_and_a
     assert unprepared(store, 8, ranks=2) is None  # prepared (rank 1 noted nothing: not counted)
     assert store.keys == {}  # read once
     assert unprepared(None, 9, ranks=1) is None  # a transport without a store
+
+
+def test_a_store_that_fails_while_reading_the_notes_costs_the_count_not_the_replica(caplog):
+    """Train rank 0 reads the notes after the version landed: a store error there is logged and
+    the replica keeps its outcome (landed), only its swap is not counted."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron_refit.fleet.replica import _unprepared
+
+    class _Broken(_Store):
+        def check(self, keys):
+            raise RuntimeError("store gone")
+
+    member = SimpleNamespace(group=SimpleNamespace(store=_Broken()), full=SimpleNamespace(num_gen=2))
+    with caplog.at_level(logging.WARNING, logger="megatron_refit.fleet.replica"):
+        assert _unprepared(member, 1, 7) is None
+    assert "refit 7: engine replica 1's swap note could not be read: store gone" in caplog.text
