@@ -172,8 +172,9 @@ def main(argv=None) -> dict:
         seen = [f for f, v in p["faults"].items() if v["caught"]]
         print(f"power, {state} (bf16, 64 experts top-8): {p['clean_passed']} of {p['clean_refits']} clean refits "
               f"pass (max |dlogprob| {p['clean_max_dlogprob']:.3g}, mean {p['clean_mean_dlogprob']:.2g}; tolerance "
-              f"{p['tolerance']:g} + {p['relative']:g} x the logits' magnitude); caught {seen}; smallest caught "
-              f"{p['smallest_caught']}", flush=True)
+              f"{p['tolerance']:g} + {p['relative']:g} x the logits' magnitude; bulk {p['clean_bulk']:.3g} of "
+              f"{p['bulk_limit']:g}); caught {seen}; smallest caught {p['smallest_caught']}; faults' bulk "
+              f"{ {f: round(v['bulk'], 3) for f, v in p['faults'].items()} }", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)
     if args.json:

@@ -199,8 +199,9 @@ class RefitConfig:
     token adds a share of its logits' magnitude (``|its logit| + |the largest logit|`` times
     float32 1e-4, bfloat16 0.1, float16 0.02: the dtype's relative precision); null: by the
     engine's dtype (float32 1e-3, bfloat16 0.02, float16 0.01), plus 0.02 under
-    ``trainer_quantize_fp8`` and 1e-3 with LoRA adapters (the measured margins:
-    docs/guide-serving.md)."""
+    ``trainer_quantize_fp8`` and 1e-3 with LoRA adapters. Beside each token the probe's bulk is
+    judged: 90 % of its tokens must differ by at most 0.2 of their own tolerance (so this value
+    scales both). The measured margins: docs/guide-serving.md."""
     swap_budget_mb: float | None = None
     """``swap: staged``: memory for the copy, in MiB; null: the whole model. With less, the
     tensors that fit (embedding and the first layers) are staged, and the refit writes the

@@ -25,17 +25,18 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
-from megatron_refit.plan.probe import (DEFAULT_COVER_TOKENS, Probe, Reference, compare, default_tolerance,
-                                      make_probe, mean_difference, relative_tolerance)
+from megatron_refit.plan.probe import (BULK_MIN_TOKENS, DEFAULT_COVER_TOKENS, Probe, Reference, bulk, compare,
+                                      default_tolerance, make_probe, mean_difference, relative_tolerance)
 
 logger = logging.getLogger(__name__)
 
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
-                "refit/serving_mean_dlogprob", "refit/serving_s", "refit/serving_reference_s",
+                "refit/serving_mean_dlogprob", "refit/serving_bulk", "refit/serving_s", "refit/serving_reference_s",
                 "refit/serving_experts_covered", "refit/serving_experts_total")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
-log-prob| and the largest of their mean |Δ| over the probe's tokens, the check's seconds (the
+log-prob|, the largest of their mean |Δ| over the probe's tokens and of their bulk (the 90 %
+quantile of |Δ| as a share of each token's tolerance), the check's seconds (the
 trainer's reference plus the slowest replica's answer) and the reference's alone, and of a MoE
 model the (layer, expert) pairs the probe routes to under the trainer's router at the last
 reference, of all of them (0 of 0: a dense model, or no reference yet); each replica's
@@ -116,7 +117,7 @@ class ServingCheck:
             self.relative = relative_tolerance(forward.dtype)
             self.floor = default_tolerance(forward.dtype, fp8=cfg.trainer_quantize_fp8, lora=forward.lora)
             self.tolerance = cfg.serving_tolerance if cfg.serving_tolerance is not None else self.floor
-        self._said_uncovered = False
+        self._said_uncovered = self._said_short = False
         self._reached = math.inf
         """The experts the last search's probe routed (searched again only below it)."""
         self.refits = 0
@@ -209,7 +210,13 @@ class ServingCheck:
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
-        return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds)
+        share = bulk(served, reference, tolerance=self.tolerance, relative=self.relative)
+        if share is None and not self._said_short:
+            logger.warning("refit.verify_serving: the serving probe scores %d tokens, fewer than %d: each is judged "
+                           "against its own tolerance, the probe's bulk (refit/serving_bulk) is not judged",
+                           probe.num_tokens, BULK_MIN_TOKENS)
+            self._said_short = True
+        return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
                replicas: list[int] = ()) -> dict:
@@ -234,6 +241,8 @@ class ServingCheck:
                    "refit/serving_max_dlogprob": max(checked.values(), default=0.0),
                    "refit/serving_mean_dlogprob": max((v.get("mean_dlogprob", 0.0) for v in found.values()
                                                        if "max_dlogprob" in v), default=0.0),
+                   "refit/serving_bulk": max((v.get("bulk") or 0.0 for v in found.values()
+                                              if "max_dlogprob" in v), default=0.0),
                    "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
                    "refit/serving_reference_s": reference_s, "refit/serving_experts_covered": self.experts[0],
                    "refit/serving_experts_total": self.experts[1]}

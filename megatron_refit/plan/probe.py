@@ -44,6 +44,20 @@ FP8-rounded weights; the engine's FP8 kernels accumulate in another order)."""
 LORA_TOLERANCE = 1e-3
 """Added with LoRA adapters (the engine merges them into its weights, the trainer adds their
 product to each layer's output: the same model, rounded differently)."""
+BULK = 0.2
+"""The probe's bulk must agree far closer than its worst token: the :data:`BULK_QUANTILE` of the
+scored tokens' ``|Δ|`` as a share of each one's own tolerance (``tolerance + relative x scale``)
+must stay within this. Clean bf16 noise has a tail (a MoE router's near-ties send a few tokens to
+another expert on the two sides; a few improbable tokens of a peaked model), so the per-token
+tolerance must be wide; a fault such as a wrong RoPE base moves most tokens instead. Measured clean
+in bf16, 20 refits each (docs/guide-serving.md, "What passes"): 0.030 (MoE 64 experts top-8, nearly
+flat), 0.039 (peaked), 0.090 (trained hard) and 0.101 (dense, overfitted), so 0.2 keeps twice the
+largest; a wrong RoPE base gave 0.38-0.40 on the MoE model in both states (two swapped experts:
+0.038 flat, 0.15 peaked, below it)."""
+BULK_QUANTILE = 0.9
+"""Which share of the probe's tokens :data:`BULK` bounds."""
+BULK_MIN_TOKENS = 40
+"""A probe of fewer scored tokens is judged per token only (its quantile would be its tail)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,9 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
     """The largest |Δ log-prob| between what replica ``replica`` served for ``probe`` and the
     trainer's ``reference`` (one list per sequence, one value per scored token).
 
-    Each token passes within ``tolerance`` plus ``relative`` times its :attr:`Reference.scale`. Raises
+    Each token passes within ``tolerance`` plus ``relative`` times its :attr:`Reference.scale`, and
+    the probe's bulk within :data:`BULK` of that (:func:`bulk`; a probe of at least
+    :data:`BULK_MIN_TOKENS` tokens). Raises
     :class:`~megatron_refit.errors.ServingMismatchError` naming the replica, the version, the
     largest difference, how many tokens exceed and the first of them (a NaN or inf on either
     side, or a reply of another shape, always fails). ``floor``: this dtype's default tolerance;
@@ -214,6 +230,8 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
                 if first is None:
                     first, pair = (i, t + 1), (g, w)
     if not beyond:
+        _judge_bulk(served, reference, tolerance=tolerance, floor=floor, relative=relative, worst=worst,
+                    where=where, replica=replica, version=version)
         return worst
     tight = ""
     if within_floor:
@@ -227,6 +245,45 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
         f"something else (e.g. its post-load step). It has not landed version {version}; its next refit is a "
         f"full one{tight}",
         replica=replica, version=version, max_dlogprob=worst, first=first)
+
+
+def bulk(served: list[list[float]], reference: Reference | list[list[float]], *, tolerance: float,
+         relative: float = 0.0) -> float | None:
+    """The :data:`BULK_QUANTILE` (nearest rank) of every scored token's ``|Δ log-prob|`` as a share
+    of its tolerance ``tolerance + relative x`` its :attr:`Reference.scale` (after :func:`compare`'s
+    per-token pass: both finite and of the probe's shape); None for a probe of fewer than
+    :data:`BULK_MIN_TOKENS` tokens."""
+    if not isinstance(reference, Reference):
+        reference = Reference(reference)
+    scale = reference.scale or [[0.0] * len(s) for s in reference.logprobs]
+    shares = sorted(abs(float(g) - float(w)) / (tolerance + relative * float(size))
+                    for got, want, sizes in zip(served, reference.logprobs, scale, strict=True)
+                    for g, w, size in zip(got, want, sizes, strict=True))
+    if len(shares) < BULK_MIN_TOKENS:
+        return None
+    return shares[math.ceil(BULK_QUANTILE * len(shares)) - 1]
+
+
+def _judge_bulk(served, reference: Reference, *, tolerance: float, floor: float, relative: float, worst: float,
+                where: str, replica: int, version: int) -> None:
+    """:class:`~megatron_refit.errors.ServingMismatchError` where the probe's :func:`bulk` exceeds
+    :data:`BULK` (every token within its own tolerance, but most of them far off the clean noise)."""
+    share = bulk(served, reference, tolerance=tolerance, relative=relative)
+    if share is None or share <= BULK:
+        return
+    tight = ""
+    if tolerance < floor and bulk(served, reference, tolerance=floor, relative=relative) <= BULK:
+        tight = (f"; within this dtype's measured numerical noise (default tolerance {floor:g}): "
+                 f"refit.serving_tolerance={tolerance:g} is too tight for it, raise it (or set null)")
+    n = sum(len(s) for s in served)
+    raise ServingMismatchError(
+        f"{where} does not serve the trainer's model: the bulk of its log-probs is off, {BULK_QUANTILE:.0%} of the "
+        f"probe's {n} tokens should differ from the trainer's by at most {BULK:g} of their tolerance "
+        f"({tolerance:g} + {relative:g} x their logits' magnitude) and the {BULK_QUANTILE:.0%} quantile is "
+        f"{share:.3g} of it (the largest difference {worst:.4g}). Clean noise moves a few tokens; this moves most of them "
+        f"(a wrong RoPE base, experts swapped, a scale left off). It has not landed version {version}; its next "
+        f"refit is a full one{tight}",
+        replica=replica, version=version, max_dlogprob=worst, first=None)
 
 
 def mean_difference(served: list[list[float]], reference: Reference | list[list[float]]) -> float:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import math
 
+from megatron_refit.plan.probe import BULK
+
 STATES = {"flat": dict(steps=10, lr=1e-2, corpus=False), "peaked": dict(steps=33, lr=5e-3, corpus=True)}
 """``flat``: 10 steps on random tokens from random init; ``peaked``: 33 steps on 8 repeated
 sequences (the trainer then predicts them with mean probability 0.95: corpus loss 0.050; 150
 steps at lr 3e-3, 0.034, cost 4x as much). Much further (a loss near 0.01) the check's clean
 margin goes: docs/guide-serving.md, the "trained hard" rows."""
-FAULTS = ("nan", "rope", "swap", "expert x1.05", "o_proj x1.02")
-"""A NaN in one routed expert's down projection; the RoPE base 1e6 for the config's 1e4; experts 3
-and 5 of layer 0 swapped; expert 3's down projection x1.05; layer 1's attention output x1.02."""
+FAULTS = ("nan", "rope", "scale x1.1", "swap", "expert x1.05", "o_proj x1.02")
+"""A NaN in one routed expert's down projection; the RoPE base 1e6 for the config's 1e4; the final
+norm's weight x1.1 (a post-load scale error: every logit 10 % larger, no token's log-prob beyond its
+own tolerance); experts 3 and 5 of layer 0 swapped; expert 3's down projection x1.05; layer 1's
+attention output x1.02."""
 CLEAN_REFITS = 20
 
 
@@ -39,6 +43,9 @@ def break_engine(model, fault: str) -> None:
             return
         if fault == "o_proj x1.02":
             model.model.layers[1].self_attn.o_proj.weight.mul_(1.02)
+            return
+        if fault == "scale x1.1":
+            model.model.norm.weight.mul_(1.1)
             return
         stacked = {n: p for n, p in model.model.layers[0].mlp.experts.named_parameters() if p.dim() == 3}
         if not stacked or fault not in FAULTS:
@@ -67,6 +74,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.fleet.serving import ServingCheck
     from megatron_refit.plan.layout import TrainLayout
+    from megatron_refit.plan.probe import bulk
 
     init_gloo(rank, world, port)
     init_model_parallel(TrainLayout())
@@ -92,10 +100,13 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             return engine
 
         def verdict(engine, version, probe, reference):
+            served = engine.score(probe.sequences)
             try:
-                return check.verdict(0, version, lambda: engine.score(probe.sequences), reference, probe)
+                return check.verdict(0, version, lambda: served, reference, probe)
             except ServingMismatchError as exc:
-                return dict(max_dlogprob=exc.max_dlogprob, message=str(exc))
+                finite = all(math.isfinite(x) for row in served for x in row)
+                share = bulk(served, reference, tolerance=check.tolerance, relative=check.relative) if finite else None
+                return dict(max_dlogprob=exc.max_dlogprob, message=str(exc), bulk=math.inf if share is None else share)
 
         clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
         for version in range(1, CLEAN_REFITS + 1):
@@ -114,21 +125,24 @@ def power_rank(rank, world, port, states=tuple(STATES)):
 
 
 def summary(found: dict) -> dict:
-    """Per state: the clean refits' largest max / mean |Δ|, how many passed, and per fault its
-    largest |Δ| and whether the check caught it; ``smallest_caught``: the caught fault that moved
+    """Per state: the clean refits' largest max / mean |Δ| and :func:`~megatron_refit.plan.probe.bulk`
+    (against its limit), how many passed, and per fault its largest |Δ|, its bulk and whether the
+    check caught it; ``smallest_caught``: the caught fault that moved
     the log-probs least (its name and |Δ|)."""
     out = {}
     for state, got in found.items():
         clean = got["clean"]
         caught = {f: "message" in r for f, r in got["faults"].items()}
         moved = {f: r["max_dlogprob"] for f, r in got["faults"].items()}
+        shares = {f: r.get("bulk") for f, r in got["faults"].items()}
         smallest = min((f for f in caught if caught[f]), key=lambda f: moved[f], default=None)
         out[state] = dict(clean_passed=sum("message" not in r for r in clean), clean_refits=len(clean),
                           clean_max_dlogprob=max(r["max_dlogprob"] for r in clean),
                           clean_mean_dlogprob=max(r.get("mean_dlogprob", math.inf) for r in clean),
+                          clean_bulk=max(r.get("bulk") or 0.0 for r in clean), bulk_limit=BULK,
                           tolerance=got["tolerance"], relative=got["relative"], loss=got["loss"],
                           experts_covered=got["experts"][0], experts_total=got["experts"][1],
-                          faults={f: dict(max_dlogprob=moved[f], caught=caught[f]) for f in moved},
+                          faults={f: dict(max_dlogprob=moved[f], bulk=shares[f], caught=caught[f]) for f in moved},
                           smallest_caught=None if smallest is None else dict(fault=smallest,
                                                                               max_dlogprob=moved[smallest]))
     return out

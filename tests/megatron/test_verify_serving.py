@@ -15,8 +15,8 @@ from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, 
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.plan.probe import (Probe, Reference, compare, default_tolerance, greedy_cover, make_probe,
-                                      mean_difference, sweep)
+from megatron_refit.plan.probe import (BULK, BULK_MIN_TOKENS, Probe, Reference, bulk, compare, default_tolerance,
+                                      greedy_cover, make_probe, mean_difference, sweep)
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
 
@@ -132,6 +132,35 @@ def test_verify_serving_allows_each_token_for_its_logits_magnitude():
                 replica=0, version=1)
 
 
+def test_verify_serving_judges_the_probes_bulk_beside_each_token():
+    """Each token within its own tolerance is not enough: 90 % of the probe's tokens must lie
+    within ``BULK`` (0.2) of theirs. A few tokens far off (clean bf16: a router's near-ties) pass; the
+    same shift on most tokens (a fault) fails, named as the bulk; a probe too short for a
+    quantile is judged per token only."""
+    n = 60
+    probe = Probe((tuple(range(n + 1)),))
+    want = [[-5.0] * n]
+    reference = Reference(want, [[10.0] * n])  # each token's tolerance: 0.02 + 0.1 * 10 = 1.02
+    tail = [[-5.0 + 0.9] * 5 + [-5.0 + 0.01] * (n - 5)]  # 5 of 60 near their limit, the rest at 1 %
+    assert compare(tail, reference, probe, tolerance=0.02, relative=0.1, floor=0.02, replica=0, version=1) == \
+        pytest.approx(0.9)
+    assert bulk(tail, reference, tolerance=0.02, relative=0.1) == pytest.approx(0.01 / 1.02)
+    shifted = [[-5.0 + 0.3] * n]  # every token at 30 % of its tolerance: within each, not as a bulk
+    with pytest.raises(ServingMismatchError, match=r"the bulk of its log-probs is off, 90% of the probe's 60 tokens "
+                                                   r"should differ .* by at most 0.2 of their tolerance .* quantile is "
+                                                   r"0.294 of it") as caught:
+        compare(shifted, reference, probe, tolerance=0.02, relative=0.1, floor=0.02, replica=2, version=7)
+    assert (caught.value.replica, caught.value.version) == (2, 7) and "too tight" not in str(caught.value)
+    assert bulk(shifted, reference, tolerance=0.02, relative=0.1) > BULK
+    with pytest.raises(ServingMismatchError, match=r"quantile is 0.3 of it.*refit.serving_tolerance=0.1 is too tight"):
+        compare([[-5.0 + 0.03] * n], Reference(want), probe, tolerance=0.1, floor=0.5, replica=0, version=1)
+    short = Probe((tuple(range(BULK_MIN_TOKENS)),))  # BULK_MIN_TOKENS - 1 scored tokens
+    few = [[-5.0 + 0.2] * (BULK_MIN_TOKENS - 1)]
+    assert bulk(few, [[-5.0] * (BULK_MIN_TOKENS - 1)], tolerance=1.02) is None
+    assert compare(few, [[-5.0] * (BULK_MIN_TOKENS - 1)], short, tolerance=1.02, floor=1.02, replica=0,
+                   version=1) == pytest.approx(0.2)
+
+
 def test_verify_serving_a_tolerance_tighter_than_the_dtypes_noise_says_so():
     probe = Probe(((1, 2, 3),))
     noise = [[-1.0 + 3e-6, -2.0]]  # float32 noise (clean runs measure <= 1e-6)
@@ -160,9 +189,10 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
     assert check.due([0, 1, 2]) == {0: False, 1: True, 2: False}  # 1 failed: checked again
     check.forget(0)
     assert check.due([0, 2]) == {0: True, 2: False}
-    metrics = check.record({0: dict(max_dlogprob=2e-7, mean_dlogprob=1e-7, seconds=0.01)}, {}, 0.02, [0, 2])
+    metrics = check.record({0: dict(max_dlogprob=2e-7, mean_dlogprob=1e-7, bulk=0.004, seconds=0.01)}, {}, 0.02,
+                           [0, 2])
     assert metrics == {"refit/serving_checked": 1, "refit/serving_unchecked": 0, "refit/serving_max_dlogprob": 2e-7,
-                       "refit/serving_mean_dlogprob": 1e-7,
+                       "refit/serving_mean_dlogprob": 1e-7, "refit/serving_bulk": 0.004,
                        "refit/serving_s": 0.03, "refit/serving_reference_s": 0.02,
                        "refit/serving_experts_covered": 0, "refit/serving_experts_total": 0,
                        "refit/serving_max_dlogprob/replica_0": 2e-7}
@@ -200,6 +230,10 @@ def test_verify_serving_probe_is_extended_until_every_expert_is_routed_and_kept_
     assert check.experts == (12, 12) and forward.covers == [(2, 0)] and len(reference.logprobs) == 6
     assert check.record({}, {}, 0.0)["refit/serving_experts_covered"] == 12
     assert check.verdict(0, 1, lambda: reference.logprobs, reference, probe)["max_dlogprob"] == 0.0
+    said = [r.getMessage() for r in caplog.records]  # 6 tokens: judged per token only, said once
+    assert len(said) == 1 and "scores 6 tokens, fewer than 40" in said[0] and "bulk" in said[0]
+    assert check.verdict(0, 1, lambda: reference.logprobs, reference, probe)["bulk"] is None
+    caplog.clear()
     assert check.take_reference()[0] == probe and len(forward.covers) == 1  # still covers: kept, no search
     assert not caplog.records
     forward.dead = {3}  # the router moved on: the probe routes fewer than the last search reached
