@@ -280,9 +280,9 @@ def _judge_bulk(served, reference: Reference, *, tolerance: float, floor: float,
         f"{where} does not serve the trainer's model: the bulk of its log-probs is off, {BULK_QUANTILE:.0%} of the "
         f"probe's {n} tokens should differ from the trainer's by at most {BULK:g} of their tolerance "
         f"({tolerance:g} + {relative:g} x their logits' magnitude) and the {BULK_QUANTILE:.0%} quantile is "
-        f"{share:.3g} of it (the largest difference {worst:.4g}). Clean noise moves a few tokens; this moves most of them "
-        f"(a wrong RoPE base, experts swapped, a scale left off). It has not landed version {version}; its next "
-        f"refit is a full one{tight}",
+        f"{share:.3g} of it (the largest difference {worst:.4g}). Clean noise moves a few tokens; this moves most "
+        f"of them (a wrong RoPE base, a scale left off or applied twice). It has not landed version {version}; its "
+        f"next refit is a full one{tight}",
         replica=replica, version=version, max_dlogprob=worst, first=None)
 
 
