@@ -120,8 +120,9 @@ class Receiver(Endpoint):
         report.bytes_full = sum(b.payload_bytes for b in buckets)
         digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
         route = self.route
+        readback = self.probe_due and getattr(self.storage, "live_buffers", False)  # checked: every byte read back
         digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report,
-                                 post=not route.relayed)
+                                 post=not route.relayed, readback=readback)
         run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
         with torch.no_grad():
             run.forward = forwarder(self, route, buckets, report) if route.successors else None

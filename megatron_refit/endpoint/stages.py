@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.endpoint.bytes import repack_bucket
-from megatron_refit.endpoint.integrity import chunk_sums
+from megatron_refit.endpoint.integrity import chunk_sums, position_sums
 from megatron_refit.errors import RefitCorruptionError, RefitTransportError
 
 DIGEST_TAG = 1 << 30
@@ -105,8 +105,13 @@ class ReceiveDigests:
     overlaps the transfer); at the end, the comparison naming the corrupted buckets."""
 
     def __init__(self, group, digesters: dict, verify: str, version: int, buckets, src_of: Callable, report, *,
-                 post: bool = True):
+                 post: bool = True, readback: bool = False):
         self.group, self.digesters, self.verify, self.version = group, digesters, verify, version
+        self.readback = readback and verify != "off"
+        """Keep :func:`~megatron_refit.endpoint.integrity.position_sums` of what landed (every byte,
+        per bucket) for :meth:`stale_in`: the refit's version is checked and the engine's weights
+        are read back."""
+        self.landed: dict[int, list[torch.Tensor]] = {}  # sender -> full sums of its buckets, in plan order
         self.src_of, self.report = src_of, report
         self.left = Counter(src_of(b) for b in buckets)
         self.counts = dict(self.left)
@@ -140,6 +145,8 @@ class ReceiveDigests:
         for bucket, data in self.unchecked:
             src = self.src_of(bucket)
             self.received.setdefault(src, []).append((bucket, chunk_sums(data, self.verify)))
+            if self.readback:
+                self.landed.setdefault(src, []).append(position_sums(data))
             self.left[src] -= 1
             if not self.left[src]:
                 self.computed[src] = self.digesters[src]([s for _, s in self.received[src]], self.version).cpu()
@@ -170,6 +177,7 @@ class ReceiveDigests:
         """Forget the sums of sender ``src``'s buckets from place ``keep[src]`` on (they come again)."""
         for src, count in keep.items():
             self.received[src] = self.received.get(src, [])[:count]
+            self.landed[src] = self.landed.get(src, [])[:count]
             self.left[src] = self.counts[src] - count
             self.computed.pop(src, None)
 
@@ -178,8 +186,10 @@ class ReceiveDigests:
         every bucket (all of them: digests are per bucket) whose bytes, read back from the
         engine's storage now (``get_dst``: where the refit wrote each parameter;
         :func:`~megatron_refit.endpoint.bytes.repack_bucket`), no longer give the senders'
-        digest (a tensor left stale or changed after the load). Reads what ``verify`` reads; one
-        bucket of scratch memory; [] under ``verify: off``."""
+        digest (a tensor left stale or changed after the load). Reads what ``verify`` reads, or
+        every byte under :attr:`readback`, compared with the position sums of what landed (two
+        experts swapped inside one large bucket: outside what ``sampled`` reads, and invisible to
+        any plain sum); one bucket of scratch memory; [] under ``verify: off``."""
         if self.verify == "off" or not self.received:
             return []
         changed = []
@@ -190,7 +200,12 @@ class ReceiveDigests:
             for bucket, _ in entries:
                 if scratch is None:
                     scratch = torch.empty(size, dtype=torch.uint8, device=get_dst(bucket.items[0].transfer.name).device)
-                sums.append(chunk_sums(repack_bucket(bucket, get_dst, scratch), self.verify))
+                packed = repack_bucket(bucket, get_dst, scratch)
+                sums.append(position_sums(packed) if self.readback else chunk_sums(packed, self.verify))
+            if self.readback:
+                changed += [entries[i][0] for i, (now, then) in enumerate(zip(sums, self.landed[src], strict=True))
+                            if not torch.equal(now, then)]
+                continue
             live = self.digesters[src](sums, self.version).cpu()
             changed += [entries[i][0] for i in (live != self.sent[src].buffer.cpu()).nonzero().flatten().tolist()]
         return sorted({item.transfer.name for bucket in changed for item in bucket.items})

@@ -83,9 +83,10 @@ class HoldRefits:
             self.cond.notify_all()
 
 
-BREAKS = ("permute_experts", "unload_layer", "stale_scale", "stale_tensor")
+BREAKS = ("permute_experts", "scale_expert", "unload_layer", "stale_scale", "stale_tensor")
 """Ways :func:`break_post_load` breaks an engine's post-load step (the serving check must catch
-each): the first MoE layer's experts 0 and 1 swapped after the load; the first decoder layer left
+each): the first MoE layer's experts 0 and 1 swapped after the load; its expert 0's down
+projection x1.05; the first decoder layer left
 as it was before the refit (not loaded); one FP8 weight dequantized with the last refit's
 ``weight_scale_inv`` (stale); one weight (the first layer's MLP down projection, of expert 0 in a
 MoE layer) put back as it was before the refit after the load (one version stale)."""
@@ -122,6 +123,8 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         if how == "permute_experts":
             for name in (f"{layer}mlp.experts.gate_up_proj", f"{layer}mlp.experts.down_proj"):
                 params[name].data[[0, 1]] = params[name].data[[1, 0]].clone()
+        elif how == "scale_expert":
+            params[f"{layer}mlp.experts.down_proj"].data[0] *= 1.05
         elif how == "unload_layer":
             for name, old in before.items():
                 params[name].data.copy_(old)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.endpoint.integrity import (FULL_BELOW, Digester, bucket_seed, check_mode, chunk_sums, digest,
-                                               extra_bytes)
+from megatron_refit.endpoint.integrity import (FULL_BELOW, POSITION_WORDS, Digester, bucket_seed, check_mode,
+                                               chunk_sums, digest, extra_bytes, position_sums)
 
 SEED = bucket_seed(0, 2, 5, 1 << 20, 11)  # sender, receiver, index, length, plan
 V = 3  # the refit version
@@ -86,6 +86,25 @@ def _flip(x: torch.Tensor, position: int) -> torch.Tensor:
     out = x.clone()
     out[position] ^= 0x40
     return out
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_position_sums_see_two_rows_swapped_that_every_plain_sum_misses(offset):
+    """An engine's read-back (``stale_in``) must see two experts' rows swapped in one bucket: the
+    plain chunk sums, even in ``full`` mode, add the same words in another order; the position
+    sums do not. Equal bytes give equal sums at any alignment, over several pieces and a partial
+    last word."""
+    gen = torch.Generator().manual_seed(5)
+    n = POSITION_WORDS * 8 + 4096 + 5  # two pieces, the second ending in a partial word
+    base = torch.randint(0, 256, (n + offset,), dtype=torch.uint8, generator=gen)[offset:]
+    swapped = base.clone()
+    swapped[64:128], swapped[1024:1088] = base[1024:1088].clone(), base[64:128].clone()  # two 64-byte rows
+    assert torch.equal(chunk_sums(swapped, "full"), chunk_sums(base, "full"))  # blind to it
+    assert not torch.equal(position_sums(swapped), position_sums(base))
+    assert position_sums(base).shape == (2,) and torch.equal(position_sums(base), position_sums(base.clone()))
+    tail = base.clone()
+    tail[-1] ^= 1  # the partial last word counts too
+    assert not torch.equal(position_sums(tail), position_sums(base))
 
 
 def test_extra_memory_per_bucket_is_bounded():
