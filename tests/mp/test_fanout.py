@@ -246,7 +246,8 @@ def test_fanout_relay_link_is_checked_fully_under_the_default_sampled_verify(tmp
     train, gen, _ = _run("corrupt-sampled", tmp_path)
     for outcome in gen:
         _landed(outcome, VERSIONS)
-    assert [outcome[BAD - 1]["fallback"] for outcome in gen] == [False, True, True]
+    assert [outcome[BAD - 1]["fallback"] for outcome in gen] == [False, True, True], \
+        ([outcome[BAD - 1] for outcome in gen], train[0][BAD - 1]["summary"])
     assert train[0][BAD - 1]["summary"]["refit/relay_fallbacks"] == 2
 
 
