@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
-from megatron_refit.refit import check_enabled, trainer_refit_from_pieces
+from megatron_refit.group.connect import check_enabled
+from megatron_refit.refit import trainer_refit_from_pieces
 
 
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,

@@ -92,7 +92,8 @@ class Link:
 def _rank(rank, world, port, mode, dim, layers, reps, mbps, kill):
     from megatron_refit.config import RefitConfig
     from megatron_refit.endpoint.sender import TensorPiece
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
     from megatron_refit.testing.storages import MemoryStorage, local, row_specs
 
     torch.set_num_threads(1)

@@ -78,10 +78,11 @@ def _schedule(reps: int, rounds: int) -> tuple[list[int], list[int]]:
 
 def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
     from megatron_refit.config import RefitConfig
-    from megatron_refit.fleet.store import JOINS
+    from megatron_refit.group.store import JOINS
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     cfg = RefitConfig(enabled=True, engine="hf", gen_tp=1, gen_dp=replicas, port=port, timeout_s=TIMEOUT_S,
                       on_replica_failure="continue")

@@ -95,7 +95,7 @@ def _train(rank, args, arm, refit):
 def _gen(refit, args):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
 
     if args.engine_nice:  # the engine's process yields these shared cores to the trainer's
         os.nice(args.engine_nice)

@@ -90,7 +90,7 @@ def _hold_swap_for_a_pass(backend, passes: list, bound_s: float = 30.0) -> None:
 
 
 def _gen(spec: RunSpec, cfg, refit_cfg, hold_swap: bool):
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.testing.harness import make_gen_backend
 
     backend = make_gen_backend(spec, cfg, 0)

@@ -135,7 +135,7 @@ def _train(rank, args, cfg):
 
 
 def _generate(rank, args, cfg):
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.engines.hf.storage import HFStorage
 
     num_train = args.spec.num_train

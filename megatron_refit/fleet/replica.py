@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
-from megatron_refit.fleet.store import unprepared
+from megatron_refit.group.store import unprepared
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
 
 
@@ -27,7 +27,7 @@ class ReplicaHooks(Protocol):
 
     staged: bool
     """``swap: staged``: each engine rank notes whether it prepared the version beside the live
-    model (:func:`~megatron_refit.fleet.store.note_swap`)."""
+    model (:func:`~megatron_refit.group.store.note_swap`)."""
 
     def start(self, replica: int, version: int, full: bool) -> None:
         """Before the replica's bytes move (its engine's receiving call, not waited for)."""

@@ -12,7 +12,7 @@ train rank 0 found (gathered with the refit's outcomes). Train rank 0 alone comp
 
 How a replica scores the probe is its engine's: through its control client on train rank 0
 (vLLM's server or ``LLM``, SGLang), or in band over its refit group (an engine without a control
-plane, e.g. the HF engine: :func:`exchange_in_band`).
+plane, e.g. the HF engine: :func:`~megatron_refit.group.inband.exchange_in_band`).
 """
 
 from __future__ import annotations
@@ -255,50 +255,16 @@ class ServingCheck:
         self.unable.discard(replica)
 
 
-def exchange_in_band(group, num_train: int, *, probe: Probe | None = None,
-                     score: Callable[[tuple], Any] | None = None, stale: Callable[[], list[str]] | None = None) -> Any:
-    """A replica group scores the probe in band, after a refit it applied (collective over the
-    group: every train rank passes nothing, train rank 0 the ``probe``; every engine rank its
-    ``score``, or None where its storage cannot score, and its ``stale``: the parameters it no
-    longer holds as they arrived, ``Receiver.stale_live``). Returns, on every rank, what the
-    engine's first rank answered: its log-probs, ``{"unable": why}`` or ``{"error": why}``; where
-    an engine rank holds a stale parameter, ``{"served": that answer, "stale": [names]}``."""
-    sent = group.all_gather_object(list(map(list, probe.sequences)) if probe is not None else None, "probe")
-    sequences = tuple(tuple(s) for s in sent[0])
-    answer = None
-    if group.rank >= num_train:
-        if score is None:
-            answer = {"unable": "its storage has no score method"}
-        else:
-            try:
-                answer = score(sequences)
-            except Exception as exc:  # noqa: BLE001 -- the train ranks learn why this replica could not score
-                answer = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        try:
-            answer = (answer, stale() if stale is not None else [])
-        except Exception as exc:  # noqa: BLE001 -- reading its weights back failed: it cannot vouch for them
-            answer = ({"error": f"reading its weights back: {type(exc).__name__}: {exc}"[:500]}, [])
-    rows = group.all_gather_object(answer, "served")
-    names = sorted({name for row in rows[num_train:] for name in row[1]})
-    return {"served": rows[num_train][0], "stale": names} if names else rows[num_train][0]
-
-
-def verdict_in_band(group, num_train: int, *, failed: str | None = None) -> str | None:
-    """After :func:`exchange_in_band`, train rank 0 tells the replica's engine ranks its verdict
-    (collective over the group: ``failed``, why it does not serve the trainer's model, from train
-    rank 0; None elsewhere or where it passed): an engine rank told it holds its weights
-    (:meth:`~megatron_refit.endpoint.storage.WeightsState.hold`). Returns it on every rank."""
-    return group.all_gather_object(failed if group.rank == 0 else None, "verdict")[0]
-
-
 def stale_of(answer: Any) -> list[str]:
-    """The parameters an in-band answer (:func:`exchange_in_band`) names stale: [] for most."""
+    """The parameters an in-band answer (:func:`~megatron_refit.group.inband.exchange_in_band`)
+    names stale: [] for most."""
     return answer["stale"] if isinstance(answer, dict) and "stale" in answer else []
 
 
 def served_or_raise(answer: Any) -> Any:
-    """An in-band answer (:func:`exchange_in_band`) as :meth:`ServingCheck.verdict`'s ``score()``
-    gives it: the log-probs, or :class:`ServingUnavailableError`; an engine error raises as itself."""
+    """An in-band answer (:func:`~megatron_refit.group.inband.exchange_in_band`) as
+    :meth:`ServingCheck.verdict`'s ``score()`` gives it: the log-probs, or
+    :class:`ServingUnavailableError`; an engine error raises as itself."""
     if isinstance(answer, dict) and "stale" in answer:
         answer = answer["served"]
     if isinstance(answer, dict) and "unable" in answer:

@@ -25,14 +25,15 @@ from concurrent.futures import Future
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import RefitTransportError
 from megatron_refit.fleet.fanout import FanoutRouter
-from megatron_refit.fleet.member import TrainerMember, close_quietly
-from megatron_refit.fleet.heartbeat import Watchdog
+from megatron_refit.fleet.member import TrainerMember
+from megatron_refit.group.member import close_quietly
+from megatron_refit.fleet.watchdog import Watchdog
 from megatron_refit.fleet.membership import Changes, Membership, join_status, resolve
 from megatron_refit.fleet.policy import check_landed, failed_replicas
 from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
 from megatron_refit.fleet.runner import Runner, abort_at_exit
 from megatron_refit.fleet.serving import ServingCheck
-from megatron_refit.fleet.store import (JOINS, LEAVES, SWAP_KEYS, Announcements, abort_join,
+from megatron_refit.group.store import (JOINS, LEAVES, SWAP_KEYS, Announcements, abort_join,
                                         await_announced)
 from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.registry import engine_named

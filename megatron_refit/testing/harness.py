@@ -220,7 +220,7 @@ def _reference_weights(spec: RunSpec, built):
 
 
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
 
     backend = make_gen_backend(spec, cfg, gen_index)
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None

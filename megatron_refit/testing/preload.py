@@ -27,5 +27,6 @@ with quiet_imports():
     import conversion.testing.build  # noqa: F401
     import megatron_refit.fleet.member  # noqa: F401
     import megatron_refit.fleet.trainer_fleet  # noqa: F401
+    import megatron_refit.engine_side.entry  # noqa: F401
     import megatron_refit.refit  # noqa: F401
     import megatron_refit.testing.harness  # noqa: F401

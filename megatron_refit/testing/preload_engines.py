@@ -25,7 +25,8 @@ VLLM = (
     "megatron_refit.engines.vllm.worker.engine",
     "megatron_refit.engines.vllm.trainer.engine",
 )
-OURS = ("megatron_refit.refit", "megatron_refit.fleet.member", "megatron_refit.fleet.trainer_fleet")
+OURS = ("megatron_refit.refit", "megatron_refit.engine_side.entry", "megatron_refit.fleet.member",
+        "megatron_refit.fleet.trainer_fleet")
 """This project's modules every rank imports (neither side needs Megatron to import them)."""
 SGLANG = (
     "sglang.srt.server_args",

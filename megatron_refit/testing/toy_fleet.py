@@ -110,7 +110,7 @@ def _train(rank: int, port: int, t0: float) -> None:
 
 def _engine(rank: int, port: int, t0: float) -> None:
     """Receive versions until the trainer is gone; then report the last complete one and close."""
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
 
     gen = rank - NUM_TRAIN
     store = storage(0, 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.refit import engine_refit
+from megatron_refit.engine_side.entry import engine_refit
 
 ROOT = Path(__file__).resolve().parents[2]
 ON = RefitConfig(enabled=True, engine="hf", port=1)  # port 1: a rendezvous there would fail, not hang

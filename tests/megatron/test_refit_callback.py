@@ -115,7 +115,7 @@ class _Writer:
 
 def _gen(refit, versions, num_train, device="cpu", gen_index=0):
     from conversion.testing.hf_configs import hf_config
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.engines.hf.storage import HFStorage
 
     backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16, device=device)
@@ -252,7 +252,7 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
             if wait_joins and rank == 0:  # the test's joiner has announced itself: the next refit takes it in
                 import time
 
-                from megatron_refit.fleet.store import JOINS
+                from megatron_refit.group.store import JOINS
 
                 store, deadline = callbacks[0].fleet.control.store, time.monotonic() + 200
                 while store.get(JOINS).decode().count(",") < wait_joins and time.monotonic() < deadline:
@@ -393,7 +393,7 @@ def _joining_gen(refit, num_train, gen_index=1):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.errors import RefitTransportError
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
 
     backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
     member = engine_refit(refit, backend, gen_index=gen_index, num_train=num_train)
@@ -416,7 +416,7 @@ def _await_join(refit, replica: int, timeout_s: float = 120.0) -> None:
 
     import torch.distributed as dist
 
-    from megatron_refit.fleet.store import await_announced
+    from megatron_refit.group.store import await_announced
 
     store = dist.TCPStore(refit.host, refit.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))

@@ -24,7 +24,8 @@ LAYERS = (
     ("megatron_refit.config",),
     ("megatron_refit.transport",),
     ("megatron_refit.endpoint",),
-    ("megatron_refit.fleet",),
+    ("megatron_refit.group",),
+    ("megatron_refit.fleet", "megatron_refit.engine_side"),
     ("megatron_refit.refit",),
     ("megatron_refit.engines",),
     ("conversion",),
@@ -145,6 +146,53 @@ def test_each_engine_keeps_its_trainer_process_and_engine_process_modules_apart(
     assert not crossing, crossing
 
 
+TRAIN_SIDE = ("megatron_refit.fleet", "megatron_refit.refit", "megatron_refit.engines.control")
+"""The train ranks' side (with every engine's ``trainer/``): nothing an engine process runs reaches it."""
+
+
+def _engine_side_reaches(graph) -> list[str]:
+    """Each path from an engine-side module (``engine_side``, an engine's ``worker/``) to a
+    train-side one, through any chain of imports."""
+    def train(m):
+        return any(m == p or m.startswith(p + ".") for p in TRAIN_SIDE) or ".trainer." in f"{m}."
+
+    bad = []
+    for start in graph:
+        if not (start.startswith(("megatron_refit.engine_side", "megatron_refit.engines.hf")) or
+                (start.startswith("megatron_refit.engines.") and ".worker." in f"{start}.")):
+            continue
+        seen, stack = {start: None}, [start]
+        while stack:
+            m = stack.pop()
+            for t in graph.get(m, ()):
+                if t in seen:
+                    continue
+                seen[t] = m
+                if train(t):
+                    path, at = [t], m
+                    while at is not None:
+                        path.append(at)
+                        at = seen[at]
+                    bad.append(" -> ".join(reversed(path)))
+                else:
+                    stack.append(t)
+    return bad
+
+
+def test_the_engine_side_imports_nothing_of_the_train_side():
+    """An engine process (``engine_side/``, every engine's ``worker/``, the HF engine) reaches no
+    train-side module, directly or through any chain of imports: it runs with only its own side
+    and what both share (``group/``, ``endpoint/``, ``transport/``, ``plan/``)."""
+    assert not _engine_side_reaches(_graph())
+
+
+def test_the_engine_side_check_catches_a_chain_to_the_train_side():
+    graph = {"megatron_refit.engine_side.entry": {"megatron_refit.group.x"},
+             "megatron_refit.group.x": {"megatron_refit.fleet.serving"}}
+    assert _engine_side_reaches(graph) == ["megatron_refit.engine_side.entry -> megatron_refit.group.x -> "
+                                           "megatron_refit.fleet.serving"]
+
+
 def test_dependencies_point_down_the_layers():
     graph = _graph()
     assert len(graph) > 90 and "conversion.refit_callback" in graph and "megatron_refit.plan.spec" in graph
@@ -258,7 +306,7 @@ def test_refit_transport_selects_from_the_registry():
     import torch
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.refit import connect
+    from megatron_refit.group.connect import connect
     from megatron_refit.transport import register_transport, transport_name
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -279,7 +327,7 @@ def test_a_transport_registered_by_name_is_what_connect_opens():
     import torch
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.refit import connect
+    from megatron_refit.group.connect import connect
     from megatron_refit.transport import register_transport
 
     opened = []

@@ -33,7 +33,8 @@ SEND_DELAY_S = 0.03
 def _overlap_rank(rank, world, port, scenario, versions):
     from megatron_refit.config import RefitConfig
     from megatron_refit.errors import RefitTransportError
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
     from megatron_refit.testing.faults import slowed
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
@@ -149,8 +150,9 @@ def _churn_rank(rank, world, port, flag):
     import threading
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.fleet.store import JOINS, LEAVES
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.group.store import JOINS, LEAVES
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=TIMEOUT_S, stall_s=2.0, overlap="on", delta="on", on_replica_failure="continue")
@@ -311,7 +313,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
 def _pretrain_overlap_gen(refit, gen_index, num_train):
     from conversion.testing.hf_configs import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.testing.harness import _failing
 
     backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16)

@@ -57,7 +57,8 @@ def _toy_rank(rank, world, port, refit):
     import megatron_refit.testing.toy_engine  # noqa: F401 -- registers engine "toy" in this process
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.plan.spec import ShardSpec, box_along, full_box
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     cfg = RefitConfig.from_dict({**refit, "port": port})
     num_train = world - 1

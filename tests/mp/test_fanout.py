@@ -33,8 +33,9 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
     replica ``dp`` starts after refit 2 and joins at refit 3. ``kill``: replica ``RELAY``'s first
     TP rank exits while it lands refit ``BAD``; ``raise``: its storage raises then."""
     from megatron_refit.config import RefitConfig
-    from megatron_refit.fleet.store import JOINS
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.group.store import JOINS
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     big = scenario == "corrupt-sampled"
     if big:  # one 2 MiB weight: each train rank's half is one bucket of 1 MiB, read 1/128 by `sampled`

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.report import SUMMARY_KEYS
-from megatron_refit.fleet.heartbeat import BEATS_PER_STALL
+from megatron_refit.group.beats import BEATS_PER_STALL
 from megatron_refit.fleet.serving import SERVING_KEYS
-from megatron_refit.fleet.store import SWAP_KEYS
+from megatron_refit.group.store import SWAP_KEYS
 from megatron_refit.testing.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
@@ -42,7 +42,8 @@ def _storage(tp_rank: int, tp: int):
 
 def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
     from megatron_refit.config import RefitConfig
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
     from megatron_refit.transport import ProcessGroupTransport
 
     delta = "on" if scenario.startswith("corrupt") else "off"
@@ -233,8 +234,9 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
     import signal
 
     from megatron_refit.config import RefitConfig
-    from megatron_refit.fleet.store import JOINS, LEAVES
-    from megatron_refit.refit import engine_refit, trainer_refit_from_pieces
+    from megatron_refit.group.store import JOINS, LEAVES
+    from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.refit import trainer_refit_from_pieces
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=tp, gen_dp=dp, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=KILL_TIMEOUT_S, stall_s=STALL_S, delta="on", on_replica_failure="continue",

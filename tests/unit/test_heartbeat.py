@@ -1,4 +1,4 @@
-"""Stall detection (megatron_refit.fleet.heartbeat): counters, not clocks; one quiet TP rank is a
+"""Stall detection (megatron_refit.group.beats): counters, not clocks; one quiet TP rank is a
 stall; train rank 0 reads the heartbeats and publishes, every train rank aborts its own group."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.fleet.heartbeat import STALLED, Heartbeat, Watchdog, stall_s
+from megatron_refit.engine_side.heartbeat import Heartbeat
+from megatron_refit.fleet.watchdog import STALLED, Watchdog
+from megatron_refit.group.beats import stall_s
 
 
 class _Clock:
@@ -161,7 +163,7 @@ def test_a_beat_survives_a_store_error_on_a_new_connection_and_logs_one_warning(
     beat = Heartbeat(cfg, 0, "a", 1, connect=connect)
     connections[0].failures = 1  # its first add went through (the counter exists): the next beat raises
     key = prefix + "heartbeat/1"
-    with caplog.at_level("INFO", logger="megatron_refit.fleet.heartbeat"):
+    with caplog.at_level("INFO", logger="megatron_refit"):
         deadline = time.monotonic() + 5.0  # 0.05 s a beat: 4 beats in 0.2 s when it lives on
         while int(shared.values.get(key, b"0")) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -189,7 +191,7 @@ def test_watchdog_store_errors_are_a_warning_once_and_it_reads_on(caplog):
     dog = Watchdog(RefitConfig(enabled=True, gen_tp=1, stall_s=2.0, timeout_s=30.0), leader=False, store=flaky)
     dog.watch(0, "a", lambda why: None)
     flaky.failures = 3
-    with caplog.at_level("INFO", logger="megatron_refit.fleet.heartbeat"):
+    with caplog.at_level("INFO", logger="megatron_refit"):
         for _ in range(3):
             assert dog.check() == []
         flaky.failures = 0

@@ -1,5 +1,5 @@
 """Notes a replica's engine ranks leave its train ranks in their group's store
-(megatron_refit.fleet.store): under ``swap: staged`` whether each prepared a version beside the
+(megatron_refit.group.store): under ``swap: staged`` whether each prepared a version beside the
 live model, read once by train rank 0 after the version landed (``refit/swap_unprepared``)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class _Store:
 
 
 def test_swap_notes_name_the_first_engine_rank_that_loaded_under_the_pause_and_are_removed():
-    from megatron_refit.fleet.store import note_swap, unprepared
+    from megatron_refit.group.store import note_swap, unprepared
 
     store = _Store()
     note_swap(store, 7, 0, None)

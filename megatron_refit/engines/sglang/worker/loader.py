@@ -40,7 +40,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     from megatron_refit.config import refit_section
     from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import LiveModelStorage
-    from megatron_refit.refit import engine_refit
+    from megatron_refit.engine_side.entry import engine_refit
 
     cfg = refit_section({"engine": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
     if cfg.engine != "sglang":

@@ -53,11 +53,11 @@ from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.engines.vllm.worker.prepare import NotPreparableError, Prepared, prepare
 from megatron_refit.errors import RepackedParameterError
-from megatron_refit.fleet.store import note_swap
+from megatron_refit.group.store import note_swap
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
-from megatron_refit.refit import engine_refit
+from megatron_refit.engine_side.entry import engine_refit
 
 logger = logging.getLogger("megatron_refit")
 

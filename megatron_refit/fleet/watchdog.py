@@ -1,109 +1,18 @@
-"""A stalled engine replica told from a slow one: heartbeats in the train ranks' store.
-
-Every engine rank beats (:class:`Heartbeat`): a thread of its own adds 1 to its counter,
-``heartbeat/<tp rank>`` under its replica's namespace (:func:`~megatron_refit.fleet.store.namespace`),
-every ``refit.stall_s / 6`` seconds, over a store connection of its own (never queued behind
-the engine's own waits on the store), from before it joins until it closes. A process that is
-stopped, or whose interpreter no longer runs (a deadlock holding the GIL, a SIGSTOP, a swap
-storm), stops beating; one that is merely slow (a long post-load step, a big bucket) goes on.
-A replica is stalled when any one of its engine ranks is (the others wait on it).
-
-Train rank 0 watches the replicas' counters (:class:`Watchdog`, polled in the fleet's runner):
-a replica one of whose counters did not move for ``refit.stall_s`` is stalled; train rank 0
-publishes it in the store and every train rank, reading that one key per poll, aborts its group
-to it (:meth:`~megatron_refit.transport.base.Transport.abort`), so
-the wait on it ends now instead of at ``refit.timeout_s``: the replica fails (its group broke),
-is dropped, and may rejoin. The bound this keeps: a stalled replica holds a train rank at most
-``refit.stall_s`` plus two polls (train rank 0's, then its own: ``stall_s / 2`` in all).
-``refit.stall_s: 0`` turns it off (then ``refit.timeout_s`` is the bound). Counters, not clocks:
-no two hosts' clocks are compared.
-"""
+"""Train rank 0's watch over the engine replicas' heartbeats: :class:`Watchdog` (what they are
+for: :mod:`megatron_refit.group.beats`; the beat itself:
+:class:`~megatron_refit.engine_side.heartbeat.Heartbeat`)."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_refit.fleet.store import namespace
+from megatron_refit.group.beats import POLLS_PER_STALL, heartbeat_key, own_store, stall_s
+from megatron_refit.group.store import namespace
 
 logger = logging.getLogger(__name__)
-
-BEATS_PER_STALL = 6
-"""Beats an engine rank sends per ``refit.stall_s``: a stall is several missed beats, never one late one."""
-POLLS_PER_STALL = 4
-"""Times a train rank reads the counters per ``refit.stall_s``."""
-
-
-def stall_s(cfg) -> float:
-    """The stall bound in force: ``refit.stall_s``, or 0 (off) where ``refit.timeout_s`` comes first."""
-    return cfg.stall_s if 0 < cfg.stall_s < cfg.timeout_s else 0.0
-
-
-def _key(tp_rank: int) -> str:
-    return f"heartbeat/{tp_rank}"
-
-
-def _store(host: str, port: int, prefix: str | None, timeout_s: float):
-    """A store connection of its own (under ``prefix``, if any)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    return store if prefix is None else dist.PrefixStore(prefix, store)
-
-
-class Heartbeat:
-    """An engine rank's beat (see the module docstring); started at once, stopped by :meth:`close`.
-    A store error does not end it: the rank logs one WARNING, opens a new connection and beats on
-    at the next interval, so an error that passes within ``stall_s`` costs no stall (an error that
-    lasts is the store gone: the train ranks drop the replica, or are gone themselves)."""
-
-    def __init__(self, cfg, replica: int, incarnation: str, tp_rank: int, *, connect=None):
-        self.interval_s = stall_s(cfg) / BEATS_PER_STALL
-        self._stop = threading.Event()
-        self._thread = None
-        self.errors = 0
-        """Store errors met so far (each one retried at the next beat)."""
-        if not self.interval_s:
-            return
-        prefix = namespace(replica, incarnation)
-        # after an error, a new connection waits at most a beat for the store (close is not held up)
-        self._connect = connect or (lambda: _store(cfg.host, cfg.port, prefix, max(self.interval_s, 1.0)))
-        self._name = f"engine replica {replica} TP rank {tp_rank}"
-        self._store = connect() if connect else _store(cfg.host, cfg.port, prefix, min(cfg.timeout_s, 30.0))
-        self._key = _key(tp_rank)
-        self._store.add(self._key, 1)  # the counter exists before the rank joins its group
-        self._thread = threading.Thread(target=self._beat, name=f"megatron_refit-heartbeat-{replica}-{tp_rank}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        failing_since = None
-        while not self._stop.wait(self.interval_s):
-            try:
-                if self._store is None:
-                    self._store = self._connect()
-                self._store.add(self._key, 1)
-            except Exception as exc:  # noqa: BLE001 -- retried at the next beat, on a new connection
-                self.errors += 1
-                self._store = None
-                if failing_since is None:
-                    failing_since = time.monotonic()
-                    logger.warning("refit: heartbeat of %s failed, retrying every %.2f s: %s", self._name,
-                                   self.interval_s, exc)
-                continue
-            if failing_since is not None:
-                logger.info("refit: heartbeat of %s back after %.2f s", self._name, time.monotonic() - failing_since)
-                failing_since = None
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.interval_s + 5.0)
-            self._thread = None
 
 
 @dataclass
@@ -172,7 +81,7 @@ class Watchdog:
             why = self._stalled.get((replica, incarnation))
             if why is None:
                 self._watched[(replica, incarnation)] = _Watched(
-                    [f"{namespace(replica, incarnation)}/{_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
+                    [f"{namespace(replica, incarnation)}/{heartbeat_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
                     since=self._clock())
         if why is not None:  # found stalled before this rank's group to it was up
             abort(why)
@@ -195,7 +104,7 @@ class Watchdog:
             return []
         try:
             if self._store is None:
-                self._store = _store(self.cfg.host, self.cfg.port, None, 10.0)
+                self._store = own_store(self.cfg.host, self.cfg.port, None, 10.0)
             if self.leader:
                 self._find_stalls()
             found = self._abort_published()
