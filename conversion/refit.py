@@ -17,7 +17,7 @@ from megatron_refit.refit import trainer_refit_from_pieces
 
 
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
-                  on_report: Callable[[dict], None] | None = None) -> TrainerFleet:
+                  on_report: Callable[[dict], None] | None = None, hooks=None) -> TrainerFleet:
     """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
     join the refit group and build the plan. ``model``: the Megatron model chunks, their
     parameters on the device (call this before offloading them; pass the ``offloader`` so
@@ -32,7 +32,7 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
 
         forward = trainer_forward(model, hf_config, lora=bool(adapters))
     return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
-                                     offloader=offloader, on_report=on_report, forward=forward)
+                                     offloader=offloader, on_report=on_report, forward=forward, hooks=hooks)
 
 
 def local_pieces(bridge, model, hf_config) -> tuple[list, list]:

@@ -147,9 +147,9 @@ class RefitCallback(Callback):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank = rank
 
-        def join():
+        def join(hooks):
             return trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
-                                 offloader=self.offloader, on_report=self.on_report)
+                                 offloader=self.offloader, on_report=self.on_report, hooks=hooks)
 
         self.fleet = self.control.connect(join, rank=rank, num_train=world)
         if self.initial_refit:

@@ -42,11 +42,14 @@ CONTROL_TIMEOUTS = 3
 
 def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *, rank: int, num_train: int,
                               device: str | torch.device = "cpu", offloader=None,
-                              on_report: Callable[[dict], None] | None = None, forward=None) -> TrainerFleet:
+                              on_report: Callable[[dict], None] | None = None, forward=None,
+                              hooks=None) -> TrainerFleet:
     """:func:`conversion.refit.trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
     local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
     model's forward over the serving probe (:class:`~megatron_refit.fleet.serving.TrainerForward`,
-    ``refit.verify_serving``; None: the trainer has none, its refits are not checked)."""
+    ``refit.verify_serving``; None: the trainer has none, its refits are not checked). ``hooks``:
+    train rank 0's engine control (what :meth:`~megatron_refit.engines.control.EngineControl.connect`
+    passes its ``join``), whose calls run around each replica's part of every refit."""
     check_enabled(cfg, num_train)
     if not 0 <= rank < num_train:
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
@@ -84,12 +87,14 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
                        incarnation=incarnation)
 
     return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report,
-                        background=_background(cfg, snapshot, rank=rank, num_train=num_train), forward=forward)
+                        background=_background(cfg, snapshot, rank=rank, num_train=num_train), forward=forward,
+                        hooks=hooks)
 
 
 def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
-    """``refit.overlap: on``: the background sender of this train rank (with, under
-    ``overlap_busy: skip``, a gate group of the train ranks that agrees on each skip)."""
+    """``refit.overlap: on``: what builds the background sender of this train rank over the
+    fleet's runner (with, under ``overlap_busy: skip``, a gate group of the train ranks that
+    agrees on each skip)."""
     if snapshot is None:
         return None
     from megatron_refit.fleet.overlap import BackgroundRefit
@@ -99,4 +104,4 @@ def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
         gate = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
                                              backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s,
                                              namespace="megatron_refit/overlap")
-    return BackgroundRefit(snapshot, busy=cfg.overlap_busy, gate=gate)
+    return lambda runner: BackgroundRefit(snapshot, runner, busy=cfg.overlap_busy, gate=gate)

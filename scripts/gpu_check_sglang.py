@@ -162,7 +162,8 @@ def trainer(model: str, workdir: str, port: int) -> None:
     section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
     control = SglangControl([client], section)
-    fleet = control.connect(lambda: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1),
+    fleet = control.connect(lambda hooks: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0,
+                                                        num_train=1, hooks=hooks),
                            rank=0, num_train=1)
     reports = []
     for version in range(1, REFITS + 1):

@@ -9,10 +9,10 @@ runs its client calls on train rank 0 around it, in the fleet's lanes; one witho
 (:class:`NoControl`: an engine that runs its own receive loop, the HF engine) makes the
 trainer's call alone.
 
-What ``join()`` returns is the fleet (:class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`):
-a control attaches itself to it (``fleet.attach``), runs its calls on the fleet's runner, and
-aborts a replica whose engine will not join (``fleet.abort_join``): it imports nothing of the
-fleet's.
+What ``join(hooks)`` returns is the fleet (:class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`),
+built with the control as its ``hooks`` on train rank 0 (the fleet calls them around each
+replica's part of a refit); the control runs its calls on the fleet's runner and aborts a replica
+whose engine will not join (``fleet.abort_join``): it imports nothing of the fleet's.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from megatron_refit.registry import engine_named, engine_names
 class EngineControl(Protocol):
     """Train ranks' calls around the refit (every train rank calls each, with its ``rank``)."""
 
-    def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
-        """``join()`` (the train ranks' fleet) while the engines join too; returns the fleet once
-        its starting replicas joined (or failed to, each named; it raises if none joined)."""
+    def connect(self, join: Callable[[Any], Any], *, rank: int, num_train: int) -> Any:
+        """``join(hooks)`` (the train ranks' fleet, built with ``hooks``: on train rank 0 the calls
+        this control runs around each replica's part of a refit, else None) while the engines join
+        too; returns the fleet once its starting replicas joined (or failed to, each named; it
+        raises if none joined)."""
 
     def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
         """``fleet.refit(version, full=full)`` while the engines receive; returns its report."""
@@ -42,8 +44,8 @@ class EngineControl(Protocol):
 class NoControl:
     """The trainer's calls alone: the engine needs none from the trainer."""
 
-    def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
-        fleet = join()
+    def connect(self, join: Callable[[Any], Any], *, rank: int, num_train: int) -> Any:
+        fleet = join(None)
         fleet.await_start()
         return fleet
 

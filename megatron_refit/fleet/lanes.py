@@ -100,16 +100,16 @@ class ReplicaLanes:
         return None
 
     # -- EngineControl -----------------------------------------------------------------------------
-    def connect(self, join: Callable[[], Any], *, rank: int, num_train: int) -> Any:
-        """Every train rank: the fleet ``join()`` returns, then (train rank 0) each replica's connect
+    def connect(self, join: Callable[[Any], Any], *, rank: int, num_train: int) -> Any:
+        """Every train rank: the fleet ``join(hooks)`` returns (built with this control as its hooks
+        on train rank 0), then (train rank 0) each replica's connect
         call in its lane, while the fleet's starting replicas join. A replica whose connect call
         fails is aborted at once (the train ranks stop waiting for it) and fails joining, named.
         Returns once the starting replicas joined or failed (the fleet raises if none joined)."""
         self.num_train = num_train
-        fleet = join()
+        fleet = join(self if rank == 0 else None)
         if rank == 0:
             self.fleet = fleet
-            fleet.attach(self)
             with self._lock:
                 for replica, entry in self._clients.items():
                     future = self._submit(entry, self.connect_call(replica))

@@ -123,15 +123,16 @@ class BackgroundRefit:
 
     LANE = "background"
 
-    def __init__(self, snapshot: Snapshot, *, busy: str = "wait", gate=None):
+    def __init__(self, snapshot: Snapshot, runner, *, busy: str = "wait", gate=None):
         check_busy(busy)
         if busy == "skip" and gate is None:
             raise ValueError("refit.overlap_busy: skip needs the train ranks' gate group")
         self.snapshot = snapshot
         self.busy = busy
         self.gate = gate
-        self.runner = None
-        """The fleet's runner (:meth:`attach`): the background refits run in its lane."""
+        self.runner = runner
+        """The fleet's :class:`~megatron_refit.fleet.runner.Runner` (the fleet owns it and joins its
+        lanes on close): the background refits run in its lane."""
         self._future: Future | None = None
         self._version: int | None = None
         self._finished: list = []
@@ -141,9 +142,6 @@ class BackgroundRefit:
         """Seconds the training loop waited for a refit in flight (``busy: wait``), in all."""
         self.last_report = None
         """The report of the last refit that finished."""
-
-    def attach(self, runner) -> None:
-        self.runner = runner
 
     @property
     def in_flight(self) -> int | None:

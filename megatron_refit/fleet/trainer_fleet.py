@@ -50,7 +50,8 @@ class TrainerFleet:
     ``member(group)`` builds its prepared :class:`~megatron_refit.fleet.member.TrainerMember`."""
 
     def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
-                 on_report: Callable[[dict], None] | None = None, background=None, forward=None):
+                 on_report: Callable[[dict], None] | None = None, background: Callable | None = None,
+                 forward=None, hooks: ReplicaHooks | None = None):
         self.cfg = cfg
         self.control = control
         """The train ranks' own group: versions and outcomes, never an engine rank."""
@@ -60,10 +61,9 @@ class TrainerFleet:
         self.runner = Runner()
         """Every thread of this fleet on this rank (named, joined on :meth:`close`)."""
         self.serving = ServingCheck(cfg, forward, rank=control.rank)  # forward: the trainer model's
-        self.background = background
-        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`."""
-        if background is not None:
-            background.attach(self.runner)
+        self.background = background(self.runner) if background is not None else None
+        """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`
+        (``background(runner)`` builds it over this fleet's runner)."""
         self.members: dict[int, TrainerMember] = {}
         self._joining: dict[int, Future] = {}
         self._lock = threading.RLock()
@@ -71,7 +71,9 @@ class TrainerFleet:
         self._membership_lock = threading.Lock()
         """Train rank 0's :class:`Membership`: also read by the starting replicas' joins, in their lanes."""
         self._closing = threading.Event()
-        self._hooks: ReplicaHooks | None = None
+        self._hooks = hooks
+        """Train rank 0: the engine control whose calls run around each replica's part of every
+        refit (:class:`~megatron_refit.fleet.lanes.ReplicaLanes`); None: the engines need none."""
         self._probing: dict[int, Probing] = {}
         """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
         self._joined: dict[int, dict] = {}
@@ -99,10 +101,6 @@ class TrainerFleet:
             self._start_join(replica, None)
 
     # -- membership ----------------------------------------------------------------------------
-    def attach(self, hooks: ReplicaHooks) -> None:
-        """Train rank 0: the engine control whose calls run around each replica's part of every refit."""
-        self._hooks = hooks
-
     def abort_join(self, replica: int, reason: str) -> None:
         """Train rank 0: replica ``replica``'s engine will not join (``reason``): every train rank's
         join of it stops waiting now."""

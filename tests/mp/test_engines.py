@@ -70,7 +70,8 @@ def _toy_rank(rank, world, port, refit):
                               _full("n"))]
         calls = []  # the toy engine's one replica: rank 0 logs its control calls here
         control = engine_control(asdict(cfg), [calls] if rank == 0 else [])
-        fleet = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=num_train),
+        fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank,
+                                                                        num_train=num_train, hooks=hooks),
                                rank=rank, num_train=num_train)
         for version in (1, 2):
             control.refit(fleet, version, rank=rank)

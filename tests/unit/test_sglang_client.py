@@ -95,7 +95,7 @@ class _Client:
 
 class _Fleet:
     """The train ranks' side as :class:`TrainerFleet` runs it on rank 0: its runner, the hooks the
-    control attaches, each member replica's engine calls around its part (``broken``: replicas
+    control builds it with (``join(hooks)``), each member replica's engine calls around its part (``broken``: replicas
     whose group breaks: no landing, dropped and forgotten)."""
 
     def __init__(self, started: threading.Event, members=(0, 1), broken=()):
@@ -107,9 +107,6 @@ class _Fleet:
         self.joins: dict = {}
         self.aborted: dict = {}
         self.hooks = None
-
-    def attach(self, hooks):
-        self.hooks = hooks
 
     def await_start(self):
         pass
@@ -146,7 +143,12 @@ def _connected(clients, fleet, rank=0):
     from megatron_refit.engines.sglang.trainer.control import SglangControl
 
     control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients) or 2})  # rank > 0: no clients
-    assert control.connect(lambda: fleet, rank=rank, num_train=2) is fleet
+    def join(hooks):
+        assert hooks is (control if rank == 0 else None)  # train rank 0's fleet runs the control's calls
+        fleet.hooks = hooks
+        return fleet
+
+    assert control.connect(join, rank=rank, num_train=2) is fleet
     return control
 
 

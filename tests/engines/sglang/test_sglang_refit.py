@@ -367,8 +367,9 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         if rank == 0 else []
     control = engine_control(section, clients[:2])
     pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
-    fleet = control.connect(lambda: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
-                                                             forward=forward), rank=rank, num_train=NUM_TRAIN)
+    fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
+                                                                   forward=forward, hooks=hooks),
+                            rank=rank, num_train=NUM_TRAIN)
 
     def ask(gen, op, arg=None):
         requests[gen].put((op, arg))

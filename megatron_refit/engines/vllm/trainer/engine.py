@@ -177,10 +177,10 @@ class MegatronRefitTrainerEngine(_EngineBase):
                                  "not driven replica by replica: run one engine per replica)")
             control = VllmControl(clients, cfg, lora=(source.lora_rank, source.lora_alpha))
 
-        def join():
+        def join(hooks):
             return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
                                              num_train=init_info.num_train, device=source.device,
-                                             forward=source.forward)
+                                             forward=source.forward, hooks=hooks)
 
         fleet = control.connect(join, rank=init_info.rank, num_train=init_info.num_train)
         return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, fleet=fleet,
