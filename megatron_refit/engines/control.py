@@ -2,7 +2,7 @@
 
 ``RefitCallback``, the vLLM trainer engine and any training loop ask :func:`engine_control` for
 the control of ``refit.engine`` and make the same three calls whatever the engine: ``connect``
-once, ``refit`` per version, ``close`` at the end. Each wraps the trainer's own call (``join()``,
+once, ``refit`` per version, ``close`` at the end. Each wraps the trainer's own call (``join(hooks)``,
 ``fleet.refit(version)``, ``fleet.close()``): an engine with a control plane (vLLM's
 weight-transfer API, SGLang's update sessions: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`)
 runs its client calls on train rank 0 around it, in the fleet's lanes; one without
