@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from conversion.serving import trainer_forward
 from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.group.connect import check_enabled
@@ -26,11 +27,9 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
     check_enabled(cfg, num_train)
     pieces, adapters = local_pieces(bridge, model, hf_config)
     device = next(p for chunk in model for p in chunk.parameters()).device
-    forward = None
-    if cfg.serving_every is not None:  # refit.verify_serving: the model's own forward to compare with
-        from conversion.serving import trainer_forward
-
-        forward = trainer_forward(model, hf_config, lora=bool(adapters))
+    # the model's own forward to compare with; whether a refit is checked is the fleet's ServingCheck's to
+    # decide (refit.verify_serving), from the one config
+    forward = trainer_forward(model, hf_config, lora=bool(adapters))
     return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
                                      offloader=offloader, on_report=on_report, forward=forward, hooks=hooks)
 

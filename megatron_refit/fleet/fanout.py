@@ -64,7 +64,10 @@ class FanoutRouter:
 
     def routes(self, control, members: dict, full: bool) -> dict[int, Route]:
         """Every train rank (collective over the train ranks' group): this refit's routes, train
-        rank 0's; every member not named gets its refit from the train ranks."""
+        rank 0's; every member not named gets its refit from the train ranks. ``refit.fanout:
+        off``: none, without a collective (the same config on every train rank)."""
+        if self.mode == "off":
+            return {}
         decided = self.decide(members, full) if control.rank == 0 else None
         shown = control.all_gather_object(decided, "fleet")[0]
         routes = {row[0]: Route.from_values(row[1:]) for row in shown}
