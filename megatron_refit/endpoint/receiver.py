@@ -16,7 +16,8 @@ from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payloa
 from megatron_refit.endpoint.relay import DeltaNotApplicableError, forwarder, receive_relayed
 from megatron_refit.endpoint.stages import Drain, ReceiveDigests
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.storage import ExpectsVersion, Storage, RefreshesTargets, TracksState
+from megatron_refit.endpoint.storage import (ExpectsVersion, KeepsSentBytes, LiveBuffers, RefreshesTargets,
+                                             ReportsVersion, Storage, TracksState)
 from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
@@ -68,9 +69,9 @@ class Receiver(Endpoint):
 
     def delta_base(self) -> int:
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
-        version = getattr(self.storage, "weights_version", self.weights_version)
-        if self.state != "ready" or self._moved or version is None or not getattr(self.storage, "holds_sent_bytes",
-                                                                                   False):
+        version = self.storage.weights_version if isinstance(self.storage, ReportsVersion) else self.weights_version
+        keeps = isinstance(self.storage, KeepsSentBytes) and self.storage.holds_sent_bytes
+        if self.state != "ready" or self._moved or version is None or not keeps:
             return -1
         return version
 
@@ -120,7 +121,7 @@ class Receiver(Endpoint):
         report.bytes_full = sum(b.payload_bytes for b in buckets)
         digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
         route = self.route
-        readback = self.probe_due and getattr(self.storage, "live_buffers", False)  # checked: every byte read back
+        readback = self.probe_due and self._live()  # checked: every byte read back
         digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report,
                                  post=not route.relayed, readback=readback)
         run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
@@ -161,12 +162,15 @@ class Receiver(Endpoint):
         self._summarize(report)
         return report
 
+    def _live(self) -> bool:
+        return isinstance(self.storage, LiveBuffers) and self.storage.live_buffers
+
     def stale_live(self) -> list[str]:
         """The parameters of the last refit that the engine no longer holds as they arrived, read
         back from its storage and digested again (:meth:`~megatron_refit.endpoint.stages.ReceiveDigests.stale_in`):
         a tensor its post-load step left stale or changed. Only for a storage whose ``buffer()`` is
         the weights it serves after ``finalize()`` (``live_buffers``: the HF engine's); [] elsewhere."""
-        if self._landed is None or not getattr(self.storage, "live_buffers", False):
+        if self._landed is None or not self._live():
             return []
         return self._landed.stale_in(self.storage.buffer)
 

@@ -76,6 +76,48 @@ class GatesTraffic(Protocol):
     def release(self) -> None: ...
 
 
+@runtime_checkable
+class ScoresProbe(Protocol):
+    """Optional: scores the serving probe through the engine's own forward (``refit.verify_serving``
+    in band): each sequence's ``log p(token t | tokens < t)`` for every token after the first."""
+
+    def score(self, sequences) -> list[list[float]]: ...
+
+
+@runtime_checkable
+class HoldsWeights(Protocol):
+    """Optional: refuses to serve the weights it holds (``why``) until the next refit lands (a
+    version that failed its serving check)."""
+
+    def hold(self, why: str) -> None: ...
+
+
+@runtime_checkable
+class ReportsVersion(Protocol):
+    """Optional: the version of the weights the engine holds (None before the first refit); a
+    storage without it is taken to hold its receiver's last version."""
+
+    weights_version: int | None
+
+
+@runtime_checkable
+class KeepsSentBytes(Protocol):
+    """Optional: ``holds_sent_bytes`` True where the storage keeps exactly the bytes the last refit
+    wrote (no post-load step transforms them in place): a delta refit can start from it. A storage
+    without it always gets full refits."""
+
+    holds_sent_bytes: bool
+
+
+@runtime_checkable
+class LiveBuffers(Protocol):
+    """Optional: ``live_buffers`` True where :meth:`Storage.buffer` is the very tensor the engine
+    serves after ``finalize()`` (the HF engine's): its weights can be read back and compared with
+    what landed (``refit.verify_serving``)."""
+
+    live_buffers: bool
+
+
 _LOCKS = threading.Lock()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.receiver import Receiver
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.storage import GatesTraffic
+from megatron_refit.endpoint.storage import GatesTraffic, HoldsWeights, ScoresProbe
 from megatron_refit.group.inband import exchange_in_band, verdict_in_band
 from megatron_refit.group.member import Member, endpoint_kw
 
@@ -22,9 +22,9 @@ class EngineMember(Member):
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
                  on_report: Callable[[dict], None] | None = None, relay=None):
         self.num_train = num_train
-        self._score = getattr(storage, "score", None)
+        self._score = storage.score if isinstance(storage, ScoresProbe) else None
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
-        self._hold_storage = getattr(storage, "hold", None)
+        self._hold_storage = storage.hold if isinstance(storage, HoldsWeights) else None
         """How the engine stops serving a version that failed its serving check, if it can."""
         self._gates = storage if isinstance(storage, GatesTraffic) else None
         """An engine that keeps traffic off a checked version until its verdict (scored first)."""
@@ -58,7 +58,7 @@ class EngineMember(Member):
             report = self._last.receive(version)
             self._advance(report.version)
             if self._last.probe_due and report.summary["refit/ok"]:  # the train ranks ask for its serving probe
-                exchange_in_band(self.group, self.num_train, score=self._score if callable(self._score) else None,
+                exchange_in_band(self.group, self.num_train, score=self._score,
                                  stale=self._last.stale_live)
                 failed = verdict_in_band(self.group, self.num_train)
                 if failed is not None:
@@ -71,7 +71,7 @@ class EngineMember(Member):
     def _hold(self, why: str) -> None:
         """Train rank 0 found this replica serving another model than the trainer's: its engine
         refuses to serve until the next refit lands (a storage without ``hold`` cannot: said)."""
-        if callable(self._hold_storage):
+        if self._hold_storage is not None:
             self._hold_storage(why)
             logger.warning("refit: this engine failed its serving check and holds its weights until the next "
                            "refit lands: %s", why)
