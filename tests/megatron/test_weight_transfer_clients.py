@@ -68,7 +68,8 @@ def test_weight_transfer_llm_client_resets_the_prefix_cache_after_each_update():
 
 @pytest.fixture
 def server():
-    """A loopback HTTP server that records (path, JSON body) and answers 200, or 400 for /bad."""
+    """A loopback HTTP server that records (path, JSON body) and answers 200, or 400 for /bad, or
+    404 for the engine-step swap route (a server started without megatron_refit's endpoint plugin)."""
     seen = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -76,7 +77,7 @@ def server():
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
             seen.append((self.path, json.loads(body) if body else None))
-            self.send_response(400 if self.path.startswith("/bad") else 200)
+            self.send_response(400 if self.path.startswith("/bad") else 404 if "megatron_refit" in self.path else 200)
             self.end_headers()
             answer = b'{"success": %s}' % (b"false" if "fail" in self.path else b"true")
             self.wfile.write(b'{"error": "no such thing"}' if self.path.startswith("/bad") else
@@ -126,9 +127,10 @@ def test_weight_transfer_http_client_pauses_generation_around_each_update(server
 
 
 def test_weight_transfer_http_client_in_flight_keeps_requests_for_the_swap_alone(server):
-    """policy in_flight: the requests in flight are kept (pause mode keep, no drain) for the swap,
-    then re-run their KV under the new version (the prefix cache reset with the running requests),
-    then resume; a reset the server refuses leaves it paused, named."""
+    """policy in_flight on a server without the engine-step swap route: the requests in flight are
+    kept (pause mode keep, no drain) for the swap, then re-run their KV under the new version (the
+    prefix cache reset with the running requests), then resume; a reset the server refuses leaves
+    it paused, named."""
     from megatron_refit.engines.vllm.trainer.clients import HTTPClient
 
     url, seen = server
@@ -136,13 +138,14 @@ def test_weight_transfer_http_client_in_flight_keeps_requests_for_the_swap_alone
     client.start_weight_update()
     client.update_weights({"version": 9})
     client.finish_weight_update("9")
-    assert [path for path, _ in seen] == ["/start_weight_update", "/update_weights", "/pause?mode=keep",
+    assert [path for path, _ in seen] == ["/start_weight_update", "/update_weights", "/megatron_refit/swap",
+                                          "/pause?mode=keep",
                                           "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true",
                                           "/resume"]
     seen.clear()
     failing = HTTPClient(url, timeout=10, swap="staged", policy="in_flight")
-    failing._post = lambda path, body=None, post=failing._post: post(path.replace("reset_running", "fail_running"),
-                                                                      body)
+    failing._post = lambda path, body=None, post=failing._post, **kw: post(
+        path.replace("reset_running", "fail_running"), body, **kw)
     with pytest.raises(RuntimeError, match=r"prefix cache could not be reset .*success.*False.*stays paused"):
         failing.finish_weight_update("10")
     assert [path for path, _ in seen][-1].startswith("/reset_prefix_cache")  # no /resume

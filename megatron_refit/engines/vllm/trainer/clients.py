@@ -25,17 +25,24 @@ versions. These clients close both holes around every update:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
 from typing import Any
 
+from megatron_refit.engines.vllm.payload import KV_MODES, SWAP_ROUTE, swap_payload
 from megatron_refit.errors import StaleWeightsError
 
+
+logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("wait", "abort")
 POLICIES = ("drain", "in_flight")
 """What a staged swap does with the requests in flight (docs/guide-swap.md)."""
+
+_NO_ROUTE = object()
+"""What ``HTTPClient._post(..., missing_ok=True)`` returns where the server has no such route (404)."""
 
 
 class LLMClient:
@@ -149,16 +156,21 @@ class HTTPClient:
     update. ``pause_mode``: ``wait`` lets in-flight requests finish, ``abort`` ends them.
 
     ``policy`` (``swap: staged``; docs/guide-swap.md): ``drain`` pauses as ``pause_mode`` says, so
-    no request sees two versions; ``in_flight`` freezes the requests in flight where they are
-    (vLLM's ``/pause?mode=keep``) for the swap alone, then makes them recompute their KV cache
-    under the new version (``/reset_prefix_cache?reset_running_requests=true``: no token is ever
-    sampled over KV of another version than its own, and no new request reuses the old version's
-    prefix cache) and resumes: a completion's tokens before the swap are the old version's, the
-    rest the new one's, and vLLM reports the split (``weight_versions`` of ``/inference/v1/generate``,
-    with ``--enable-scale-out``)."""
+    no request sees two versions; ``in_flight`` swaps the prepared version in between two steps of
+    vLLM's engine core, with no ``/pause``: one ``POST /megatron_refit/swap`` (the server's
+    endpoint plugin, :mod:`megatron_refit.engines.vllm.swap_route`; ``VLLM_PLUGINS=megatron_refit``).
+    ``kv``: ``recompute`` makes the requests in flight recompute their KV cache under the new
+    version (no token is ever sampled over KV of another version than its own, and no new request
+    reuses the old version's prefix cache); ``keep`` (PipelineRL's in-flight update) lets them go
+    on over their old KV. A completion's tokens before the swap are the old version's, the rest
+    the new one's, and vLLM reports the split (``weight_versions`` of ``/inference/v1/generate``,
+    with ``--enable-scale-out``). A server without the route gets vLLM's ``/pause?mode=keep``
+    around the swap instead (it blocks for the step under way and the pause's fixed 20 ms sleep),
+    with one WARNING naming why. ``last_swap``: the route's answer for the last swap
+    (``blocked_s``, the time the engine's scheduler was held; None after a ``/pause``)."""
 
     def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait",
-                 swap: str = "in_place", policy: str = "drain") -> None:
+                 swap: str = "in_place", policy: str = "drain", kv: str = "recompute") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
         if swap not in ("in_place", "staged"):
@@ -168,16 +180,26 @@ class HTTPClient:
         if policy == "in_flight" and swap != "staged":
             raise ValueError(f"policy 'in_flight' needs swap='staged' (refit.swap), got swap={swap!r}: in place, "
                              "the engine's weights are no complete version while the update is open")
+        if kv not in KV_MODES:
+            raise ValueError(f"kv must be one of {list(KV_MODES)}, got {kv!r}")
+        if kv != "recompute" and policy != "in_flight":
+            raise ValueError(f"kv={kv!r} needs policy='in_flight' (under {policy!r} no request is in flight at the "
+                             "swap)")
         self.policy = policy
+        self.kv = kv
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.pause_mode = pause_mode
         self.swap = swap
         """``staged`` (``refit.swap``): the engine serves during ``update_weights`` (the bytes land
         in staging buffers) and pauses only for ``finish_weight_update``, which loads them."""
+        self.engine_step: bool | None = None
+        """``in_flight``: whether the server has the engine-step swap route (None: not asked yet)."""
+        self.last_swap: dict | None = None
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """POST ``body`` as JSON; the JSON answer (None if there is none)."""
+    def _post(self, path: str, body: dict[str, Any] | None = None, *, missing_ok: bool = False) -> Any:
+        """POST ``body`` as JSON; the JSON answer (None if there is none; ``missing_ok``:
+        :data:`_NO_ROUTE` where the server has no such route)."""
         data = json.dumps(body).encode() if body is not None else b""
         request = urllib.request.Request(f"{self.base_url}/{path}", data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -187,6 +209,8 @@ class HTTPClient:
             return json.loads(answer) if answer.strip().startswith((b"{", b"[")) else None
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
+            if exc.code == 404 and missing_ok:
+                return _NO_ROUTE
             raise RuntimeError(f"vLLM server {self.base_url}: POST /{path} answered {exc.code}: {detail}") from exc
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -201,18 +225,37 @@ class HTTPClient:
         self._post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.last_swap = None
+        if self.policy == "in_flight" and self.engine_step is not False:
+            if self._engine_step_swap(weight_version):
+                return
         in_flight = self.policy == "in_flight"
         if in_flight:  # the requests in flight stay where they are, for the swap alone
             self._post("pause?mode=keep")
         elif self.swap == "staged":  # the pause covers only the swap of the prepared version
             self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
-        if in_flight:  # their KV recomputed under the new version; no prefix of the old one reused
+        if in_flight and self.kv == "recompute":  # their KV recomputed under the new version
             answer = self._post("reset_prefix_cache?reset_running_requests=true")
             if not (answer or {}).get("success", False):
                 raise RuntimeError(f"vLLM server {self.base_url}: the prefix cache could not be reset after the swap "
                                    f"({answer}); the server stays paused")
         self._post("resume")
+
+    def _engine_step_swap(self, weight_version: str | None) -> bool:
+        """The swap as one step of the engine core (:data:`SWAP_ROUTE`); False (and, the first
+        time, a WARNING) where the server lacks the route."""
+        answer = self._post(SWAP_ROUTE.lstrip("/"), swap_payload(weight_version, self.kv), missing_ok=True)
+        if answer is _NO_ROUTE:
+            self.engine_step = False
+            logger.warning("vLLM server %s has no POST %s (megatron_refit's endpoint plugin; start the server with "
+                           "VLLM_PLUGINS=megatron_refit): the in_flight swap falls back to /pause?mode=keep, which "
+                           "holds requests for the step under way and the pause's fixed 20 ms sleep",
+                           self.base_url, SWAP_ROUTE)
+            return False
+        self.last_swap = answer
+        self.engine_step = True
+        return True
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("shutdown_weight_transfer_engine")
