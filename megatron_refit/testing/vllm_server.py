@@ -35,14 +35,15 @@ def server_python() -> Path | None:
 
 
 def server_env(tp: int = 1) -> dict[str, str]:
-    """The environment a server runs in: RL routes on, every socket on loopback, a small KV cache;
+    """The environment a server runs in: RL routes on, megatron_refit's plugins loaded (the backend and
+    the engine-step swap route), every socket on loopback, a small KV cache;
     at TP 1 the worker inside the engine-core process, as vLLM runs TP 1 on a GPU (its CPU platform
     otherwise forces a worker process of its own: one import of vLLM more, and a second of busy
     waiting after each message to it; 41 against 57 CPU-s to start on 2 cores); at TP above 1 the
     workers' OpenMP threads unbound (vLLM's automatic binding wants a NUMA node per worker, which
     a small host lacks)."""
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_PLUGINS": "megatron_refit", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHDYNAMO_DISABLE", None)  # the trainer-side tests' setting (tests/conftest.py), not vLLM's
     python = server_python()
     if python is not None:  # the venv's model-info cache, filled at setup (scripts/warm_vllm_cache.py)
@@ -262,10 +263,10 @@ def timed_client(*args, **kwargs):
             super().__init__(*args, **kwargs)
             self.calls: list[tuple[str, float, float]] = []
 
-        def _post(self, path, body=None):
+        def _post(self, path, body=None, **kwargs):
             t0 = time.monotonic()
             try:
-                return super()._post(path, body)
+                return super()._post(path, body, **kwargs)
             finally:
                 self.calls.append((path.split("?")[0], t0, time.monotonic()))
 

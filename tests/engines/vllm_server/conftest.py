@@ -54,7 +54,7 @@ def dense_runs(checkpoint, tmp_path_factory) -> dict:
     make fail (``tests/engines/vllm_server/breaks``). The restarted server is stopped here."""
     logs = tmp_path_factory.mktemp("logs")
     break_file = logs / "break"
-    server_port, *ports = free_ports(10)
+    server_port, *ports = free_ports(11)
     env = {"PYTHONPATH": str(ROOT / "tests" / "engines" / "vllm_server" / "breaks"),
            "MEGATRON_REFIT_TEST_BREAK": str(break_file)}
     restart = dict(model=str(checkpoint), port=server_port, log=logs / "server-restarted.log", env=env)

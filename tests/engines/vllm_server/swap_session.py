@@ -3,12 +3,13 @@ Megatron TP2 ranks (Bridge, real optimizer steps) refit a running ``vllm`` API s
 ``CLIENTS`` threads of train rank 0 keep asking it for greedy continuations through vLLM's own
 ``/inference/v1/generate``, which reports the weight versions that sampled each answer's tokens.
 
-Per policy (``drain``, ``in_flight``): one refit to start (full), then one held open by a slow
-train rank under load. Under ``in_flight`` a staged refit that fails inside the engine (its
-preparation beside the live model raises: ``tests/engines/vllm_server/breaks``) follows, under
-load too, then one that lands. Every rank computes the Megatron model's greedy decodes the tests
-compare with, and, for every answer whose tokens two versions sampled, the new version's
-continuation of the old version's first tokens.
+Per phase (:data:`PHASES`: ``drain``; ``in_flight`` with ``kv: recompute``, the swap one step of
+vLLM's engine core through megatron_refit's endpoint plugin; the same with ``kv: keep``): one refit
+to start (full), then one held open by a slow train rank under load. Under ``in_flight`` a staged
+refit that fails inside the engine (its preparation beside the live model raises:
+``tests/engines/vllm_server/breaks``) follows, under load too, then one that lands. Every rank
+computes the Megatron model's greedy decodes the tests compare with, and, for every answer whose
+tokens two versions sampled, the new version's continuation of the old version's first tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import time
 
 import torch
 
-from megatron_refit.engines.vllm.trainer.clients import POLICIES
 from megatron_refit.testing.faults import slow_next_refit
 from megatron_refit.testing.vllm_server import (GenerateLoad, generate, is_paused, process_alive, timed_client,
                                              wait_healthy, weight_version)
 from tests.engines.vllm_server.session import TRAIN_TP, _connect, _error, _trainer
 
+PHASES = {"drain": dict(policy="drain"), "in_flight": dict(policy="in_flight"),
+          "keep": dict(policy="in_flight", kv="keep")}
+"""The ``HTTPClient`` arguments of each phase."""
 CLIENTS = 4
 LENGTHS = tuple(48 + 8 * i for i in range(CLIENTS))
 """Tokens per request of each client: each spans many scheduler steps, and requests of different
@@ -64,8 +67,8 @@ def session_swap(rank: int, world: int, port: int, url: str, server_pid: int, po
         for _ in range(2):
             train_step(built, optimizer, tokens)
 
-    for policy in POLICIES:
-        client = timed_client(url, swap="staged", policy=policy)
+    for phase, kwargs in PHASES.items():
+        client = timed_client(url, swap="staged", **kwargs)
         engine = _connect({**refit, "port": next(ports)}, rank, built, cfg, client)
         train()
         step += 1
@@ -81,17 +84,19 @@ def session_swap(rank: int, world: int, port: int, url: str, server_pid: int, po
             done, _ = _under_load(url, prompt, rank, lambda: engine.send_weights(step))
             cuts = [sorted({spans[1][1] for *_, spans, error in done if error is None and len(spans) == 2})]
             torch.distributed.broadcast_object_list(cuts, src=0)  # every rank decodes the same continuations
-            if policy != "in_flight" or cuts[0] or attempt == ATTEMPTS - 1:
+            if phase == "drain" or cuts[0] or attempt == ATTEMPTS - 1:
                 break
             old = new  # no request spanned the swap (a busy machine): again, from the version now served
             train()
             new = greedy_decode(built, prompt, LONG)
-        out[policy] = dict(old=old, new=new, versions=[str(step - 1), str(step)], completions=done,
-                           calls=client.calls, continuations={k: greedy_decode(built, prompt + old[:k], LONG - k)
-                                                              for k in cuts[0]},
-                           version=weight_version(url) if rank == 0 else None)
-        if policy == "in_flight":
+        continuations = {k: greedy_decode(built, prompt + old[:k], LONG - k) for k in cuts[0]} \
+            if phase == "in_flight" else {}
+        out[phase] = dict(old=old, new=new, versions=[str(step - 1), str(step)], completions=done,
+                          calls=client.calls, continuations=continuations, last_swap=client.last_swap,
+                          version=weight_version(url) if rank == 0 else None)
+        if phase == "in_flight":
             out["failed"] = _failed_then_landed(engine, url, prompt, rank, break_file, train, step, built)
+            step += 2
         engine.shutdown()
     torch.distributed.destroy_process_group()
     return out
