@@ -19,6 +19,14 @@ drive engines) and is the guide's ``LLMClient``. After each of 3 refits:
   tokens with the trainer's exported weights;
 - seconds per refit (trainer's report) and per control-plane phase.
 
+Each model runs twice: ``in_place`` (the engine eager, as before) and ``staged`` (``refit.swap:
+staged``, the engine with its CUDA graphs captured: each version prepared beside the live model
+and copied into the live storage the graphs read, then the device synchronized;
+docs/guide-swap.md). The staged case is ``ok`` when every version was prepared
+(``refit/swap_unprepared`` 0), its tokens equal Hugging Face's with the exported weights, and
+equal the in-place run's tokens after the same refit (``tokens_equal_in_place``; the same seeds
+train the same model in both runs).
+
     .venv-vllm/bin/python scripts/gpu_check_vllm.py [--out results/gpu_check_vllm.json]
 
 The lent GPU machines of this project's workplace have neither vLLM nor a network (and vLLM
@@ -86,7 +94,23 @@ def _check(llm, cfg, export_path: str) -> dict:
                 engine_tokens=engine_tokens, hf_tokens=hf_tokens)
 
 
+SWAPS = ("in_place", "staged")
+
+
 def controller(args, model: str) -> dict:
+    """Both swaps of ``model``; ``ok`` when both are and the staged run served the in-place run's tokens."""
+    runs = {swap: _run(args, model, swap) for swap in SWAPS}
+    staged, in_place = runs["staged"], runs["in_place"]
+    staged["tokens_equal_in_place"] = [a["engine_tokens"] == b["engine_tokens"]
+                                       for a, b in zip(staged["checks"], in_place["checks"])]
+    staged["prepared_all"] = all(r["report"]["summary"].get("refit/swap_unprepared") == 0
+                                 for r in (staged["trainer"] or []))
+    ok = in_place["ok"] and staged["ok"] and staged["prepared_all"] and all(staged["tokens_equal_in_place"]) \
+        and len(staged["tokens_equal_in_place"]) == len(in_place["checks"])
+    return dict(ok=ok, **runs)
+
+
+def _run(args, model: str, swap: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM
@@ -95,21 +119,24 @@ def controller(args, model: str) -> dict:
     from megatron_refit.engines.vllm.trainer.clients import LLMClient
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
-    workdir = tempfile.mkdtemp(prefix="gpu_check_vllm_")
+    workdir = tempfile.mkdtemp(prefix=f"gpu_check_vllm_{swap}_")
     cfg = tiny_config(model)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(workdir)
-    llm = LLM(model=workdir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+    llm = LLM(model=workdir, skip_tokenizer_init=True, enforce_eager=swap == "in_place", dtype="bfloat16",
               gpu_memory_utilization=0.3, max_model_len=128,
               weight_transfer_config=WeightTransferConfig(backend="megatron_refit"))
     client = LLMClient(llm)                # each call from train rank 0 runs: getattr(client, method)(*payload)
 
     def answer(method, payload):
+        if method == "settings":
+            return {"swap": swap}
         return _check(llm, cfg, payload) if method == "check" else getattr(client, method)(*payload)
 
     run = serve_trainer(__file__, args.trainer_python, model, workdir, answer)
     llm.shutdown() if hasattr(llm, "shutdown") else None
-    return summary(run)
+    torch.cuda.empty_cache()  # the next run's engine asks for its share of the device again
+    return summary(run, swap=swap, cuda_graphs=swap != "in_place")
 
 
 # -- the trainer (Megatron environment) ---------------------------------------------------
@@ -139,8 +166,9 @@ def trainer(model: str, workdir: str, port: int) -> None:
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
     client = _ControllerClient(port)
+    settings = client.call("settings", ())
     built, optimizer, cfg = train_model(model)
-    refit = {"mode": "colocated", "gen_tp": 1, "port": free_port()}
+    refit = {"mode": "colocated", "gen_tp": 1, "port": free_port(), "swap": settings["swap"]}
     engine = MegatronRefitTrainerEngine.trainer_init(MegatronRefitTrainerInitInfo(refit=refit, num_train=1, rank=0),
                                                      client=client,
                                                      source=local_shard_source(built.bridge, built.model, cfg))
