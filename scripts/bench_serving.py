@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
+from machine import cpu_model
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.probe import default_tolerance, relative_tolerance
@@ -57,14 +57,6 @@ from megatron_refit.testing.serving_power import power_rank, summary
 
 LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
 BROKEN_AT = 3
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _runs(shape: dict, refits: int, swap: str, verify: str) -> list[dict]:
@@ -176,7 +168,7 @@ def main(argv=None) -> dict:
               f"{p['bulk_limit']:g}); caught {seen}; smallest caught {p['smallest_caught']}; faults' bulk "
               f"{ {f: round(v['bulk'], 3) for f, v in p['faults'].items()} }", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
-                   refits=args.refits, cpu=_cpu(), seconds=time.perf_counter() - t0)
+                   refits=args.refits, cpu=cpu_model(), seconds=time.perf_counter() - t0)
     if args.json:
         print(json.dumps(result))
     return result

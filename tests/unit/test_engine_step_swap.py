@@ -1,4 +1,4 @@
-"""The staged swap as one step of vLLM's engine core (``megatron_refit.engines.vllm.swap_route``)
+"""The staged swap as one pause of vLLM's engine core (``megatron_refit.engines.vllm.swap_route``)
 and ``HTTPClient``'s use of it, without vLLM: a fake ``EngineClient`` that records the order in
 which the engine core would receive each utility call, and a standard-library HTTP server for
 the client. The running server's own test is ``tests/engines/vllm_server/test_vllm_server_swap.py``."""
@@ -25,19 +25,20 @@ class FakeEngine:
 
     def __init__(self, *, swap_error: Exception | None = None, reset: bool = True, delay_s: float = 0.001):
         self.sent: list[tuple] = []
+        self.paused_at = None
         self.swap_error, self.reset, self.delay_s = swap_error, reset, delay_s
 
     async def _answer(self, *message):
         self.sent.append(message)
         await asyncio.sleep(self.delay_s)
 
-    async def pause_generation(self, *, mode, clear_cache):
-        await self._answer("pause", mode, clear_cache)
-        await asyncio.sleep(0.02)  # vLLM's fixed sleep, after the engine's answer
+    async def sleep(self, *, level, mode):
+        await self._answer("sleep", level, mode)  # vLLM answers once no step runs, no fixed sleep after
+        self.paused_at = len(self.sent)  # what the engine had received when the pause answered
 
     async def collective_rpc(self, method):
         await self._answer("collective_rpc", method)
-        if self.swap_error is not None and method == "finish_weight_update":
+        if self.swap_error is not None:
             raise self.swap_error
 
     async def get_weight_version(self):
@@ -50,33 +51,42 @@ class FakeEngine:
     async def update_weight_version(self, version):
         await self._answer("set_weight_version", version)
 
-    async def resume_generation(self):
-        await self._answer("resume")
+    async def wake_up(self, tags):
+        await self._answer("wake_up", tags)
+        return True
 
 
 def _swap(engine, version="4", kv="recompute", settle=False):
     return asyncio.run(engine_step_swap(engine, version, kv, settle=settle))
 
 
-SWAP = ["pause", "collective_rpc", "collective_rpc", "reset_prefix_cache", "set_weight_version"]
+SWAP = ["sleep", "collective_rpc", "reset_prefix_cache", "set_weight_version"]
+RESUME = ("wake_up", ["scheduling"])
 
 
-def test_engine_step_swap_sends_the_pause_fence_first_then_swap_reset_version_and_resume_without_the_pauses_sleep():
+def test_engine_step_swap_pauses_the_scheduler_swaps_resets_labels_and_resumes():
     engine = FakeEngine()
     answer = _swap(engine)
-    assert [m[0] for m in engine.sent] == SWAP + ["resume"]
-    assert engine.sent[0] == ("pause", "keep", False) and engine.sent[1] == ("collective_rpc", "check_health")
-    assert engine.sent[2] == ("collective_rpc", "finish_weight_update")
-    assert engine.sent[3] == ("reset_prefix_cache", True)  # the requests in flight recompute their KV
+    assert [m[0] for m in engine.sent] == SWAP + ["wake_up"] and engine.sent[-1] == RESUME
+    assert engine.sent[0] == ("sleep", 0, "keep")  # vLLM's level 0: the scheduler paused, requests kept
+    assert engine.sent[1] == ("collective_rpc", "finish_weight_update")
+    assert engine.sent[2] == ("reset_prefix_cache", True)  # the requests in flight recompute their KV
     assert answer["kv"] == "recompute" and answer["weight_version"] == "4" and answer["prefix_cache_reset"]
-    assert answer["blocked_s"] < 0.02, answer  # the pause's 20 ms sleep is not waited for before the resume
-    assert 0 < answer["held_s"] < answer["blocked_s"], answer  # from the fence's mark
+    assert 0 < answer["held_s"] <= answer["blocked_s"] < 0.02, answer
+    assert engine.paused_at > 1 and not answer["settled"]  # the burst went out right behind the pause
+
+
+def test_engine_step_swap_settles_the_pause_first_when_a_batch_may_be_in_flight():
+    engine = FakeEngine()
+    answer = _swap(engine, settle=True)
+    assert [m[0] for m in engine.sent] == SWAP + ["wake_up"] and answer["settled"]
+    assert engine.paused_at == 1  # nothing of the swap was sent before the pause answered
 
 
 def test_engine_step_swap_keep_leaves_the_requests_in_flight_and_drops_the_prefix_cache_only_if_it_can():
     engine = FakeEngine(reset=False)  # requests hold blocks: vLLM cannot reset the prefix cache
     answer = _swap(engine, kv="keep")
-    assert ("reset_prefix_cache", False) in engine.sent and engine.sent[-1] == ("resume",)
+    assert ("reset_prefix_cache", False) in engine.sent and engine.sent[-1] == RESUME
     assert answer["kv"] == "keep" and answer["prefix_cache_reset"] is False
 
 
@@ -84,7 +94,7 @@ def test_engine_step_swap_that_fails_in_the_engine_stays_paused_with_the_label_i
     engine = FakeEngine(swap_error=RuntimeError("injected: half the layers swapped"))
     with pytest.raises(RuntimeError, match="injected"):
         _swap(engine)
-    assert [m[0] for m in engine.sent] == SWAP + ["set_weight_version"]  # no resume
+    assert [m[0] for m in engine.sent] == SWAP + ["set_weight_version"]  # no wake_up
     assert engine.sent[-1] == ("set_weight_version", "3")
 
 
@@ -92,14 +102,7 @@ def test_engine_step_swap_whose_kv_reset_fails_under_recompute_stays_paused():
     engine = FakeEngine(reset=False)
     with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
         _swap(engine, kv="recompute")
-    assert ("resume",) not in engine.sent and engine.sent[-1] == ("set_weight_version", "3")
-
-
-def test_engine_step_swap_settles_the_pause_first_when_a_batch_may_be_in_flight():
-    engine = FakeEngine()
-    answer = _swap(engine, settle=True)
-    assert [m[0] for m in engine.sent] == SWAP + ["resume"] and answer["settled"]
-    assert answer["blocked_s"] >= 0.02  # vLLM's pause, its sleep included, before the swap
+    assert RESUME not in engine.sent and engine.sent[-1] == ("set_weight_version", "3")
 
 
 @pytest.mark.parametrize("body, field", [([], "JSON object"), ({"kv": "drop"}, "kv must be one of"),

@@ -8,8 +8,12 @@
 - :mod:`.worker` (vLLM's worker processes; imports vLLM): ``MegatronRefitEngine``
   (:mod:`.worker.engine`), the payloads' parsing (:mod:`.worker.info`), the fused-MoE reload
   made to run the experts' post-load step (:mod:`.worker.moe_reload`).
-- Both: :mod:`.payload` (the ``init_info`` / ``update_info`` payloads, plain JSON) and
-  :mod:`.plugin` (the ``vllm.general_plugins`` entry point that registers both by name).
+- Both: :mod:`.payload` (the ``init_info`` / ``update_info`` payloads and the swap route's body,
+  plain JSON) and :mod:`.plugin` (the ``vllm.general_plugins`` entry point that registers both
+  by name).
+- :mod:`.swap_route` (vLLM's API server process): the ``vllm.endpoint_plugins`` entry point whose
+  ``POST /megatron_refit/swap`` makes a staged swap one pause of the engine core between two
+  scheduler steps (``HTTPClient(policy="in_flight")``).
 
 The storages they write through are the fused layout vLLM shares with SGLang
 (:mod:`megatron_refit.engines.fused`). See docs/guide-engines.md.

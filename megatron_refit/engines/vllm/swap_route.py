@@ -1,34 +1,35 @@
 """``vllm.endpoint_plugins`` entry point: a staged swap as one step of vLLM's engine core, no ``/pause``.
 
 vLLM's engine core runs every utility call (``collective_rpc`` to the workers, the scheduler's
-``reset_prefix_cache``, ``set_weight_version``, the scheduler's pause state) between two
-scheduler steps. ``POST /megatron_refit/swap`` (``{"weight_version": "4", "kv": "recompute"}``;
-:data:`~megatron_refit.engines.vllm.payload.SWAP_ROUTE`) sends the calls of one swap to the
-engine core in one burst, so they fall between the same two steps:
+``reset_prefix_cache``, ``set_weight_version``, its pause state) between two scheduler steps.
+``POST /megatron_refit/swap`` (``{"weight_version": "4", "kv": "recompute"}``;
+:data:`~megatron_refit.engines.vllm.payload.SWAP_ROUTE`) makes one swap a single pause of the
+scheduler between two steps, with no ``/pause``:
 
-1. the scheduler's pause state ``keep`` (requests in flight stay where they are, no cache
-   cleared), sent first: the fence that keeps any step out until the burst is done, whenever its
-   later messages reach the engine core;
-2. the workers' ``finish_weight_update`` (``collective_rpc``): the version prepared beside the live
-   model (``swap: staged``) becomes live; if it raises, the engine stays paused (its weights may
-   be no complete version; the next complete update resumes it) with the version label it had;
-3. ``kv: recompute``: the requests in flight are preempted, their KV recomputed under the new
-   version (``reset_prefix_cache(reset_running_requests=True)``); ``kv: keep`` (PipelineRL's
-   in-flight update): they go on over the KV the old version computed, and the prefix cache is
-   dropped only when no request holds blocks of it (vLLM resets it whole or not at all);
-4. ``set_weight_version``: the tokens of every later step are tagged with the new version
-   (``weight_versions`` of ``/inference/v1/generate``);
-5. ``resume``, once the engine core answered 2-4.
+1. vLLM's sleep level 0 in mode ``keep`` (``EngineClient.sleep``: the scheduler paused, the
+   requests in flight kept where they are, no cache cleared): it takes effect between two steps
+   and answers once no step runs; unlike ``/pause`` (``AsyncLLM.pause_generation``) no fixed
+   20 ms sleep follows;
+2. right behind it, in one burst: the workers' ``finish_weight_update`` (``collective_rpc``: the
+   version prepared beside the live model, ``swap: staged``, becomes live); ``kv: recompute``:
+   the requests in flight preempted, their KV recomputed under the new version
+   (``reset_prefix_cache(reset_running_requests=True)``), ``kv: keep`` (PipelineRL's in-flight
+   update): they go on over the KV the old version computed, and the prefix cache is dropped only
+   if no request holds blocks of it (vLLM resets it whole or not at all); ``set_weight_version``
+   (the tokens of every later step tagged with the new version, ``weight_versions`` of
+   ``/inference/v1/generate``). Where a batch may still be in flight when a utility call runs
+   (async scheduling, pipeline stages) or several engine cores pause together (data parallel),
+   the burst waits for the pause's answer (``settled``), so that no batch of the old weights is
+   tagged with the new version;
+3. ``wake_up(tags=["scheduling"])``: the scheduler resumes.
 
-The answer holds ``held_s``: from the engine core's answer to a no-op worker call sent right
-after the pause (``check_health``: it answers once the fence is in place) to the resume answered,
-the time the scheduler was held (give or take one message's way back); and ``blocked_s``, from
-the first message sent, which adds the scheduler step under way when the burst arrived (requests
-progress in it). What vLLM does not expose: one utility call that runs a worker
-RPC and scheduler actions together (hence the fence), and a pause that answers when the step
-under way is out without the fixed 20 ms sleep of ``AsyncLLM.pause_generation``: under async
-scheduling or pipeline parallelism (a batch may be in flight at a utility call) the swap waits
-for that pause, sleep included (``settled`` in the answer).
+If the swap or the reset fails, the engine stays paused (its weights may be no complete version;
+the next complete update resumes it) with the version label it served. The answer holds
+``held_s``, the sleep answered to the resume answered: the time no step ran (give or take one
+message's way back); and ``blocked_s``, from the sleep sent, which adds the step under way, in
+which requests still progress. vLLM's sleep level 0 is its documented "pause scheduling only";
+what it does not expose is one utility call that runs a worker RPC and scheduler actions
+together, hence the pause around them.
 
 vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` names them, and that list then filters
 ``vllm.general_plugins`` too: start the server with ``VLLM_PLUGINS=megatron_refit``, which
@@ -44,50 +45,40 @@ import time
 from megatron_refit.engines.vllm import BACKEND
 from megatron_refit.engines.vllm.payload import SWAP_ROUTE, parse_swap_payload
 
-PAUSE_ANSWER_S = 30.0
-"""How long the pause (the fence) may take to answer once the swap is done: it answers when the
-engine core is next idle, at once under the pause state, so a longer wait is an engine that hangs."""
-
 
 async def engine_step_swap(client, weight_version: str | None, kv: str, *, settle: bool = False) -> dict:
-    """One staged swap through ``client`` (vLLM's ``EngineClient``) in one burst of engine-core
-    utility calls (the module's docstring). ``settle``: wait for the pause to complete before the
-    swap (a batch may be in flight at a utility call). Raises what the swap raised; the engine
-    then stays paused, its version label the one it served."""
+    """One staged swap through ``client`` (vLLM's ``EngineClient``) as one pause of its engine
+    core (the module's docstring). ``settle``: send the swap only once the pause answered (a batch
+    may be in flight when a utility call runs). Raises what the swap raised; the engine then stays
+    paused, its version label the one it served."""
     prior = await client.get_weight_version() if weight_version is not None else None
     start = time.perf_counter()
-    pause = asyncio.ensure_future(client.pause_generation(mode="keep", clear_cache=False))
-    fenced = asyncio.ensure_future(_answered_at(client.collective_rpc("check_health")))
-    await asyncio.sleep(0)  # the pause's message out first, then the mark of its being taken (both sent at once)
+    paused = asyncio.ensure_future(_answered_at(client.sleep(level=0, mode="keep")))
+    await asyncio.sleep(0)  # the pause's message goes out first
+    if settle:
+        await paused
+    burst = [client.collective_rpc("finish_weight_update"),
+             client.reset_prefix_cache(reset_running_requests=kv == "recompute")]
+    if weight_version is not None:
+        burst.append(client.update_weight_version(weight_version))
+    held_from, *answers = await asyncio.gather(paused, *burst, return_exceptions=True)
     try:
-        if settle:
-            await pause
-        burst = [client.collective_rpc("finish_weight_update"),
-                 client.reset_prefix_cache(reset_running_requests=kv == "recompute")]
-        if weight_version is not None:
-            burst.append(client.update_weight_version(weight_version))
-        answers = await asyncio.gather(*burst, return_exceptions=True)
-        try:
-            failed = next((a for a in answers if isinstance(a, BaseException)), None)
-            if failed is not None:
-                raise failed
-            reset = answers[1]
-            if kv == "recompute" and not reset:
-                raise RuntimeError("the prefix cache could not be reset after the swap (the requests in flight would "
-                                   "reuse KV of the old version); the engine stays paused")
-        except BaseException:
-            if weight_version is not None:  # it serves nothing while paused; its label stays the last one served
-                await client.update_weight_version(prior)
-            raise
-        await client.resume_generation()
-        resumed = time.perf_counter()
-    finally:  # the pause's own fixed sleep ends after the resume
-        paused, fenced_at = await asyncio.gather(asyncio.wait_for(pause, PAUSE_ANSWER_S), fenced,
-                                                 return_exceptions=True)
-    if isinstance(paused, BaseException):
-        raise RuntimeError(f"the swap's pause (the fence) failed: {paused!r}") from paused
-    held = resumed - fenced_at if isinstance(fenced_at, float) else None
-    return dict(blocked_s=round(resumed - start, 6), held_s=None if held is None else round(held, 6), kv=kv,
+        failed = next((a for a in (held_from, *answers) if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        reset = answers[1]
+        if kv == "recompute" and not reset:
+            raise RuntimeError("the prefix cache could not be reset after the swap (the requests in flight would "
+                               "reuse KV of the old version); the engine stays paused")
+    except BaseException:
+        if weight_version is not None:  # it serves nothing while paused; its label stays the last one served
+            await client.update_weight_version(prior)
+        raise
+    if not await client.wake_up(tags=["scheduling"]):
+        raise RuntimeError("the engine did not resume scheduling after the swap: its executor sleeps "
+                           "(vLLM's sleep level 1 or 2); wake it up before refitting")
+    resumed = time.perf_counter()
+    return dict(held_s=round(resumed - held_from, 6), blocked_s=round(resumed - start, 6), kv=kv,
                 weight_version=weight_version, settled=settle, prefix_cache_reset=bool(reset))
 
 
@@ -97,9 +88,12 @@ async def _answered_at(call) -> float:
 
 
 def needs_settle(vllm_config) -> bool:
-    """A batch may be in flight when a utility call runs: async scheduling or pipeline stages."""
+    """Whether the swap must wait for the pause to answer before it is sent: a batch may be in
+    flight when a utility call runs (async scheduling, pipeline stages), or several engine cores
+    pause together (data parallel: vLLM's coordinator steps them in waves)."""
+    parallel = vllm_config.parallel_config
     return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)) or \
-        vllm_config.parallel_config.pipeline_parallel_size > 1
+        parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1
 
 
 class SwapEndpoint:
