@@ -8,24 +8,25 @@ each through ``/inference/v1/generate``. The policies of ``HTTPClient`` (docs/gu
 after the other on the same server (started with ``VLLM_PLUGINS=megatron_refit``):
 
 - ``drain``: the server pauses new requests and waits for those in flight, then swaps;
-- ``in_flight``: the swap is one step of vLLM's engine core (``POST /megatron_refit/swap``, no
-  ``/pause``); the requests in flight recompute their KV under the new version (``kv: recompute``);
+- ``in_flight``: the swap is one pause of vLLM's engine core between two steps
+  (``POST /megatron_refit/swap``, no ``/pause``); the requests in flight recompute their KV under
+  the new version (``kv: recompute``);
 - ``in_flight_keep``: the same with ``kv: keep`` (they go on over their old KV).
 
 ``blocked_over_refit_<policy>``: the time the server did not schedule requests over the refits'
 wall time (``send_weights``). Under ``drain``: ``/pause`` sent to ``/resume`` answered (the
-client's clock); under ``in_flight*``: the route's ``held_s``, from the engine core's answer to a
-no-op sent right behind the pause (the fence in place) to the resume answered (the API server's
-clock), beside ``bound_s``, the route's ``blocked_s`` (from its first message sent: the scheduler
-step under way when it arrived added, in which requests progress) and ``route_s``, the whole HTTP
-call. ``p99_latency_ratio`` and
-``max_latency_ratio``: request latency of the requests that overlap a refit, against the same
-load's before the refits (per policy). ``bit_exact``: after each policy's last refit the server's
-greedy tokens equal the Megatron model's greedy decode. ``prepared_all``: every measured refit's
-version was prepared beside the live model (``refit/swap_unprepared`` 0: none fell back to loading
-under the pause). Under ``in_flight_keep`` the prefix cache may still hold prompts the old
-version computed (vLLM resets it only when no request holds blocks), so ``bit_exact`` is checked
-after ``/reset_prefix_cache``. ``--json``: one JSON line last.
+client's clock); under ``in_flight*``: the route's ``held_s``, from vLLM's level-0 sleep (the
+scheduler paused, requests kept) answered to the resume answered: the time no step ran (the API
+server's clock), beside ``bound_s``, the route's ``blocked_s`` (from the sleep sent: the step
+under way added, in which requests progress) and ``route_s``, the whole HTTP call.
+``p99_latency_ratio`` and ``max_latency_ratio``: request latency of the requests that overlap a
+refit, against the same load's before the refits (per policy). ``bit_exact``: after each
+policy's last refit the server's greedy tokens equal the Megatron model's greedy decode.
+``prepared_all``: every measured refit's version was prepared beside the live model
+(``refit/swap_unprepared`` 0: none fell back to loading under the pause). Under
+``in_flight_keep`` the prefix cache may still hold prompts the old version computed (vLLM resets
+it only when no request holds blocks), so ``bit_exact`` is checked after ``/reset_prefix_cache``.
+``--json``: one JSON line last.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_vllm_server import add_model_arguments, argument_error, saved_model, train_rank  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 POLICIES = {"drain": dict(policy="drain"), "in_flight": dict(policy="in_flight"),
             "in_flight_keep": dict(policy="in_flight", kv="keep")}
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
                 max_latency_ratio={k: round(rows[k]["max_during_s"] / rows[k]["max_before_s"], 2) for k in POLICIES},
                 errors=sum(rows[k]["errors"] for k in POLICIES),
                 bit_exact=all(rows[k]["bit_exact"] for k in POLICIES),
-                prepared_all=all(rows[k]["prepared_all"] for k in POLICIES), per_policy=rows)
+                prepared_all=all(rows[k]["prepared_all"] for k in POLICIES), cpu=cpu_model(),
+                date=time.strftime("%Y-%m-%d"), per_policy=rows)
     print(f"{'policy':>15} {'refit_s':>8} {'blocked_s':>10} {'blocked/refit':>14} {'p99 before':>11} "
           f"{'p99 during':>11} {'requests':>9} {'errors':>7} {'bit_exact':>10}")
     for k in POLICIES:
