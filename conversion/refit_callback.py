@@ -49,7 +49,6 @@ with them too.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
@@ -120,7 +119,7 @@ class RefitCallback(Callback):
         self.on_report = on_report
         self.engines = list(engines or [])
         """Control clients, one per engine replica (used on train rank 0)."""
-        self.control = engine_control(dataclasses.asdict(cfg), self.engines)
+        self.control = engine_control(cfg, self.engines)
         """The engine's control (:class:`~megatron_refit.engines.control.EngineControl`)."""
         self.rank = 0
         self.fleet = None

@@ -46,8 +46,9 @@ class Engine:
     the HF engine; a storage without ``score`` cannot be checked)."""
     control: str | None = None
     """``"module:Class"`` of the :class:`~megatron_refit.engines.control.EngineControl` that
-    ``RefitCallback(engines=[client, ...])`` drives this engine's clients with; ``None``: the
-    engine needs no control calls from the trainer (it is driven by its own API, or by its
+    ``RefitCallback(engines=[client, ...])`` drives this engine's clients with, built as
+    ``Class(clients, refit)`` (``refit``: the trainer's ``RefitConfig``, parsed once); ``None``:
+    the engine needs no control calls from the trainer (it is driven by its own API, or by its
     own loop)."""
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import typing
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_refit.registry import engine_named
@@ -352,9 +352,10 @@ def check_int(name: str, value: Any, *, minimum: int) -> None:
 
 
 def refit_section(value: Any, where: str) -> RefitConfig:
-    """``value`` (a ``refit:`` mapping or a ``RefitConfig``) as a validated, enabled config."""
+    """``value`` (a ``refit:`` mapping, parsed here: the edge of a process; or a ``RefitConfig``,
+    valid since its construction and passed on as it is) as a validated, enabled config."""
     if isinstance(value, RefitConfig):
-        value = asdict(value)
+        return value if value.enabled else dataclasses.replace(value, enabled=True)
     if not isinstance(value, dict):
         raise ValueError(f"{where}.refit must be the refit: config section as a mapping, got {type(value).__name__}")
     return RefitConfig.from_dict({**value, "enabled": True})

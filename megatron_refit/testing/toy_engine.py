@@ -37,9 +37,9 @@ class ToyStorage:
 class ToyControl:
     """Logs each control call of train rank 0 (``clients``: lists to append to, one per replica)."""
 
-    def __init__(self, clients: list, refit: dict):
+    def __init__(self, clients: list, refit):
         self.clients = clients
-        self.refit_section = refit
+        self.cfg = refit  # the trainer's RefitConfig
 
     def _log(self, rank: int, call: str) -> None:
         if rank == 0:
@@ -47,7 +47,7 @@ class ToyControl:
                 log.append(call)
 
     def connect(self, join, *, rank: int, num_train: int):
-        self._log(rank, f"connect {self.refit_section['engine']} {num_train}")
+        self._log(rank, f"connect {self.cfg.engine} {num_train}")
         return join(None)  # its calls wrap the fleet's; it runs none around each replica's part
 
     def refit(self, fleet, version: int, *, rank: int, full: bool = False):

@@ -14,10 +14,10 @@ in full at the next refit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from megatron_refit.config import RefitConfig
+from megatron_refit.config import RefitConfig, refit_section
 from megatron_refit.fleet.lanes import ReplicaLanes
 
 
@@ -31,9 +31,10 @@ class SglangControl(ReplicaLanes):
     engine = "SGLang engine"
 
     def __init__(self, clients: Sequence, refit: dict | RefitConfig) -> None:
-        section = asdict(refit) if isinstance(refit, RefitConfig) else dict(refit)
-        self.refit_section = {"engine": "sglang", **section}
-        super().__init__(clients, self.refit_section)
+        cfg = refit if isinstance(refit, RefitConfig) else refit_section({"engine": "sglang", **refit}, "control")
+        super().__init__(clients, replace(cfg, engine="sglang") if cfg.engine != "sglang" else cfg)
+        self.refit_section = asdict(self.cfg)
+        """What every engine gets at connect (the wire form of :attr:`cfg`)."""
 
     def connect_call(self, replica: int) -> Callable[[Any], Any]:
         return lambda client: client.connect(self.refit_section, num_train=self.num_train, replica=replica)
