@@ -31,7 +31,7 @@ class _Received:
         return RefitReport(version=version, role="gen", rank=0)
 
 
-class _Backend:
+class _Storage:
     """Staging buffers that record where they were loaded: the live model or a shadow."""
 
     nbytes = 1 << 20
@@ -54,7 +54,7 @@ def staged(tmp_path, monkeypatch):
     vcfg = _vllm_config("qwen3", 1, str(tmp_path), engine=True)
     engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="megatron_refit"), vcfg,
                                                        torch.device("cpu"), torch.nn.Linear(1, 1))
-    engine.member, engine._backend, engine._mode, engine._staged_swap = _Received(), _Backend(), "load_weights", True
+    engine.member, engine._storage, engine._mode, engine._staged_swap = _Received(), _Storage(), "load_weights", True
     engine.member.group = types.SimpleNamespace(store=None)
     engine.gen_index = 0
     engine._timeout_s = 30.0
@@ -80,10 +80,10 @@ def test_staged_version_that_cannot_be_prepared_beside_the_model_is_named_and_lo
     staged.update_weights({"version": 1})
     with caplog.at_level(logging.WARNING, logger="megatron_refit"):
         staged.update_weights({"version": 1, "complete": True})
-    assert staged._backend.loads == [] and staged.state == "stale"  # nothing live yet: it serves on
+    assert staged._storage.loads == [] and staged.state == "stale"  # nothing live yet: it serves on
     assert any("loads under the pause" in r.getMessage() and why in r.getMessage() for r in caplog.records)
     staged.finish_weight_update()
-    assert staged._backend.loads == ["live"]  # vLLM's reload of the live model, under the pause
+    assert staged._storage.loads == ["live"]  # vLLM's reload of the live model, under the pause
     assert staged.state == "ready" and staged.weights_version == 1
     assert staged.last_swap["prepared"] is False and staged.last_swap["why"] == why and staged.last_swap["swap_s"] >= 0
 
@@ -91,7 +91,7 @@ def test_staged_version_that_cannot_be_prepared_beside_the_model_is_named_and_lo
 def test_staged_shadow_over_swap_budget_mb_is_not_made_the_version_loads_under_the_pause_named(staged, caplog):
     """refit.swap_budget_mb bounds the staging buffers and the shadow together: here the buffers
     (1 MiB) leave 4 bytes, and the shadow of the model (a Linear(1, 1): 8 bytes) does not fit."""
-    staged._budget_bytes = staged._backend.nbytes + 4
+    staged._budget_bytes = staged._storage.nbytes + 4
     staged.start_weight_update()
     staged.update_weights({"version": 3})
     with caplog.at_level(logging.WARNING, logger="megatron_refit"):
@@ -99,7 +99,7 @@ def test_staged_shadow_over_swap_budget_mb_is_not_made_the_version_loads_under_t
     assert any("loads under the pause: its shadow would take about" in r.getMessage()
                and "refit.swap_budget_mb" in r.getMessage() for r in caplog.records), caplog.text
     staged.finish_weight_update()
-    assert staged._backend.loads == ["live"] and staged.state == "ready"
+    assert staged._storage.loads == ["live"] and staged.state == "ready"
     assert staged.last_swap["prepared"] is False and staged.last_swap["staging_bytes"] == 1 << 20
 
 
@@ -112,7 +112,7 @@ def test_staged_version_whose_preparation_fails_fails_its_update_weights_and_nev
         staged.update_weights({"version": 2, "complete": True})  # vLLM ends its update session on this
     with pytest.raises(RuntimeError, match="finish_weight_update without a completed update_weights"):
         staged.finish_weight_update()
-    assert staged._backend.loads == [] and staged.weights_version is None
+    assert staged._storage.loads == [] and staged.weights_version is None
     staged.start_weight_update()  # the next update starts clean
     assert staged._staging is None and staged._prepared is None
 

@@ -607,7 +607,7 @@ def test_weight_transfer_a_version_that_fails_to_go_live_is_never_finished_as_re
         def load(self):
             raise RuntimeError("load_weights failed (injected)")
 
-    engine.member, engine._backend, engine._mode = Received(), FailingLoad(), "load_weights"
+    engine.member, engine._storage, engine._mode = Received(), FailingLoad(), "load_weights"
     engine.start_weight_update()
     with pytest.raises(RuntimeError, match=r"load_weights failed \(injected\)"):
         engine.update_weights({"version": 1})

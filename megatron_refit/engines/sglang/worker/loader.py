@@ -65,9 +65,9 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
 
         params = fp8_param_table(params)
     gen_index = replica * cfg.gen_tp + tp_rank
-    backend = LiveModelStorage.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
+    storage = LiveModelStorage.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
                                        gen_index=tp_rank, post_load=sglang_post_load(model))
-    return engine_refit(cfg, backend, gen_index=gen_index, num_train=num_train,
+    return engine_refit(cfg, storage, gen_index=gen_index, num_train=num_train,
                         device=next(model.parameters()).device)
 
 

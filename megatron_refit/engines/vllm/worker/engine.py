@@ -139,7 +139,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._in_update = False
         self._mode = "in_place"
         self._staged_swap = False
-        self._backend = None
+        self._storage = None
         self._timeout_s = 0.0
         self._tp = 1
         self._budget_bytes: int | None = None
@@ -169,10 +169,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         tp_rank = self.gen_index % cfg.gen_tp  # this rank's pieces: the same in every replica
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
         mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
-        backend, why = None, ""
+        storage, why = None, ""
         if mode in (None, "in_place"):
             try:
-                backend = LiveModelStorage.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
+                storage = LiveModelStorage.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
                 mode = "in_place"
             except RepackedParameterError as exc:
                 if mode == "in_place":  # asked for: refused by name, before any byte moves
@@ -181,16 +181,16 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if mode == "load_weights":
             check_reloadable(self.model)  # MoE experts' post-load step: run again after each reload, or refused
             pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
-            backend = StagedPiecesStorage(self.model, pieces, self.device)
+            storage = StagedPiecesStorage(self.model, pieces, self.device)
         if cfg.engine_load == "auto":
             logger.info("megatron_refit: engine_load auto: %s%s", mode, why)
         self._mode = mode
-        self._backend = backend
+        self._storage = storage
         self._timeout_s = cfg.timeout_s
         self._budget_bytes = None if cfg.swap_budget_mb is None else int(cfg.swap_budget_mb * 2**20)
         self._tp = cfg.gen_tp
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
-        self.member = engine_refit(cfg, backend, gen_index=self.gen_index, num_train=init_info.num_train,
+        self.member = engine_refit(cfg, storage, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
         self.state = "stale"
 
@@ -297,10 +297,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         """The staged version processed in a shadow of the model (:mod:`.prepare`); a version
         that cannot be is named in the log and loads under the pause, as without, and noted for
         the train ranks (``refit/swap_unprepared``)."""
-        staging = self._backend.nbytes
+        staging = self._storage.nbytes
         budget = None if self._budget_bytes is None else self._budget_bytes - staging
         try:
-            self._prepared = prepare(self.model, self._backend.load, first_load_setup=FirstLoadSetup,
+            self._prepared = prepare(self.model, self._storage.load, first_load_setup=FirstLoadSetup,
                                      budget_bytes=budget)
         except NotPreparableError as exc:
             self.last_swap = dict(prepared=False, why=str(exc), staging_bytes=staging)
@@ -333,7 +333,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
                 initialize_layerwise_reload(self.model)
                 with FirstLoadSetup(self.model):  # the experts' post-load step too (moe_reload.py)
-                    self._backend.load()
+                    self._storage.load()
                     finalize_layerwise_reload(self.model, self.model_config)
             else:
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
