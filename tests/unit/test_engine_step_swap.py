@@ -1,4 +1,4 @@
-"""The staged swap as one pause of vLLM's engine core (``megatron_refit.engines.vllm.swap_route``)
+"""The staged swap as one pause of vLLM's engine core (``megatron_refit.engines.vllm.server_swap``)
 and ``HTTPClient``'s use of it, without vLLM: a fake ``EngineClient`` that records the order in
 which the engine core would receive each utility call, and a standard-library HTTP server for
 the client. The running server's own test is ``tests/engines/vllm_server/test_vllm_server_swap.py``."""
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megatron_refit.engines.vllm.payload import parse_swap_payload, swap_payload
-from megatron_refit.engines.vllm.swap_route import engine_step_swap
+from megatron_refit.engines.vllm.server_swap import engine_step_swap
 from megatron_refit.engines.vllm.trainer.clients import HTTPClient
 
 

@@ -11,7 +11,7 @@
 - Both: :mod:`.payload` (the ``init_info`` / ``update_info`` payloads and the swap route's body,
   plain JSON) and :mod:`.plugin` (the ``vllm.general_plugins`` entry point that registers both
   by name).
-- :mod:`.swap_route` (vLLM's API server process): the ``vllm.endpoint_plugins`` entry point whose
+- :mod:`.server_swap` (vLLM's API server process): the ``vllm.endpoint_plugins`` entry point whose
   ``POST /megatron_refit/swap`` makes a staged swap one pause of the engine core between two
   scheduler steps (``HTTPClient(policy="in_flight")``).
 

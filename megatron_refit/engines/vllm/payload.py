@@ -6,7 +6,7 @@ both sides), the number of train ranks, and the LoRA rank / alpha when the train
 adapters. ``update_info`` (``update_weights``, per refit): the refit version and whether it
 is a full refit. Plain JSON passes unchanged through ``LLM``, Ray and vLLM's HTTP routes.
 The trainer engine builds both; the engine checks them field by field. The body of the
-server's engine-step swap (:data:`SWAP_ROUTE`, :mod:`.swap_route`): the version and ``kv``.
+server's engine-step swap (:data:`SWAP_PATH`, :mod:`.server_swap`): the version and ``kv``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def update_payload(version: int, *, full: bool, complete: bool = False) -> dict:
     return {"version": version, "full": full, "complete": complete}
 
 
-SWAP_ROUTE = "/megatron_refit/swap"
+SWAP_PATH = "/megatron_refit/swap"
 """The API server's route that swaps a staged version in one step of vLLM's engine core."""
 KV_MODES = ("recompute", "keep")
 """What the requests in flight do at that swap: recompute their KV under the new version, or
@@ -36,20 +36,20 @@ go on over the KV the old version computed (PipelineRL's in-flight update)."""
 
 
 def swap_payload(version: str | None, kv: str) -> dict:
-    """The body of a ``POST`` to :data:`SWAP_ROUTE`."""
+    """The body of a ``POST`` to :data:`SWAP_PATH`."""
     return {"kv": kv, **({"weight_version": version} if version is not None else {})}
 
 
 def parse_swap_payload(body: Any) -> tuple[str | None, str]:
     """``(weight_version, kv)`` of a swap's body; ``ValueError`` naming the bad field."""
     if not isinstance(body, dict):
-        raise ValueError(f"{SWAP_ROUTE} takes a JSON object, got {type(body).__name__}")
+        raise ValueError(f"{SWAP_PATH} takes a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - {"weight_version", "kv"})
     if unknown:
-        raise ValueError(f"{SWAP_ROUTE}: unknown field(s) {unknown}; it takes weight_version and kv")
+        raise ValueError(f"{SWAP_PATH}: unknown field(s) {unknown}; it takes weight_version and kv")
     version, kv = body.get("weight_version"), body.get("kv", "recompute")
     if version is not None and not isinstance(version, str):
-        raise ValueError(f"{SWAP_ROUTE}: weight_version must be a string, got {version!r}")
+        raise ValueError(f"{SWAP_PATH}: weight_version must be a string, got {version!r}")
     if kv not in KV_MODES:
-        raise ValueError(f"{SWAP_ROUTE}: kv must be one of {list(KV_MODES)}, got {kv!r}")
+        raise ValueError(f"{SWAP_PATH}: kv must be one of {list(KV_MODES)}, got {kv!r}")
     return version, kv

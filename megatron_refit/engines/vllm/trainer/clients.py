@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from megatron_refit.engines.vllm.payload import KV_MODES, SWAP_ROUTE, swap_payload
+from megatron_refit.engines.vllm.payload import KV_MODES, SWAP_PATH, swap_payload
 from megatron_refit.errors import StaleWeightsError
 
 
@@ -158,7 +158,7 @@ class HTTPClient:
     ``policy`` (``swap: staged``; docs/guide-swap.md): ``drain`` pauses as ``pause_mode`` says, so
     no request sees two versions; ``in_flight`` swaps the prepared version in between two steps of
     vLLM's engine core, with no ``/pause``: one ``POST /megatron_refit/swap`` (the server's
-    endpoint plugin, :mod:`megatron_refit.engines.vllm.swap_route`; ``VLLM_PLUGINS=megatron_refit``).
+    endpoint plugin, :mod:`megatron_refit.engines.vllm.server_swap`; ``VLLM_PLUGINS=megatron_refit``).
     ``kv``: ``recompute`` makes the requests in flight recompute their KV cache under the new
     version (no token is ever sampled over KV of another version than its own, and no new request
     reuses the old version's prefix cache); ``keep`` (PipelineRL's in-flight update) lets them go
@@ -243,15 +243,15 @@ class HTTPClient:
         self._post("resume")
 
     def _engine_step_swap(self, weight_version: str | None) -> bool:
-        """The swap as one step of the engine core (:data:`SWAP_ROUTE`); False (and, the first
+        """The swap as one step of the engine core (:data:`SWAP_PATH`); False (and, the first
         time, a WARNING) where the server lacks the route."""
-        answer = self._post(SWAP_ROUTE.lstrip("/"), swap_payload(weight_version, self.kv), missing_ok=True)
+        answer = self._post(SWAP_PATH.lstrip("/"), swap_payload(weight_version, self.kv), missing_ok=True)
         if answer is _NO_ROUTE:
             self.engine_step = False
             logger.warning("vLLM server %s has no POST %s (megatron_refit's endpoint plugin; start the server with "
                            "VLLM_PLUGINS=megatron_refit): the in_flight swap falls back to /pause?mode=keep, which "
                            "holds requests for the step under way and the pause's fixed 20 ms sleep",
-                           self.base_url, SWAP_ROUTE)
+                           self.base_url, SWAP_PATH)
             return False
         self.last_swap = answer
         self.engine_step = True

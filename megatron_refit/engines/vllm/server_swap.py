@@ -3,7 +3,7 @@
 vLLM's engine core runs every utility call (``collective_rpc`` to the workers, the scheduler's
 ``reset_prefix_cache``, ``set_weight_version``, its pause state) between two scheduler steps.
 ``POST /megatron_refit/swap`` (``{"weight_version": "4", "kv": "recompute"}``;
-:data:`~megatron_refit.engines.vllm.payload.SWAP_ROUTE`) makes one swap a single pause of the
+:data:`~megatron_refit.engines.vllm.payload.SWAP_PATH`) makes one swap a single pause of the
 scheduler between two steps, with no ``/pause``:
 
 1. vLLM's sleep level 0 in mode ``keep`` (``EngineClient.sleep``: the scheduler paused, the
@@ -43,7 +43,7 @@ import asyncio
 import time
 
 from megatron_refit.engines.vllm import BACKEND
-from megatron_refit.engines.vllm.payload import SWAP_ROUTE, parse_swap_payload
+from megatron_refit.engines.vllm.payload import SWAP_PATH, parse_swap_payload
 
 
 async def engine_step_swap(client, weight_version: str | None, kv: str, *, settle: bool = False) -> dict:
@@ -96,7 +96,7 @@ def needs_settle(vllm_config) -> bool:
         parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1
 
 
-class SwapEndpoint:
+class SwapPlugin:
     """The ``vllm.endpoint_plugins`` factory's product (vLLM's ``EndpointPlugin`` protocol)."""
 
     name = BACKEND
@@ -119,7 +119,7 @@ class SwapEndpoint:
             except ValueError as exc:
                 return JSONResponse({"error": str(exc)}, status_code=400)
             if self.client is None:
-                return JSONResponse({"error": f"{SWAP_ROUTE}: this server has no engine"}, status_code=503)
+                return JSONResponse({"error": f"{SWAP_PATH}: this server has no engine"}, status_code=503)
             self._lock = self._lock or asyncio.Lock()
             async with self._lock:  # one swap at a time
                 try:
@@ -129,7 +129,7 @@ class SwapEndpoint:
             return JSONResponse(answer)
 
         swap.__annotations__ = {"raw_request": Request}  # the class itself: this module's annotations are strings
-        router.post(SWAP_ROUTE)(swap)
+        router.post(SWAP_PATH)(swap)
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
@@ -138,6 +138,6 @@ class SwapEndpoint:
             self.settle = needs_settle(engine_client.vllm_config)
 
 
-def endpoint() -> SwapEndpoint:
+def endpoint() -> SwapPlugin:
     """The entry point (pyproject.toml, ``vllm.endpoint_plugins``)."""
-    return SwapEndpoint()
+    return SwapPlugin()
