@@ -47,7 +47,7 @@ class MegatronForward:
         self.vocab_size = hf_config.vocab_size
         self.dtype = str(next(model[0].parameters()).dtype).removeprefix("torch.")
         self.fp8, self.lora = False, lora
-        self.routes = RoutedExperts(model, self.config)
+        self.routing = RoutedExperts(model, self.config)
         self.experts: tuple[int, int] | None = None
         """After a call, for a MoE model: ``(experts routed, experts)`` over its decoder MoE layers."""
         self.scale: list[list[float]] | None = None
@@ -119,24 +119,24 @@ class MegatronForward:
         :meth:`conversion.routing.RoutedExperts.per_sequence`)."""
         out: list = [None] * len(sequences)
         seen = None
-        if self.routes.moe:
-            seen = torch.zeros(len(sequences), self.routes.num_layers, self.routes.num_experts, dtype=torch.bool)
+        if self.routing.moe:
+            seen = torch.zeros(len(sequences), self.routing.num_layers, self.routing.num_experts, dtype=torch.bool)
         with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
             for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
-                with self.routes.capture() if self.routes.moe else contextlib.nullcontext():
+                with self.routing.capture() if self.routing.moe else contextlib.nullcontext():
                     logprobs, run = self._logprobs(tokens, scored=scored)
                 for i, row in zip(indices, logprobs.tolist() if scored else [None] * len(indices), strict=True):
                     out[i] = row
                 if seen is not None:
-                    routed, self._moe_layers = self.routes.per_sequence(run, len(indices))
+                    routed, self._moe_layers = self.routing.per_sequence(run, len(indices))
                     seen[indices] = routed
         return (out if scored else None), seen
 
     def _count(self, union: torch.Tensor) -> tuple[int, int]:
         """``(experts routed, experts)`` over the MoE layers of ``union`` ``[layers, experts]``."""
         moe = self._moe_layers
-        return int(union[moe].sum()), int(moe.sum()) * self.routes.num_experts
+        return int(union[moe].sum()), int(moe.sum()) * self.routing.num_experts
 
     def _flat(self, mask: torch.Tensor) -> set:
         """``(layer, expert)`` pairs where ``mask`` ``[layers, experts]`` is True, as flat indices."""

@@ -22,7 +22,7 @@ from megatron_refit.endpoint.direct import resolve_direct_bytes
 from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
-from megatron_refit.plan.fanout import DIRECT, ROUTE_VALUES, Route
+from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
 from megatron_refit.plan.pieces import pack
 from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan, disagreeing
 from megatron_refit.plan.spec import ShardSpec
@@ -108,7 +108,7 @@ class Endpoint:
         self._digesters: dict[int, Digester] | None = None
         """Per peer: the digest constants of this rank's buckets with it under this plan (see
         :meth:`_pair_digesters`)."""
-        self.route: Route = DIRECT
+        self.placement: Placement = DIRECT
         """``refit.fanout``: where this refit's bytes come from and go (the train side sets it
         before a refit; the engine side learns it in the handshake)."""
         self.shown_base = -1
@@ -223,10 +223,10 @@ class Endpoint:
         shown = (ANY_VERSION if version is None else version) if error is None else -1
         base = self.delta_base() if self.delta != "off" and error is None else -1
         probe = int(self.probe_due) if self.role == "train" else 0
-        route = self.route.values() if self.role == "train" else [0] * ROUTE_VALUES
-        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *route])
+        placement = self.placement.values() if self.role == "train" else [0] * PLACEMENT_VALUES
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *placement])
         self.probe_due = bool(rows[0][4])
-        self.route = Route.from_values(rows[0][5:5 + ROUTE_VALUES])  # train rank 0's (the train ranks agree)
+        self.placement = Placement.from_values(rows[0][5:5 + PLACEMENT_VALUES])  # train rank 0's (they agree)
         self.shown_base = base
         if error is not None:
             raise error
@@ -303,9 +303,10 @@ class Endpoint:
         if self.on_report is not None:
             self.on_report(report.summary)
 
-    def _route(self, report: RefitReport, direct: bool) -> None:
-        route = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
-        report.routes[route] += 1
+    def count_path(self, report: RefitReport, direct: bool) -> None:
+        """One bucket's path in ``report``: ``direct``, else ``shared`` or ``packed`` as the group stages."""
+        path = "direct" if direct else ("shared" if self.group.shares_buffers else "packed")
+        report.paths[path] += 1
 
     def run_buckets(self, buckets, post: Callable, retire: Callable, report: RefitReport, group=None,
              direct_window: int = MAX_DIRECT_IN_FLIGHT) -> None:

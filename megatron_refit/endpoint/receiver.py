@@ -38,7 +38,7 @@ class Receiver(Endpoint):
                          stall_s=stall_s)
         self.relay = relay
         """``refit.fanout``: this rank's :class:`~megatron_refit.endpoint.relay.RelayLinks` (None: it
-        never relays; a route that asks it to is refused)."""
+        never relays; a placement that asks it to is refused)."""
         if group.rank < num_train:
             raise ValueError(f"refit rank {group.rank} is a train rank (num_train={num_train})")
         self.storage = storage
@@ -120,16 +120,16 @@ class Receiver(Endpoint):
         buckets = self.plan.buckets_to(self.gen_index)
         report.bytes_full = sum(b.payload_bytes for b in buckets)
         digesters = self._pair_digesters(buckets, self.plan.global_src) if self.verify != "off" else {}
-        route = self.route
+        placement = self.placement
         readback = self.probe_due and self._live()  # checked: every byte read back
         digests = ReceiveDigests(self.group, digesters, self.verify, version, buckets, self.plan.global_src, report,
-                                 post=not route.relayed, readback=readback)
+                                 post=not placement.relayed, readback=readback)
         run = _ReceiveRun(self, version, delta_from, digests, Drain(), report)
         with torch.no_grad():
-            run.forward = forwarder(self, route, buckets, report) if route.successors else None
+            run.forward = forwarder(self, placement, buckets, report) if placement.successors else None
             try:
-                if route.relayed:
-                    receive_relayed(self, route, buckets, run, report)
+                if placement.relayed:
+                    receive_relayed(self, placement, buckets, run, report)
                 else:
                     self.run_buckets(buckets, run.post, run.retire, report, direct_window=run.window)
                 if run.forward is not None:  # the train ranks' digests go on with the bytes
@@ -254,7 +254,7 @@ class _ReceiveRun:
                 direct = rx._direct_view(bucket, rx.storage.buffer, "dst")
             except Exception as exc:  # noqa: BLE001 -- this rank's storage failed: drain the rest
                 self._fail(exc)
-        rx._route(self.report, direct is not None)
+        rx.count_path(self.report, direct is not None)
         if direct is not None:  # straight into engine storage
             pending = self.group.irecv(direct, src, bucket.index)
             pending.direct = True
@@ -269,7 +269,7 @@ class _ReceiveRun:
         self.group.wait(header)
         encoding, size = header.buffer.cpu().tolist()
         if encoding != RAW and not self.delta_ok:  # a relay's delta on another base: from the train ranks, raw
-            raise DeltaNotApplicableError(f"a delta payload on version {rx.route.chain_base}, this rank holds "
+            raise DeltaNotApplicableError(f"a delta payload on version {rx.placement.chain_base}, this rank holds "
                                  f"{rx.shown_base}")
         problem = check_header(encoding, size, bucket.nbytes)
         if problem is not None:

@@ -1,7 +1,7 @@
 """Replica fan-out on an engine rank (``refit.fanout``): its links to the same TP rank of other
 replicas, a relay's forwarding stage, and the upstream link as a relayed rank's receive loop sees it.
 
-A replica's :class:`~megatron_refit.plan.fanout.Route` comes in its version handshake. Engine rank
+A replica's :class:`~megatron_refit.plan.fanout.Placement` comes in its version handshake. Engine rank
 ``k`` of a relay forwards each bucket of its part as it arrived (a delta payload as it is) with its
 ``(encoding, size)`` header to rank ``k`` of every successor, while its next bucket arrives
 (:class:`Forwarder`: a bucket in a receive slot is copied into one of two forward buffers, so the
@@ -18,7 +18,7 @@ stalled, or aborted the link) aborts the link too and tells the train ranks of i
 holds; they send it the rest (:meth:`~megatron_refit.endpoint.sender.Refitter.refit`). A bucket
 whose digest differs (corrupted on a link) is taken again the same way, from the train rank's
 first bad bucket on. Links live
-for one route epoch (the train ranks' count of route changes): a link is joined once per epoch
+for one placement epoch (the train ranks' count of placement changes): a link is joined once per epoch
 and never rejoined under its name.
 """
 
@@ -54,7 +54,7 @@ def positions(buckets, src_of: Callable) -> dict[tuple[int, int], int]:
 class RelayLinks:
     """An engine rank's links to TP rank ``tp_rank`` of other replicas (rank 0 of a link: the
     upstream replica's). ``connect(name, rank)`` joins one (a 2-rank group in the train ranks'
-    store under ``name``). Every link of an epoch goes when a route of another epoch comes."""
+    store under ``name``). Every link of an epoch goes when a placement of another epoch comes."""
 
     def __init__(self, connect: Callable[[str, int], Transport], *, replica: int, tp_rank: int):
         self.join = connect
@@ -64,7 +64,7 @@ class RelayLinks:
         self._links: dict[tuple[int, int], Transport | None] = {}
 
     def link(self, epoch: int, up: int, down: int) -> Transport:
-        """The link from replica ``up`` to ``down`` (one of them this one) in route epoch ``epoch``:
+        """The link from replica ``up`` to ``down`` (one of them this one) in placement epoch ``epoch``:
         joined at its first use in the epoch (waiting up to the link's bound for the other end);
         ``RefitTransportError`` if it broke or failed to join earlier in the epoch."""
         if self.replica not in (up, down) or up == down:
@@ -77,7 +77,7 @@ class RelayLinks:
             link = self._links[key]
             if link is None or link.broken is not None:
                 raise RefitTransportError(f"relay link replica {up} -> {down} (TP rank {self.tp_rank}) broke earlier "
-                                          f"in route epoch {epoch}")
+                                          f"in placement epoch {epoch}")
             return link
         self._links[key] = None  # one join per name: a failed one is not retried in this epoch
         link = self.join(link_name(epoch, up, down, self.tp_rank), 0 if up == self.replica else 1)
@@ -241,15 +241,15 @@ class DeltaNotApplicableError(Exception):
     """A relayed rank cannot apply what its relay forwards (a delta on a version it does not hold)."""
 
 
-def forwarder(rx, route, buckets, report) -> Forwarder:
-    """A relay's forwarding stage to ``route``'s successors, each link joined now (a successor that
+def forwarder(rx, placement, buckets, report) -> Forwarder:
+    """A relay's forwarding stage to ``placement``'s successors, each link joined now (a successor that
     cannot be joined is dropped: it gets its bytes from the train ranks). ``rx``: the relay's
     :class:`~megatron_refit.endpoint.receiver.Receiver`."""
     relay = _links(rx, "route replicas through this engine rank")
     links = {}
-    for successor in route.successors:
+    for successor in placement.successors:
         try:
-            links[successor] = relay.link(route.epoch, relay.replica, successor)
+            links[successor] = relay.link(placement.epoch, relay.replica, successor)
         except RefitTransportError as exc:
             logger.warning("refit: replica %d TP rank %d cannot relay to replica %d: %s", relay.replica,
                            relay.tp_rank, successor, exc)
@@ -264,7 +264,7 @@ def _links(rx, what: str) -> RelayLinks:
     return rx.relay
 
 
-def receive_relayed(rx, route, buckets, run, report) -> None:
+def receive_relayed(rx, placement, buckets, run, report) -> None:
     """A relayed rank's part of a refit (``rx``: its Receiver; ``run``: its receive loop): every
     bucket from its upstream relay, then the train ranks' digests, compared here. Whatever it does
     not hold then (the relay failed; its delta payloads do not apply to this rank's weights; a
@@ -273,18 +273,18 @@ def receive_relayed(rx, route, buckets, run, report) -> None:
     relay = _links(rx, "route this engine rank through a relay")
     src_of = rx.plan.global_src
     link, complete, keep = None, False, None
-    run.use(None, set(), chain_base=route.chain_base)
+    run.use(None, set(), chain_base=placement.chain_base)
     try:
-        link = relay.link(route.epoch, route.upstream, relay.replica)
+        link = relay.link(placement.epoch, placement.upstream, relay.replica)
         view = UpstreamView(link, positions(buckets, src_of))
-        run.use(view, {src_of(b) for b in buckets}, chain_base=route.chain_base)
+        run.use(view, {src_of(b) for b in buckets}, chain_base=placement.chain_base)
         rx.run_buckets(buckets, run.post, run.retire, report, group=view, direct_window=run.window)
         run.digests.post(view)
         run.digests.wait_sent()
         complete = True
     except (RefitTransportError, DeltaNotApplicableError) as exc:
         logger.warning("refit %d: replica %d TP rank %d: relay from replica %d ended after %d of %d buckets (%s); "
-                       "the train ranks send the rest", run.version, relay.replica, relay.tp_rank, route.upstream,
+                       "the train ranks send the rest", run.version, relay.replica, relay.tp_rank, placement.upstream,
                        run.retired, len(buckets), exc)
         if link is not None:
             relay.drop(link, f"replica {relay.replica} stopped taking the relay")

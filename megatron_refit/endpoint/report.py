@@ -31,8 +31,8 @@ class RefitReport:
     """``load``: gen-side unpacking; ``verify``: computing and exchanging bucket digests
     (overlapping transfers in flight); ``onload`` / ``offload``: moving offloaded trainer
     parameters back before the refit and out again after it (0.0 when that did not run)."""
-    routes: dict = field(default_factory=lambda: dict(direct=0, packed=0, shared=0))
-    """Buckets by route: ``direct`` (straight from / into the tensor, no staging copy),
+    paths: dict = field(default_factory=lambda: dict(direct=0, packed=0, shared=0))
+    """Buckets by path: ``direct`` (straight from / into the tensor, no staging copy),
     ``packed`` (through a staging buffer over the process group), ``shared`` (through a
     shared staging buffer, colocated mode)."""
     summary: dict = field(default_factory=dict)
@@ -72,7 +72,7 @@ _FIELDS = ("failed", "bytes_sent", "bytes_received", "bytes_wire", "buckets", *(
 
 def report_values(report: RefitReport, failed: bool) -> list[int]:
     """This rank's share of the group summary, as the ints a control message carries (:data:`_FIELDS`)."""
-    values = dict(failed=int(failed), buckets=sum(report.routes.values()) if report.role == "train" else 0,
+    values = dict(failed=int(failed), buckets=sum(report.paths.values()) if report.role == "train" else 0,
                   relay_fallback=int(report.relay_fallback),
                   delta=int(report.delta), **{f"us_{t}": round(report.seconds[t] * _US) for t in _TIMES})
     return [values[f] if f in values else getattr(report, f) for f in _FIELDS]
@@ -150,8 +150,8 @@ def merge_reports(version: int, rank: int, reports: list[RefitReport], *, replic
         out.delta |= r.delta
         for key, value in r.seconds.items():
             out.seconds[key] = max(out.seconds[key], value)
-        for key, value in r.routes.items():
-            out.routes[key] += value
+        for key, value in r.paths.items():
+            out.paths[key] += value
     out.seconds.update(total=seconds, **moved)
     out.failed_replicas = dict(sorted(failures.items()))
     summaries = [r.summary for r in reports if r.summary]

@@ -113,7 +113,7 @@ class Refitter(Endpoint):
         fleet's (``refit.on_replica_failure``)."""
         start = time.perf_counter()
         delta_to = self._handshake(version)
-        if self.route.relayed:
+        if self.placement.relayed:
             return self._refit_relayed(version, start)
         report = RefitReport(version=version, role="train", rank=self.group.rank,
                              bytes_minimal=self.plan.bytes_minimal, delta=bool(delta_to))
@@ -213,7 +213,7 @@ class Refitter(Endpoint):
         report.bytes_sent += bucket.payload_bytes
         report.bytes_wire += bucket.nbytes
         direct = self._direct_view(bucket, sources, "src")
-        self._route(report, direct is not None)
+        self.count_path(report, direct is not None)
         if direct is None:
             t0 = time.perf_counter()
             pack_bucket(bucket, sources, out=buf)
@@ -252,7 +252,7 @@ class Refitter(Endpoint):
             report.bytes_sent += bucket.payload_bytes if payload is None else data.numel()
             report.bytes_wire += data.numel()
             alone = not self.group.shares_buffers and data.device == self.group.device
-            self._route(report, alone)
+            self.count_path(report, alone)
             if not alone:
                 data = buf[: data.numel()].copy_(data)
             pending = self.group.isend(data, dst, bucket.index)

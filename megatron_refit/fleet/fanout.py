@@ -8,17 +8,17 @@ one they last landed): a delta payload the head receives applies to its successo
 then. A replica that joined or failed holds no known version: it gets its refit from the train
 ranks directly (or, with others like it, in a chain of full refits). The head is the replica whose
 train-side copies hold that version (so the chain gets deltas); the others follow by index.
-The route epoch counts changes of the routes, of the members, and refits where a replica failed
+The placement epoch counts changes of the placements, of the members, and refits where a replica failed
 or a relay was routed around: the engine ranks join new links in a new epoch, never rejoining one.
 """
 
 from __future__ import annotations
 
-from megatron_refit.plan.fanout import DIRECT, Route, auto_mode, relay_routes
+from megatron_refit.plan.fanout import DIRECT, Placement, auto_mode, relay_placements
 
 
 class FanoutRouter:
-    """The routes of every refit (see the module docstring); train rank 0 decides them."""
+    """Every refit's placement of each replica (see the module docstring); train rank 0 decides it."""
 
     def __init__(self, mode: str, *, delta: str, bucket_bytes: int, gen_tp: int):
         self.mode, self.delta, self.bucket_bytes, self.gen_tp = mode, delta, bucket_bytes, gen_tp
@@ -29,7 +29,7 @@ class FanoutRouter:
         """Replica -> the version it last landed (replicas that failed or joined since: absent)."""
 
     def decide(self, members: dict, full: bool) -> list[list[int]]:
-        """Train rank 0: ``[replica, *Route.values()]`` for every relayed or relaying replica."""
+        """Train rank 0: ``[replica, *Placement.values()]`` for every relayed or relaying replica."""
         groups: dict[tuple, list[int]] = {}
         for replica in sorted(members):
             endpoint = members[replica].endpoint(full)
@@ -53,25 +53,25 @@ class FanoutRouter:
                          and members[r].endpoint(full).delta_base() == base), replicas[0])
             order = [head] + [r for r in replicas if r != head]
             chain_base = members[head].endpoint(full).delta_base() if self.delta != "off" else -1
-            for replica, (up, successors) in relay_routes(order, mode).items():
+            for replica, (up, successors) in relay_placements(order, mode).items():
                 shape.append((replica, up, successors, chain_base))
         signature = (sorted(shape), tuple((r, id(m)) for r, m in sorted(members.items())))
         if signature != self._signature or self._trouble:
             self.epoch += 1
         self._signature, self._trouble = signature, False
-        return [[replica, *Route(up, self.epoch, successors, chain_base).values()]
+        return [[replica, *Placement(up, self.epoch, successors, chain_base).values()]
                 for replica, up, successors, chain_base in sorted(shape)]
 
-    def routes(self, control, members: dict, full: bool) -> dict[int, Route]:
-        """Every train rank (collective over the train ranks' group): this refit's routes, train
+    def placements(self, control, members: dict, full: bool) -> dict[int, Placement]:
+        """Every train rank (collective over the train ranks' group): this refit's placements, train
         rank 0's; every member not named gets its refit from the train ranks. ``refit.fanout:
         off``: none, without a collective (the same config on every train rank)."""
         if self.mode == "off":
             return {}
         decided = self.decide(members, full) if control.rank == 0 else None
         shown = control.all_gather_object(decided, "fleet")[0]
-        routes = {row[0]: Route.from_values(row[1:]) for row in shown}
-        return {replica: routes.get(replica, DIRECT) for replica in members}
+        placements = {row[0]: Placement.from_values(row[1:]) for row in shown}
+        return {replica: placements.get(replica, DIRECT) for replica in members}
 
     def record(self, version: int, replicas: list[int], failures: dict, summary: dict) -> None:
         """After a refit: what each replica holds now; a failure or a relay routed around starts a

@@ -60,11 +60,11 @@ class TrainerMember(Member):
                 verdict_in_band(self.group, self.full.num_train, failed=failed)
         return report, verdict, time.perf_counter() - t0
 
-    def set_route(self, route) -> None:
-        """``refit.fanout``: where the next refit's bytes go (a :class:`~megatron_refit.plan.fanout.Route`)."""
+    def set_placement(self, placement) -> None:
+        """``refit.fanout``: where the next refit's bytes go (a :class:`~megatron_refit.plan.fanout.Placement`)."""
         for endpoint in (self.full, self.adapters):
             if endpoint is not None:
-                endpoint.route = route
+                endpoint.placement = placement
 
     def force_full(self, *, adapters: bool) -> None:
         """The replica failed this refit: its next one is full (no delta; with ``adapters``, the

@@ -292,8 +292,8 @@ class TrainerFleet:
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
         replicas = sorted(self.members)
-        for replica, route in self.router.routes(self.control, self.members, full).items():  # it owns fanout
-            self.members[replica].set_route(route)
+        for replica, placement in self.router.placements(self.control, self.members, full).items():  # owns fanout
+            self.members[replica].set_placement(placement)
         moved = {"onload": 0.0, "offload": 0.0}  # offloaded parameters: loaded once for every replica
         loaded = self.offloader is not None and self.offloader.offloaded
         if loaded:

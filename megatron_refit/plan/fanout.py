@@ -14,7 +14,7 @@ replicas:
   deep, but a relay with two successors sends twice what it receives.
 
 What the cost model makes of it: :func:`megatron_refit.plan.cost.fanout_prediction`. The refit
-itself (``refit.fanout``) places replicas with :func:`relay_routes` and picks ``auto``'s mode with
+itself (``refit.fanout``) places replicas with :func:`relay_placements` and picks ``auto``'s mode with
 :func:`auto_mode`; the relays run in :mod:`megatron_refit.endpoint.relay`.
 """
 
@@ -25,19 +25,19 @@ from dataclasses import dataclass
 
 MODES = ("chain", "tree")
 
-ROUTE_VALUES = 6
-"""Ints a :class:`Route` takes in the version handshake."""
+PLACEMENT_VALUES = 6
+"""Ints a :class:`Placement` takes in the version handshake."""
 
 
 @dataclass(frozen=True, slots=True)
-class Route:
+class Placement:
     """Where one replica's refit comes from and goes to (the train ranks decide it per refit and
     show it in the replica's version handshake)."""
 
     upstream: int = -1
     """The replica whose engine ranks forward this one its bytes; -1: the train ranks send them."""
     epoch: int = 0
-    """The train ranks' count of route changes: the relay links of one epoch are reused until it changes."""
+    """The train ranks' count of placement changes: the relay links of one epoch are reused until it changes."""
     successors: tuple[int, ...] = ()
     """The replicas this one forwards to (at most two)."""
     chain_base: int = -1
@@ -48,8 +48,8 @@ class Route:
         return [self.upstream, self.epoch, len(self.successors), *succ, self.chain_base]
 
     @classmethod
-    def from_values(cls, values) -> Route:
-        upstream, epoch, count, a, b, chain_base = (int(v) for v in values[:ROUTE_VALUES])
+    def from_values(cls, values) -> Placement:
+        upstream, epoch, count, a, b, chain_base = (int(v) for v in values[:PLACEMENT_VALUES])
         return cls(upstream, epoch, tuple([a, b][:count]), chain_base)
 
     @property
@@ -57,7 +57,7 @@ class Route:
         return self.upstream >= 0
 
 
-DIRECT = Route()
+DIRECT = Placement()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +110,11 @@ def upstream(position: int, mode: str) -> int:
     raise ValueError(f"fan-out mode must be one of {list(MODES)}, got {mode!r}")
 
 
-def relay_routes(replicas: list[int], mode: str) -> dict[int, tuple[int, tuple[int, ...]]]:
+def relay_placements(replicas: list[int], mode: str) -> dict[int, tuple[int, tuple[int, ...]]]:
     """Replica index -> (its upstream replica, -1 for the train ranks; the replicas it forwards
     to), for ``replicas`` in relay order (the first receives from the train ranks)."""
     if len(set(replicas)) != len(replicas):
-        raise ValueError(f"relay_routes: replicas {replicas} repeat")
+        raise ValueError(f"relay_placements: replicas {replicas} repeat")
     out = {}
     for i, replica in enumerate(replicas):
         up = upstream(i, mode)

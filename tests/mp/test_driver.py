@@ -114,9 +114,9 @@ def test_refit_moves_every_dtype_exactly(bucket_bytes, direct_bytes):
         assert gen["exact"] and gen["finalized"] == 2
         for report in gen["reports"]:
             assert report["bytes_received"] == report["bytes_minimal"] // 2
-            routes = report["routes"]
-            assert routes["direct"] + routes["packed"] > 0 and routes["shared"] == 0
-            assert routes["direct"] > 0 or direct_bytes is None
+            paths = report["paths"]
+            assert paths["direct"] + paths["packed"] > 0 and paths["shared"] == 0
+            assert paths["direct"] > 0 or direct_bytes is None
     sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
     assert sent == out[0][0]["bytes_minimal"]
     # replicated norm: the two train ranks share the load
@@ -129,7 +129,7 @@ def test_refit_moves_every_dtype_exactly(bucket_bytes, direct_bytes):
         assert s["refit/version"] == i + 1 and s["refit/ok"] == 1 and s["refit/failed_ranks"] == 0
         assert s["refit/bytes"] == sent == s["refit/bytes_minimal"]
         assert s["refit/train_ranks"] == s["refit/gen_ranks"] == 2
-        assert s["refit/buckets"] == sum(sum(out[r][i]["routes"].values()) for r in (0, 1))
+        assert s["refit/buckets"] == sum(sum(out[r][i]["paths"].values()) for r in (0, 1))
         totals = [out[r][i]["seconds"]["total"] for r in (0, 1)] + \
             [out[r]["reports"][i]["seconds"]["total"] for r in (2, 3)]
         assert s["refit/total_s"] == pytest.approx(max(totals), abs=1e-6)
@@ -156,7 +156,7 @@ def test_colocated_refit_through_shared_buffers():
     for gen in out[2:]:
         assert gen["exact"] and gen["finalized"] == 2
         assert gen["shared"] >= sum(r["bytes_received"] for r in gen["reports"]) > 0
-        assert all(r["routes"]["shared"] > 0 and r["routes"]["direct"] == r["routes"]["packed"] == 0
+        assert all(r["paths"]["shared"] > 0 and r["paths"]["direct"] == r["paths"]["packed"] == 0
                    for r in gen["reports"])
     sent = sum(r["bytes_sent"] for train in out[:2] for r in train[:1])
     assert sent == out[0][0]["bytes_minimal"]

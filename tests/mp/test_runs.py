@@ -138,31 +138,31 @@ def _rank(rank, world, port, sender_fused, receiver_fused):
                   TensorPiece(_spec("up", box_along(SHAPE, 0, 4 * rank, 4 * rank + 4)), up, follows="gate")]
         ep = Refitter(group, pieces, **kw)
         plan = ep.prepare()
-        return dict(items=[len(b.items) for b in plan.buckets_from(rank)], routes=dict(ep.refit(1).routes))
+        return dict(items=[len(b.items) for b in plan.buckets_from(rank)], paths=dict(ep.refit(1).paths))
     backend = _Fused(rank - 2, receiver_fused)
     ep = Receiver(group, backend, **kw)
     ep.prepare()
-    routes = dict(ep.receive(1).routes)
+    paths = dict(ep.receive(1).paths)
     _, _, want = _fused_halves(rank - 2)
     got = torch.cat([backend.t["gate"], backend.t["up"]])
-    return dict(exact=torch.equal(got.view(torch.uint8), want.view(torch.uint8)), routes=routes)
+    return dict(exact=torch.equal(got.view(torch.uint8), want.view(torch.uint8)), paths=paths)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sender_fused,receiver_fused,items,sender_route,receiver_route", [
+@pytest.mark.parametrize("sender_fused,receiver_fused,items,sender_path,receiver_path", [
     (True, True, [2], "direct", "direct"),
     (False, True, [2], "packed", "direct"),  # the hint was wrong at refit time: the sender packs
     (True, False, [1, 1], "direct", "direct"),  # receiver not fused: no run, two direct buckets
 ], ids=["both-fused", "sender-not-adjacent", "receiver-separate"])
-def test_run_moves_bit_exact_whatever_each_side_memory(sender_fused, receiver_fused, items, sender_route,
-                                                        receiver_route):
+def test_run_moves_bit_exact_whatever_each_side_memory(sender_fused, receiver_fused, items, sender_path,
+                                                        receiver_path):
     out = run_spawned(_rank, 4, sender_fused, receiver_fused, timeout_s=120)
     for train in out[:2]:
         assert train["items"] == items
-        assert train["routes"][sender_route] == len(items) and sum(train["routes"].values()) == len(items)
+        assert train["paths"][sender_path] == len(items) and sum(train["paths"].values()) == len(items)
     for gen in out[2:]:
         assert gen["exact"]
-        assert gen["routes"][receiver_route] == len(items)
+        assert gen["paths"][receiver_path] == len(items)
 
 
 def test_gpu_checks_refuse_without_a_gpu_in_one_line_and_exit_2():

@@ -86,22 +86,22 @@ def test_bad_inputs_are_named():
 
 # -- refit.fanout at run time: routes, auto, the router's decisions ---------------------------
 
-def test_relay_routes_place_replicas_in_a_chain_or_a_tree_in_the_order_given():
-    from megatron_refit.plan.fanout import relay_routes
+def test_relay_placements_put_replicas_in_a_chain_or_a_tree_in_the_order_given():
+    from megatron_refit.plan.fanout import relay_placements
 
-    assert relay_routes([2, 0, 5], "chain") == {2: (-1, (0,)), 0: (2, (5,)), 5: (0, ())}
-    assert relay_routes([0, 1, 2, 3], "tree") == {0: (-1, (1, 2)), 1: (0, (3,)), 2: (0, ()), 3: (1, ())}
-    with pytest.raises(ValueError, match=r"relay_routes: replicas \[1, 1\] repeat"):
-        relay_routes([1, 1], "chain")
+    assert relay_placements([2, 0, 5], "chain") == {2: (-1, (0,)), 0: (2, (5,)), 5: (0, ())}
+    assert relay_placements([0, 1, 2, 3], "tree") == {0: (-1, (1, 2)), 1: (0, (3,)), 2: (0, ()), 3: (1, ())}
+    with pytest.raises(ValueError, match=r"relay_placements: replicas \[1, 1\] repeat"):
+        relay_placements([1, 1], "chain")
 
 
 def test_a_route_travels_as_six_ints_and_back():
-    from megatron_refit.plan.fanout import DIRECT, ROUTE_VALUES, Route
+    from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
 
-    for route in (DIRECT, Route(3, 7, (4,), 12), Route(-1, 2, (1, 2), -1)):
+    for route in (DIRECT, Placement(3, 7, (4,), 12), Placement(-1, 2, (1, 2), -1)):
         values = route.values()
-        assert len(values) == ROUTE_VALUES and Route.from_values(values) == route
-    assert not DIRECT.relayed and Route(0, 1).relayed
+        assert len(values) == PLACEMENT_VALUES and Placement.from_values(values) == route
+    assert not DIRECT.relayed and Placement(0, 1).relayed
 
 
 def test_auto_sends_direct_where_the_trainers_link_is_no_bottleneck_and_chains_where_it_is():
@@ -138,24 +138,24 @@ class _Member:
 
 def test_the_router_chains_replicas_of_one_plan_and_version_heads_the_one_with_copies_and_counts_epochs():
     from megatron_refit.fleet.fanout import FanoutRouter
-    from megatron_refit.plan.fanout import Route
+    from megatron_refit.plan.fanout import Placement
 
     plan, other = 11, 12  # replica 1's plan is its own object with replica 0's fingerprint: one plan
     router = FanoutRouter("chain", delta="on", bucket_bytes=1 << 20, gen_tp=1)
     members = {0: _Member(plan), 1: _Member(plan), 2: _Member(plan), 3: _Member(other)}
     members[1].ep.plan = object()
-    first = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    first = {row[0]: Placement.from_values(row[1:]) for row in router.decide(members, full=False)}
     # nothing landed yet: replicas 0..2 (one plan) chain full refits; 3 (another plan) goes direct
-    assert first == {0: Route(-1, 1, (1,), -1), 1: Route(0, 1, (2,), -1), 2: Route(1, 1, (), -1)}
+    assert first == {0: Placement(-1, 1, (1,), -1), 1: Placement(0, 1, (2,), -1), 2: Placement(1, 1, (), -1)}
     router.record(1, [0, 1, 2, 3], {}, {})
     members[2].ep._base = 1  # replica 2's train-side copies hold version 1: it heads the chain of deltas
-    second = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
-    assert second == {2: Route(-1, 2, (0,), 1), 0: Route(2, 2, (1,), 1), 1: Route(0, 2, (), 1)}
-    again = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
+    second = {row[0]: Placement.from_values(row[1:]) for row in router.decide(members, full=False)}
+    assert second == {2: Placement(-1, 2, (0,), 1), 0: Placement(2, 2, (1,), 1), 1: Placement(0, 2, (), 1)}
+    again = {row[0]: Placement.from_values(row[1:]) for row in router.decide(members, full=False)}
     assert again == second  # nothing changed: the same epoch, the same links
     router.record(2, [0, 1, 2, 3], {1: "failed"}, {})  # replica 1 failed: no known version; a new epoch
     members[2].ep._base = 2
-    third = {row[0]: Route.from_values(row[1:]) for row in router.decide(members, full=False)}
-    assert third == {2: Route(-1, 3, (0,), 2), 0: Route(2, 3, (), 2)}  # replica 1: direct, in full
+    third = {row[0]: Placement.from_values(row[1:]) for row in router.decide(members, full=False)}
+    assert third == {2: Placement(-1, 3, (0,), 2), 0: Placement(2, 3, (), 2)}  # replica 1: direct, in full
     router.record(3, [0, 1, 2, 3], {}, {"refit/relay_fallbacks": 1})  # a relay routed around: new epoch
-    assert Route.from_values(router.decide(members, full=False)[0][1:]).epoch == 4
+    assert Placement.from_values(router.decide(members, full=False)[0][1:]).epoch == 4

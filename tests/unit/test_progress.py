@@ -55,11 +55,11 @@ def test_refit_metrics_and_log_line(caplog):
     report = RefitReport(version=7, role="gen", rank=3, bytes_received=3_000_000, bytes_wire=3_000_016,
                          bytes_minimal=6_000_000)
     report.seconds.update(total=0.5, transfer=0.4, load=0.1)
-    report.routes["direct"] = 2
+    report.paths["direct"] = 2
     train = RefitReport(version=7, role="train", rank=0, bytes_sent=6_000_000, bytes_wire=6_000_032,
                         bytes_minimal=6_000_000)
     train.seconds.update(total=0.25, pack=0.05, onload=0.01)
-    train.routes.update(direct=2, packed=1)
+    train.paths.update(direct=2, packed=1)
     rows = [report_values(train, False), report_values(RefitReport(7, "gen", 1), True), report_values(report, False)]
     report.summary = summarize(7, rows, 1, 6_000_000)
     seen = []
@@ -76,7 +76,7 @@ def test_refit_metrics_and_log_line(caplog):
     # the per-rank detail is the log line (the summary is logged on refit rank 0 only)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "megatron_refit"]
     detail = json.loads(line.removeprefix("refit "))
-    assert detail["rank"] == 3 and detail["routes"] == dict(direct=2, packed=0, shared=0)
+    assert detail["rank"] == 3 and detail["paths"] == dict(direct=2, packed=0, shared=0)
     assert set(detail["seconds"]) == {"total", "pack", "transfer", "verify", "load", "onload", "offload"}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_refit"):
