@@ -37,7 +37,8 @@ class LocalSplitError(ValueError):
 
 @dataclass(frozen=True)
 class LocalShard:
-    """This rank's piece of one HF parameter."""
+    """A train rank's piece with its source: its :class:`~megatron_refit.plan.spec.ShardSpec` and
+    how to read its bytes from the Megatron parameter it comes from (Bridge's conversion task)."""
 
     spec: ShardSpec
     megatron_name: str

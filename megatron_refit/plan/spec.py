@@ -11,7 +11,8 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True, slots=True)
 class ShardSpec:
-    """One rank's piece of one Hugging Face parameter."""
+    """What a piece is, without its bytes: which Hugging Face parameter, its global shape and
+    dtype, and the box of it one rank holds (the plan is built from these alone, on every rank)."""
 
     name: str
     """Hugging Face parameter name (global expert and layer numbering)."""
