@@ -17,9 +17,8 @@ waits on a successor longer than that bound. A relayed rank whose upstream fails
 stalled, or aborted the link) aborts the link too and tells the train ranks of its group what it
 holds; they send it the rest (:meth:`~megatron_refit.endpoint.sender.Refitter.refit`). A bucket
 whose digest differs (corrupted on a link) is taken again the same way, from the train rank's
-first bad bucket on. Links live
-for one placement epoch (the train ranks' count of placement changes): a link is joined once per epoch
-and never rejoined under its name.
+first bad bucket on. Links live for one placement epoch (the train ranks' count of placement
+changes): a link is joined once per epoch and never rejoined under its name.
 """
 
 from __future__ import annotations

@@ -247,9 +247,12 @@ def test_fanout_relay_link_is_checked_fully_under_the_default_sampled_verify(tmp
     train, gen, _ = _run("corrupt-sampled", tmp_path)
     for outcome in gen:
         _landed(outcome, VERSIONS)
-    assert [outcome[BAD - 1]["fallback"] for outcome in gen] == [False, True, True], \
-        ([outcome[BAD - 1] for outcome in gen], train[0][BAD - 1]["summary"])
-    assert train[0][BAD - 1]["summary"]["refit/relay_fallbacks"] == 2
+    fallbacks = [outcome[BAD - 1]["fallback"] for outcome in gen]
+    # replica 1 received the flipped byte: it takes the bucket again from the train ranks. Replica
+    # 2, relayed from it, either got the flipped copy too (and takes it again) or, where replica 1
+    # forwards from engine memory after the good bytes overwrote it, the good ones: both land exact
+    assert fallbacks[:2] == [False, True], ([outcome[BAD - 1] for outcome in gen], train[0][BAD - 1]["summary"])
+    assert train[0][BAD - 1]["summary"]["refit/relay_fallbacks"] == sum(fallbacks)
 
 
 def test_fanout_relay_raising_mid_refit_fails_alone_and_its_successors_land(tmp_path):
