@@ -37,8 +37,7 @@ class LocalSplitError(ValueError):
 
 @dataclass(frozen=True)
 class LocalShard:
-    """A train rank's piece with its source: its :class:`~megatron_refit.plan.spec.ShardSpec` and
-    how to read its bytes from the Megatron parameter it comes from (Bridge's conversion task)."""
+    """This rank's piece of one HF parameter."""
 
     spec: ShardSpec
     megatron_name: str
