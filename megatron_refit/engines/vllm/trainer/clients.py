@@ -166,8 +166,9 @@ class HTTPClient:
     the new one's, and vLLM reports the split (``weight_versions`` of ``/inference/v1/generate``,
     with ``--enable-scale-out``). A server without the route gets vLLM's ``/pause?mode=keep``
     around the swap instead (it blocks for the step under way and the pause's fixed 20 ms sleep),
-    with one WARNING naming why. ``last_swap``: the route's answer for the last swap
-    (``blocked_s``, the time the engine's scheduler was held; None after a ``/pause``)."""
+    with one WARNING naming why. ``last_swap``: the route's answer for the last swap (``held_s``,
+    the time the engine's scheduler was held; ``blocked_s``, that and the step under way when the
+    pause came; None after a ``/pause``)."""
 
     def __init__(self, base_url: str, timeout: float = 300, *, pause_mode: str = "wait",
                  swap: str = "in_place", policy: str = "drain", kv: str = "recompute") -> None:
