@@ -70,7 +70,7 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
     from conversion.refit import local_shard_source
     from conversion.testing.train_step import greedy_decode, train_step
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
-    from megatron_refit.testing.vllm_server import GenerateLoad, generate, timed_client
+    from megatron_refit.testing.vllm_server import GenerateLoad, generate, post, timed_client
 
     cfg, built, sequence, prompt, optimizer = train_rank(rank, world, port, url, hidden, layers)
     rows, version = {}, 0
@@ -109,8 +109,8 @@ def _rank(rank, world, port, url, server_pid, hidden, layers, refits, clients, t
         megatron = greedy_decode(built, prompt, tokens)
         if rank == 0:
             during, before = _latencies(done, windows)
-            if kwargs.get("kv") == "keep":
-                client._post("reset_prefix_cache")
+            if kwargs.get("kv") == "keep" and not post(url, "reset_prefix_cache").get("success"):
+                raise RuntimeError(f"{policy}: the server could not reset its prefix cache with no request running")
             served, spans = generate(url, prompt, tokens)
             refit_s = sum(b - a for a, b in windows)
             rows[policy] = dict(blocked_routes_s=routes, refit_s=[round(b - a, 4) for a, b in windows],

@@ -105,7 +105,7 @@ class SwapPlugin:
     def __init__(self) -> None:
         self.client = None
         self.settle = False
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # one swap at a time (a lock binds to the loop that first waits on it)
 
     def attach_router(self, app) -> None:
         from fastapi import APIRouter, Request
@@ -120,8 +120,7 @@ class SwapPlugin:
                 return JSONResponse({"error": str(exc)}, status_code=400)
             if self.client is None:
                 return JSONResponse({"error": f"{SWAP_PATH}: this server has no engine"}, status_code=503)
-            self._lock = self._lock or asyncio.Lock()
-            async with self._lock:  # one swap at a time
+            async with self._lock:
                 try:
                     answer = await engine_step_swap(self.client, version, kv, settle=self.settle)
                 except Exception as exc:
