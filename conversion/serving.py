@@ -239,7 +239,9 @@ def fp8_rounded_weights(model: list):
 def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``log_softmax(logits)[label]`` over the first ``vocab_size`` columns of vocab-parallel
     ``logits`` [batch, seq, vocab / TP] (each TP rank holds a contiguous slice) and the magnitude
-    its error scales with, ``|logit of the label| + |largest logit|``: float32 [batch, seq, 2]."""
+    its error scales with, ``|logit of the label| + |largest logit|``: float32 [batch, seq, 2].
+    One all-gather over TP: each rank's largest logit, its sum of ``exp(logit - that)`` and its
+    label logit (a rank whose slice is all padding gives ``-inf``, 0 and 0: no NaN)."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
@@ -249,13 +251,18 @@ def _vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     valid = max(0, min(width, vocab_size - start))
     logits[..., valid:] = -torch.inf  # Megatron's padding rows: no token of the HF vocabulary
     peak = logits.max(dim=-1).values
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
-    sums = (logits - peak.unsqueeze(-1)).exp().sum(dim=-1)
-    torch.distributed.all_reduce(sums, group=group)
+    anchor = torch.where(torch.isfinite(peak), peak, 0.0)
+    sums = (logits - anchor.unsqueeze(-1)).exp().sum(dim=-1)
     local = labels - start
     mine = (local >= 0) & (local < valid)
     picked = torch.where(mine, logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1), 0.0)
-    torch.distributed.all_reduce(picked, group=group)
+    mine_stats = torch.stack([peak, sums, picked])
+    ranks = [torch.empty_like(mine_stats) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(ranks, mine_stats, group=group)
+    stats = torch.stack(ranks)  # [tp, 3, batch, seq]
+    peak = stats[:, 0].max(dim=0).values
+    sums = (stats[:, 1] * (stats[:, 0] - peak).exp()).sum(dim=0)  # exp(-inf - peak) = 0 on an all-padding rank
+    picked = stats[:, 2].sum(dim=0)
     return torch.stack([picked - peak - sums.log(), picked.abs() + peak.abs()], dim=-1)
 
 

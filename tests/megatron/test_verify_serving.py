@@ -421,6 +421,39 @@ def test_reference_forward_refuses_a_standalone_mtp_stage_by_name():
         MegatronForward([Chunk(True)], SimpleNamespace(vocab_size=10)).prepare(fp8=False)
 
 
+def _vocab_parallel_rank(rank, world, port):
+    import torch
+
+    from conversion.serving import _vocab_parallel_logprobs
+    from conversion.testing.build import init_gloo, init_model_parallel
+
+    init_gloo(rank, world, port)
+    init_model_parallel(TrainLayout(tp=2))
+    full = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)) * 30  # padded vocabulary 16
+    labels = torch.randint(0, 6, (2, 5), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for vocab in (6, 8, 12):  # rank 1's slice (8..15): all padding, its first column, most of it
+        got = _vocab_parallel_logprobs(full[..., rank * 8:(rank + 1) * 8], labels, vocab)
+        want = torch.log_softmax(full[..., :vocab], dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        magnitude = full[..., :vocab].gather(-1, labels.unsqueeze(-1)).squeeze(-1).abs() + \
+            full[..., :vocab].max(dim=-1).values.abs()
+        out[vocab] = (bool(torch.isfinite(got).all()), float((got[..., 0] - want).abs().max()),
+                      float((got[..., 1] - magnitude).abs().max()))
+    return out
+
+
+def test_reference_log_probs_over_a_vocabulary_split_on_tp_with_a_rank_of_padding_only():
+    """The reference's log-probs over Megatron's vocab-parallel logits, one all-gather over TP:
+    the HF vocabulary's log-softmax on every rank, also where a TP rank's slice holds only
+    Megatron's padding rows (its largest logit -inf: no NaN, which no replica could match)."""
+    from megatron_refit.testing.launch import run_spawned
+
+    for ranks in run_spawned(_vocab_parallel_rank, 2):
+        for vocab, (finite, logprob_error, magnitude_error) in ranks.items():
+            assert finite, vocab
+            assert logprob_error < 1e-4 and magnitude_error < 1e-4, (vocab, logprob_error, magnitude_error)
+
+
 @pytest.mark.slow
 @pytest.mark.slow
 def test_verify_serving_read_back_catches_swapped_and_scaled_experts_at_bf16_64_experts_top8():

@@ -107,6 +107,21 @@ def test_position_sums_see_two_rows_swapped_that_every_plain_sum_misses(offset):
     assert not torch.equal(position_sums(tail), position_sums(base))
 
 
+@pytest.mark.parametrize("size", [1, 8, 8 * 1023 + 5, 8 * 4096, 8 * 5000 + 3, POSITION_WORDS * 8 + 8 * 1500 + 5])
+def test_position_sums_are_the_weighted_sum_of_every_piece(size):
+    """The row-and-column form gives ``sum_i (i + 1) * word_i`` per piece to the bit (words
+    short of a row, a partial last word, a second piece), wrapping mod 2**64 as the product does."""
+    gen = torch.Generator().manual_seed(size)
+    buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    buf[: min(size, 64)] = 0xFF  # words near 2**64: the products and sums wrap
+    padded = torch.zeros(-(-size // 8) * 8, dtype=torch.uint8)
+    padded[:size] = buf
+    words = padded.view(torch.int64)
+    expected = [(torch.arange(1, part.numel() + 1, dtype=torch.int64) * part).sum()
+                for part in words.split(POSITION_WORDS)]
+    assert position_sums(buf).tolist() == [int(e) for e in expected]
+
+
 def test_extra_memory_per_bucket_is_bounded():
     assert extra_bytes(1 << 30) == extra_bytes(256 << 20) <= 16 * 258  # at most MAX_CHUNKS (+1) sums and multipliers
     assert extra_bytes(1 << 30, aligned=False) > extra_bytes(1 << 30)  # one chunk of scratch
