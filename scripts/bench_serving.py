@@ -12,8 +12,9 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
 - ``reference_s``: the trainer's forward alone (what the training loop waits for under
   ``refit.overlap: on``);
 - ``added_s``: what the check adds to the training loop's wait for a refit (``fleet.refit``'s wall
-  time, every refit checked, against a run with the check off, side by side), ``wall_off_s`` that
-  wait without it, and ``added_over_refit_auto`` the share under ``auto`` (every 10th refit);
+  time; one run under ``verify_serving: 2``, its checked refits against its unchecked ones, side by
+  side), ``wall_off_s`` that wait without it, and ``added_over_refit_auto`` the share under
+  ``auto`` (every 10th refit);
 - ``gate_s``: how long a checked version is live but kept from traffic until its verdict (it is
   scored before it takes traffic), beside ``blocked_s``, what the refit itself blocks traffic for
   (in place: the whole refit; ``staged``: the swap's pause, measured in a second run under
@@ -59,7 +60,7 @@ LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, v
 BROKEN_AT = 3
 
 
-def _runs(shape: dict, refits: int, swap: str, verify: str) -> list[dict]:
+def _runs(shape: dict, refits: int, swap: str, verify: str | int) -> list[dict]:
     spec = RunSpec(model="qwen3", overrides=shape, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2),
                    refits=refits, bucket_bytes=4 << 20, collect=False, verify_serving=verify, swap=swap)
     return [r["serving"] | {k: r[k] for k in ("refit_s", "gate_s", "pause_s", "wall_s")} | {"total_s": r["refit_s"]}
@@ -67,14 +68,15 @@ def _runs(shape: dict, refits: int, swap: str, verify: str) -> list[dict]:
 
 
 def added(shape: dict, refits: int, warmup: int) -> dict:
-    """What the check adds to the training loop's wait for a refit (``fleet.refit``'s wall time),
-    every refit checked against none, side by side: ``added_s`` and, under ``auto`` (every 10th
-    refit), ``added_over_refit_auto``."""
-    walls = {verify: statistics.median(r["wall_s"] for r in _runs(shape, refits, "in_place", verify)[warmup:])
-             for verify in ("off", "on")}
-    more = walls["on"] - walls["off"]
-    return dict(wall_off_s=walls["off"], wall_on_s=walls["on"], added_s=more,
-                added_over_refit_auto=more / 10 / walls["off"])
+    """What the check adds to the training loop's wait for a refit (``fleet.refit``'s wall time):
+    one run under ``verify_serving: 2``, its checked refits against its unchecked ones, side by side
+    in the same processes (two runs apart differ by more than the check on a shared 2-core box):
+    ``added_s`` and, under ``auto`` (every 10th refit), ``added_over_refit_auto``."""
+    kept = _runs(shape, 2 * refits, "in_place", 2)[warmup:]
+    walls = {on: statistics.median(r["wall_s"] for r in kept if bool(r["checked"]) == on) for on in (False, True)}
+    more = walls[True] - walls[False]
+    return dict(wall_off_s=walls[False], wall_on_s=walls[True], added_s=more,
+                added_over_refit_auto=more / 10 / walls[False])
 
 
 def measure(shape: dict, refits: int, warmup: int, swap: str = "in_place") -> dict:
