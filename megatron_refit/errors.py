@@ -1,5 +1,5 @@
 """Every error type the runtime raises on purpose, in one place (docs/troubleshooting.md has
-a row for each message). Imports nothing: every layer raises them.
+a row for each message). Imports nothing but ``re``: every layer raises them.
 
 - the plan: :class:`PlanError` (``prepare()``: train and engine pieces do not match);
 - the transport: :class:`RefitTransportError`, :class:`RefitTimeoutError`,
@@ -7,10 +7,14 @@ a row for each message). Imports nothing: every layer raises them.
 - the endpoints: :class:`RefitAbortedError`, :class:`ReplicaFailedError`, :class:`RefitCorruptionError`,
   :class:`StaleWeightsError`, :class:`NonFiniteWeightsError`;
 - the engines' control calls: :class:`EngineLoadError`;
-- proof of serving (``refit.verify_serving``): :class:`ServingMismatchError`.
+- proof of serving (``refit.verify_serving``): :class:`ServingMismatchError`;
+- the tools' ranks spawned on one host (tests, the demo, the benchmarks): :class:`SpawnError`,
+  which the command-line tools read to report a rank's bad input in one line.
 
 Bad arguments and config values are plain ``ValueError``s naming the value.
 """
+
+import re
 
 
 class RefitTransportError(RuntimeError):
@@ -90,3 +94,16 @@ class ServingMismatchError(RuntimeError):
         super().__init__(message)
         self.replica, self.version = replica, version
         self.max_dlogprob, self.first = max_dlogprob, first
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed, died, or the group ran past its timeout
+    (:func:`megatron_refit.testing.launch.run_spawned`)."""
+
+    @property
+    def innermost(self) -> tuple[str, str] | None:
+        """``(exception class name, message)`` of the failed rank's innermost error, read from
+        the traceback this error carries; None if it carries none (a death, a timeout)."""
+        lines = [line for line in str(self).splitlines() if line.strip()]
+        match = re.match(r"([A-Za-z_][\w.]*): (.*)", lines[-1]) if len(lines) > 1 else None
+        return (match.group(1).rsplit(".", 1)[-1], match.group(2)) if match else None

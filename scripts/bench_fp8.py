@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit import _timed, check_args, layout_parser  # noqa: E402
 
 from megatron_refit.plan.gen_layout import GenLayout  # noqa: E402
-from megatron_refit.tools.cli import check_layout, reports_user_errors  # noqa: E402
-from megatron_refit.testing.harness import RunSpec  # noqa: E402
+from megatron_refit.tools.cli import reports_user_errors  # noqa: E402
+from megatron_refit.testing.harness import RunSpec, check_layout  # noqa: E402
 from megatron_refit.plan.layout import TrainLayout  # noqa: E402
 
 # Qwen3-shaped, ~150M parameters, every TP2 shard edge on the 128 grid; a small vocabulary

@@ -34,14 +34,14 @@ from megatron_refit.tools.cli import reports_user_errors
 
 LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
 """``--larger``: about 5M parameters, a refit costs a third of an iteration here (the
-default is the callback tests' model: ``qwen3`` of ``conversion.testing.hf_configs``)."""
+default is the callback tests' model: ``qwen3`` of ``conversion.presets``)."""
 ARMS = ("none", "blocking", "overlap")
 
 
 def _train(rank, args, arm, refit):
     from conversion.refit_callback import RefitCallback
     from conversion.te_shim import import_bridge
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
 
     import_bridge()
@@ -93,7 +93,7 @@ def _train(rank, args, arm, refit):
 
 
 def _gen(refit, args):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.engine_side.entry import engine_refit
 

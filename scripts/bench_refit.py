@@ -29,8 +29,8 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.tools.cli import check_layout, reports_user_errors
-from megatron_refit.testing.harness import RunSpec
+from megatron_refit.tools.cli import reports_user_errors
+from megatron_refit.testing.harness import RunSpec, check_layout
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
 BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)

@@ -29,8 +29,8 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.tools.cli import check_layout, reports_user_errors
-from megatron_refit.testing.harness import RunSpec
+from megatron_refit.tools.cli import reports_user_errors
+from megatron_refit.testing.harness import RunSpec, check_layout
 
 SHAPE = dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn=1536, vocab=4096)
 """About 30M parameters: a refit takes long enough on this CPU to generate during it."""

@@ -38,7 +38,7 @@ PROMPT_LEN, NEW_TOKENS = 4, 8
 
 
 def _config(hidden: int, layers: int):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     return hf_config("qwen3", hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 128, 1),
                      head_dim=64, ffn=hidden * 3, vocab=8192)

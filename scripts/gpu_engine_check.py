@@ -30,7 +30,7 @@ AUTH = b"megatron-refit-gpu-check"
 
 
 def tiny_config(model: str):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     return hf_config(model, **SHAPE, **(MOE_SHAPE if "moe" in model else {}))
 

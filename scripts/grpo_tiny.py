@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_refit.tools.cli import check_layout, reports_user_errors
+from megatron_refit.tools.cli import reports_user_errors
 
 LOGPROB_TOLERANCE = 1e-5
 MODEL = dict(vocab=16, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96)
@@ -210,6 +210,7 @@ def main(argv=None) -> int:
         from megatron_refit.tools.plots import require_matplotlib
 
         require_matplotlib()
+    from megatron_refit.testing.harness import check_layout
     from megatron_refit.testing.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)

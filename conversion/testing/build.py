@@ -151,7 +151,7 @@ def build_model(
 ) -> BuiltModel:
     """Build this rank's Megatron model chunks. torch.distributed and model-parallel state
     must be initialised for ``layout`` (see :func:`init_model_parallel`)."""
-    from conversion.testing.validate import check_train_layout
+    from conversion.validate import check_train_layout
 
     check_train_layout(hf_config, layout)
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab, meta=meta)

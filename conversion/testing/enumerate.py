@@ -1,5 +1,5 @@
 """``python -m conversion.testing.enumerate``: meta-enumerate train ranks of a preset and layout into
-a spec cache file (see :mod:`conversion.testing.derive`). Imports Megatron; about 1 s per rank.
+a spec cache file (see :mod:`conversion.derive`). Imports Megatron; about 1 s per rank.
 
 The dry run (:mod:`megatron_refit.tools.dryrun`) runs this in a child process when its cache is
 missing or stale, so the dry run's own process never imports Megatron or torch.
@@ -17,7 +17,7 @@ def enumerate_specs(model: str, layout, ranks: list[int], dtype: str = "bfloat16
     """``{rank: [ShardSpec]}`` for ``ranks`` of ``layout``, built on the meta device."""
     import torch
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import rank_shard_specs
 
     config = hf_config(model)
@@ -25,11 +25,11 @@ def enumerate_specs(model: str, layout, ranks: list[int], dtype: str = "bfloat16
 
 
 def main(argv=None) -> int:
-    from conversion.testing.derive import representative_ranks, save_specs
+    from conversion.derive import representative_ranks, save_specs
     from megatron_refit.plan.layout import TrainLayout
 
     p = argparse.ArgumentParser(prog="python -m conversion.testing.enumerate", description=__doc__)
-    p.add_argument("--model", required=True, help="preset of conversion.testing.hf_configs.PRESETS")
+    p.add_argument("--model", required=True, help="preset of conversion.presets.PRESETS")
     p.add_argument("--layout", required=True, help="TrainLayout fields as JSON")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--key", required=True, help="cache key written into the file")

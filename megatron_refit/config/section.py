@@ -209,7 +209,7 @@ class RefitConfig:
     the staging buffers and the shadow together; a version whose shadow does not fit loads
     under the pause (named in the log)."""
     model: str | None = None
-    """Preset of ``conversion.testing.hf_configs.PRESETS`` that the dry run and the cost model build
+    """Preset of ``conversion.presets.PRESETS`` that the dry run and the cost model build
     the model from (no hub access). Not needed when training."""
     train_dp: int | None = None
     """Trainer data-parallel size for the dry run (at launch it follows from the world

@@ -76,10 +76,18 @@ def refit_config(spec: RunSpec, port: int):
 
 
 def hf_config_for(spec: RunSpec):
-    # transformers configs are importable on both sides; conversion.testing.hf_configs is not Megatron.
-    from conversion.testing.hf_configs import hf_config
+    # transformers configs are importable on both sides; conversion.presets is not Megatron.
+    from conversion.presets import hf_config
 
     return hf_config(spec.model, **spec.overrides)
+
+
+def check_layout(spec: RunSpec) -> None:
+    """``ValueError`` naming the bad value if ``spec``'s model does not divide by its train layout
+    (the tools check it before any rank starts)."""
+    from conversion.validate import check_train_layout
+
+    check_train_layout(hf_config_for(spec), spec.train)
 
 
 def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):

@@ -11,25 +11,13 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import re
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from megatron_refit.errors import SpawnError  # noqa: F401 -- raised here; its callers take it here too
 from megatron_refit.testing.ports import free_port, free_ports  # noqa: F401 -- this module's callers take them here
-
-
-class SpawnError(RuntimeError):
-    """A spawned rank failed, died, or the group ran past its timeout."""
-
-    @property
-    def innermost(self) -> tuple[str, str] | None:
-        """``(exception class name, message)`` of the failed rank's innermost error, read from
-        the traceback this error carries; None if it carries none (a death, a timeout)."""
-        lines = [line for line in str(self).splitlines() if line.strip()]
-        match = re.match(r"([A-Za-z_][\w.]*): (.*)", lines[-1]) if len(lines) > 1 else None
-        return (match.group(1).rsplit(".", 1)[-1], match.group(2)) if match else None
 
 
 def _to_bytes(value: Any) -> bytes:

@@ -67,7 +67,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
 
     from conversion.serving import trainer_forward
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.train_step import train_step
     from megatron_refit.config.section import RefitConfig
     from megatron_refit.engines.hf.storage import HFStorage

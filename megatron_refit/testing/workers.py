@@ -54,7 +54,7 @@ def enumerate_cases(rank, world_size, port, cases):
     in the same processes, so one spawn covers several layouts."""
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.local_shards import enumerate_local_shards, group_experts
-    from conversion.testing.hf_configs import hf_config, num_routed_experts
+    from conversion.presets import hf_config, num_routed_experts
 
     init_gloo(rank, world_size, port)
     results = []
@@ -138,7 +138,7 @@ def scale_inv_cases(rank, world_size, port, cases):
     the local weights, then compare our local scale pieces with Bridge's own gathered
     ``megatron_to_hf`` of those tasks."""
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import task_shards  # imports megatron.bridge through the TE shim
     from megatron.bridge.models.conversion.model_bridge import WeightConversionTask, _HFNameSuffixMapping
 
@@ -201,7 +201,7 @@ def te_fp8_cases(rank, world_size, port, cases):
     import dataclasses
 
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import enumerate_local_shards, local_conversion_tasks
     from conversion.te_fp8 import check_fp8_specs, pass_through_tasks
 
@@ -235,7 +235,7 @@ def lora_cases(rank, world_size, port, cases):
     """LoRA adapters: our local adapter pieces vs Bridge's gathered adapter export, and the
     base pieces of the wrapped model vs Bridge's export of the model before wrapping."""
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.lora import adapter_shards, apply_lora
 

@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from megatron_refit.testing.launch import SpawnError
+from megatron_refit.errors import SpawnError
 
 USER_ERRORS = ("ValueError", "PlanError", "LocalSplitError")
 """Errors a rank raises on a bad layout or model (the message names the bad value)."""
@@ -48,11 +48,3 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
         except ValueError as exc:
             return user_error(str(exc))
     return wrapped
-
-
-def check_layout(spec) -> None:
-    """``ValueError`` naming the bad value if ``spec``'s model does not divide by its train layout."""
-    from conversion.testing.validate import check_train_layout
-    from megatron_refit.testing.harness import hf_config_for
-
-    check_train_layout(hf_config_for(spec), spec.train)

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         spec = spec_from_args(args)
-        from conversion.testing.validate import check_train_layout
+        from conversion.validate import check_train_layout
 
         check_train_layout(hf_config_for(spec), spec.train)  # before any rank starts
     except ValueError as exc:

@@ -4,7 +4,7 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
 ``model:`` section, then builds the full-scale refit plan in one CPU process:
 
 1. *Enumeration* (cached per model + layout + dtype + package versions): the
-   representative train ranks (:func:`conversion.testing.derive.representative_ranks`) are
+   representative train ranks (:func:`conversion.derive.representative_ranks`) are
    built on the meta device in a child process (``python -m conversion.testing.enumerate``; it
    imports Megatron, about 1 s per rank) and written to ``<config dir>/cache/``
    (:mod:`megatron_refit.tools.enumeration_cache`).
@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from conversion.testing.derive import derive_all_ranks, load_specs
+from conversion.derive import derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
@@ -91,11 +91,11 @@ class DryRun:
 
 def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     """``(refit config, HF preset fields, train layout)``; ``ValueError`` naming bad input."""
-    from conversion.testing.hf_configs import PRESETS  # plain data; imports nothing heavy
+    from conversion.presets import PRESETS  # plain data; imports nothing heavy
 
     rest, refit = load_training_yaml(path)
     if refit.model is None:
-        raise ValueError(f"{path}: refit.model must name a preset of conversion.testing.hf_configs ({sorted(PRESETS)})")
+        raise ValueError(f"{path}: refit.model must name a preset of conversion.presets ({sorted(PRESETS)})")
     if refit.model not in PRESETS:
         raise ValueError(f"{path}: refit.model {refit.model!r} is not a preset; choose from {sorted(PRESETS)}")
     preset = PRESETS[refit.model]
@@ -104,7 +104,7 @@ def load_config(path: str) -> tuple[RefitConfig, dict, TrainLayout]:
     layout.chunk_layers(preset["num_hidden_layers"])
     from types import SimpleNamespace
 
-    from conversion.testing.validate import check_train_layout  # plain arithmetic on the preset's sizes
+    from conversion.validate import check_train_layout  # plain arithmetic on the preset's sizes
 
     check_train_layout(SimpleNamespace(**preset), layout)  # here, not as a traceback of the enumeration
     return refit, preset, layout

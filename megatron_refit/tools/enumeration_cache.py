@@ -1,5 +1,5 @@
 """The dry run's enumeration cache: every representative train rank's ShardSpecs of a model and
-layout (:mod:`conversion.testing.derive`), built on the meta device in a child process (``python
+layout (:mod:`conversion.derive`), built on the meta device in a child process (``python
 -m conversion.testing.enumerate``: it imports Megatron, about 1 s per rank) and written beside the
 config (``configs/cache/``), keyed by what decides them: the preset, the layout, the dtype, the
 package versions and the sources that enumerate."""
@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from importlib import metadata
 
-from conversion.testing.derive import CACHE_FORMAT, load_specs
+from conversion.derive import CACHE_FORMAT, load_specs
 from megatron_refit.plan.layout import TrainLayout
 
 VERSIONED = ("megatron-core", "megatron-bridge", "transformers", "torch")
@@ -33,10 +33,9 @@ def _versions() -> dict[str, str]:
 
 
 ENUMERATION_SOURCES = ("__init__.py", "bridge_api.py", "context_parallel.py", "cpu_shim.py", "local_shards.py",
-                       "mamba_shim.py", "te_shim.py", "testing/build.py", "testing/core_attention.py",
-                       "testing/deepseek_v3_build.py", "testing/enumerate.py", "testing/families.py",
-                       "testing/hf_configs.py", "testing/meta.py", "testing/nemotron_h_build.py",
-                       "testing/validate.py")
+                       "mamba_shim.py", "presets.py", "te_shim.py", "validate.py", "testing/build.py",
+                       "testing/core_attention.py", "testing/deepseek_v3_build.py", "testing/enumerate.py",
+                       "testing/families.py", "testing/meta.py", "testing/nemotron_h_build.py")
 """The ``conversion`` modules that decide how ranks are enumerated (LoRA, FP8 and training
 helpers do not); the family tables (``megatron_refit/families/``) do too. The trainer layout's
 fields are in the key itself; which layers a rank builds is Megatron's to decide."""

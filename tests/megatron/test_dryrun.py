@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conversion.testing.derive import (
+from conversion.derive import (
     derive_all_ranks,
     load_specs,
     representative_ranks,
@@ -52,7 +52,7 @@ DERIVE_CASES = [
 
 
 def _every_rank(rank, world_size, port, cases):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import rank_shard_specs
 
     out = []

@@ -33,7 +33,7 @@ def _rank(rank, world, port):
 
     from conversion.serving import trainer_forward
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.plan.layout import TrainLayout

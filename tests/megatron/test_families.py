@@ -105,7 +105,7 @@ def _fake_world_specs(rank, world_size, port):
     built on the meta device in a fake process group (one process)."""
     import time
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import peak_rss_mb, rank_shard_specs
 
     layout = TrainLayout(pp=16, ep=16, dp=16, first_stage_layers=3, last_stage_layers=2)
@@ -125,7 +125,7 @@ def _bf16_dtypes():
         destroy_model_parallel,
         init_model_parallel,
     )
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.testing.meta import fake_world
 
@@ -144,7 +144,7 @@ def _bf16_dtypes():
 def test_bf16_router_bias_stays_float32_on_both_ends(fake_world_specs):
     """Megatron's router keeps expert_bias in float32 (and restores it on every forward);
     transformers and vLLM hold e_score_correction_bias in float32 too."""
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
 
     train = fake_world_specs[4]
@@ -293,7 +293,7 @@ def test_uneven_pipeline_stages():
 
 def test_presets_and_unsupported_family():
     from conversion.testing.families import family
-    from conversion.testing.hf_configs import hf_config, num_routed_experts
+    from conversion.presets import hf_config, num_routed_experts
 
     assert hf_config("llama3").tie_word_embeddings is False and hf_config("llama3-tied").tie_word_embeddings
     full = hf_config("deepseek-v3-671b")

@@ -120,7 +120,7 @@ def test_meta_specs_equal_real_specs(group_results, world, index, case):
 def test_shards_are_views_except_qkv(group_results, world, index, case):
     """Every piece is a view of its Megatron parameter, except q/k/v where a rank holds
     several query groups (their rows interleave: one copy each)."""
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     model, kw, _ = case
     one_group = hf_config(model).num_key_value_heads // kw.get("tp", 1) == 1
@@ -150,7 +150,7 @@ def test_grouped_expert_view(group_results, world, index, case):
 
 
 def _fake_world_specs(rank, world_size, port, cases, every_rank):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import all_rank_shard_specs, rank_shard_specs
     from megatron_refit.plan.layout import TrainLayout
 

@@ -16,7 +16,7 @@ RANK = 4
 
 @pytest.mark.slow
 def test_lora_refit_sends_adapters_only_after_the_first():
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     spec = RunSpec(model="qwen3", train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=2), refits=3, lora_rank=RANK,
                    bucket_bytes=64 << 10, verify_serving="on")

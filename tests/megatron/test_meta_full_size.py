@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def _enumerate_full_size(rank, world_size, port):
     import time
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import all_rank_shard_specs, peak_rss_mb
     from megatron_refit.plan.layout import TrainLayout
 

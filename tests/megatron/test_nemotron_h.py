@@ -54,7 +54,7 @@ def _nemotron_mapping_level(rank, world_size, port):
     from types import SimpleNamespace
 
     from conversion.testing.build import destroy_model_parallel, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import LocalSplitError, task_shards
     from conversion.testing.meta import fake_world
     from conversion.te_shim import import_bridge

@@ -67,7 +67,7 @@ def _nemotron_h_worker(rank, world_size, port, ckpt_dir):
 
     from conversion.testing.build import (build_model, cpu_forward, destroy_model_parallel, init_gloo,
                                           init_model_parallel)
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.meta import fake_world
     from conversion.testing.train_step import forward_logits, train_step
     from megatron_refit.plan.layout import TrainLayout
@@ -120,7 +120,7 @@ def _hf_logits(export, tokens, *, time_step_min=0.0):
     ``time_step_min`` (Megatron has none) off by default."""
     import transformers
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     model = transformers.NemotronHForCausalLM(hf_config("nemotron-h")).eval()
     state, experts = {}, {}
@@ -175,7 +175,7 @@ def test_export_round_trips_through_load_at_tp2(ranks):
 
 
 def test_forward_matches_transformers_tp1_and_tp2(ranks):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     tokens = _tokens(hf_config("nemotron-h").vocab_size)
     reference = _hf_logits(ranks[0]["export_tp1"], tokens)

@@ -150,16 +150,11 @@ TRAIN_SIDE = ("megatron_refit.fleet", "megatron_refit.refit", "megatron_refit.en
 """The train ranks' side (with every engine's ``trainer/``): nothing an engine process runs reaches it."""
 
 
-def _engine_side_reaches(graph) -> list[str]:
-    """Each path from an engine-side module (``engine_side``, an engine's ``worker/``) to a
-    train-side one, through any chain of imports."""
-    def train(m):
-        return any(m == p or m.startswith(p + ".") for p in TRAIN_SIDE) or ".trainer." in f"{m}."
-
+def _chains(graph, starts, reached) -> list[str]:
+    """Each import path from a module ``starts(m)`` to one ``reached(m)``, at any depth."""
     bad = []
     for start in graph:
-        if not (start.startswith(("megatron_refit.engine_side", "megatron_refit.engines.hf")) or
-                (start.startswith("megatron_refit.engines.") and ".worker." in f"{start}.")):
+        if not starts(start):
             continue
         seen, stack = {start: None}, [start]
         while stack:
@@ -168,7 +163,7 @@ def _engine_side_reaches(graph) -> list[str]:
                 if t in seen:
                     continue
                 seen[t] = m
-                if train(t):
+                if reached(t):
                     path, at = [t], m
                     while at is not None:
                         path.append(at)
@@ -177,6 +172,44 @@ def _engine_side_reaches(graph) -> list[str]:
                 else:
                     stack.append(t)
     return bad
+
+
+def _engine_side_reaches(graph) -> list[str]:
+    """Each path from an engine-side module (``engine_side``, an engine's ``worker/``) to a
+    train-side one, through any chain of imports."""
+    def engine(m):
+        return m.startswith(("megatron_refit.engine_side", "megatron_refit.engines.hf")) or \
+            (m.startswith("megatron_refit.engines.") and ".worker." in f"{m}.")
+
+    def train(m):
+        return any(m == p or m.startswith(p + ".") for p in TRAIN_SIDE) or ".trainer." in f"{m}."
+
+    return _chains(graph, engine, train)
+
+
+DRY_RUN = ("megatron_refit.dryrun", "megatron_refit.costmodel", "megatron_refit.tools.dryrun",
+           "megatron_refit.tools.costmodel")
+"""The dry run and the cost model (``python -m megatron_refit.dryrun`` / ``costmodel``): what they
+read (the presets, the layout arithmetic, the enumeration cache) lives outside ``*/testing/``."""
+
+
+def _dry_run_reaches_testing(graph) -> list[str]:
+    return _chains(graph, lambda m: m in DRY_RUN, lambda m: ".testing." in f"{m}.")
+
+
+def test_the_dry_run_imports_no_test_support():
+    """No chain of imports, lazy ones included, from the dry run or the cost model to a
+    ``*/testing/`` module (the enumeration cache's builder runs as a child process)."""
+    graph = _graph()
+    assert set(DRY_RUN) <= set(graph)
+    assert not _dry_run_reaches_testing(graph)
+
+
+def test_the_dry_run_check_catches_a_chain_to_test_support():
+    graph = {"megatron_refit.tools.dryrun": {"megatron_refit.tools.cli"},
+             "megatron_refit.tools.cli": {"megatron_refit.testing.launch"}}
+    assert _dry_run_reaches_testing(graph) == ["megatron_refit.tools.dryrun -> megatron_refit.tools.cli -> "
+                                               "megatron_refit.testing.launch"]
 
 
 def test_the_engine_side_imports_nothing_of_the_train_side():

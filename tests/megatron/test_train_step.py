@@ -13,7 +13,7 @@ STEPS = 40
 
 def _learn_rank(rank, world, port):
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.train_step import forward_logits, train_step
     from megatron_refit.plan.layout import TrainLayout
 

@@ -192,7 +192,7 @@ def test_weight_transfer_vllm_control_staged_lands_by_waiting_for_the_staging_be
 
 def _source_rank(rank, world, port):
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.local_shards import enumerate_local_shards
     from conversion.lora import apply_lora
     from megatron_refit.plan.layout import TrainLayout

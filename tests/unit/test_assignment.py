@@ -16,7 +16,7 @@ import re
 import pytest
 from hypothesis import given, settings
 
-from conversion.testing.derive import derive_all_ranks, load_specs
+from conversion.derive import derive_all_ranks, load_specs
 from megatron_refit.tools.dryrun import _quantized, load_config, num_experts
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.fp8_layout import fp8_param_table

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conversion.testing.hf_configs import hf_config
-from conversion.testing.validate import check_train_layout
+from conversion.presets import hf_config
+from conversion.validate import check_train_layout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.transport import ProcessGroupTransport
 

@@ -52,7 +52,7 @@ def _bf16_tensors(model_name: str, seed: int) -> tuple[dict, object]:
     """The trainer's full weights under checkpoint names, bfloat16 (HF's init, seeded)."""
     from transformers import AutoModelForCausalLM
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
 
     cfg = hf_config(model_name, **ALIGNED)
@@ -99,7 +99,7 @@ def _train(rank, world, refit_ports):
 
 
 def _gen(rank, world, sglang_port, refit_ports, workdir):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.sglang.worker.loader import engine_refit_for
 
     from .sglang_cpu import init_sglang

@@ -36,7 +36,7 @@ vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split
 
 def model_config(name: str):
     """The HF config of ``name`` (a preset, or a :data:`VARIANTS` entry)."""
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     base, overrides, _ = VARIANTS.get(name, (name, {}, None))
     return hf_config(base, **overrides)

@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 def _full_tensors(model_name: str, seed: int, **overrides) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
 
     cfg = hf_config(model_name, **overrides)

@@ -40,7 +40,7 @@ engine's update stays open (its worker receiving) that long while the server kee
 
 
 def model_config(model: str = "qwen3"):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
 
     return hf_config(model, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 

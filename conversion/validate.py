@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_refit.families import of_config
 from megatron_refit.plan.layout import TrainLayout
 
-from conversion.testing.hf_configs import num_routed_experts
+from conversion.presets import num_routed_experts
 
 
 def check_train_layout(hf_config, layout: TrainLayout) -> None:
