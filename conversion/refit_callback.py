@@ -32,13 +32,14 @@ it (``overlap_busy: wait``) or is skipped on every train rank (``skip``; the ite
 own iteration, and one that failed raises there, its version named. Ctrl-C does not wait: the
 sending thread is a daemon, and the engines see the trainer's ranks go (their next wait fails).
 
-Each of these calls goes through the engine's control
-(:func:`megatron_refit.engines.control.engine_control` for ``refit.engine``): with ``engines``
+The engine's control (:func:`megatron_refit.engines.control.engine_control` for ``refit.engine``)
+connects the fleet and closes it; each refit is the fleet's own ``refit``. With ``engines``
 (control clients, one per engine replica: vLLM's ``HTTPClient`` / ``LLMClient``, SGLang's
-``EngineClient`` / ``HTTPClient``), train rank 0 also drives the engines around each call
-(vLLM: ``init_weight_transfer_engine``, then per refit start / update / finish, shutdown;
-SGLang: connect, then per refit pause / update / resume, close); without, the trainer's call
-runs alone (an engine that runs its own receive loop, the HF engine).
+``EngineClient`` / ``HTTPClient``), train rank 0 also drives the engines: at connect, then around
+each replica's part of every refit (the control is the fleet's hooks; vLLM:
+``init_weight_transfer_engine``, then per refit start / update / finish, shutdown; SGLang:
+connect, then per refit pause / update / resume, close); without, the fleet's calls run alone
+(an engine that runs its own receive loop, the HF engine).
 
 Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
 …) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
@@ -154,7 +155,7 @@ class RefitCallback(Callback):
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
             step = context.state.train_state.step
-            self.last_report = self._refit(step)
+            self.last_report = self.fleet.refit(step)
             log_to_bridge(context.state, self.last_report.summary, step)
 
     def on_train_step_end(self, context) -> None:
@@ -169,12 +170,9 @@ class RefitCallback(Callback):
             return
         force_param_sync(context.model, context.optimizer)
         if self.fleet.background is None:
-            self._log_finished(context, [self._refit(iteration)])
+            self._log_finished(context, [self.fleet.refit(iteration)])
         elif not self.fleet.start_refit(iteration):  # the engine control's calls: attached to the fleet
             self.skipped_busy.append(iteration)
-
-    def _refit(self, version: int) -> RefitReport:
-        return self.control.refit(self.fleet, version, rank=self.rank)
 
     def _log_finished(self, context, reports: list[RefitReport]) -> None:
         for report in reports:

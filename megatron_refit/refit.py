@@ -32,7 +32,6 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.member import TrainerMember
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.group.connect import check_enabled, check_lora_sync, connect
-from megatron_refit.group.member import member_config
 from megatron_refit.transport import ProcessGroupTransport
 
 
@@ -74,34 +73,33 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
     device = torch.device(device)
     # a replica that stalls holds each train rank's thread for it up to refit.timeout_s, at
     # different times on different train ranks: the train ranks' own group waits longer
-    control = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
-                                            backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
-    member_cfg = member_config(cfg)
+    control_group = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
+                                                  backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s)
     plans: dict = {}  # one plan per replica layout, whatever the number of replicas
 
     def member(group) -> TrainerMember:
-        return TrainerMember(group, pieces, adapters, member_cfg, num_train=num_train, plans=plans)
+        return TrainerMember(group, pieces, adapters, cfg, num_train=num_train, plans=plans)
 
     def join(replica: int, incarnation: str):
         return connect(cfg, refit_rank=rank, num_train=num_train, device=device, replica=replica,
                        incarnation=incarnation)
 
-    return TrainerFleet(cfg, control, connect=join, member=member, offloader=offloader, on_report=on_report,
+    return TrainerFleet(cfg, control_group, connect=join, member=member, offloader=offloader, on_report=on_report,
                         background=_background(cfg, snapshot, rank=rank, num_train=num_train), forward=forward,
                         hooks=hooks)
 
 
 def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
     """``refit.overlap: on``: what builds the background sender of this train rank over the
-    fleet's runner (with, under ``overlap_busy: skip``, a gate group of the train ranks that
+    fleet's runner (with, under ``overlap_busy: skip``, a skip group of the train ranks that
     agrees on each skip)."""
     if snapshot is None:
         return None
     from megatron_refit.fleet.overlap import BackgroundRefit
 
-    gate = None
+    skip_group = None
     if cfg.overlap_busy == "skip":
-        gate = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
+        skip_group = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
                                              backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s,
                                              namespace="megatron_refit/overlap")
-    return lambda runner: BackgroundRefit(snapshot, runner, busy=cfg.overlap_busy, gate=gate)
+    return lambda runner: BackgroundRefit(snapshot, runner, busy=cfg.overlap_busy, skip_group=skip_group)

@@ -98,7 +98,7 @@ def _rank(rank, world, port, reps, rounds, dim, layers, replicas, flags):
         for version in range(1, last + 1):
             if version in joins and rank == 0:  # replica 1 restarts; refit once its join is in the store
                 open(flags[joins.index(version)], "w").close()
-                while fleet.control.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
+                while fleet.control_group.store.get(JOINS).decode().count(",") <= replicas + joins.index(version):
                     time.sleep(0.001)
             full = weights(version, dim, layers)
             for piece in pieces:

@@ -7,7 +7,7 @@ safetensors, no hub), starts a real ``sglang.Engine`` (TP1, no CUDA graphs) with
 starts a Megatron trainer process in the Megatron environment (``.venv``) on the same GPU:
 Megatron TP1 built through Bridge in bf16, real Adam steps, bucket bytes to the engine
 through CUDA IPC (``mode: colocated``; one GPU cannot run NCCL between two processes). The
-trainer runs the guide's loop (``SglangControl``: ``connect`` / ``refit`` / ``close``)
+trainer runs the guide's loop (``SglangControl``: ``connect``, ``fleet.refit`` per version, ``close``)
 with one client that forwards each control call to this process's ``EngineClient`` over a
 local connection. After each of 3 refits:
 
@@ -169,7 +169,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
     for version in range(1, REFITS + 1):
         train_steps(built, optimizer)
         t0 = time.perf_counter()
-        report = control.refit(fleet, version, rank=0)
+        report = fleet.refit(version)
         reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
         client.call("check", save_export(built, workdir, version))
     control.close(fleet, rank=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_refit.endpoint.storage import RefreshesTargets, ReportsVersion, TracksState
 from megatron_refit.plan.roles import is_adapted
 from megatron_refit.plan.spec import ShardSpec
 
@@ -115,13 +116,11 @@ class _Backend:
         self.lora.has_base = True
 
     def set_state(self, state: str, version: int | None) -> None:
-        hook = getattr(self.lora.hf, "set_state", None)
-        if hook is not None:
-            hook(state, version)
+        if isinstance(self.lora.hf, TracksState):
+            self.lora.hf.set_state(state, version)
 
     def refresh_targets(self) -> bool:
-        refresh = getattr(self.lora.hf, "refresh_targets", None)
-        return bool(refresh()) if refresh is not None else False
+        return bool(self.lora.hf.refresh_targets()) if isinstance(self.lora.hf, RefreshesTargets) else False
 
     holds_sent_bytes = True
     """Base and adapter pieces are kept as received (merging writes the HF model's weights)."""
@@ -129,4 +128,5 @@ class _Backend:
     @property
     def weights_version(self) -> int | None:
         """The engine's version, while it holds base weights (a delta starts from them)."""
-        return getattr(self.lora.hf, "weights_version", None) if self.lora.has_base else None
+        held = self.lora.hf.weights_version if isinstance(self.lora.hf, ReportsVersion) else None
+        return held if self.lora.has_base else None

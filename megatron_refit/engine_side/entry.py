@@ -12,7 +12,6 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.engine_side.heartbeat import Heartbeat
 from megatron_refit.engine_side.member import EngineMember
 from megatron_refit.group.connect import check_enabled, check_lora_sync, connect, relay_wait_s
-from megatron_refit.group.member import member_config
 from megatron_refit.group.store import JOINS, announce
 from megatron_refit.transport import ProcessGroupTransport
 
@@ -37,7 +36,7 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
     try:
         group = connect(cfg, refit_rank=num_train + tp_rank, num_train=num_train, device=torch.device(device),
                         replica=replica, incarnation=incarnation)
-        member = EngineMember(group, storage, member_config(cfg), num_train=num_train, lora=lora,
+        member = EngineMember(group, storage, cfg, num_train=num_train, lora=lora,
                               on_report=on_report, relay=relay_links(cfg, torch.device(device), replica, tp_rank))
     except BaseException:
         heartbeat.close()

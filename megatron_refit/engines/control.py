@@ -1,13 +1,13 @@
 """How train ranks drive an engine's control plane around the refit: one protocol for every engine.
 
 ``RefitCallback``, the vLLM trainer engine and any training loop ask :func:`engine_control` for
-the control of ``refit.engine`` and make the same three calls whatever the engine: ``connect``
-once, ``refit`` per version, ``close`` at the end. Each wraps the trainer's own call (``join(hooks)``,
-``fleet.refit(version)``, ``fleet.close()``): an engine with a control plane (vLLM's
-weight-transfer API, SGLang's update sessions: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`)
-runs its client calls on train rank 0 around it, in the fleet's lanes; one without
-(:class:`NoControl`: an engine that runs its own receive loop, the HF engine) makes the
-trainer's call alone.
+the control of ``refit.engine`` and make the same two calls whatever the engine: ``connect``
+once (it wraps ``join(hooks)``, which builds the fleet) and ``close`` at the end (it wraps
+``fleet.close()``). Every refit is the fleet's own call, ``fleet.refit(version)``: an engine with a
+control plane (vLLM's weight-transfer API, SGLang's update sessions:
+:class:`~megatron_refit.fleet.lanes.ReplicaLanes`) gave the fleet its hooks at connect, and
+train rank 0 runs its client calls around each replica's part in the fleet's lanes; one without
+(:class:`NoControl`: an engine that runs its own receive loop, the HF engine) gives none.
 
 What ``join(hooks)`` returns is the fleet (:class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet`),
 built with the control as its ``hooks`` on train rank 0 (the fleet calls them around each
@@ -35,9 +35,6 @@ class EngineControl(Protocol):
         too; returns the fleet once its starting replicas joined (or failed to, each named; it
         raises if none joined)."""
 
-    def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
-        """``fleet.refit(version, full=full)`` while the engines receive; returns its report."""
-
     def close(self, fleet, *, rank: int) -> None:
         """``fleet.close()`` while the engines leave the group."""
 
@@ -49,9 +46,6 @@ class NoControl:
         fleet = join(None)
         fleet.await_start()
         return fleet
-
-    def refit(self, fleet, version: int, *, rank: int, full: bool = False) -> Any:
-        return fleet.refit(version, full=full)
 
     def close(self, fleet, *, rank: int) -> None:
         fleet.close()

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig, refit_section
 from megatron_refit.errors import EngineLoadError
@@ -41,6 +41,31 @@ from megatron_refit.fleet.serving import ServingUnavailableError
 logger = logging.getLogger(__name__)
 
 _LANE_IDS = itertools.count()
+
+
+
+@runtime_checkable
+class ClientScores(Protocol):
+    """Optional for a control client: the serving probe through its engine's serving path, each
+    sequence's per-token log-probs (vLLM's ``HTTPClient`` / ``LLMClient``, SGLang's clients)."""
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]: ...
+
+
+@runtime_checkable
+class ClientGates(Protocol):
+    """Optional: keep traffic off the version about to land until :meth:`ClientHolds.hold` or the
+    next version, at most ``timeout_s`` (the offline ``LLM``: its generate calls wait)."""
+
+    def gate(self, timeout_s: float) -> None: ...
+
+
+@runtime_checkable
+class ClientHolds(Protocol):
+    """Optional: stop the engine serving what it serves (vLLM's server pauses) until a version lands."""
+
+    def hold(self) -> None: ...
+
 
 CLOSE_WAIT_S = 10.0
 """How long :meth:`ReplicaLanes.close` waits for the engines' close calls (each told at once)."""
@@ -122,11 +147,6 @@ class ReplicaLanes:
         if exc is not None and self.fleet is not None:
             self.fleet.abort_join(replica, f"the {self.engine}'s connect call failed: {type(exc).__name__}: {exc}")
 
-    def refit(self, fleet, version: int, *, rank: int, full: bool = False):
-        """Every train rank: ``fleet.refit(version)``; on train rank 0 each replica's calls run in
-        its lane around its part (the fleet calls this object's hooks)."""
-        return fleet.refit(version, full=full)
-
     def close(self, fleet, *, rank: int) -> None:
         """Every train rank: (train rank 0) every replica's engine is told, each in its lane, all at
         once, waited for up to :data:`CLOSE_WAIT_S` (an engine that hangs is not waited for
@@ -203,7 +223,7 @@ class ReplicaLanes:
             reason = _outcome(pending, self.timeout_s)
             if reason:
                 raise EngineLoadError(f"{self.engine} replica {replica}: receiving version {version} failed: {reason}")
-        if gate and callable(getattr(entry.client, "gate", None)):
+        if gate and isinstance(entry.client, ClientGates):
             # land, score and verdict each within timeout_s: the gate opens or holds before 3 x timeout_s
             self._submit(entry, lambda client: client.gate(3 * self.timeout_s))
             entry.gated = True
@@ -217,7 +237,7 @@ class ReplicaLanes:
         :class:`~megatron_refit.fleet.serving.ServingUnavailableError` where its client has none. A
         replica whose answer fails the check is held (:meth:`hold`) until a version lands."""
         entry = self._entry(replica)
-        if entry is None or not callable(getattr(entry.client, "score", None)):
+        if entry is None or not isinstance(entry.client, ClientScores):
             what = "no control client" if entry is None else f"a {type(entry.client).__name__} without score()"
             raise ServingUnavailableError(f"train rank 0 holds {what} for {self.engine} replica {replica}")
         future = self._submit(entry, lambda client: client.score([list(s) for s in sequences]))
@@ -236,7 +256,7 @@ class ReplicaLanes:
         entry = self._entry(replica)
         if entry is not None:
             entry.gated = False  # a hold ends a gate (a waiting generate is refused)
-        if entry is not None and callable(getattr(entry.client, "hold", None)):
+        if entry is not None and isinstance(entry.client, ClientHolds):
             reason = _outcome(self._submit(entry, lambda client: client.hold()), self.timeout_s)
             if reason:
                 logger.error("%s replica %d failed its serving check and could not be held: %s",

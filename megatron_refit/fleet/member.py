@@ -29,14 +29,11 @@ class TrainerMember(Member):
             self.adapters = Refitter(group, adapters, **kw)
             self.adapters.prepare()
 
-    def refit(self, version: int, *, full: bool = False) -> RefitReport:
-        """Send this rank's pieces of refit ``version``. Collective over the refit group:
-        every train and generation rank calls it with the same ``version`` and ``full``."""
-        return self.refit_and_probe(version, full=full)[0]
-
-    def refit_and_probe(self, version: int, *, full: bool = False, probe=None,
-                        judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
-        """:meth:`refit`, then, with a ``probe`` (``refit.verify_serving``, in band), the engine's
+    def refit(self, version: int, *, full: bool = False, probe=None,
+              judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
+        """Send this rank's pieces of refit ``version`` (collective over the refit group: every
+        train and engine rank calls it with the same ``version`` and ``full``), then, with a
+        ``probe`` (``refit.verify_serving``, in band), the engine's
         answer to it over the group once every rank applied the refit, and train rank 0's verdict
         on it (``judge(answer)``: :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which
         the engine ranks hear in band before the call returns: one that fails holds its weights.

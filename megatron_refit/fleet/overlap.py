@@ -118,18 +118,18 @@ def check_busy(busy: str) -> None:
 
 class BackgroundRefit:
     """At most one refit of this train rank in flight, in the fleet runner's ``background`` lane
-    (see the module docstring). ``gate``: a group of the train ranks alone (``exchange``), used
-    under ``busy="skip"`` so that every train rank skips the same refits."""
+    (see the module docstring). ``skip_group``: the train ranks' **skip group** (``exchange``),
+    used under ``busy="skip"`` so that every train rank skips the same refits."""
 
     LANE = "background"
 
-    def __init__(self, snapshot: Snapshot, runner, *, busy: str = "wait", gate=None):
+    def __init__(self, snapshot: Snapshot, runner, *, busy: str = "wait", skip_group=None):
         check_busy(busy)
-        if busy == "skip" and gate is None:
-            raise ValueError("refit.overlap_busy: skip needs the train ranks' gate group")
+        if busy == "skip" and skip_group is None:
+            raise ValueError("refit.overlap_busy: skip needs the train ranks' skip group")
         self.snapshot = snapshot
         self.busy = busy
-        self.gate = gate
+        self.skip_group = skip_group
         self.runner = runner
         """The fleet's :class:`~megatron_refit.fleet.runner.Runner` (the fleet owns it and joins its
         lanes on close): the background refits run in its lane."""
@@ -156,7 +156,7 @@ class BackgroundRefit:
         busy = busy or self.busy
         if busy == "skip":
             moving = self.in_flight is not None
-            if any(row[0] for row in self.gate.exchange("overlap", [int(moving)])):
+            if any(row[0] for row in self.skip_group.exchange("overlap", [int(moving)])):
                 self.skipped.append(version)
                 self._reap()
                 return False
@@ -222,6 +222,6 @@ class BackgroundRefit:
         try:
             self.wait(timeout_s)
         finally:
-            if self.gate is not None and not self.in_flight:
-                self.gate.close()
-                self.gate = None
+            if self.skip_group is not None and not self.in_flight:
+                self.skip_group.close()
+                self.skip_group = None

@@ -112,14 +112,14 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
                 return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference,
                                             probe, stale_of(answer))
 
-            out.report, verdict, answer_s = member.refit_and_probe(version, full=full, probe=probe,
-                                                                   judge=judge if rank == 0 else None)
+            out.report, verdict, answer_s = member.refit(version, full=full, probe=probe,
+                                                         judge=judge if rank == 0 else None)
             if isinstance(verdict, ServingMismatchError):
                 raise verdict  # told to its engine ranks already: they hold their weights
             if verdict is not None:
                 verdict["seconds"] = answer_s  # the engine scored it inside its refit's group, then heard it
         else:
-            out.report = member.refit(version, full=full)
+            out.report = member.refit(version, full=full)[0]
         if out.report.failed_ranks:  # an engine rank could not apply it (its group drained it: intact)
             why = "; ".join(out.report.failed_replicas.values())
             out.error = ReplicaFailedError(f"refit {version}: engine replica {replica} could not apply it: {why}",

@@ -157,8 +157,8 @@ class ServingCheck:
         again at every check)."""
         t0 = time.perf_counter()
         reference = self.forward(self.probe.sequences)
-        experts = getattr(self.forward, "experts", None) or (0, 0)
-        if experts[0] < min(experts[1], self._reached) and self.cover_tokens and hasattr(self.forward, "cover"):
+        experts = self.forward.experts or (0, 0)
+        if experts[0] < min(experts[1], self._reached) and self.cover_tokens:
             sequences = self.forward.cover(self.base.sequences, budget=self.cover_tokens, seed=self.seed)
             if sequences != self.probe.sequences:
                 self.probe = Probe(tuple(sequences))
@@ -172,7 +172,7 @@ class ServingCheck:
                                experts[0], experts[1], self.cover_tokens)
                 self._said_uncovered = True
         self.experts = experts
-        answer = Reference(reference, getattr(self.forward, "scale", None))
+        answer = Reference(reference, self.forward.scale)
         return self.probe, answer, time.perf_counter() - t0
 
     def verdict(self, replica: int, version: int, score: Callable[[], Any], reference: Reference, probe: Probe,

@@ -49,18 +49,18 @@ class TrainerFleet:
     docstring. ``connect(replica, incarnation)`` opens that replica's group (this rank's end);
     ``member(group)`` builds its prepared :class:`~megatron_refit.fleet.member.TrainerMember`."""
 
-    def __init__(self, cfg: RefitConfig, control, *, connect: Callable, member: Callable, offloader=None,
+    def __init__(self, cfg: RefitConfig, control_group, *, connect: Callable, member: Callable, offloader=None,
                  on_report: Callable[[dict], None] | None = None, background: Callable | None = None,
                  forward=None, hooks: ReplicaHooks | None = None):
         self.cfg = cfg
-        self.control = control
+        self.control_group = control_group
         """The train ranks' own group: versions and outcomes, never an engine rank."""
         self._connect, self._member = connect, member
         self.offloader = offloader
         self.on_report = on_report
         self.runner = Runner()
         """Every thread of this fleet on this rank (named, joined on :meth:`close`)."""
-        self.serving = ServingCheck(cfg, forward, rank=control.rank)  # forward: the trainer model's
+        self.serving = ServingCheck(cfg, forward, rank=control_group.rank)  # forward: the trainer model's
         self.background = background(self.runner) if background is not None else None
         """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`
         (``background(runner)`` builds it over this fleet's runner)."""
@@ -83,14 +83,14 @@ class TrainerFleet:
         for the next one (which then takes no collective in the training thread)."""
         self._started = False
         self._start_failures: dict[int, str] = {}
-        self.membership = Membership() if control.rank == 0 else None
+        self.membership = Membership() if control_group.rank == 0 else None
         """Train rank 0: the incarnations it decides membership from."""
-        self._announcements = Announcements(control.store) if control.rank == 0 else None
+        self._announcements = Announcements(control_group.store) if control_group.rank == 0 else None
         if self.membership is not None:
             self.membership.starting(range(cfg.gen_dp))
         self.router = FanoutRouter(cfg.fanout, delta=cfg.delta, bucket_bytes=cfg.bucket_bytes, gen_tp=cfg.gen_tp)
-        """``refit.fanout``: each refit's routes (which replica forwards to which)."""
-        self.watchdog = Watchdog(cfg, leader=control.rank == 0)
+        """``refit.fanout``: each refit's placements (which replica forwards to which)."""
+        self.watchdog = Watchdog(cfg, leader=control_group.rank == 0)
         """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
         if self.watchdog.enabled:
             self.runner.submit("watchdog", self.watchdog.run, self._closing)
@@ -104,7 +104,7 @@ class TrainerFleet:
     def abort_join(self, replica: int, reason: str) -> None:
         """Train rank 0: replica ``replica``'s engine will not join (``reason``): every train rank's
         join of it stops waiting now."""
-        abort_join(self.control.store, replica, reason)
+        abort_join(self.control_group.store, replica, reason)
 
     def announced(self, replica: int) -> str | None:
         """Train rank 0: the latest incarnation replica ``replica`` announced joining with
@@ -112,7 +112,7 @@ class TrainerFleet:
         if self._announcements is None:
             raise ValueError("TrainerFleet.announced: only train rank 0 reads the announcements")
         key = f"{JOINS}/{replica}"
-        return self.control.store.get(key).decode() if self.control.store.check([key]) else None
+        return self.control_group.store.get(key).decode() if self.control_group.store.check([key]) else None
 
     def _start_join(self, replica: int, incarnation: str | None) -> None:
         self._joining[replica] = self.runner.submit(f"replica-{replica}", self._join, replica, incarnation)
@@ -121,7 +121,7 @@ class TrainerFleet:
         """In replica ``replica``'s lane: wait for its engine's announcement (a starting replica),
         open its group and prepare the plan with its engine ranks."""
         if incarnation is None:
-            incarnation = await_announced(self.control.store, replica, self.cfg.timeout_s, self._closing)
+            incarnation = await_announced(self.control_group.store, replica, self.cfg.timeout_s, self._closing)
             if self.membership is not None:
                 with self._membership_lock:
                     self.membership.bound(replica, incarnation)
@@ -155,7 +155,7 @@ class TrainerFleet:
         failures: dict[int, str] = {}
         while self._joining:
             mine = {r: join_status(f) for r, f in self._joining.items()}
-            joined, failed, pending = resolve(self.control.all_gather_object(mine, "fleet"), self._joining)
+            joined, failed, pending = resolve(self.control_group.all_gather_object(mine, "fleet"), self._joining)
             for replica in joined:
                 self.members[replica] = self._joining.pop(replica).result()
                 logger.info("refit: engine replica %d joined", replica)
@@ -180,7 +180,7 @@ class TrainerFleet:
                 with self._membership_lock:
                     news = self.membership.decide(self._announcements.read(JOINS),
                                                   self._announcements.read(LEAVES)).as_wire()
-            changes = Changes.from_wire(self.control.all_gather_object(news, "fleet")[0])
+            changes = Changes.from_wire(self.control_group.all_gather_object(news, "fleet")[0])
             for replica in changes.leaves:
                 logger.info("refit: engine replica %d left", replica)
                 self._drop(replica)
@@ -288,11 +288,11 @@ class TrainerFleet:
         if self._start_failures:  # the starting replicas that did not join: named in the first report
             failures, self._start_failures = {**self._start_failures, **failures}, {}
         probing = self._probing.pop(version, None)  # overlap: planned at the step boundary
-        rows = self.control.exchange("fleet", [version, int(full)])
+        rows = self.control_group.exchange("fleet", [version, int(full)])
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
         replicas = sorted(self.members)
-        for replica, placement in self.router.placements(self.control, self.members, full).items():  # owns fanout
+        for replica, placement in self.router.placements(self.control_group, self.members, full).items():  # owns fanout
             self.members[replica].set_placement(placement)
         moved = {"onload": 0.0, "offload": 0.0}  # offloaded parameters: loaded once for every replica
         loaded = self.offloader is not None and self.offloader.offloaded
@@ -303,7 +303,7 @@ class TrainerFleet:
         try:
             probing = probing or self._plan_serving()  # the reference reads the weights: after their onload
             futures = {r: self.runner.submit(f"replica-{r}", refit_replica, self.members[r], r, version, full,
-                                             self._hooks, probing, self.control.rank) for r in replicas}
+                                             self._hooks, probing, self.control_group.rank) for r in replicas}
             outcomes = {r: futures[r].result() for r in replicas}
         finally:
             if loaded:
@@ -323,7 +323,7 @@ class TrainerFleet:
         mine = {r: (o.why(), o.broken) for r, o in outcomes.items() if o.error is not None}
         checked = {r: o.serving for r, o in outcomes.items() if o.serving is not None}  # train rank 0's
         unprepared = {r: o.unprepared for r, o in outcomes.items() if o.unprepared}  # train rank 0's too
-        gathered = self.control.all_gather_object((mine, moved, checked, unprepared), "fleet")
+        gathered = self.control_group.all_gather_object((mine, moved, checked, unprepared), "fleet")
         moved_max = {key: max(m[key] for _, m, _, _ in gathered) for key in moved}
         failed, broken = failed_replicas([view for view, _, _, _ in gathered], replicas)
         failures.update(failed)
@@ -340,11 +340,11 @@ class TrainerFleet:
         serving = self.serving.record(found, failures, probing.reference_s, replicas)
         # the replicas whose group carried the refit (a failed one that drained it too: its bytes moved)
         carried = [o.report for o in outcomes.values() if o.report is not None]
-        report = merge_reports(version, self.control.rank, carried, replicas=replicas, failures=failures,
+        report = merge_reports(version, self.control_group.rank, carried, replicas=replicas, failures=failures,
                                seconds=time.perf_counter() - start, moved=moved, moved_max=moved_max)
         report.summary.update(serving)
         report.summary[SWAP_KEYS[0]] = len(gathered[0][3])
-        for replica, why in gathered[0][3].items() if self.control.rank == 0 else ():
+        for replica, why in gathered[0][3].items() if self.control_group.rank == 0 else ():
             logger.warning("refit %d: engine replica %d loaded the version under the pause (swap: staged could "
                            "not prepare it beside the live model; refit/swap_unprepared): %s", version, replica, why)
         self.router.record(version, replicas, failures, report.summary)
@@ -366,7 +366,7 @@ class TrainerFleet:
         self._closing.set()
         logger.warning("refit: aborting (%s)", reason)
         self.watchdog.abort_all(reason)
-        for group in (self.control, getattr(self.background, "gate", None)):
+        for group in (self.control_group, self.background.skip_group if self.background is not None else None):
             if group is not None:
                 group.abort(reason)
         self.runner.close(wait_s)
@@ -389,6 +389,6 @@ class TrainerFleet:
             for replica in sorted(self.members):
                 self._drop(replica)
         self.runner.close()
-        self.control.close()
+        self.control_group.close()
         if error is not None:
             raise error

@@ -5,7 +5,6 @@ version), what both :class:`~megatron_refit.fleet.member.TrainerMember` (a train
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -14,11 +13,6 @@ from megatron_refit.endpoint.integrity import in_force
 from megatron_refit.group.beats import stall_s
 
 logger = logging.getLogger(__name__)
-
-
-def member_config(cfg: RefitConfig) -> RefitConfig:
-    """The ``refit:`` section of one replica's group: the same, with one replica."""
-    return dataclasses.replace(cfg, gen_dp=1)
 
 
 def close_quietly(member, replica: int) -> None:
@@ -80,7 +74,8 @@ class Member:
 
 
 def endpoint_kw(cfg: RefitConfig, num_train: int, on_report) -> dict:
-    """What both sides' endpoints take from the ``refit:`` config (they must agree on it: ``prepare``)."""
-    return dict(num_train=num_train, num_gen=cfg.gen_tp * cfg.gen_dp, bucket_bytes=cfg.bucket_bytes,
+    """What both sides' endpoints take from the ``refit:`` config (they must agree on it: ``prepare``).
+    A group holds one replica: its engine ranks are ``refit.gen_tp``, whatever ``gen_dp``."""
+    return dict(num_train=num_train, num_gen=cfg.gen_tp, bucket_bytes=cfg.bucket_bytes,
                 direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report,
                 delta=cfg.delta, replica_size=cfg.gen_tp, stall_s=stall_s(cfg))

@@ -28,7 +28,7 @@ ITERATIONS = 4
 def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None):
 
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.megatron_optim import distributed_optimizer
     from conversion.refit_callback import RefitCallback
     from conversion.testing.train_step import train_step
@@ -114,7 +114,7 @@ class _Writer:
         self.scalars.append((name, value, iteration))
 
 def _gen(refit, versions, num_train, device="cpu", gen_index=0):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.engines.hf.storage import HFStorage
 
@@ -216,7 +216,7 @@ def _rng_digest() -> str:
 def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int = 0):
     import os
 
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.refit_callback import RefitCallback
     from conversion.te_shim import import_bridge
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
@@ -254,7 +254,7 @@ def _pretrain_train(rank, num_train, yaml_path, megatron_port, wait_joins: int =
 
                 from megatron_refit.group.store import JOINS
 
-                store, deadline = callbacks[0].fleet.control.store, time.monotonic() + 200
+                store, deadline = callbacks[0].fleet.control_group.store, time.monotonic() + 200
                 while store.get(JOINS).decode().count(",") < wait_joins and time.monotonic() < deadline:
                     time.sleep(0.05)
 
@@ -390,7 +390,7 @@ def test_callback_inside_bridge_pretrain_replicas_come_and_go(tmp_path):
 def _joining_gen(refit, num_train, gen_index=1):
     """An engine replica that was not there when training started (replica 1 of a run
     configured with one): it joins the running trainer and takes each version it sends."""
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.errors import RefitTransportError
     from megatron_refit.engine_side.entry import engine_refit

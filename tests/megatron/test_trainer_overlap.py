@@ -165,8 +165,9 @@ def _churn_rank(rank, world, port, flag):
             if version == 3 and rank == 0:  # both announcements arrive while refit 2 still moves
                 open(flag, "w").close()
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not (fleet.control.store.check([LEAVES])
-                                                           and fleet.control.store.get(JOINS).decode().count(",") > 2):
+                store = fleet.control_group.store
+                while time.monotonic() < deadline and not (store.check([LEAVES])
+                                                           and store.get(JOINS).decode().count(",") > 2):
                     time.sleep(0.02)
                 out["announced_in_flight"] = fleet.background.in_flight
             fleet.start_refit(version, busy="wait")
@@ -264,7 +265,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
 
     from conversion.refit_callback import RefitCallback, force_param_sync
     from conversion.te_shim import import_bridge
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
     from megatron_refit.testing.faults import HoldRefits
@@ -311,7 +312,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
 
 
 def _pretrain_overlap_gen(refit, gen_index, num_train):
-    from conversion.testing.hf_configs import hf_config
+    from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.testing.harness import _failing

@@ -25,12 +25,16 @@ class _Forward:
     """A trainer forward (``TrainerForward``) that counts its calls."""
 
     vocab_size, dtype, lora = 50, "float32", False
+    experts = scale = None  # a dense model; no logits' magnitudes measured
 
     def __init__(self):
         self.calls, self.fp8 = 0, None
 
     def prepare(self, *, fp8):
         self.fp8 = fp8
+
+    def cover(self, base, *, budget, seed):
+        return tuple(base)
 
     def __call__(self, sequences):
         self.calls += 1

@@ -74,7 +74,7 @@ def _toy_rank(rank, world, port, refit):
                                                                         num_train=num_train, hooks=hooks),
                                rank=rank, num_train=num_train)
         for version in (1, 2):
-            control.refit(fleet, version, rank=rank)
+            fleet.refit(version)
         control.close(fleet, rank=rank)
         return calls
     from megatron_refit.testing.toy_engine import ToyStorage
@@ -93,7 +93,7 @@ def test_a_toy_engine_registered_from_one_module_receives_a_refit():
     refit = {"enabled": True, "engine": "toy", "gen_tp": 1, "gen_dp": 1, "timeout_s": 60}
     train0, train1, gen = run_spawned(_toy_rank, 3, refit, timeout_s=180)
     assert gen == dict(exact=True, finalized=2, state="ready")
-    assert train0 == ["connect toy 2", "pause 1", "resume 1", "pause 2", "resume 2", "close"] and train1 == []
+    assert train0 == ["connect toy 2", "start 1", "land 1", "start 2", "land 2", "close"] and train1 == []
 
 
 def test_a_toy_engine_config_is_checked_by_its_own_rules():

@@ -57,7 +57,7 @@ def _rank(rank, world, port, scenario, tp, dp, mode, delta, overlap, flag):
             if version == 3 and scenario == "join" and rank == 0:
                 open(flag, "w").close()  # the standby replica may start now
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and fleet.control.store.get(JOINS).decode().count(",") <= dp:
+                while time.monotonic() < deadline and fleet.control_group.store.get(JOINS).decode().count(",") <= dp:
                     time.sleep(0.05)
             set_version(pieces, version)
             start = time.monotonic()

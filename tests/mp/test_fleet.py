@@ -253,9 +253,10 @@ def _member_rank(rank, world, port, scenario, tp, dp, flag, overlap="off"):
                     open(flag, "w").close()  # the standby replica may start now
                 key = LEAVES if scenario == "leave" else JOINS
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and (scenario == "leave" and not fleet.control.store.check([key])
+                store = fleet.control_group.store
+                while time.monotonic() < deadline and (scenario == "leave" and not store.check([key])
                                                        or scenario != "leave" and
-                                                       fleet.control.store.get(JOINS).decode().count(",") <= dp):
+                                                       store.get(JOINS).decode().count(",") <= dp):
                     time.sleep(0.05)
             set_version(pieces, version)
             start = time.monotonic()

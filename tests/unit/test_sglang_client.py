@@ -158,13 +158,14 @@ def test_sglang_control_drives_every_replica_and_resumes_only_those_that_landed(
     clients = [_Client(calls, started, replica=r) for r in range(2)]
     fleet = _Fleet(started)
     control = _connected(clients, fleet)
-    assert control.refit(fleet, 3, rank=0) == "report 3"
+    assert fleet.refit(3) == "report 3"
     assert sorted(c for c in calls if c[0] != "connect") == [("refit", 3, 0), ("refit", 3, 1), ("resume", 3, 0),
                                                              ("resume", 3, 1)]
     assert sorted(c for c in calls if c[0] == "connect") == [("connect", 0), ("connect", 1)]
     calls.clear()
     other = _Fleet(started)
-    assert _connected([], other, rank=1).refit(other, 4, rank=1) == "report 4"  # other train ranks send only
+    _connected([], other, rank=1)
+    assert other.refit(4) == "report 4"  # other train ranks send only
     assert calls == [] and other.hooks is None
     control.close(fleet, rank=0)
     assert sorted(calls) == [("close", 0), ("close", 1)]
@@ -177,7 +178,7 @@ def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
                _Client(calls, started, fail="resume", replica=2), _Client(calls, started, replica=3)]
     fleet = _Fleet(started, members=(0, 1, 2, 3), broken=(3,))
     control = _connected(clients, fleet)
-    control.refit(fleet, 6, rank=0)
+    fleet.refit(6)
     assert fleet.landed[0] == "ok"
     assert fleet.landed[1] == ("SGLang engine replica 1: receiving version 6 failed: RuntimeError: "
                                "update_weights_from_tensor failed: boom")
@@ -219,7 +220,7 @@ def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_ne
     assert control.add(joiner, replica=5) == 5
     fleet.members[5] = None  # the train ranks took it in at the start of the refit
     joiner.connected.set()
-    control.refit(fleet, 7, rank=0)
+    fleet.refit(7)
     assert calls.index(("connect", 5)) < calls.index(("refit", 7, 5)) < calls.index(("resume", 7, 5))
     assert fleet.landed == {0: "ok", 5: "ok"}
     with pytest.raises(ValueError, match="replica must be a non-negative int, got -1"):

@@ -329,12 +329,16 @@ class _RecordedForward:
     (this one has no Megatron)."""
 
     dtype, lora = "float32", False
+    experts = scale = None  # a dense model; no logits' magnitudes recorded
 
     def __init__(self, bridge_dir: str, rank: int, vocab_size: int):
         self.bridge_dir, self.rank, self.vocab_size, self.step = bridge_dir, rank, vocab_size, 1
 
     def prepare(self, *, fp8: bool) -> None:
         pass
+
+    def cover(self, base, *, budget: int, seed: int):
+        return tuple(base)  # dense: every probe covers its experts
 
     def __call__(self, sequences):
         from bridge_shards import load
@@ -387,7 +391,7 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
             ask(0, "break_next")
         if rank == 0 and version == 3:
             item["joined"] = control.add(clients[2])
-        report = control.refit(fleet, version, rank=rank)
+        report = fleet.refit(version)
         item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
                     members=sorted(fleet.members),
                     serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving_max_dlogprob/")})

@@ -195,7 +195,7 @@ class MegatronRefitTrainerEngine(_EngineBase):
         the same arguments."""
         if version is None:
             version = 1 if self.version is None else self.version + 1
-        report = self.control.refit(self.fleet, version, rank=self.rank, full=full)
+        report = self.fleet.refit(version, full=full)
         self.version = version
         return report
 
