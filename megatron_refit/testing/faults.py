@@ -68,14 +68,17 @@ class HoldRefits:
     def __init__(self, fleet, timeout_s: float):
         self.timeout_s = timeout_s
         self.cond, self.steps = threading.Condition(), 0
-        refit = fleet._refit  # the fleet's refit as the background thread runs it
+        start = fleet.background.start  # what runs each refit in the background lane
 
-        def held(version, **kw):
-            with self.cond:
-                self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
-            return refit(version, **kw)
+        def held_start(version, prepare, run, **kw):
+            def held():
+                with self.cond:
+                    self.cond.wait_for(lambda: self.steps > version, timeout=self.timeout_s)
+                return run()
 
-        fleet._refit = held
+            return start(version, prepare, held, **kw)
+
+        fleet.background.start = held_start
 
     def stepped(self, step: float) -> None:
         with self.cond:
@@ -99,6 +102,7 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
     if how not in BREAKS:
         raise ValueError(f"break_post_load: {how!r} is not one of {list(BREAKS)}")
     finalize, set_state = storage.finalize, storage.set_state
+    names = sorted(spec.name for spec in storage.target_specs())  # what the refit writes (buffer(name))
     layer = "model.layers.0."
     before: dict = {}
     scales: dict = {}
@@ -107,15 +111,15 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         if state == "updating" and armed[0] and how == "unload_layer":
             before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
         if state == "updating" and armed[0] and how == "stale_tensor":
-            name = next(n for n in sorted(storage._views) if re.search(r"layers\.0\.mlp\.(experts\.0\.)?down_proj", n))
-            before[name] = storage._views[name].detach().clone()
+            name = next(n for n in names if re.search(r"layers\.0\.mlp\.(experts\.0\.)?down_proj", n))
+            before[name] = storage.buffer(name).detach().clone()
         set_state(state, version)
 
     def broken():
         if armed[0] and how == "stale_scale":
-            name = next(n for n in sorted(storage._staged) if n.endswith("weight_scale_inv") and n in scales)
-            storage._staged[name].copy_(scales[name])
-        scales.update({n: t.clone() for n, t in storage._staged.items() if n.endswith("weight_scale_inv")})
+            name = next(n for n in names if n.endswith("weight_scale_inv") and n in scales)
+            storage.buffer(name).copy_(scales[name])
+        scales.update({n: storage.buffer(n).clone() for n in names if n.endswith("weight_scale_inv")})
         finalize()
         if not armed[0]:
             return
@@ -130,6 +134,6 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
                 params[name].data.copy_(old)
         elif how == "stale_tensor":
             for name, old in before.items():
-                storage._views[name].data.copy_(old)
+                storage.buffer(name).data.copy_(old)
 
     storage.set_state, storage.finalize = snapshot, broken

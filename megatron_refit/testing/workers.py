@@ -140,7 +140,8 @@ def scale_inv_cases(rank, world_size, port, cases):
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.presets import hf_config
     from conversion.local_shards import task_shards  # imports megatron.bridge through the TE shim
-    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask, _HFNameSuffixMapping
+    from conversion.bridge_api import SuffixMapping, model_bridge_of
+    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask
 
     init_gloo(rank, world_size, port)
     results = []
@@ -149,7 +150,7 @@ def scale_inv_cases(rank, world_size, port, cases):
         init_model_parallel(layout)
         cfg = hf_config(model_name)
         built = build_model(cfg, layout)
-        model_bridge = built.bridge._model_bridge
+        model_bridge = model_bridge_of(built.bridge)
         registry = model_bridge.mapping_registry()
         tasks = model_bridge.build_conversion_tasks(cfg, built.model)
         scale_tasks = []
@@ -162,7 +163,7 @@ def scale_inv_cases(rank, world_size, port, cases):
                 pp_rank=t.pp_rank, vp_stage=t.vp_stage, param_name=t.param_name + "_scale_inv",
                 global_param_name=t.global_param_name + "_scale_inv", megatron_module=t.megatron_module,
                 param_weight=_tile_amax(w, SCALE_BLOCK),
-                mapping=_HFNameSuffixMapping(registry.resolve_mapping(t.mapping, ()), "_scale_inv"),
+                mapping=SuffixMapping(registry.resolve_mapping(t.mapping, ()), "_scale_inv"),
             ))
         with forbid_collectives():
             ours = [(s.spec, s.tensor().clone())
@@ -203,6 +204,7 @@ def te_fp8_cases(rank, world_size, port, cases):
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.presets import hf_config
     from conversion.local_shards import enumerate_local_shards, local_conversion_tasks
+    from conversion.bridge_api import model_bridge_of
     from conversion.te_fp8 import check_fp8_specs, pass_through_tasks
 
     init_gloo(rank, world_size, port)
@@ -211,7 +213,7 @@ def te_fp8_cases(rank, world_size, port, cases):
         init_model_parallel(layout_from(layout_kw))
         cfg = hf_config(model_name, **FP8_ALIGNED)
         built = build_model(cfg, layout_from(layout_kw))
-        model_bridge = built.bridge._model_bridge
+        model_bridge = model_bridge_of(built.bridge)
         tasks = [dataclasses.replace(t, param_weight=te_stand_in(t.param_weight))
                  if t.global_param_name.endswith(TE_LINEAR) and ".router." not in t.global_param_name else t
                  for t in local_conversion_tasks(built.bridge, built.model, cfg)]
