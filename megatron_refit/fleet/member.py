@@ -33,10 +33,11 @@ class TrainerMember(Member):
               judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
         """Send this rank's pieces of refit ``version`` (collective over the refit group: every
         train and engine rank calls it with the same ``version`` and ``full``), then, with a
-        ``probe`` (``refit.verify_serving``, in band), the engine's
-        answer to it over the group once every rank applied the refit, and train rank 0's verdict
-        on it (``judge(answer)``: :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which
-        the engine ranks hear in band before the call returns: one that fails holds its weights.
+        ``probe`` (``refit.verify_serving``, in band), on train rank 0: the engine's answer to it
+        once every rank applied the refit, and train rank 0's verdict on it (``judge(answer)``:
+        :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which the engine ranks hear
+        before the call returns: one that fails holds its weights. The other train ranks take no
+        part in the probe (:mod:`~megatron_refit.group.inband`).
         Returns the report, the verdict (None: not asked, or not train rank 0; a failed one as its
         :class:`~megatron_refit.errors.ServingMismatchError`, once told) and the seconds from the
         answer's request to the verdict told."""
@@ -46,8 +47,8 @@ class TrainerMember(Member):
         self._advance(version)
         self._resend = False
         verdict, t0 = None, time.perf_counter()
-        if probe is not None and report.summary["refit/ok"]:
-            answer = exchange_in_band(self.group, self.full.num_train, probe=probe if self.group.rank == 0 else None)
+        if probe is not None and report.summary["refit/ok"] and self.group.rank == 0:
+            answer = exchange_in_band(self.group, self.full.num_train, probe=probe)
             try:
                 verdict = judge(answer) if judge is not None else None
             except ServingMismatchError as exc:
