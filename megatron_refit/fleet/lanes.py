@@ -177,7 +177,7 @@ class ReplicaLanes:
             before = self.fleet.announced(replica)
             old = self._clients.pop(replica, None)
             if old is not None:  # a restart under its index: the old lane's engine is gone
-                self.fleet.runner.retire(old.lane)
+                self.fleet.retire_lane(old.lane)
             entry = self._clients[replica] = self._new(replica, client)
             connecting = self._submit(entry, self.connect_call(replica))
         deadline = time.monotonic() + self.timeout_s
@@ -195,7 +195,7 @@ class ReplicaLanes:
 
     # -- the fleet's hooks -------------------------------------------------------------------------
     def _submit(self, entry: _Client, call: Callable[[Any], Any]) -> Future:
-        return self.fleet.runner.submit(entry.lane, call, entry.client)
+        return self.fleet.run_in_lane(entry.lane, call, entry.client)
 
     def _entry(self, replica: int) -> _Client | None:
         with self._lock:
@@ -281,7 +281,7 @@ class ReplicaLanes:
         with self._lock:
             entry = self._clients.pop(replica, None)
         if entry is not None and self.fleet is not None:
-            self.fleet.runner.retire(entry.lane)
+            self.fleet.retire_lane(entry.lane)
 
     @property
     def replicas(self) -> list[int]:

@@ -114,6 +114,17 @@ class TrainerFleet:
         key = f"{JOINS}/{replica}"
         return self.control_group.store.get(key).decode() if self.control_group.store.check([key]) else None
 
+    def run_in_lane(self, lane: str, call: Callable, *args) -> Future:
+        """``call(*args)`` in lane ``lane`` of the fleet's runner (started, named, on first use;
+        joined on close): the engine control's calls to one replica, in order, apart from the
+        others' (train rank 0)."""
+        return self.runner.submit(lane, call, *args)
+
+    def retire_lane(self, lane: str) -> None:
+        """End lane ``lane`` (its replica's engine went or was replaced), not waited for: its
+        engine may hang."""
+        self.runner.retire(lane)
+
     def _start_join(self, replica: int, incarnation: str | None) -> None:
         self._joining[replica] = self.runner.submit(f"replica-{replica}", self._join, replica, incarnation)
 

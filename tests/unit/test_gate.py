@@ -164,7 +164,8 @@ class _Client:
 
 def _lanes(*clients) -> VllmControl:
     lanes = VllmControl(list(clients), dict(engine="vllm", gen_dp=len(clients), timeout_s=5.0))
-    lanes.fleet = SimpleNamespace(runner=Runner())
+    runner = Runner()
+    lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
     return lanes
 
 

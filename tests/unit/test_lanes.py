@@ -24,7 +24,8 @@ class _Client:
 
 def _lanes(*clients, timeout_s: float = 5.0) -> ReplicaLanes:
     lanes = ReplicaLanes(list(clients), dict(engine="vllm", gen_dp=len(clients), timeout_s=timeout_s))
-    lanes.fleet = SimpleNamespace(runner=Runner())
+    runner = Runner()
+    lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
     return lanes
 
 

@@ -135,6 +135,12 @@ class _Fleet:
     def announced(self, replica):
         return self.joins.get(replica)
 
+    def run_in_lane(self, lane, call, *args):
+        return self.runner.submit(lane, call, *args)
+
+    def retire_lane(self, lane):
+        self.runner.retire(lane)
+
     def close(self):
         assert self.runner.close() == []
 
