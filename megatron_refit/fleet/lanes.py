@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 _LANE_IDS = itertools.count()
 
 
-
 @runtime_checkable
 class ClientScores(Protocol):
     """Optional for a control client: the serving probe through its engine's serving path, each
@@ -54,10 +53,15 @@ class ClientScores(Protocol):
 
 @runtime_checkable
 class ClientGates(Protocol):
-    """Optional: keep traffic off the version about to land until :meth:`ClientHolds.hold` or the
-    next version, at most ``timeout_s`` (the offline ``LLM``: its generate calls wait)."""
+    """Optional: keep traffic off the version about to land (``gate``: the offline ``LLM``'s
+    generate calls wait) until the verdict, at most ``timeout_s``: ``release()`` where it passed,
+    ``hold()`` where it failed."""
 
     def gate(self, timeout_s: float) -> None: ...
+
+    def release(self) -> None: ...
+
+    def hold(self) -> None: ...
 
 
 @runtime_checkable

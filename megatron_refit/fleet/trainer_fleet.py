@@ -115,14 +115,11 @@ class TrainerFleet:
         return self.control_group.store.get(key).decode() if self.control_group.store.check([key]) else None
 
     def run_in_lane(self, lane: str, call: Callable, *args) -> Future:
-        """``call(*args)`` in lane ``lane`` of the fleet's runner (started, named, on first use;
-        joined on close): the engine control's calls to one replica, in order, apart from the
-        others' (train rank 0)."""
+        """``call(*args)`` in the runner's lane ``lane``: the engine control's calls to one replica."""
         return self.runner.submit(lane, call, *args)
 
     def retire_lane(self, lane: str) -> None:
-        """End lane ``lane`` (its replica's engine went or was replaced), not waited for: its
-        engine may hang."""
+        """End lane ``lane``, not waited for (its engine may hang)."""
         self.runner.retire(lane)
 
     def _start_join(self, replica: int, incarnation: str | None) -> None:
