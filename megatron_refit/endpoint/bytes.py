@@ -40,19 +40,25 @@ def pack_bucket(
             f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got {out.dtype} {tuple(out.shape)}"
         )
     out = out[: bucket.nbytes]
-    end = 0
+    zero_padding(bucket, out)  # zeros, so the same bucket packs to the same bytes
     for item in bucket.items:
-        if item.offset > end:  # alignment padding: zeros, so the same bucket packs to the same bytes
-            out[end:item.offset].zero_()
-        end = item.offset + item.transfer.nbytes
         src = get_src(item.transfer.name)
         if str(src.dtype).removeprefix("torch.") != item.transfer.dtype:  # copy_ would cast silently
             raise ValueError(f"{item.transfer.name}: the local piece is {src.dtype}, its spec (and the plan) "
                              f"says {item.transfer.dtype}")
         _item_view(out, item).copy_(src[_slices(item.transfer.src_box)])
-    if bucket.nbytes > end:
-        out[end:].zero_()
     return out
+
+
+def zero_padding(bucket: Bucket, out: torch.Tensor) -> None:
+    """Zero the alignment padding of ``bucket`` in ``out`` (its bytes): between items and after the last."""
+    end = 0
+    for item in bucket.items:
+        if item.offset > end:
+            out[end:item.offset].zero_()
+        end = item.offset + item.transfer.nbytes
+    if bucket.nbytes > end:
+        out[end:bucket.nbytes].zero_()
 
 
 def contiguous_bytes(tensor: torch.Tensor, box: Box) -> torch.Tensor | None:
@@ -72,8 +78,10 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor, get_dst: Callable[[str], to
 
 def repack_bucket(bucket: Bucket, get_dst: Callable[[str], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`unpack_bucket`: the bucket's bytes as the receiver holds them
-    now (delta refits start from them). Padding in ``out`` is left as it is."""
+    now (delta refits start from them; the engine's read-back compares them with what landed),
+    the padding zeroed as :func:`pack_bucket` sent it, whatever ``out`` held before."""
     out = out[: bucket.nbytes]
+    zero_padding(bucket, out)
     for item in bucket.items:
         _item_view(out, item).copy_(get_dst(item.transfer.name)[_slices(item.transfer.dst_box)])
     return out

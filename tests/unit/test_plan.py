@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from megatron_refit.endpoint.bytes import pack_bucket, replay, unpack_bucket
+from megatron_refit.endpoint.bytes import pack_bucket, repack_bucket, replay, unpack_bucket
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.buckets import ALIGN
 from megatron_refit.plan.refit_plan import RefitPlan
@@ -283,6 +283,22 @@ def test_pack_refuses_a_piece_whose_dtype_is_not_its_specs():
     with pytest.raises(ValueError, match=r"w.weight: the local piece is torch.bfloat16, its spec \(and the plan\) "
                                          r"says float32"):
         pack_bucket(plan.buckets[0], {W: torch.zeros(4, dtype=torch.bfloat16)}.__getitem__)
+
+
+def test_repack_gives_the_bytes_that_were_packed_over_a_dirty_buffer():
+    """The engine's read-back (``stale_in``) repacks its live tensors into a reused scratch buffer
+    and compares position sums with what landed: the alignment padding between items and after the
+    last must come back as the zeros ``pack_bucket`` sent, whatever the buffer held before."""
+    train = {0: [spec("a", (3,), ((0, 3),), "bfloat16"), spec("b", (5,), ((0, 5),)),
+                 spec("c", (1,), ((0, 1),), "bfloat16")]}
+    plan = RefitPlan.build(train, {0: list(train[0])}, bucket_bytes=1 << 10)
+    (bucket,) = plan.buckets
+    assert bucket.nbytes > sum(item.transfer.nbytes for item in bucket.items)  # there is padding
+    tensors = {"a": torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16), "b": torch.arange(5, dtype=torch.float32),
+               "c": torch.tensor([7.0], dtype=torch.bfloat16)}
+    packed = pack_bucket(bucket, tensors.__getitem__)
+    dirty = torch.full((bucket.nbytes + 8,), 0xAB, dtype=torch.uint8)
+    assert torch.equal(repack_bucket(bucket, tensors.__getitem__, dirty), packed)
 
 
 def test_local_plan_refuses_other_ranks_buckets():
