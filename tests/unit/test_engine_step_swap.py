@@ -167,10 +167,11 @@ def test_http_client_in_flight_swaps_with_one_call_to_the_engine_step_route(kv):
     assert client.engine_step and client.last_swap == dict(blocked_s=0.005, kv=kv, weight_version="4")
 
 
-def test_http_client_without_the_route_falls_back_to_the_pause_once_warned(caplog):
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_http_client_without_the_route_falls_back_to_the_pause_once_warned(caplog, kv):
     server = _Server(route=False)
     try:
-        client = HTTPClient(server.url, swap="staged", policy="in_flight")
+        client = HTTPClient(server.url, swap="staged", policy="in_flight", kv=kv)
         with caplog.at_level(logging.WARNING):
             client.finish_weight_update("3")
             client.finish_weight_update("4")
@@ -178,10 +179,9 @@ def test_http_client_without_the_route_falls_back_to_the_pause_once_warned(caplo
         server.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "VLLM_PLUGINS=megatron_refit" in warnings[0] and "/pause" in warnings[0]
-    assert server.paths == ["/megatron_refit/swap", "/pause?mode=keep", "/finish_weight_update",
-                            "/reset_prefix_cache?reset_running_requests=true", "/resume",
-                            "/pause?mode=keep", "/finish_weight_update",
-                            "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+    reset = "/reset_prefix_cache?reset_running_requests=true" if kv == "recompute" else "/reset_prefix_cache"
+    assert server.paths == ["/megatron_refit/swap", "/pause?mode=keep", "/finish_weight_update", reset, "/resume",
+                            "/pause?mode=keep", "/finish_weight_update", reset, "/resume"]
     assert client.engine_step is False and client.last_swap is None
 
 

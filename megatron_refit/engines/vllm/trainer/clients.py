@@ -241,6 +241,8 @@ class HTTPClient:
             if not (answer or {}).get("success", False):
                 raise RuntimeError(f"vLLM server {self.base_url}: the prefix cache could not be reset after the swap "
                                    f"({answer}); the server stays paused")
+        elif in_flight:  # kv: keep, as the route does: the old version's prefixes dropped where no request holds them
+            self._post("reset_prefix_cache")
         self._post("resume")
 
     def _engine_step_swap(self, weight_version: str | None) -> bool:
