@@ -16,7 +16,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
 PY=$(.venv/bin/python -c 'import sys; print(sys.executable)' 2>/dev/null || true)
 [ -n "$PY" ] || { echo "setup_sglang_venv: run 'make setup' first (needs the Python 3.12 of .venv)" >&2; exit 1; }
 BASE=$("$PY" -c 'import sys; print(sys.base_prefix)')/bin/python3
-[ -x "$VENV/bin/python" ] || scripts/need_disk.sh 7 "the SGLang venv ($VENV, ~6 GiB)"
+# its install's peak, torch and its dependencies seeded from .venv (below): 0.8 GiB (2026-11-29)
+[ -x "$VENV/bin/python" ] || scripts/need_disk.sh 2 "the SGLang venv ($VENV)"
 [ -x "$VENV/bin/python" ] || "$BASE" -m venv "$VENV"
 echo '*' > "$VENV/.gitignore"  # as Python 3.13's venv writes: git leaves the venv alone
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
@@ -25,6 +26,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 grep -viE '^sglang([=<>~! ]|$)' "$REQS" > "$tmp/deps.txt"
 grep -iE '^sglang([=<>~! ]|$)' "$REQS" > "$tmp/sglang.txt"
+# torch and its nvidia-* / triton dependencies hard-linked from .venv (the same pin) before pip runs
+# (scripts/seed_venv.py): pip finds them installed, so this venv's install peaks at 0.8 GiB, not ~7
+"$PY" scripts/seed_venv.py "$VENV" "$(grep -E '^torch==' "$REQS")" --from .venv .venv-vllm .venv-vllm-cpu
 $PIP install -r "$tmp/deps.txt"
 $PIP install --no-deps -r "$tmp/sglang.txt"
 $PIP install --no-deps -e .
