@@ -146,11 +146,12 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or (len(argv) > 2 and argv[2] != "--from"):
         print(__doc__, file=sys.stderr)
         return 2
-    new_venv, requirement, others = argv[0], argv[1], argv[3:]
+    new_venv, requirement = argv[0], argv[1]
+    others = [o for o in argv[3:] if os.path.isdir(o) and not os.path.samefile(o, new_venv)]
     seeded = seed(new_venv, requirement, others)
     total = sum(size for *_, size in seeded)
     print(f"seed_venv: {new_venv}: {len(seeded)} distributions for {requirement} linked from "
-          f"{', '.join(o for o in others if os.path.isdir(o)) or 'no other venv'} ({total / 2**30:.1f} GiB)")
+          f"{', '.join(others) or 'no other venv'} ({total / 2**30:.1f} GiB)")
     return 0
 
 
