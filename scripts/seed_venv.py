@@ -32,11 +32,10 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 
-def site_packages(venv: str) -> str:
+def site_packages(venv: str) -> str | None:
+    """`venv`'s one site-packages folder (None: it has none, or several)."""
     found = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))
-    if len(found) != 1:
-        raise SystemExit(f"seed_venv: {venv!r} has {len(found)} site-packages folders, not one")
-    return found[0]
+    return found[0] if len(found) == 1 else None
 
 
 def _dists(site: str) -> dict[str, tuple[Version, str]]:
@@ -112,10 +111,12 @@ def seed(new_venv: str, requirement: str, others: list[str]) -> list[tuple[str, 
     """Seed new_venv from others; returns (name, version, bytes) of each distribution linked."""
     new_venv, others = os.path.abspath(new_venv), [os.path.abspath(o) for o in others]
     new_site = site_packages(new_venv)
+    if new_site is None:
+        raise SystemExit(f"seed_venv: {new_venv!r} has no one site-packages folder (create the venv first)")
     dev = os.stat(new_site).st_dev
-    sources = [(o, _dists(site_packages(o))) for o in others
-               if os.path.isdir(o) and not os.path.samefile(o, new_venv)
-               and os.stat(site_packages(o)).st_dev == dev]
+    sites = {o: site_packages(o) for o in others if os.path.isdir(o) and not os.path.samefile(o, new_venv)}
+    sources = [(o, _dists(site)) for o, site in sites.items()  # a half-made venv is no source
+               if site is not None and os.stat(site).st_dev == dev]
     mine = _dists(new_site)
     seeded, seen = [], set()
     queue = [Requirement(requirement)]

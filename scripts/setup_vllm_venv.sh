@@ -58,7 +58,8 @@ PY
 # torch alone first, then its nvidia-* / triton dependencies hard-linked from the project's other
 # venvs wherever they hold an admitted version (scripts/seed_venv.py): pip finds them installed and
 # neither downloads nor unpacks them, which keeps the install's peak disk within the check above
-torch_req=${TORCH:-$(grep -E '^torch==' "$tmp/reqs.txt" | cut -d';' -f1)}
+torch_req=${TORCH:-$(grep -E '^torch==' "$tmp/reqs.txt" | cut -d';' -f1 || true)}
+[ -n "$torch_req" ] || { echo "setup_vllm_venv: $DIST==$VLLM_VERSION names no torch==X requirement; set TORCH" >&2; exit 1; }
 $PIP install --no-deps "$torch_req"
 "$PY" scripts/seed_venv.py "$VENV" "$torch_req" --from .venv .venv-vllm .venv-vllm-cpu .venv-sglang
 [ -z "$TORCH" ] || $PIP install "$TORCH"

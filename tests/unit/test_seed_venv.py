@@ -64,8 +64,10 @@ def _old(tmp_path: Path) -> Path:
 
 def test_the_closure_is_linked_and_nothing_else(tmp_path):
     old, new = _old(tmp_path), _venv(tmp_path / "new")
+    (tmp_path / "half-made").mkdir()  # a venv whose setup stopped before it had a site-packages
     out = subprocess.run([sys.executable, str(SCRIPT), str(new), "torch==2.1", "--from", str(old),
-                          str(tmp_path / "absent")], capture_output=True, text=True, check=True).stdout
+                          str(tmp_path / "absent"), str(tmp_path / "half-made")],
+                         capture_output=True, text=True, check=True).stdout
     assert "4 distributions for torch==2.1" in out
     site_old, site_new = old / "lib/python3.12/site-packages", new / "lib/python3.12/site-packages"
     infos = sorted(p.name for p in site_new.glob("*.dist-info"))
