@@ -100,6 +100,6 @@ def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):
     skip_group = None
     if cfg.overlap_busy == "skip":
         skip_group = ProcessGroupTransport.connect(host=cfg.host, port=cfg.port, rank=rank, world_size=num_train,
-                                             backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s,
-                                             namespace="megatron_refit/overlap")
+                                                   backend="gloo", timeout_s=CONTROL_TIMEOUTS * cfg.timeout_s,
+                                                   namespace="megatron_refit/overlap")
     return lambda runner: BackgroundRefit(snapshot, runner, busy=cfg.overlap_busy, skip_group=skip_group)

@@ -103,6 +103,8 @@ def _link_dist(info: str, old_venv: str, new_venv: str) -> int:
         elif os.path.commonpath([src, old_venv]) == old_venv:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             _copy_script(src, dst, old_venv, new_venv)
+        else:
+            continue  # outside the venv: not pip's to find there
         size += os.path.getsize(src)
     return size
 

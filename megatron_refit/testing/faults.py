@@ -102,7 +102,15 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
     if how not in BREAKS:
         raise ValueError(f"break_post_load: {how!r} is not one of {list(BREAKS)}")
     finalize, set_state = storage.finalize, storage.set_state
-    names = sorted(spec.name for spec in storage.target_specs())  # what the refit writes (buffer(name))
+    specs = {spec.name: spec for spec in storage.target_specs()}  # what the refit writes (buffer(name))
+    names = sorted(specs)
+    stale = next((n for n in names if re.search(r"layers\.0\.mlp\.(experts\.0\.)?down_proj", n)), None)
+    if how == "stale_tensor" and (stale is None or specs[stale].dtype.startswith("float8")):
+        # an FP8 weight lands in a staging buffer, dequantized into the live one after the load:
+        # putting the staged bytes back would leave what the engine computes with unbroken
+        raise ValueError(f"break_post_load: stale_tensor needs the first layer's MLP down projection as a live "
+                         f"weight the refit writes, got {stale!r}"
+                         f"{' (FP8: staged; stale_scale breaks an FP8 engine)' if stale else ''}")
     layer = "model.layers.0."
     before: dict = {}
     scales: dict = {}
@@ -111,8 +119,7 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         if state == "updating" and armed[0] and how == "unload_layer":
             before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
         if state == "updating" and armed[0] and how == "stale_tensor":
-            name = next(n for n in names if re.search(r"layers\.0\.mlp\.(experts\.0\.)?down_proj", n))
-            before[name] = storage.buffer(name).detach().clone()
+            before[stale] = storage.buffer(stale).detach().clone()
         set_state(state, version)
 
     def broken():
