@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
+from megatron_refit.plan import calibration
 from megatron_refit.plan.probe import (BULK_MIN_TOKENS, DEFAULT_COVER_TOKENS, Probe, Reference, bulk, compare,
                                       default_tolerance, make_probe, mean_difference, relative_tolerance)
 
@@ -32,14 +33,16 @@ logger = logging.getLogger(__name__)
 
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
                 "refit/serving_mean_dlogprob", "refit/serving_bulk", "refit/serving_s", "refit/serving_reference_s",
-                "refit/serving_experts_covered", "refit/serving_experts_total")
+                "refit/serving_experts_covered", "refit/serving_experts_total", "refit/serving_calibrated")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
 log-prob|, the largest of their mean |Δ| over the probe's tokens and of their bulk (the 90 %
 quantile of |Δ| as a share of each token's tolerance), the check's seconds (the
 trainer's reference plus the slowest replica's answer) and the reference's alone, and of a MoE
 model the (layer, expert) pairs the probe routes to under the trainer's router at the last
-reference, of all of them (0 of 0: a dense model, or no reference yet); each replica's
+reference, of all of them (0 of 0: a dense model, or no reference yet), the replicas judged
+against their calibrated noise (:mod:`~megatron_refit.plan.calibration`; the others against the
+rounding bound: a replica's first check, or every check under ``refit.verify: off``); each replica's
 difference also under ``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
 
 
@@ -125,6 +128,15 @@ class ServingCheck:
         """Replicas that passed a check since they joined or last failed."""
         self.unable: set[int] = set()
         """``auto``: replicas whose engine cannot score the probe (not asked again until they rejoin)."""
+        self.calibrate = cfg.verify != "off"
+        """Replicas' limits from their own clean noise (:mod:`~megatron_refit.plan.calibration`),
+        measured only where the refit proves the bytes (``refit.verify``)."""
+        self.profiles: dict[int, calibration.Profile] = {}
+        """Train rank 0: each replica's clean noise, measured at its first passed check."""
+        if self.enabled and not self.calibrate and rank == 0:
+            logger.warning("refit.verify_serving: refit.verify is off, so no refit proves the bytes a calibration "
+                           "would measure the engine's noise on: every check is judged against the dtype's rounding "
+                           "bound alone (refit/serving_calibrated stays 0)")
 
     def _turn_off(self, why: str) -> None:
         """``auto`` where the check cannot run: off, said once (and counted per refit in
@@ -196,9 +208,25 @@ class ServingCheck:
             raise ServingMismatchError(f"refit {version}: engine replica {replica} failed to serve the probe ({why})",
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
+        profile = self.profiles.get(replica)
+        bound = calibration.limits(profile)
+        said = "" if profile is None else (
+            f"; calibrated on the clean noise this replica showed at version {profile.version}: each token within "
+            f"{calibration.TOKEN_MARGIN:g}x its worst share {profile.worst:.3g}, the {calibration.QUANTILE:.0%} "
+            f"quantile within {calibration.BULK_MARGIN:g}x its {_num(profile.bulk)}")
         try:
-            worst = compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
-                            floor=self.floor, replica=replica, version=version)
+            try:
+                worst = compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
+                                floor=self.floor, replica=replica, version=version, share=bound.token,
+                                calibrated_bulk=None if bound.bulk is None else (calibration.QUANTILE, bound.bulk),
+                                calibrated=said)
+            except ServingMismatchError as exc:
+                if profile is not None or not self.calibrate:
+                    raise
+                raise ServingMismatchError(
+                    f"{exc}. This was its calibration check (its first since it joined, where its clean noise is "
+                    f"measured, judged against the rounding bound): it has no calibration", replica=replica,
+                    version=version, max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
@@ -210,13 +238,25 @@ class ServingCheck:
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
+        self._calibrate(replica, version, served, reference, probe)
         share = bulk(served, reference, tolerance=self.tolerance, relative=self.relative)
         if share is None and not self._said_short:
             logger.warning("refit.verify_serving: the serving probe scores %d tokens, fewer than %d: each is judged "
                            "against its own tolerance, the probe's bulk (refit/serving_bulk) is not judged",
                            probe.num_tokens, BULK_MIN_TOKENS)
             self._said_short = True
-        return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share)
+        return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
+                    calibrated=profile is not None, limit=bound.token, bulk_limit=bound.bulk)
+
+    def _calibrate(self, replica: int, version: int, served, reference: Reference, probe: Probe) -> None:
+        """After replica ``replica`` passed a check: its profile measured where one is due
+        (:func:`~megatron_refit.plan.calibration.due`)."""
+        profile = self.profiles.get(replica)
+        if not self.calibrate or not calibration.due(profile, probe.sequences):
+            return
+        new = calibration.measure(served, reference, probe.sequences, tolerance=self.tolerance,
+                                  relative=self.relative, version=version)
+        self.profiles[replica] = new if profile is None else calibration.remeasured(profile, new)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
                replicas: list[int] = ()) -> dict:
@@ -245,7 +285,9 @@ class ServingCheck:
                                               if "max_dlogprob" in v), default=0.0),
                    "refit/serving_s": reference_s + max((v["seconds"] for v in found.values()), default=0.0),
                    "refit/serving_reference_s": reference_s, "refit/serving_experts_covered": self.experts[0],
-                   "refit/serving_experts_total": self.experts[1]}
+                   "refit/serving_experts_total": self.experts[1],
+                   "refit/serving_calibrated": sum(bool(v.get("calibrated")) for v in found.values()
+                                                   if "max_dlogprob" in v)}
         metrics.update({f"refit/serving_max_dlogprob/replica_{r}": d for r, d in sorted(checked.items())})
         return metrics
 
@@ -253,6 +295,11 @@ class ServingCheck:
         """Replica ``replica`` left or was dropped: a new one under its index starts unchecked."""
         self.verified.discard(replica)
         self.unable.discard(replica)
+        self.profiles.pop(replica, None)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def stale_of(answer: Any) -> list[str]:

@@ -4,8 +4,10 @@ on a 64-expert top-8 MoE, in a nearly flat and in a peaked model state (#50 item
 :func:`power_rank` (one spawned rank, :func:`~megatron_refit.testing.launch.run_spawned`) builds
 Qwen3-MoE through Megatron-Bridge in bf16 for each state of :data:`STATES`, trains it (Adam), then
 runs 20 refits at lr 1e-6 into an HF engine in bf16, each checked by
-:class:`~megatron_refit.fleet.serving.ServingCheck` with its defaults; then, at the last version,
-an engine whose post-load step breaks the model as each of :data:`FAULTS` says. Used by
+:class:`~megatron_refit.fleet.serving.ServingCheck` with its defaults (the first calibrates the
+replica's limits, #68; its weights are not read back: ``readback: false``); then, at the last
+version, an engine whose post-load step breaks the model as each of :data:`FAULTS` says, and what
+the rounding bound alone would say of it. Used by
 ``tests/megatron/test_serving_bf16.py`` and ``scripts/bench_serving.py`` (its ``power`` section).
 """
 
@@ -74,7 +76,8 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.fleet.serving import ServingCheck
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.plan.probe import bulk
+    from megatron_refit.plan.calibration import limits
+    from megatron_refit.plan.probe import bulk, compare
 
     init_gloo(rank, world, port)
     init_model_parallel(TrainLayout())
@@ -106,7 +109,14 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             except ServingMismatchError as exc:
                 finite = all(math.isfinite(x) for row in served for x in row)
                 share = bulk(served, reference, tolerance=check.tolerance, relative=check.relative) if finite else None
-                return dict(max_dlogprob=exc.max_dlogprob, message=str(exc), bulk=math.inf if share is None else share)
+                try:  # what the rounding bound alone (the uncalibrated check) says of it
+                    compare(served, reference, probe, tolerance=check.tolerance, relative=check.relative,
+                            floor=check.floor, replica=0, version=version)
+                    rounding = True
+                except ServingMismatchError:
+                    rounding = False
+                return dict(max_dlogprob=exc.max_dlogprob, message=str(exc), bulk=math.inf if share is None else share,
+                            rounding_passes=rounding)
 
         clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
         for version in range(1, CLEAN_REFITS + 1):
@@ -119,8 +129,11 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             broken = load(HFStorage.from_config(cfg, dtype=torch.bfloat16), CLEAN_REFITS + 1)
             break_engine(broken.model, fault)
             faults[fault] = verdict(broken, CLEAN_REFITS + 1, probe, reference)
+        profile = check.profiles[0]
         found[state] = dict(clean=clean, faults=faults, loss=loss, experts=check.experts,
-                            tolerance=check.tolerance, relative=check.relative)
+                            tolerance=check.tolerance, relative=check.relative,
+                            calibration=dict(version=profile.version, worst=profile.worst, bulk=profile.bulk,
+                                             token_limit=limits(profile).token, bulk_limit=limits(profile).bulk))
     return found
 
 
@@ -140,9 +153,13 @@ def summary(found: dict) -> dict:
                           clean_max_dlogprob=max(r["max_dlogprob"] for r in clean),
                           clean_mean_dlogprob=max(r.get("mean_dlogprob", math.inf) for r in clean),
                           clean_bulk=max(r.get("bulk") or 0.0 for r in clean), bulk_limit=BULK,
+                          readback=False, calibration=got["calibration"],
+                          clean_calibrated=sum(bool(r.get("calibrated")) for r in clean),
                           tolerance=got["tolerance"], relative=got["relative"], loss=got["loss"],
                           experts_covered=got["experts"][0], experts_total=got["experts"][1],
-                          faults={f: dict(max_dlogprob=moved[f], bulk=shares[f], caught=caught[f]) for f in moved},
+                          faults={f: dict(max_dlogprob=moved[f], bulk=shares[f], caught=caught[f],
+                                          rounding_bound_passes=got["faults"][f].get("rounding_passes", True))
+                                  for f in moved},
                           smallest_caught=None if smallest is None else dict(fault=smallest,
                                                                               max_dlogprob=moved[smallest]))
     return out
