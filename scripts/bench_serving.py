@@ -31,9 +31,11 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   after its extension).
 
 - ``power``: what the check sees at bf16 (:mod:`megatron_refit.testing.serving_power`): a
-  64-expert top-8 Qwen3-MoE nearly flat and peaked, 20 clean refits at lr 1e-6 each, then five
-  engines broken after the load; per state the clean max and mean |Δ|, the thresholds, each
-  fault's |Δ| and whether it was caught, and ``smallest_caught``.
+  64-expert top-8 Qwen3-MoE nearly flat and peaked, 20 clean refits at lr 1e-6 each (the first
+  calibrates the limits, #68; the weights are not read back: ``readback: false``), then six
+  engines broken after the load; per state the clean max and mean |Δ|, the calibration and its
+  limits, each fault's |Δ|, whether it was caught and whether the rounding bound alone passes it,
+  and ``smallest_caught``; a fault not caught is printed beside the clean noise it stays in.
 
 ``--larger``: about 5M parameters (``bench_overlap.py``'s model) instead of the tests' one.
 ``--json``: the last line is one JSON object.
@@ -164,11 +166,20 @@ def main(argv=None) -> dict:
     result["power"] = summary(run_spawned(power_rank, 1, timeout_s=900)[0])
     for state, p in result["power"].items():
         seen = [f for f, v in p["faults"].items() if v["caught"]]
-        print(f"power, {state} (bf16, 64 experts top-8): {p['clean_passed']} of {p['clean_refits']} clean refits "
-              f"pass (max |dlogprob| {p['clean_max_dlogprob']:.3g}, mean {p['clean_mean_dlogprob']:.2g}; tolerance "
-              f"{p['tolerance']:g} + {p['relative']:g} x the logits' magnitude; bulk {p['clean_bulk']:.3g} of "
-              f"{p['bulk_limit']:g}); caught {seen}; smallest caught {p['smallest_caught']}; faults' bulk "
-              f"{ {f: round(v['bulk'], 3) for f, v in p['faults'].items()} }", flush=True)
+        cal = p["calibration"]
+        print(f"power, {state} (bf16, 64 experts top-8, readback {p['readback']}): {p['clean_passed']} of "
+              f"{p['clean_refits']} clean refits pass, {p['clean_calibrated']} of them against the limits calibrated "
+              f"at version {cal['version']} (tail {cal['tail_limit']:.3g}, 80 % quantile {cal['bulk_limit']:.3g} "
+              f"of the rounding bound {p['tolerance']:g} + {p['relative']:g} x the logits' magnitude); clean max "
+              f"|dlogprob| {p['clean_max_dlogprob']:.3g}, mean {p['clean_mean_dlogprob']:.2g}, bulk "
+              f"{p['clean_bulk']:.3g}; caught {seen} (of them the rounding bound alone passes "
+              f"{[f for f in seen if p['faults'][f]['rounding_bound_passes']]}); smallest caught "
+              f"{p['smallest_caught']}", flush=True)
+        for fault, v in p["faults"].items():
+            if not v["caught"]:
+                print(f"  {fault}: not caught, within the calibrated limits (the clean noise and its margins): "
+                      f"max |dlogprob| {v['max_dlogprob']:.3g} (clean "
+                      f"{p['clean_max_dlogprob']:.3g}), bulk {v['bulk']:.3g} (clean {p['clean_bulk']:.3g})", flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=cpu_model(), seconds=time.perf_counter() - t0)
     if args.json:

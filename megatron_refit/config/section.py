@@ -185,7 +185,10 @@ class RefitConfig:
     compare with (a trainer of bare pieces) or an engine cannot score. ``auto``: every
     10th refit and the first to each replica, where both can (off elsewhere, said once in the log;
     ``refit/serving_checked`` counts the replicas checked). ``off``. (A bare YAML ``on`` / ``off``
-    is taken as the mode.) Cost and what it catches: docs/guide-serving.md."""
+    is taken as the mode.) A replica's first check also measures its clean noise, and its later
+    checks must keep the probe's tail and bulk within about twice that, as well as the tolerance
+    (under ``verify: off``, which proves no refit's bytes, the tolerance alone). Cost and what it
+    catches: docs/guide-serving.md."""
     serving_probe: dict | None = None
     """The probe of ``verify_serving``: ``{sequences: 4, length: 16, seed: 0}`` (token ids drawn
     uniformly from the vocabulary with the seed), or ``{tokens: [[id, ...], ...]}``; null: the

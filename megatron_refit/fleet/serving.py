@@ -209,17 +209,11 @@ class ServingCheck:
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
         profile = self.profiles.get(replica)
-        bound = calibration.limits(profile)
-        said = "" if profile is None else (
-            f"; calibrated on the clean noise this replica showed at version {profile.version}: each token within "
-            f"{calibration.TOKEN_MARGIN:g}x its worst share {profile.worst:.3g}, the {calibration.QUANTILE:.0%} "
-            f"quantile within {calibration.BULK_MARGIN:g}x its {_num(profile.bulk)}")
+        bound = None if profile is None else calibration.limits(profile)
         try:
             try:
                 worst = compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
-                                floor=self.floor, replica=replica, version=version, share=bound.token,
-                                calibrated_bulk=None if bound.bulk is None else (calibration.QUANTILE, bound.bulk),
-                                calibrated=said)
+                                floor=self.floor, replica=replica, version=version)
             except ServingMismatchError as exc:
                 if profile is not None or not self.calibrate:
                     raise
@@ -227,6 +221,10 @@ class ServingCheck:
                     f"{exc}. This was its calibration check (its first since it joined, where its clean noise is "
                     f"measured, judged against the rounding bound): it has no calibration", replica=replica,
                     version=version, max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
+            values = calibration.shares(served, reference, tolerance=self.tolerance, relative=self.relative)
+            if bound is not None:
+                calibration.judge(values, bound, tolerance=self.tolerance, relative=self.relative, replica=replica,
+                                  version=version, worst=worst)
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
@@ -238,7 +236,7 @@ class ServingCheck:
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
-        self._calibrate(replica, version, served, reference, probe)
+        self._calibrate(replica, version, values, probe)
         share = bulk(served, reference, tolerance=self.tolerance, relative=self.relative)
         if share is None and not self._said_short:
             logger.warning("refit.verify_serving: the serving probe scores %d tokens, fewer than %d: each is judged "
@@ -246,16 +244,16 @@ class ServingCheck:
                            probe.num_tokens, BULK_MIN_TOKENS)
             self._said_short = True
         return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
-                    calibrated=profile is not None, limit=bound.token, bulk_limit=bound.bulk)
+                    calibrated=bound is not None, tail=calibration.tail(values),
+                    tail_limit=None if bound is None else bound.tail)
 
-    def _calibrate(self, replica: int, version: int, served, reference: Reference, probe: Probe) -> None:
-        """After replica ``replica`` passed a check: its profile measured where one is due
-        (:func:`~megatron_refit.plan.calibration.due`)."""
+    def _calibrate(self, replica: int, version: int, values: list[float], probe: Probe) -> None:
+        """After replica ``replica`` passed a check with these :func:`~megatron_refit.plan.calibration.shares`:
+        its profile measured where one is due (:func:`~megatron_refit.plan.calibration.due`)."""
         profile = self.profiles.get(replica)
         if not self.calibrate or not calibration.due(profile, probe.sequences):
             return
-        new = calibration.measure(served, reference, probe.sequences, tolerance=self.tolerance,
-                                  relative=self.relative, version=version)
+        new = calibration.measure(values, probe.sequences, version=version)
         self.profiles[replica] = new if profile is None else calibration.remeasured(profile, new)
 
     def record(self, found: dict[int, dict], failures: dict[int, str], reference_s: float,
@@ -296,10 +294,6 @@ class ServingCheck:
         self.verified.discard(replica)
         self.unable.discard(replica)
         self.profiles.pop(replica, None)
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def stale_of(answer: Any) -> list[str]:

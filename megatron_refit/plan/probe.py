@@ -191,8 +191,7 @@ def default_tolerance(dtype: str, *, fp8: bool = False, lora: bool = False) -> f
 
 
 def compare(served: Any, reference: Reference | list[list[float]], probe: Probe, *, tolerance: float,
-            floor: float, replica: int, version: int, relative: float = 0.0, share: float = 1.0,
-            calibrated_bulk: tuple[float, float] | None = None, calibrated: str = "") -> float:
+            floor: float, replica: int, version: int, relative: float = 0.0) -> float:
     """The largest |Δ log-prob| between what replica ``replica`` served for ``probe`` and the
     trainer's ``reference`` (one list per sequence, one value per scored token).
 
@@ -203,10 +202,7 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
     largest difference, how many tokens exceed and the first of them (a NaN or inf on either
     side, or a reply of another shape, always fails). ``floor``: this dtype's default tolerance;
     a mismatch that stays under it says the configured tolerance is tighter than the measured
-    numerical noise. ``share`` and ``calibrated_bulk``: the replica's calibrated limits
-    (:mod:`~megatron_refit.plan.calibration`: each token within ``share`` of its tolerance, and
-    ``(quantile, limit)``: that quantile of the shares within ``limit``, beside the bulk's
-    :data:`BULK`), ``calibrated`` what they come from, said in the error."""
+    numerical noise."""
     if not isinstance(reference, Reference):
         reference = Reference(reference)
     where = f"refit {version}: engine replica {replica}"
@@ -218,43 +214,33 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
                                    f"{shape}: it does not serve the probe as the trainer scores it",
                                    replica=replica, version=version, max_dlogprob=math.inf, first=None)
     scale = reference.scale or [[0.0] * len(s) for s in reference.logprobs]
-    worst, beyond, first, pair, within_floor, within_bound = 0.0, 0, None, None, True, True
+    worst, beyond, first, pair, within_floor = 0.0, 0, None, None, True
     for i, (got, want, sizes) in enumerate(zip(served, reference.logprobs, scale, strict=True)):
         for t, (g, w, size) in enumerate(zip(got, want, sizes, strict=True)):
             extra = relative * float(size)
-            limit = share * (tolerance + extra)
             # anything non-finite on either side (a NaN reference too: max() would keep 0.0 past it, and a
             # NaN limit compares False) fails
             finite = (g is not None and w is not None and math.isfinite(float(g)) and math.isfinite(float(w))
                       and math.isfinite(extra))
             d = abs(float(g) - float(w)) if finite else math.inf
             worst = max(worst, d)
-            if not finite or d > limit:
+            if not finite or d > tolerance + extra:
                 beyond += 1
-                within_floor = within_floor and d <= share * (floor + extra)
-                within_bound = within_bound and d <= tolerance + extra
+                within_floor = within_floor and d <= floor + extra
                 if first is None:
                     first, pair = (i, t + 1), (g, w)
     if not beyond:
         _judge_bulk(served, reference, tolerance=tolerance, floor=floor, relative=relative, worst=worst,
                     where=where, replica=replica, version=version)
-        if calibrated_bulk is not None:
-            _judge_bulk(served, reference, tolerance=tolerance, floor=floor, relative=relative, worst=worst,
-                        where=where, replica=replica, version=version, quantile=calibrated_bulk[0],
-                        limit=calibrated_bulk[1], calibrated=calibrated)
         return worst
     tight = ""
-    if share < 1.0 and within_bound:
-        tight = ("; each within the rounding bound itself (a difference the uncalibrated check lets pass), beyond "
-                 "the noise this replica showed clean")
-    elif within_floor and tolerance < floor:
+    if within_floor:
         tight = (f"; every difference is within this dtype's measured numerical noise (default tolerance "
                  f"{floor:g}): refit.serving_tolerance={tolerance:g} is too tight for it, raise it (or set null)")
     raise ServingMismatchError(
         f"{where} does not serve the trainer's model: its log-probs differ from the trainer's by up to "
-        f"{worst:.4g}, {beyond} of the probe's {probe.num_tokens} tokens beyond "
-        f"{_share(share)}the tolerance {tolerance:g} + {relative:g} x their logits' magnitude{calibrated}; first "
-        f"beyond it at sequence {first[0]}, token "
+        f"{worst:.4g}, {beyond} of the probe's {probe.num_tokens} tokens beyond the tolerance "
+        f"{tolerance:g} + {relative:g} x their logits' magnitude; first beyond it at sequence {first[0]}, token "
         f"{first[1]} (served {pair[0]}, trainer {_value(pair[1])}). Its bytes landed; the engine computes with "
         f"something else (e.g. its post-load step). It has not landed version {version}; its next refit is a "
         f"full one{tight}",
@@ -262,7 +248,7 @@ def compare(served: Any, reference: Reference | list[list[float]], probe: Probe,
 
 
 def bulk(served: list[list[float]], reference: Reference | list[list[float]], *, tolerance: float,
-         relative: float = 0.0, quantile: float = BULK_QUANTILE) -> float | None:
+         relative: float = 0.0) -> float | None:
     """The :data:`BULK_QUANTILE` (nearest rank) of every scored token's ``|Δ log-prob|`` as a share
     of its tolerance ``tolerance + relative x`` its :attr:`Reference.scale` (after :func:`compare`'s
     per-token pass: both finite and of the probe's shape); None for a probe of fewer than
@@ -275,27 +261,25 @@ def bulk(served: list[list[float]], reference: Reference | list[list[float]], *,
                     for g, w, size in zip(got, want, sizes, strict=True))
     if len(shares) < BULK_MIN_TOKENS:
         return None
-    return shares[math.ceil(quantile * len(shares)) - 1]
+    return shares[math.ceil(BULK_QUANTILE * len(shares)) - 1]
 
 
 def _judge_bulk(served, reference: Reference, *, tolerance: float, floor: float, relative: float, worst: float,
-                where: str, replica: int, version: int, quantile: float = BULK_QUANTILE, limit: float = BULK,
-                calibrated: str = "") -> None:
-    """:class:`~megatron_refit.errors.ServingMismatchError` where the probe's :func:`bulk` (at
-    ``quantile``) exceeds ``limit`` (every token within its own tolerance, but most of them far off
-    the clean noise)."""
-    share = bulk(served, reference, tolerance=tolerance, relative=relative, quantile=quantile)
-    if share is None or share <= limit:
+                where: str, replica: int, version: int) -> None:
+    """:class:`~megatron_refit.errors.ServingMismatchError` where the probe's :func:`bulk` exceeds
+    :data:`BULK` (every token within its own tolerance, but most of them far off the clean noise)."""
+    share = bulk(served, reference, tolerance=tolerance, relative=relative)
+    if share is None or share <= BULK:
         return
     tight = ""
-    if tolerance < floor and bulk(served, reference, tolerance=floor, relative=relative, quantile=quantile) <= limit:
+    if tolerance < floor and bulk(served, reference, tolerance=floor, relative=relative) <= BULK:
         tight = (f"; within this dtype's measured numerical noise (default tolerance {floor:g}): "
                  f"refit.serving_tolerance={tolerance:g} is too tight for it, raise it (or set null)")
     n = sum(len(s) for s in served)
     raise ServingMismatchError(
-        f"{where} does not serve the trainer's model: the bulk of its log-probs is off, {quantile:.0%} of the "
-        f"probe's {n} tokens should differ from the trainer's by at most {limit:.3g} of their tolerance "
-        f"({tolerance:g} + {relative:g} x their logits' magnitude{calibrated}) and the {quantile:.0%} quantile is "
+        f"{where} does not serve the trainer's model: the bulk of its log-probs is off, {BULK_QUANTILE:.0%} of the "
+        f"probe's {n} tokens should differ from the trainer's by at most {BULK:g} of their tolerance "
+        f"({tolerance:g} + {relative:g} x their logits' magnitude) and the {BULK_QUANTILE:.0%} quantile is "
         f"{share:.3g} of it (the largest difference {worst:.4g}). Clean noise moves a few tokens; this moves most "
         f"of them (a wrong RoPE base, a scale left off or applied twice). It has not landed version {version}; its "
         f"next refit is a full one{tight}",
@@ -310,10 +294,6 @@ def mean_difference(served: list[list[float]], reference: Reference | list[list[
     diffs = [abs(float(g) - float(w)) for got, want in zip(served, reference, strict=True)
              for g, w in zip(got, want, strict=True)]
     return sum(diffs) / len(diffs) if diffs else 0.0
-
-
-def _share(share: float) -> str:
-    return "" if share >= 1.0 else f"{share:.3g} of "
 
 
 def _value(x: Any) -> str:

@@ -394,7 +394,8 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         report = fleet.refit(version)
         item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
                     members=sorted(fleet.members),
-                    serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving_max_dlogprob/")})
+                    serving={k: v for k, v in report.summary.items() if k.startswith("refit/serving_max_dlogprob/")},
+                    calibrated=report.summary["refit/serving_calibrated"])
         if rank == 0:
             item["checks"] = [ask(g, "check", _step(version)) for g in range(3 if version >= 3 else 2)]
         out.append(item)
@@ -440,6 +441,9 @@ def test_sglang_fleet_engine_error_stays_on_its_replica_and_a_new_engine_joins(f
     assert items[2]["joined"] == 2
     checked = [sorted(int(k.rsplit("_", 1)[1]) for k in item["serving"]) for item in items]
     assert checked == [[0, 1], [0], [0, 1, 2], [0, 1, 2], [0, 1, 2]]  # 1 failed at 2: not served, not asked
+    # judged against their own calibrated noise from their second check on (a replica's first measures it; a
+    # failure keeps it: 1 at 3, 0 at 5; the broken 0 at 4 is caught, not counted)
+    assert [item["calibrated"] for item in items] == [0, 1, 2, 2, 3]
     for item in items:
         for key, dlogprob in item["serving"].items():
             assert dlogprob <= (1e-5 if not (item is items[3] and key.endswith("_0")) else float("inf")), (key, item)

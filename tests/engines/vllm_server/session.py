@@ -250,6 +250,7 @@ def session_tp2(rank: int, world: int, port: int, url: str, server_pid: int, ref
         return dict(step=step, delta=report.delta, megatron=greedy_decode(built, prompt, NEW_TOKENS),
                     checked=report.summary["refit/serving_checked"],
                     dlogprob=report.summary["refit/serving_max_dlogprob"],
+                    calibrated=report.summary["refit/serving_calibrated"],
                     serving_s=report.summary["refit/serving_s"], refit_s=report.summary["refit/total_s"], **served)
 
     refits = [refit_once(step) for step in (1, 2)]

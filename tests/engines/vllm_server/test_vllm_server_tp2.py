@@ -38,6 +38,7 @@ def test_vllm_server_gen_tp2_refits_match_the_megatron_greedy_decode(refits):
     last = str(3 + len(s.TP2_BREAKS))
     assert [r["version"] for r in refits] == ["1", "2", last]
     assert [r["delta"] for r in refits] == [False, True, False]  # full, after the replica failed the last
+    assert [r["calibrated"] for r in refits] == [0, 1, 1]  # its first check measures its noise; kept past failures
     for r in refits:
         assert r["tokens"] == r["megatron"], r
         assert r["checked"] == 1 and r["dlogprob"] <= 1e-3, r  # verify_serving: on, float32
