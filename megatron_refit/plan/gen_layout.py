@@ -2,7 +2,9 @@
 
 ``style="vllm"`` follows vLLM's tensor-parallel sharding, decided by the parameter's role
 (the last components of its HF name); ``style="full"`` is a receiver that holds every
-parameter whole (e.g. Hugging Face transformers at TP1).
+parameter whole (e.g. Hugging Face transformers at TP1). A replica may be one wide
+expert-parallel deployment of data-parallel ranks (``attention_dp``, an expert placement):
+:mod:`megatron_refit.plan.deployment`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_refit.plan.deployment import ExpertHolders
+from megatron_refit.plan.expert_placement import ExpertPlacement
 from megatron_refit.plan.fp8_layout import BLOCK, scale_box, scale_shape, weight_name
 from megatron_refit.plan.roles import EXPERT_RE, param_role
 from megatron_refit.plan.spec import Box, ShardSpec, box_along, full_box
@@ -20,24 +24,50 @@ VOCAB_PADDING = 64
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GenLayout:
-    """Parallel sizes of the generation engine. ``gen_rank = dp_index * tp + tp_rank``."""
+    """Parallel sizes of the generation engine: ``dp`` replicas of one deployment each, a
+    deployment ``attention_dp`` data-parallel ranks of ``tp`` tensor-parallel ranks.
+    ``gen_rank = replica * deployment_size + dp_rank * tp + tp_rank`` (``dp_index * tp + tp_rank``
+    where ``attention_dp`` is 1)."""
 
     tp: int = 1
-    """Tensor-parallel size of one engine replica."""
+    """Tensor-parallel size inside one deployment (of its attention)."""
     dp: int = 1
     """Number of engine replicas."""
     expert_parallel: bool = False
-    """vLLM ``enable_expert_parallel``: routed experts split whole over the TP ranks."""
+    """vLLM ``enable_expert_parallel``: routed experts split whole over the deployment's ranks."""
+    attention_dp: int = 1
+    """Data-parallel ranks inside one deployment (vLLM ``--data-parallel-size``, SGLang ``--dp``
+    with ``--enable-dp-attention``): attention is replicated over them, the routed experts spread
+    over all ``tp * attention_dp`` ranks. In a dense model (``num_experts`` 0) they hold the same
+    pieces as replicas would: :func:`gen_targets` plans them as ``dp * attention_dp`` replicas."""
+    placement: ExpertPlacement | None = None
+    """The physical expert slots under ``expert_parallel`` (EP size ``tp * attention_dp``); None:
+    vLLM's initial linear map with no redundant experts (where ``attention_dp`` is 1 too: each
+    TP rank holds ``num_experts // tp`` consecutive experts, as before)."""
 
     def __post_init__(self) -> None:
-        for axis in ("tp", "dp"):
+        for axis in ("tp", "dp", "attention_dp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GenLayout.{axis} must be a positive int, got {value!r}")
+        if self.placement is not None:
+            if not isinstance(self.placement, ExpertPlacement):
+                raise ValueError(f"GenLayout.placement must be an ExpertPlacement or None, got {self.placement!r}")
+            if not self.expert_parallel:
+                raise ValueError("GenLayout.placement places experts under expert parallelism: set "
+                                 "expert_parallel=True")
+            if self.placement.ep_size != self.deployment_size:
+                raise ValueError(f"GenLayout.placement.ep_size={self.placement.ep_size} is not the deployment's "
+                                 f"tp * attention_dp = {self.tp} * {self.attention_dp}")
+
+    @property
+    def deployment_size(self) -> int:
+        """Ranks of one deployment (one replica): ``tp * attention_dp``."""
+        return self.tp * self.attention_dp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.deployment_size * self.dp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,15 +196,26 @@ def _scale_boxes(name: str, shape: tuple[int, ...], params: dict, targets: dict,
 
 @dataclass(frozen=True, slots=True)
 class GenTargets:
-    """Every engine TP rank's box of every HF parameter, without a ShardSpec per piece: the
+    """Every class of engine ranks' box of every HF parameter, without a ShardSpec per piece: the
     compact form of :func:`gen_target_classes`, which a full-scale dry run plans from."""
 
     ranks: tuple[tuple[int, ...], ...]
-    """Gen ranks of each class: class ``i`` is engine TP rank ``i`` and its DP replicas."""
+    """Gen ranks of each class: class ``i`` is rank ``i`` of a deployment (its TP rank where
+    ``attention_dp`` is 1, or the model is dense) and the same rank of the other replicas."""
     params: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]]]
     """``{HF name: (global shape, dtype, box per class, None where a class holds none of it)}``,
     in the order :func:`gen_target_classes` lists them; parameters of one role and shape share
     one tuple of boxes."""
+
+
+def _deployment_boxes(name: str, shape: tuple[int, ...], layout: GenLayout, flat: GenLayout, model: ModelShape,
+                      role: str) -> tuple[Box | None, ...]:
+    """Per deployment rank ``i``: routed experts without expert parallelism sharded over the whole
+    deployment at ``i`` (vLLM's flattened MoE TP), every other parameter at TP rank ``i % tp``."""
+    if role in ("expert_column", "expert_row"):
+        return tuple(_vllm_box(name, shape, flat, i, model, role) for i in range(flat.tp))
+    return tuple(_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp)) * \
+        layout.attention_dp
 
 
 def gen_targets(
@@ -184,19 +225,40 @@ def gen_targets(
     *,
     style: str = "vllm",
 ) -> GenTargets:
-    """The box of every parameter on every engine TP rank; ``params`` maps every HF
-    parameter name to ``(global_shape, dtype)``."""
+    """The box of every parameter on every class of engine ranks; ``params`` maps every HF
+    parameter name to ``(global_shape, dtype)``.
+
+    One class per TP rank, its replicas' ranks with it; a deployment of ``attention_dp > 1`` or
+    with an expert ``placement`` (a MoE model): one class per deployment rank ``i`` (the gen ranks
+    ``replica * deployment_size + i``), the dense parameters at TP rank ``i % tp``, each routed
+    expert whole on the ranks that hold a slot of it in its MoE layer
+    (:class:`~megatron_refit.plan.deployment.ExpertHolders`: once per rank however many of its
+    slots hold it), or without expert parallelism sharded over the deployment at ``i``."""
     if style == "full":
         if layout.tp != 1:
             raise ValueError(f"style='full' holds every parameter whole and needs tp=1, got tp={layout.tp}")
+        if layout.attention_dp != 1:
+            raise ValueError(f"style='full' holds every parameter whole on every rank, with no data-parallel ranks "
+                             f"inside a replica: attention_dp must be 1, got {layout.attention_dp}")
     elif style != "vllm":
         raise ValueError(f"unknown gen style {style!r}; expected 'vllm' or 'full'")
-    out: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]]] = {}
+    placement = layout.placement
+    if placement is not None and placement.num_logical_experts != model.num_experts:
+        raise ValueError(f"GenLayout.placement has num_logical_experts={placement.num_logical_experts}, the model "
+                         f"num_experts={model.num_experts}")
+    if layout.attention_dp > 1 and model.num_experts == 0:  # dense: its DP ranks hold what replicas would
+        layout = GenLayout(tp=layout.tp, dp=layout.dp * layout.attention_dp, expert_parallel=layout.expert_parallel)
+    wide = style == "vllm" and (layout.attention_dp > 1 or placement is not None)
+    if wide and layout.expert_parallel and placement is None:
+        placement = ExpertPlacement(num_logical_experts=model.num_experts, ep_size=layout.deployment_size)
+    flat = GenLayout(tp=layout.deployment_size)
+    out: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]] | None] = {}
     # Boxes depend on (role, shape) only, except whole experts under expert parallelism:
     # computed once per (role, shape), and the box objects shared (thousands of experts).
     memo: dict[tuple[str, tuple[int, ...]], tuple[Box | None, ...]] = {}
     roles: dict[str, str] = {}  # by name with the expert index blanked: experts of a layer share a role
     scales = []
+    experts = []  # wide expert parallelism: whole experts, placed once every MoE layer is known
     for name, (shape, dtype) in sorted(params.items()):
         shape = tuple(shape)
         if weight_name(name) is not None:
@@ -211,17 +273,38 @@ def gen_targets(
         if role is None:
             role = roles[template] = param_role(name, len(shape))
         key = None if role.startswith("expert_") and layout.expert_parallel else (role, shape)
+        if key is None and wide:
+            experts.append((name, shape, dtype, name[: expert.start("expert")], int(expert.group("expert"))))
+            out[name] = None  # its place in the order kept
+            continue
         per_rank = memo.get(key) if key is not None else None
         if per_rank is None:
-            per_rank = tuple(_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp))
+            if wide:
+                per_rank = _deployment_boxes(name, shape, layout, flat, model, role)
+            else:
+                per_rank = tuple(_vllm_box(name, shape, layout, tp_rank, model, role) for tp_rank in range(layout.tp))
             if key is not None:
                 memo[key] = per_rank
         out[name] = (shape, dtype, per_rank)
+    if experts:
+        holders = ExpertHolders(placement, {prefix for *_, prefix, _ in experts})
+        placed: dict[tuple, tuple[Box | None, ...]] = {}  # by (shape, ranks): experts of one shape share boxes
+        for name, shape, dtype, prefix, index in experts:
+            per_expert = holders.of_layer(prefix)
+            if index >= len(per_expert):
+                raise ValueError(f"{name}: expert {index} out of range for num_experts={model.num_experts}")
+            ranks = per_expert[index]
+            boxes = placed.get((shape, ranks))
+            if boxes is None:
+                whole = full_box(shape)
+                boxes = placed[shape, ranks] = tuple(whole if i in ranks else None
+                                                     for i in range(layout.deployment_size))
+            out[name] = (shape, dtype, boxes)
     tiles: dict = {}
     for name, shape, dtype in scales:  # FP8 *_scale_inv tiles follow their weight's boxes
         out[name] = (shape, dtype, _scale_boxes(name, shape, params, out, tiles))
-    ranks = tuple(tuple(dp_index * layout.tp + tp_rank for dp_index in range(layout.dp))
-                  for tp_rank in range(layout.tp))
+    size = layout.deployment_size if wide else layout.tp
+    ranks = tuple(tuple(replica * size + i for replica in range(layout.dp)) for i in range(size))
     return GenTargets(ranks=ranks, params=out)
 
 
@@ -232,19 +315,20 @@ def gen_target_classes(
     *,
     style: str = "vllm",
 ) -> list[tuple[tuple[int, ...], list[ShardSpec]]]:
-    """The ShardSpecs per engine TP rank and the gen ranks (its DP replicas) that hold them.
+    """The ShardSpecs per class of engine ranks and the gen ranks that hold them (a TP rank's, or
+    a deployment rank's, in every replica: :func:`gen_targets`).
 
     ``params`` maps every HF parameter name to ``(global_shape, dtype)``.
     """
     targets = gen_targets(params, layout, model, style=style)
-    per_tp_rank: list[list[ShardSpec]] = [[] for _ in targets.ranks]
+    per_class: list[list[ShardSpec]] = [[] for _ in targets.ranks]
     trusted = ShardSpec.trusted
     for name, (shape, dtype, boxes) in targets.params.items():
         is_expert = EXPERT_RE.search(name) is not None
-        for specs, box in zip(per_tp_rank, boxes):
+        for specs, box in zip(per_class, boxes):
             if box is not None:
                 specs.append(trusted(name, shape, dtype, box, is_expert=is_expert))
-    return list(zip(targets.ranks, per_tp_rank))
+    return list(zip(targets.ranks, per_class))
 
 
 def gen_target_specs(

@@ -173,6 +173,7 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
         kinds.append((kind_of, [(s.global_shape, s.dtype, s.box) for s in specs]))
     table: dict[str, tuple] = {}
     interned: dict[tuple, tuple] = {}  # equal box tuples as one object: the assignment groups by identity
+    merged: dict[tuple[int, int], tuple] = {}  # by the entries' identity: names of one pattern merge once
     for names, members in by_names.items():
         name_list = names[0]
         if len(set(name_list)) != len(name_list):
@@ -184,7 +185,13 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
             if entry is None:
                 entry = rows[row] = _row(name, row, members, kinds, ranks, interned)
             prev = table.get(name)
-            table[name] = entry if prev is None else _merge(name, prev, entry, interned)
+            if prev is None:
+                table[name] = entry
+                continue
+            done = merged.get((id(prev), id(entry)))
+            if done is None:  # the entries kept alive with it: their ids stay theirs
+                done = merged[id(prev), id(entry)] = (prev, entry, _merge(name, prev, entry, interned))
+            table[name] = done[2]
     params = {name: entry[:3] for name, entry in sorted(table.items())}
     return GenTargets(ranks=ranks, params=params)
 

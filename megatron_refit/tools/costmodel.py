@@ -105,10 +105,10 @@ def main(argv=None) -> int:
             delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
                                      density=args.delta_density)
         fanout = None
-        fanout_mode = resolve_mode(args.fanout or run.refit.fanout, pairs, tp=run.gen.tp, dp=run.gen.dp,
+        fanout_mode = resolve_mode(args.fanout or run.refit.fanout, pairs, tp=run.gen.deployment_size, dp=run.gen.dp,
                                    bucket_bytes=run.refit.bucket_bytes)
         if fanout_mode != "off" and run.gen.dp > 1:
-            routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=fanout_mode)
+            routes = fanout_routes(pairs, tp=run.gen.deployment_size, dp=run.gen.dp, mode=fanout_mode)
             fanout = (routes, fanout_prediction(routes, train_gpu, gen_gpu, cluster,
                                                 bucket_bytes=run.refit.bucket_bytes))
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok

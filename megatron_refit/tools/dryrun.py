@@ -237,11 +237,12 @@ def fanout_bytes(run: DryRun) -> dict:
     if run.fanout is not None:
         return run.fanout
     pairs = run.senders.route_bytes()
-    mode = resolve_mode(run.refit.fanout, pairs, tp=run.gen.tp, dp=run.gen.dp, bucket_bytes=run.refit.bucket_bytes)
+    mode = resolve_mode(run.refit.fanout, pairs, tp=run.gen.deployment_size, dp=run.gen.dp,
+                        bucket_bytes=run.refit.bucket_bytes)
     if mode == "off" or run.gen.dp < 2:
         run.fanout = {"mode": "off", "bytes_from_trainers": sum(pairs.values()), "bytes_relayed": 0}
     else:
-        routes = fanout_routes(pairs, tp=run.gen.tp, dp=run.gen.dp, mode=mode)
+        routes = fanout_routes(pairs, tp=run.gen.deployment_size, dp=run.gen.dp, mode=mode)
         run.fanout = {"mode": mode, "bytes_from_trainers": routes.bytes_from_trainers,
                       "bytes_relayed": routes.bytes_relayed}
     return run.fanout
