@@ -130,7 +130,7 @@ def test_a_failed_calibration_check_fails_by_name_and_calibrates_nothing():
     assert check.profiles == {}
 
 
-def test_the_profile_is_taken_again_on_a_new_probe_and_never_without_proven_bytes():
+def test_the_profile_is_taken_again_on_a_new_probe_and_never_without_proven_bytes(caplog):
     check = _check()
     probe, reference = Probe(TOKENS), Reference([[-2.0] * 10 for _ in range(5)], [[1.0] * 10 for _ in range(5)])
     for version in range(1, 4):
@@ -140,7 +140,12 @@ def test_the_profile_is_taken_again_on_a_new_probe_and_never_without_proven_byte
     check.verdict(0, 4, lambda: _served(0.011, moved=0.011) + [[-1.0, -1.0]],
                   Reference(reference.logprobs + [[-1.0, -1.0]], reference.scale + [[1.0, 1.0]]), longer)
     assert check.profiles[0].tail == pytest.approx(0.011 / 0.12) and check.profiles[0].tokens == longer.sequences
-    off = _check(verify="off")  # no refit proves its bytes: the rounding bound alone, every check
+    with caplog.at_level("WARNING", logger="megatron_refit.fleet.serving"):
+        off = _check(verify="off")  # no refit proves its bytes: the rounding bound alone, every check, said once
+    assert [r.getMessage() for r in caplog.records] == [
+        "refit.verify_serving: refit.verify is off, so no refit proves the bytes a calibration would measure the "
+        "engine's noise on: every check is judged against the dtype's rounding bound alone (refit/serving_calibrated "
+        "stays 0)"]
     for version in (1, 2):
         assert not off.verdict(0, version, lambda: _served(0.05, moved=0.05), reference, probe)["calibrated"]
     assert off.profiles == {}
