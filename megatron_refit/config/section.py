@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_refit.config.deployment import check_deployment, deployment_layout
 from megatron_refit.registry import engine_named
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.probe import check_probe_spec
@@ -57,6 +58,26 @@ class RefitConfig:
     gen_expert_parallel: bool = False
     """vLLM ``enable_expert_parallel``: routed experts are split whole over an engine
     replica's ranks instead of tensor-sliced."""
+    gen_attention_dp: int = 1
+    """Data-parallel ranks inside one replica, then a wide expert-parallel deployment of
+    ``gen_tp * gen_attention_dp`` ranks (vLLM ``--data-parallel-size`` of a MoE model at
+    ``--tensor-parallel-size gen_tp``; SGLang ``--enable-dp-attention --dp`` at ``--tp gen_tp *
+    gen_attention_dp``): attention TP-sharded over ``gen_tp``, the same on each DP rank; routed
+    experts over all the ranks (``gen_expert_parallel``, EP size ``gen_tp * gen_attention_dp``)
+    or MoE-tensor-sharded over them. ``gen_dp`` counts deployments. The dry run and the cost model
+    plan it; the engines refuse it by name (#64: their side is not built yet)."""
+    gen_expert_placement: str = "linear"
+    """vLLM ``--expert-placement-strategy`` under ``gen_expert_parallel``: ``linear`` or
+    ``round_robin``, which vLLM turns into linear unless the model has expert groups, no
+    redundant experts, no EPLB and (with ``gen_attention_dp > 1``) an all2all backend other than
+    its default; the dry run prints the outcome. SGLang: ``linear``. Engines: ``linear`` (#64)."""
+    gen_redundant_experts: int = 0
+    """Redundant expert slots per MoE layer under ``gen_expert_parallel`` (vLLM
+    ``num_redundant_experts`` of ``--eplb-config``, with ``gen_eplb``; SGLang
+    ``--ep-num-redundant-experts``), planned at the engine's initial map. Engines: 0 (#64)."""
+    gen_eplb: bool = False
+    """``--enable-eplb``: the engine moves experts between its slots while serving. Planned at
+    its initial map; the engines refuse it (#64: the map is not reported at refit yet)."""
     host: str = "127.0.0.1"
     """Rendezvous host of the refit process group (train rank 0's node under SLURM)."""
     port: int = 29600
@@ -272,7 +293,8 @@ class RefitConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
-        for name in ("gen_tp", "gen_dp", "port", "bucket_mb", "direct_mb", "every_n_steps", "timeout_s", "train_dp"):
+        for name in ("gen_tp", "gen_dp", "gen_attention_dp", "port", "bucket_mb", "direct_mb", "every_n_steps",
+                     "timeout_s", "train_dp"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"refit.{name} must be positive, got {value!r}")
@@ -295,6 +317,7 @@ class RefitConfig:
         if self.port > 65535:
             raise ValueError(f"refit.port must be at most 65535, got {self.port}")
         engine.check(gen_tp=self.gen_tp, engine_load=self.engine_load, swap=self.swap)
+        check_deployment(self)
 
     @property
     def serving_every(self) -> int | None:
@@ -314,14 +337,22 @@ class RefitConfig:
         """``direct_mb`` in bytes, or ``"auto"`` (the transport picks)."""
         return "auto" if self.direct_mb is None else max(1, int(self.direct_mb * (1 << 20)))
 
-    def gen_layout(self) -> GenLayout:
-        """The layout of the ``gen_dp`` replicas the job starts with (planning, costs)."""
-        return GenLayout(tp=self.gen_tp, dp=self.gen_dp, expert_parallel=self.gen_expert_parallel)
+    @property
+    def gen_world_size(self) -> int:
+        """Engine ranks of all ``gen_dp`` replicas: ``gen_tp * gen_attention_dp * gen_dp``."""
+        return self.gen_tp * self.gen_attention_dp * self.gen_dp
 
-    def replica_layout(self) -> GenLayout:
+    def gen_layout(self, num_experts: int = 0, num_expert_group: int | None = None) -> GenLayout:
+        """The layout of the ``gen_dp`` replicas the job starts with (planning, costs), for a model
+        of ``num_experts`` routed experts (its expert placement: :mod:`.deployment`)."""
+        return deployment_layout(self, replicas=self.gen_dp, num_experts=num_experts,
+                                 num_expert_group=num_expert_group).layout
+
+    def replica_layout(self, num_experts: int = 0, num_expert_group: int | None = None) -> GenLayout:
         """One replica's layout: every replica, whatever its index (one that joins later
-        too), holds the pieces of its TP rank in it."""
-        return GenLayout(tp=self.gen_tp, dp=1, expert_parallel=self.gen_expert_parallel)
+        too), holds the pieces of its rank in it."""
+        return deployment_layout(self, replicas=1, num_experts=num_experts,
+                                 num_expert_group=num_expert_group).layout
 
     @property
     def gen_style(self) -> str:

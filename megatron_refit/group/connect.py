@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.config.deployment import refuse_wide_ep
 from megatron_refit.group.beats import stall_s
 from megatron_refit.group.store import namespace
 from megatron_refit.transport import open_transport, transport_name
@@ -36,8 +37,11 @@ def check_lora_sync(cfg: RefitConfig) -> None:
 
 
 def check_enabled(cfg: RefitConfig, num_train: int) -> None:
+    """Where a refit starts, on the train ranks and every engine's: ``cfg`` is on, and names no
+    wide expert-parallel deployment (:func:`~megatron_refit.config.deployment.refuse_wide_ep`)."""
     if not cfg.enabled:
         raise ValueError("refit.enabled is false: set enabled: true in the refit section of the training config")
+    refuse_wide_ep(cfg)
     if not isinstance(num_train, int) or num_train < 1:
         raise ValueError(f"num_train must be a positive int, got {num_train!r}")
 

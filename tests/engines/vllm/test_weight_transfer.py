@@ -571,6 +571,16 @@ def test_weight_transfer_bad_init_info_names_the_field(engine, bad, field):
         engine.parse_init_info({**GOOD_INIT, **bad})
 
 
+def test_weight_transfer_refuses_a_wide_expert_parallel_deployment_by_name(engine):
+    """#64: the worker side of a wide expert-parallel deployment is not built: refused at the start of
+    ``init_transfer_engine``, before vLLM's own data-parallel check and before any group is joined."""
+    info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 1, "gen_attention_dp": 2}})
+    with pytest.raises(ValueError, match=r"refit\.gen_attention_dp=2: the engine side of wide expert parallelism is "
+                                         r"not built yet \(#64\): the dry run and the cost model plan it"):
+        engine.init_transfer_engine(info)
+    assert engine.member is None
+
+
 @pytest.mark.parametrize("bad,field", [({"version": -1}, "update_info.version"),
                                        ({"version": "3"}, "update_info.version"),
                                        ({"version": 1, "full": "yes"}, "update_info.full"), ({}, "version"),

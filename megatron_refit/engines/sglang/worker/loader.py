@@ -38,6 +38,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     writing in place into ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
+    from megatron_refit.config.deployment import refuse_wide_ep
     from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import LiveModelStorage
     from megatron_refit.engine_side.entry import engine_refit
@@ -46,6 +47,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     if cfg.engine != "sglang":
         raise ValueError(f"refit.engine is {cfg.engine!r}, but this is SGLang's megatron_refit weight loader "
                          "(set engine: sglang)")
+    refuse_wide_ep(cfg)  # SGLang's DP attention and EPLB: not received into yet (#64)
     if not isinstance(replica, int) or replica < 0:  # any index: one past gen_dp joins the running trainer
         raise ValueError(f"replica must be a non-negative int, got {replica!r}")
     if tp_rank is None:

@@ -44,6 +44,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from megatron_refit import families
+from megatron_refit.config.deployment import refuse_wide_ep
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
@@ -160,6 +161,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise RuntimeError("megatron_refit: init_weight_transfer_engine called twice; call "
                                "shutdown_weight_transfer_engine first")
         cfg = init_info.config
+        refuse_wide_ep(cfg)  # before vLLM's own data_parallel_size check, which would name less
         self.gen_index = self._gen_index(init_info)
         hf_config = self.model_config.hf_config
         params = hf_param_table(hf_config, self.model_config.dtype)
