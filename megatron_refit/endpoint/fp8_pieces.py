@@ -66,7 +66,8 @@ class Fp8Piece:
 
 
 def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
-    """``pieces`` with every quantized weight replaced by its FP8 weight and scale pieces.
+    """``pieces`` with every quantized weight replaced by its FP8 weight and scale pieces. An optional
+    piece (an MTP layer's, which no engine's main model holds: skipped by name) passes unchanged.
 
     Raises ``ValueError`` (naming parameter, dim and boundary) for a piece whose box edge is
     not on the 128-element block grid.
@@ -74,7 +75,7 @@ def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
     out = []
     for piece in pieces:
         spec = piece.spec
-        if not is_quantized(spec.name, spec.global_shape):
+        if getattr(piece, "optional", None) or not is_quantized(spec.name, spec.global_shape):
             out.append(piece)
             continue
         if spec.dtype == "float8_e4m3fn":

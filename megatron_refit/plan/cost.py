@@ -8,8 +8,17 @@ trainer and engine) it is a device copy. Links run in parallel and in both direc
 each GPU's time is the slowest of its five loads (NIC out, NIC in, NVLink out, NVLink in,
 device copy), each divided by its bandwidth, plus a fixed cost per message it handles;
 the refit takes as long as the slowest GPU. Not modelled: the fabric's core (assumed
-non-blocking), the engine's post-load step, and the trainer-side conversions (pack,
-FP8 quantization), which run at HBM speed on GPU.
+non-blocking), the engine's post-load step, and the trainer-side packing (at HBM speed).
+
+Trainer-side FP8 (``refit.trainer_quantize_fp8``): each train rank quantizes every weight piece it
+sends from once per refit (:func:`quantized_bytes`), on its own GPU, lazily before the piece's first
+bucket (``endpoint.fp8_pieces``). The model counts it **serially on that train rank's GPU**: its
+quantize seconds (bytes of bf16 input ÷ ``Cluster.quantize_gbps``) are added to its link time, as
+if none of it overlapped its own sends (an upper bound for that GPU), while the other GPUs' links
+run in parallel as before; every receiver also waits for the first bucket's quantization (a
+pipeline fill). :func:`quantize_busy` builds those seconds for :func:`predict`. The alternative
+bound, the slowest train rank's quantization added to the whole refit, is what the cost model
+prints beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from megatron_refit.plan.spec import box_numel
+
 GB = 1e9
+FP8 = "float8_e4m3fn"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,14 +49,66 @@ class Cluster:
     """Fraction of the nominal bandwidths that NCCL point-to-point transfers reach."""
     latency_s: float = 20e-6
     """Fixed cost per message (launch + rendezvous), charged to both of its ends."""
+    quantize_gbps: float = 128.0
+    """Trainer-side FP8 blockwise quantization on one GPU, in GB/s of bf16 input (not scaled by
+    ``efficiency``: a measured rate): this project's H100 measurement, an 8192x8192 bf16 weight
+    in 1.05 ms (``scripts/gpu_check.py``, ``results/gpu_check_h100.json``, BENCHMARKS.md "GPU
+    checks"; 143 GB/s on an H200, ``results/gpu_checks_2026-11-28.jsonl``)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus_per_node", "nvlink_gbps", "nic_gbps", "copy_gbps", "efficiency"):
+        for name in ("gpus_per_node", "nvlink_gbps", "nic_gbps", "copy_gbps", "efficiency", "quantize_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
         if self.efficiency > 1 or self.latency_s < 0:
             raise ValueError(f"Cluster: efficiency must be in (0, 1] and latency_s >= 0, got "
                              f"{self.efficiency!r}, {self.latency_s!r}")
+
+
+def nic_floor(gen_bytes_max: int, cluster: Cluster) -> float:
+    """Seconds no sending scheme beats on disaggregated GPUs: the busiest gen rank's bytes through its
+    own NIC (each gen rank must receive what it holds, from the train ranks' nodes or a peer's)."""
+    return gen_bytes_max / (cluster.nic_gbps * cluster.efficiency * GB)
+
+
+def quantized_bytes(assignment, *, source_itemsize: int = 2) -> list[int]:
+    """Bytes of high-precision input each train rank quantizes per refit under trainer-side FP8: every
+    FP8 weight piece (its train box) it sends from, once however many gen ranks get it
+    (``endpoint.fp8_pieces`` quantizes a piece whole, on first use). ``assignment``: the plan's
+    :class:`~megatron_refit.plan.assignment.Assignment`; ``source_itemsize``: the training dtype's."""
+    out = [0] * len(assignment.train_bytes)
+    for group in assignment.groups:
+        if group.dtype != FP8:
+            continue
+        live = [(i, box_numel(box)) for i, box in enumerate(group.train_boxes) if any(row[i] for row in group.nbytes)]
+        for holders in group.holders:
+            for i, numel in live:
+                out[holders[i]] += numel * source_itemsize
+    seen = set()
+    for ranks, items in zip(assignment.class_ranks, assignment.replicated):
+        for name, dtype, _, pieces in items:
+            if dtype != FP8:
+                continue
+            for train_box, senders, _ in pieces:
+                for sender in senders[:len(ranks)]:  # the class's j-th rank gets it from senders[j % len]
+                    if (sender, name, train_box) not in seen:
+                        seen.add((sender, name, train_box))
+                        out[sender] += box_numel(train_box) * source_itemsize
+    return out
+
+
+def quantize_busy(quantized: list[int], train_gpu: list[int], gen_gpu: list[int], cluster: Cluster, *,
+                  bucket_bytes: int) -> dict[int, float]:
+    """Seconds each GPU spends on trainer-side FP8 besides its links (the module docstring's model):
+    a train rank's ``quantized`` bytes at ``quantize_gbps``; every gen rank the first bucket's
+    (``bucket_bytes`` of FP8 from twice as many bf16 bytes, at most the largest train rank's)."""
+    rate = cluster.quantize_gbps * GB
+    busy: dict[int, float] = defaultdict(float)
+    for rank, nbytes in enumerate(quantized):
+        busy[train_gpu[rank]] += nbytes / rate
+    fill = min(2 * bucket_bytes, max(quantized, default=0)) / rate
+    for gpu in gen_gpu:
+        busy[gpu] += fill
+    return dict(busy)
 
 
 def mask_bytes(words: int) -> int:
@@ -155,10 +219,12 @@ def predict(
     *,
     bucket_bytes: int,
     relays: dict[tuple[int, int], int] | None = None,
+    busy: dict[int, float] | None = None,
 ) -> Prediction:
     """Refit seconds for ``route_bytes[(train rank, gen rank)]`` placed on ``train_gpu`` / ``gen_gpu``,
     and ``relays[(gen rank, gen rank)]`` forwarded between replicas (fan-out,
-    :mod:`megatron_refit.plan.fanout`; their pipeline fill is :func:`fanout_prediction`'s).
+    :mod:`megatron_refit.plan.fanout`; their pipeline fill is :func:`fanout_prediction`'s);
+    ``busy``: seconds a GPU spends besides its links, added to its time (:func:`quantize_busy`).
 
     A route's bytes travel in ``ceil(bytes / bucket_bytes)`` messages: what the endpoint sends
     on NCCL with its default ``direct_bytes`` (one bucket; see
@@ -192,14 +258,16 @@ def predict(
     }
     per_gpu: dict[int, float] = {}
     worst = (0.0, "nothing to send")
+    busy = busy or {}
     for gpu in sorted(set(loads) | set(messages)):
         link, seconds = max(((link, nbytes / (bandwidth[link] * cluster.efficiency * GB))
                              for link, nbytes in loads[gpu].items()), key=lambda item: item[1], default=("", 0.0))
-        total = seconds + messages[gpu] * cluster.latency_s
+        total = seconds + messages[gpu] * cluster.latency_s + busy.get(gpu, 0.0)
         per_gpu[gpu] = total
         if total > worst[0]:
             what = _describe(gpu, train_gpu, gen_gpu, cluster.gpus_per_node)
-            worst = (total, f"{link} of {what}: {loads[gpu][link] / GB:.2f} GB, {messages[gpu]} messages")
+            worst = (total, f"{link} of {what}: {loads[gpu][link] / GB:.2f} GB, {messages[gpu]} messages"
+                     + (f", + {busy[gpu]:.3f} s of trainer-side FP8 quantization" if busy.get(gpu) else ""))
     return Prediction(seconds=worst[0], bottleneck=worst[1], per_gpu=per_gpu)
 
 

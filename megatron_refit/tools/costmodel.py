@@ -12,11 +12,12 @@ import json
 import sys
 
 from megatron_refit.plan.assignment import Assignment
-from megatron_refit.plan.cost import (GB, Cluster, delta_fraction, delta_prediction, fanout_prediction,
-                                      overlap_stall, placement, predict, staged_pause)
+from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, fanout_prediction, nic_floor,
+                                      overlap_stall, placement, predict, quantize_busy, quantized_bytes, staged_pause)
+from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
 from megatron_refit.tools.cli import plain
-from megatron_refit.tools.dryrun import build
+from megatron_refit.tools.dryrun import DryRun, build, gen_text
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
     "qwen3-4b": [("NeMo-RL refit, earlier version (H100)", "not stated", 0.07, 0.07)],
@@ -25,12 +26,16 @@ PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
         ("NeMo-RL refit, earlier version (H100)", "TP4xPP8xEP16 -> TP8xDP16", 4.56, 4.56),
         ("MoonshotAI checkpoint-engine (8x H800)", "its own layout", 6.22, 6.22),
     ],
-    "deepseek-v3": [
+    "deepseek-v3-671b": [
         ("NeMo-RL reshard refit (H100)", "PP16xEP16 -> TP32xDP8", 2.39, 2.83),
         ("NeMo-RL refit, earlier version (H100)", "PP16xEP16 -> TP32xDP8", 7.65, 9.94),
     ],
+    "kimi-k2": [
+        ("Perplexity (record, in-house engine)", "256 BF16 -> 128 FP8 GPUs", 1.3, 1.3),
+        ("miles P2P into SGLang", "TP8xPP8xCP4xEP32 -> TP32/EP32, DPattn8", 7.23, 7.23),
+    ],
 }
-"""Published refit seconds: (system, layout, low, high)."""
+"""Published refit seconds by preset: (system, layout, low, high)."""
 
 
 def route_bytes(senders: Assignment) -> dict[tuple[int, int], int]:
@@ -55,13 +60,32 @@ def fanout_summary(routes, prediction, pairs: dict[tuple[int, int], int], gen_by
     head = {gen for _, gen in routes.from_trainers}  # the first replica's ranks
     minimal = sum(nbytes for (_, gen), nbytes in pairs.items() if gen in head)
     direct = sum(pairs.values())
-    floor = gen_bytes_max / (cluster.nic_gbps * cluster.efficiency * GB) if mode == "disaggregated" else None
+    floor = nic_floor(gen_bytes_max, cluster) if mode == "disaggregated" else None
     return {"mode": routes.mode, "predicted_seconds": round(prediction.seconds, 4),
             "bottleneck": prediction.bottleneck, "depth": routes.depth,
             "bytes_from_trainers": routes.bytes_from_trainers, "bytes_relayed": routes.bytes_relayed,
             "trainer_egress_over_minimal": round(routes.bytes_from_trainers / minimal, 4) if minimal else 0.0,
             "direct_egress_over_minimal": round(direct / minimal, 4) if minimal else 0.0,
             "floor_seconds": round(floor, 4) if floor is not None else None}
+
+
+def gen_label(run: DryRun) -> str:
+    """The engine layout in the table: ``TP16xDP8``, or a deployment's ``D16xT8 EP128 R32 x1``."""
+    gen = run.gen
+    if gen.attention_dp == 1 and gen.placement is None:
+        return f"TP{gen.tp}xDP{gen.dp}"
+    redundant = gen.placement.num_redundant if gen.placement is not None else 0
+    experts = f" EP{gen.deployment_size}" if gen.expert_parallel else ""
+    return f"D{gen.attention_dp}xT{gen.tp}{experts}{f' R{redundant}' if redundant else ''} x{gen.dp}"
+
+
+def egress_json(run: DryRun, pairs: dict[tuple[int, int], int]) -> dict:
+    """What the train ranks send against the least that reaches every replica: each byte the engine
+    holds once per replica (a wide deployment's attention is held alike by its data-parallel ranks,
+    and the plan sends it to each of them: no forwarding inside a deployment is built)."""
+    egress, minimal = sum(pairs.values()), run.gen.dp * run.held_bytes
+    return {"trainer_egress_bytes": egress, "trainer_egress_minimal_bytes": minimal,
+            "trainer_egress_over_minimal": round(egress / minimal, 4) if minimal else 0.0}
 
 
 def main(argv=None) -> int:
@@ -78,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--nic-gbps", type=float, default=defaults.nic_gbps)
     p.add_argument("--efficiency", type=float, default=defaults.efficiency)
     p.add_argument("--latency-us", type=float, default=defaults.latency_s * 1e6)
+    p.add_argument("--quantize-gbps", type=float, default=defaults.quantize_gbps,
+                   help="trainer-side FP8 quantization per GPU, GB/s of bf16 input (refit.trainer_quantize_fp8)")
     p.add_argument("--delta-density", type=float, default=None, metavar="D",
                    help="also predict a delta refit (refit.delta) where a share D of the bf16 elements changed "
                         "since the last refit (e.g. 0.03)")
@@ -93,13 +119,20 @@ def main(argv=None) -> int:
     model = ""
     try:
         cluster = Cluster(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps,
-                          efficiency=args.efficiency, latency_s=args.latency_us * 1e-6)
+                          efficiency=args.efficiency, latency_s=args.latency_us * 1e-6,
+                          quantize_gbps=args.quantize_gbps)
         run = build(args.config, cache_dir=args.cache_dir, prepare=False)
         model = run.refit.model
         mode = args.placement or run.refit.mode
         train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)
         pairs = route_bytes(run.senders)
-        prediction = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+        transport = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+        quantized = quantized_bytes(run.senders, source_itemsize=ITEMSIZE["bfloat16"]) \
+            if run.refit.trainer_quantize_fp8 else []
+        prediction = transport
+        if any(quantized):
+            busy = quantize_busy(quantized, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes)
+            prediction = predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes, busy=busy)
         delta = None
         if args.delta_density is not None:
             delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
@@ -117,17 +150,33 @@ def main(argv=None) -> int:
             print(json.dumps({"ok": False, "model": model, "predicted_seconds": 0.0, "bottleneck": "",
                               "bytes_per_gen_rank_max": 0, "error": str(e)}))
         return 2
-    layout = f"{run.train.describe()} -> TP{run.gen.tp}xDP{run.gen.dp}"
+    layout = f"{run.train.describe()} -> {gen_label(run)}"
     print(f"{model}: {layout}, {mode}, {cluster.gpus_per_node} GPUs/node, NVLink {cluster.nvlink_gbps:g} GB/s, "
           f"NIC {cluster.nic_gbps:g} GB/s per GPU, efficiency {cluster.efficiency:g}, "
           f"{cluster.latency_s * 1e6:g} us/message")
-    print(f"bytes per gen rank (max): {run.gen_bytes_max() / 1e9:.2f} GB; bottleneck: {prediction.bottleneck}")
+    print(f"engine: {gen_text(run)}")
+    print(f"bytes per gen rank (max): {run.gen_bytes_max() / 1e9:.2f} GB (each rank receives what it holds, "
+          f"once); bottleneck: {prediction.bottleneck}")
+    floor = nic_floor(run.gen_bytes_max(), cluster) if mode == "disaggregated" else None
+    if floor is not None:
+        print(f"per-gen-rank floor: {floor:.3f} s (the busiest gen rank's bytes through its own NIC); predicted "
+              f"{prediction.seconds / floor:.2f}x it")
+    egress = egress_json(run, pairs)
+    print(f"trainer egress: {egress['trainer_egress_bytes'] / 1e9:.1f} GB, {egress['trainer_egress_over_minimal']:g}x "
+          f"the minimal {egress['trainer_egress_minimal_bytes'] / 1e9:.1f} GB (each byte the engine holds once per "
+          f"replica{'; a deployment' + chr(39) + 's data-parallel ranks each get its attention from the train ranks'
+                     if run.gen.attention_dp > 1 else ''})")
+    quantize_max = max(quantized, default=0) / (cluster.quantize_gbps * 1e9)
+    if any(quantized):
+        print(f"trainer-side FP8: the busiest train rank quantizes {max(quantized) / 1e9:.2f} GB of bf16 in "
+              f"{quantize_max:.3f} s at {cluster.quantize_gbps:g} GB/s, counted on its own GPU (transport alone "
+              f"{transport.seconds:.3f} s; were it added to the whole refit: {transport.seconds + quantize_max:.3f} s)")
     if run.refit.direct_mb is not None and run.refit.direct_bytes < run.refit.bucket_bytes:
         print(f"note: refit.direct_mb={run.refit.direct_mb:g} is below bucket_mb={run.refit.bucket_mb:g}: every "
               "transfer of that size or more is a message of its own, which this prediction does not count "
               "(it counts full buckets, the NCCL default)")
     print(f"{'system':42} {'layout':40} {'seconds':>12}")
-    print(f"{'megatron-refit (predicted transport)':42} {layout:40} {prediction.seconds:12.2f}")
+    print(f"{'megatron-refit (predicted)':42} {layout:40} {prediction.seconds:12.2f}")
     if delta is not None:
         label = f"  delta at density {args.delta_density:g} ({delta_fraction(args.delta_density):.3f} of bytes)"
         print(f"{label:42} {layout:40} {delta.seconds:12.2f}")
@@ -166,6 +215,13 @@ def main(argv=None) -> int:
         print(json.dumps({"ok": prediction.seconds > 0, "model": model,
                           "predicted_seconds": round(prediction.seconds, 4), "bottleneck": prediction.bottleneck,
                           "bytes_per_gen_rank_max": run.gen_bytes_max(),
+                          "floor_seconds": round(floor, 4) if floor is not None else None,
+                          "transport_seconds": round(transport.seconds, 4),
+                          "quantize_seconds": round(quantize_max, 4),
+                          "quantized_bytes_per_train_rank_max": max(quantized, default=0),
+                          "gen_tp": run.gen.tp, "gen_attention_dp": run.gen.attention_dp, "gen_dp": run.gen.dp,
+                          "gen_expert_parallel_size": run.gen.deployment_size if run.gen.expert_parallel else 1,
+                          **egress,
                           "swap": swap, "predicted_pause_seconds": round(pause, 4),
                           **({"delta_density": args.delta_density, "predicted_delta_seconds": round(delta.seconds, 4),
                               "delta_bytes_fraction": round(delta_fraction(args.delta_density), 4)}

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from conversion.derive import derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
+from megatron_refit.config.deployment import Deployment, deployment_layout
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
@@ -77,6 +78,11 @@ class DryRun:
     """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
     fanout: dict | None = None
     """:func:`fanout_bytes`, once computed."""
+    deployment: Deployment | None = None
+    """The engine deployment planned (``gen`` and how its expert placement was resolved)."""
+    held_bytes: int = 0
+    """Bytes of one whole copy of what the engine holds (its parameters in the sent dtypes, each
+    once): what one replica must receive at least, however many of its ranks hold a byte."""
 
     @property
     def prepare_seconds(self) -> float:
@@ -118,7 +124,9 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     """Validate ``config_path`` and build its plan (see the module docstring); ``prepare``:
     also time the slowest ranks' ``prepare()`` (step 3)."""
     refit, preset, layout = load_config(config_path)
-    gen = refit.gen_layout()
+    deployment = deployment_layout(refit, replicas=refit.gen_dp, num_experts=num_experts(preset),
+                                   num_expert_group=preset.get("n_group"))
+    gen = deployment.layout
     cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(config_path)), "cache")
     key = cache_key(refit.model, preset, layout, dtype)
     path = os.path.join(cache_dir, f"{refit.model}-{layout.describe()}-{dtype}.json.gz")
@@ -138,6 +146,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
              for _, specs in sorted(train_specs.items())]
     return DryRun(config_path=config_path, refit=refit, preset=preset, train=layout, gen=gen, senders=senders,
+                  deployment=deployment, held_bytes=_held_bytes(targets),
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
                   train_local_bytes=local, skipped=tuple(skipped), prepare=prepare,
@@ -200,20 +209,26 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     style = refit.gen_style
     targets = held
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
-        train_specs = _quantized(train_specs)
+        train_specs = _quantized(train_specs, skip)
         targets = fp8_param_table(held)
         skipped = sorted({s.name for specs in train_specs.values() for s in specs} - set(targets))
     return train_specs, gen_targets(targets, gen, model, style=style), params, skipped
 
 
-def _quantized(train_specs: dict) -> dict:
-    """Train ranks' specs as trainer-side FP8 sends them (DP replicas share one list)."""
+def _held_bytes(targets) -> int:
+    return sum(math.prod(shape) * ITEMSIZE[dtype] for shape, dtype, boxes in targets.params.values()
+               if any(box is not None for box in boxes))
+
+
+def _quantized(train_specs: dict, skip: set[str] | frozenset[str] = frozenset()) -> dict:
+    """Train ranks' specs as trainer-side FP8 sends them (DP replicas share one list); the skipped
+    (MTP) parameters pass unchanged, as the trainer's optional pieces do."""
     done: dict[int, list] = {}
     out = {}
     for rank, specs in train_specs.items():
         if id(specs) not in done:
-            done[id(specs)] = [q for s in specs
-                               for q in (fp8_specs(s) if is_quantized(s.name, s.global_shape) else (s,))]
+            done[id(specs)] = [q for s in specs for q in (
+                fp8_specs(s) if s.name not in skip and is_quantized(s.name, s.global_shape) else (s,))]
         out[rank] = done[id(specs)]
     return out
 
@@ -278,11 +293,11 @@ def summary_lines(run: DryRun) -> list[str]:
         f"train         {run.train.describe_keys()} = {run.train.world_size} ranks",
         f"layers        {chunk_text(run.train.chunk_layers(run.preset['num_hidden_layers']))}"
         f"{mtp_text(run.train.mtp_stages())}",
-        f"gen           {run.refit.engine} TP{run.gen.tp}xDP{run.gen.dp}"
-        f"{' (expert parallel)' if run.gen.expert_parallel else ''} = {run.gen.world_size} ranks",
+        f"gen           {gen_text(run)}",
         f"transfers     {run.senders.num_transfers:,} (classes of identical gen ranks: "
         f"{len(run.senders.class_ranks)}; parameter groups: {len(run.senders.groups)})",
-        f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB)",
+        f"bytes total   {run.bytes_total():,} ({run.bytes_total() / gb:.1f} GB; "
+        f"{run.bytes_total() / (run.gen.dp * run.held_bytes):.2f}x each byte once per replica)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",
         f"skipped       {len(run.skipped)} MTP parameters (no engine rank holds them: they are not sent)",
@@ -302,6 +317,33 @@ def summary_lines(run: DryRun) -> list[str]:
     if not run.refit.enabled:
         lines.append("note          refit.enabled is false: a training run with this config would not refit")
     return lines
+
+
+def gen_text(run: DryRun) -> str:
+    """The engine layout: TP x DP replicas, or deployments of D data-parallel ranks x T, their EP
+    size, expert placement (after the engine's fallback, which is named) and redundant experts."""
+    gen, requested = run.gen, run.refit.gen_expert_placement
+    if gen.attention_dp == 1 and gen.placement is None:
+        return (f"{run.refit.engine} TP{gen.tp}xDP{gen.dp}{' (expert parallel)' if gen.expert_parallel else ''} "
+                f"= {gen.world_size} ranks")
+    text = f"deployment {run.deployment.describe(run.refit.engine)}"
+    if run.deployment.fallback:
+        text += f"; gen_expert_placement {requested} -> {run.deployment.strategy}: {run.deployment.fallback}"
+    if not gen.expert_parallel and gen.attention_dp > 1:
+        text += f"; routed experts MoE-TP over the deployment's {gen.deployment_size} ranks"
+    return text
+
+
+def gen_json(run: DryRun) -> dict:
+    """The engine deployment of the JSON summary (``expert_parallel_size``: vLLM's EP size, 1 without
+    expert parallelism; ``placement``: the strategy planned, after the engine's fallback)."""
+    gen = run.gen
+    return {"engine": run.refit.engine, "tp": gen.tp, "attention_dp": gen.attention_dp, "replicas": gen.dp,
+            "world_size": gen.world_size, "expert_parallel_size": gen.deployment_size if gen.expert_parallel else 1,
+            "placement": run.deployment.strategy if gen.expert_parallel else None,
+            "placement_fallback": run.deployment.fallback,
+            "redundant_experts": gen.placement.num_redundant if gen.placement is not None else 0,
+            "eplb": run.refit.gen_eplb}
 
 
 def main(argv=None) -> int:
@@ -340,6 +382,8 @@ def main(argv=None) -> int:
             "num_params_skipped": run.skipped_elements,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
             "bytes_total": run.bytes_total(),
+            "bytes_held_per_replica": run.held_bytes,
+            "gen": gen_json(run),
             "fanout": fanout_bytes(run),
         }))
     return 0

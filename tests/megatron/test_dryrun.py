@@ -191,8 +191,18 @@ def test_dry_run_of_shipped_config(config):
     # ranks (norms, router, KV heads when gen TP > KV heads): at most a few percent.
     minimal = refit.gen_dp * 2 * held
     bounds = (0.5, 0.56) if refit.trainer_quantize_fp8 else (1.0, 1.05)
-    assert bounds[0] * minimal <= result["bytes_total"] <= bounds[1] * minimal
-    gen_world = refit.gen_tp * refit.gen_dp
+    held_total = refit.gen_dp * result["bytes_held_per_replica"]  # each byte once per replica
+    assert bounds[0] * minimal <= held_total <= bounds[1] * minimal
+    if refit.gen_attention_dp == 1:
+        assert bounds[0] * minimal <= result["bytes_total"] <= bounds[1] * minimal
+    else:  # a wide deployment: each of its D data-parallel ranks gets the attention, redundant experts their copy
+        assert held_total < result["bytes_total"] <= refit.gen_attention_dp * held_total
+    gen = result["gen"]
+    assert (gen["tp"], gen["attention_dp"], gen["replicas"], gen["world_size"]) == (
+        refit.gen_tp, refit.gen_attention_dp, refit.gen_dp, refit.gen_world_size)
+    assert gen["expert_parallel_size"] == (refit.gen_tp * refit.gen_attention_dp if refit.gen_expert_parallel else 1)
+    assert gen["redundant_experts"] == refit.gen_redundant_experts
+    gen_world = refit.gen_world_size
     assert result["bytes_total"] / gen_world <= result["bytes_per_gen_rank_max"] <= result["bytes_total"]
     fanout = result["fanout"]  # refit.fanout of the config (off in every shipped one: every byte from the trainers)
     assert fanout == {"mode": "off", "bytes_from_trainers": result["bytes_total"], "bytes_relayed": 0} \
@@ -217,7 +227,7 @@ def test_dry_run_of_shipped_config(config):
         return
     # one rank's prepare() after the gather (issue target: <= 2 s at DeepSeek-V3; BENCHMARKS.md)
     side, _, rank = result["prepare_rank"].partition(" rank ")
-    assert side in ("train", "gen") and 0 <= int(rank) < (refit.gen_tp * refit.gen_dp if side == "gen" else 4096)
+    assert side in ("train", "gen") and 0 <= int(rank) < (refit.gen_world_size if side == "gen" else 4096)
     assert 0 < result["prepare_seconds"] < 60
     (line,) = [line for line in text.splitlines() if line.startswith("prepare ")]
     printed = float(line.split(result["prepare_rank"] + " ", 1)[1].split(" s (", 1)[0])

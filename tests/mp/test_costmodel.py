@@ -90,7 +90,15 @@ def test_command_line_on_a_shipped_config():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"ok", "model", "predicted_seconds", "bottleneck", "bytes_per_gen_rank_max", "swap",
-                           "predicted_pause_seconds"}
+                           "predicted_pause_seconds", "floor_seconds", "transport_seconds", "quantize_seconds",
+                           "quantized_bytes_per_train_rank_max", "gen_tp", "gen_attention_dp", "gen_dp",
+                           "gen_expert_parallel_size", "trainer_egress_bytes", "trainer_egress_minimal_bytes",
+                           "trainer_egress_over_minimal"}
+    # bf16 on the wire: nothing quantized; TP8xDP2 without expert parallelism: EP size 1
+    assert result["quantize_seconds"] == 0 and result["transport_seconds"] == result["predicted_seconds"]
+    assert (result["gen_tp"], result["gen_attention_dp"], result["gen_dp"], result["gen_expert_parallel_size"]) == (
+        8, 1, 2, 1)
+    assert result["floor_seconds"] == round(result["bytes_per_gen_rank_max"] / 40e9, 4)
     assert result["swap"] == "in_place" and result["predicted_pause_seconds"] == round(result["predicted_seconds"], 4)
     assert result["ok"] and result["model"] == "qwen3-30b-a3b"
     # EP8xPP2 -> TP8xDP2 on separate nodes: every gen rank takes 1/8 of a replica (7.68 GB)

@@ -116,6 +116,17 @@ def test_fp8_pieces_are_released_and_requantized():
     assert not torch.equal(_bits(weight.tensor()), _bits(q1))
 
 
+def test_an_optional_mtp_piece_passes_unquantized():
+    """DeepSeek-V3's MTP layer (``eh_proj``: a name no vLLM sharding rule knows) is an optional piece no
+    engine's main model holds: skipped by name, so trainer-side FP8 leaves it as it is."""
+    mtp = ShardSpec(name="model.layers.61.eh_proj.weight", global_shape=(256, 512), dtype="bfloat16",
+                    box=full_box((256, 512)))
+    with pytest.raises(ValueError, match="no vLLM sharding rule for parameter 'model.layers.61.eh_proj.weight'"):
+        quantize_pieces([TensorPiece(mtp, torch.zeros(mtp.shape))])
+    piece = TensorPiece(mtp, torch.zeros(mtp.shape), optional="mtp")
+    assert quantize_pieces([piece]) == [piece]
+
+
 def test_bf16_trainer_into_fp8_engine_is_refused_with_a_hint():
     from megatron_refit.errors import PlanError
 
