@@ -29,7 +29,7 @@ fi
 read -r TRAIN_WORLD GEN_WORLD MODE PORT < <("$PYTHON" -c "
 from megatron_refit.tools.dryrun import load_config
 refit, _, layout = load_config('$CONFIG')
-print(layout.world_size, refit.gen_tp * refit.gen_dp, refit.mode, refit.port)")
+print(layout.world_size, refit.gen_world_size, refit.mode, refit.port)")
 TRAIN_NODES=$(( (TRAIN_WORLD + GPUS_PER_NODE - 1) / GPUS_PER_NODE ))
 GEN_NODES=$(( (GEN_WORLD + GPUS_PER_NODE - 1) / GPUS_PER_NODE ))
 [[ "$MODE" == colocated ]] && NEEDED=$TRAIN_NODES || NEEDED=$(( TRAIN_NODES + GEN_NODES ))

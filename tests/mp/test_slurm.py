@@ -21,10 +21,10 @@ MODELS = sorted(os.path.basename(p)[:-7] for p in glob.glob(os.path.join(SLURM, 
 
 def test_every_model_has_a_script():
     configs = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-    assert MODELS == configs == ["deepseek-v3", "kimi-k2-fp8-256to128", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b",
-                                 "qwen3-30b-a3b", "qwen3-4b", "recipe-deepseek-v3", "recipe-kimi-k2",
-                                 "recipe-llama3-70b", "recipe-nemotron-3-nano", "recipe-qwen3-235b-a22b",
-                                 "recipe-qwen3-30b-a3b"]
+    assert MODELS == configs == ["deepseek-v3", "deepseek-v3-wide-ep", "kimi-k2-fp8-256to128",
+                                 "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-4b",
+                                 "recipe-deepseek-v3", "recipe-kimi-k2", "recipe-llama3-70b", "recipe-nemotron-3-nano",
+                                 "recipe-qwen3-235b-a22b", "recipe-qwen3-30b-a3b"]
 
 
 SCRIPTS = sorted(glob.glob(os.path.join(SLURM, "*.sh")) + glob.glob(os.path.join(SLURM, "*.sbatch")))
@@ -46,7 +46,7 @@ def test_script_reads_its_config_and_asks_for_enough_nodes(model):
     per_node = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1))
     needed = -(-layout.world_size // per_node)
     if refit.mode == "disaggregated":
-        needed += -(-(refit.gen_tp * refit.gen_dp) // per_node)
+        needed += -(-refit.gen_world_size // per_node)
     assert nodes == needed
 
 
