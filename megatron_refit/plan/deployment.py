@@ -46,8 +46,12 @@ def _prefix_layer(prefix: str) -> int | None:
 def moe_layers(names: Iterable[str]) -> dict[int, int]:
     """``{HF layer index: MoE layer index}`` of the layers whose routed experts ``names`` hold: the
     index the placement's maps are read at (see the module docstring)."""
-    layers = sorted({layer for name in names if (layer := layer_index(name)) is not None})
-    return {layer: position for position, layer in enumerate(layers)}
+    return _positions(layer for name in names if (layer := layer_index(name)) is not None)
+
+
+def _positions(layers: Iterable[int]) -> dict[int, int]:
+    """``{HF layer index: its position among ``layers``, sorted}``: the MoE layer order."""
+    return {layer: position for position, layer in enumerate(sorted(set(layers)))}
 
 
 def holders_per_expert(placement: ExpertPlacement, moe_layer: int) -> tuple[tuple[int, ...], ...]:
@@ -89,7 +93,7 @@ class ExpertHolders:
                 if layers[prefix] is None:
                     raise ValueError(f"{prefix}*: routed experts without a layer index in their name, and the "
                                      "expert placement has one map per MoE layer")
-            position = {layer: i for i, layer in enumerate(sorted(set(layers.values())))}
+            position = _positions(layers.values())
             if len(position) != len(placement.physical_to_logical):
                 raise ValueError(f"the expert placement has {len(placement.physical_to_logical)} physical_to_logical "
                                  f"maps, the model {len(position)} MoE layers (one map per MoE layer, in layer "
