@@ -44,6 +44,11 @@ class Engine:
     asks its control client, through the engine's serving path: vLLM, SGLang) or ``in_band`` (its
     engine ranks' storage scores it with the engine's forward and answers over the refit group:
     the HF engine; a storage without ``score`` cannot be checked)."""
+    wide_ep: tuple[str, ...] = ()
+    """The keys of a wide expert-parallel deployment it receives into (of
+    ``config.deployment.WIDE_EP_KEYS``: ``gen_attention_dp``, ``gen_redundant_experts``,
+    ``gen_expert_placement``, ``gen_eplb``); a config that sets another is refused by name where
+    a refit starts (:func:`~megatron_refit.config.deployment.refuse_wide_ep`)."""
     control: str | None = None
     """``"module:Class"`` of the :class:`~megatron_refit.engines.control.EngineControl` that
     ``RefitCallback(engines=[client, ...])`` drives this engine's clients with, built as

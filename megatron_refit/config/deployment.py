@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from megatron_refit.plan.expert_placement import STRATEGIES, sglang_placement, vllm_placement
 from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.registry import engine_named
 
 WIDE_EP_KEYS = ("gen_attention_dp", "gen_redundant_experts", "gen_eplb", "gen_expert_placement")
 """The keys of a deployment the engines cannot receive into yet, with their defaults below."""
@@ -117,15 +118,17 @@ def _fallback(requested: str, resolved: str, cfg, ep_size: int, num_expert_group
 
 
 def refuse_wide_ep(cfg) -> None:
-    """``ValueError`` naming the first key of a wide expert-parallel deployment that ``cfg`` sets:
-    no engine receives into one yet (#64), on either side of a refit; called where a refit starts
-    (the train ranks' and every engine's), before any byte moves."""
+    """``ValueError`` naming the first key of a wide expert-parallel deployment that ``cfg`` sets
+    and its engine does not receive into (its :attr:`~megatron_refit.registry.Engine.wide_ep`);
+    called where a refit starts (the train ranks' and every engine's), before any byte moves."""
+    honoured = engine_named(cfg.engine).wide_ep
     for key in WIDE_EP_KEYS:
         value = getattr(cfg, key)
-        if value != DEFAULTS[key]:
-            raise ValueError(f"refit.{key}={value!r}: the engine side of wide expert parallelism is not built yet "
-                             f"(#64): the dry run and the cost model plan it (python -m megatron_refit.dryrun / "
-                             f"costmodel --config ...); to refit now set {key}: {_yaml(DEFAULTS[key])}")
+        if value != DEFAULTS[key] and key not in honoured:
+            raise ValueError(f"refit.{key}={value!r}: engine {cfg.engine!r} does not receive into that wide "
+                             f"expert-parallel deployment yet (#64): the dry run and the cost model plan it "
+                             f"(python -m megatron_refit.dryrun / costmodel --config ...); to refit now set "
+                             f"{key}: {_yaml(DEFAULTS[key])}")
 
 
 def _yaml(value) -> str:

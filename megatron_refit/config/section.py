@@ -338,9 +338,23 @@ class RefitConfig:
         return "auto" if self.direct_mb is None else max(1, int(self.direct_mb * (1 << 20)))
 
     @property
+    def replica_size(self) -> int:
+        """Engine ranks of one replica (one deployment, one refit group): ``gen_tp * gen_attention_dp``.
+        Engine rank ``gen_index`` is rank ``gen_index % replica_size`` of replica ``gen_index // replica_size``
+        (``dp_rank * gen_tp + tp_rank`` inside it: vLLM's flattened expert-parallel rank)."""
+        return self.gen_tp * self.gen_attention_dp
+
+    def rank_name(self, rank: int) -> str:
+        """Rank ``rank`` of a replica as the errors name it: ``TP rank 1``, or in a deployment of
+        data-parallel ranks ``rank 3 (DP rank 1, TP rank 1)``."""
+        if self.gen_attention_dp == 1:
+            return f"TP rank {rank}"
+        return f"rank {rank} (DP rank {rank // self.gen_tp}, TP rank {rank % self.gen_tp})"
+
+    @property
     def gen_world_size(self) -> int:
         """Engine ranks of all ``gen_dp`` replicas: ``gen_tp * gen_attention_dp * gen_dp``."""
-        return self.gen_tp * self.gen_attention_dp * self.gen_dp
+        return self.replica_size * self.gen_dp
 
     def gen_layout(self, num_experts: int = 0, num_expert_group: int | None = None) -> GenLayout:
         """The layout of the ``gen_dp`` replicas the job starts with (planning, costs), for a model

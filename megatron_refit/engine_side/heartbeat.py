@@ -30,7 +30,7 @@ class Heartbeat:
         prefix = namespace(replica, incarnation)
         # after an error, a new connection waits at most a beat for the store (close is not held up)
         self._connect = connect or (lambda: own_store(cfg.host, cfg.port, prefix, max(self.interval_s, 1.0)))
-        self._name = f"engine replica {replica} TP rank {tp_rank}"
+        self._name = f"engine replica {replica} rank {tp_rank}"
         self._store = connect() if connect else own_store(cfg.host, cfg.port, prefix, min(cfg.timeout_s, 30.0))
         self._key = heartbeat_key(tp_rank)
         self._store.add(self._key, 1)  # the counter exists before the rank joins its group

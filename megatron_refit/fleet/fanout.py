@@ -20,8 +20,8 @@ from megatron_refit.plan.fanout import DIRECT, Placement, auto_mode, relay_place
 class FanoutRouter:
     """Every refit's placement of each replica (see the module docstring); train rank 0 decides it."""
 
-    def __init__(self, mode: str, *, delta: str, bucket_bytes: int, gen_tp: int):
-        self.mode, self.delta, self.bucket_bytes, self.gen_tp = mode, delta, bucket_bytes, gen_tp
+    def __init__(self, mode: str, *, delta: str, bucket_bytes: int, replica_size: int):
+        self.mode, self.delta, self.bucket_bytes, self.replica_size = mode, delta, bucket_bytes, replica_size
         self.epoch = 0
         self._signature = None
         self._trouble = False
@@ -45,7 +45,7 @@ class FanoutRouter:
             if mode == "auto":
                 # train rank 0's share of one replica (the plan balances the train ranks) and one engine rank's
                 train_bytes = sum(b.payload_bytes for b in first.plan.buckets_from(first.group.rank))
-                mode = auto_mode(train_bytes, first.plan.bytes_minimal // self.gen_tp, len(replicas),
+                mode = auto_mode(train_bytes, first.plan.bytes_minimal // self.replica_size, len(replicas),
                                  self.bucket_bytes)
             if mode == "off":
                 continue

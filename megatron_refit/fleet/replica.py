@@ -88,11 +88,13 @@ class ReplicaOutcome:
         the group intact."""
         return isinstance(self.error, RefitTransportError)
 
-    def why(self) -> str:
+    def why(self, cfg) -> str:
+        """What failed, its engine ranks named as ``cfg`` names them (:meth:`RefitConfig.rank_name`)."""
         report = self.report
         if isinstance(self.error, ReplicaFailedError) and report is not None and report.failed_ranks:
             first = report.summary["refit/train_ranks"]  # its engine ranks' own errors
-            return "; ".join(f"TP rank {rank - first}: {why}" for rank, why in sorted(report.failed_ranks.items()))
+            return "; ".join(f"{cfg.rank_name(rank - first)}: {why}"
+                             for rank, why in sorted(report.failed_ranks.items()))
         return f"{type(self.error).__name__}: {self.error}"[:1000]
 
 

@@ -1,7 +1,7 @@
 """A fleet of engine replicas, each with a fate of its own: the train side's one owner.
 
 A train rank holds one refit group per engine replica (the train ranks and that replica's
-``gen_tp`` engine ranks, under a namespace of its incarnation in the train ranks' store) and the
+``replica_size`` engine ranks, under a namespace of its incarnation in the train ranks' store) and the
 train ranks' own control group (no engine rank in it). :class:`TrainerFleet` runs everything on
 its :class:`~megatron_refit.fleet.runner.Runner`: each replica's join and its part of every refit
 in that replica's lane (every replica at once), the engine control's calls in theirs (train rank
@@ -88,7 +88,8 @@ class TrainerFleet:
         self._announcements = Announcements(control_group.store) if control_group.rank == 0 else None
         if self.membership is not None:
             self.membership.starting(range(cfg.gen_dp))
-        self.router = FanoutRouter(cfg.fanout, delta=cfg.delta, bucket_bytes=cfg.bucket_bytes, gen_tp=cfg.gen_tp)
+        self.router = FanoutRouter(cfg.fanout, delta=cfg.delta, bucket_bytes=cfg.bucket_bytes,
+                                   replica_size=cfg.replica_size)
         """``refit.fanout``: each refit's placements (which replica forwards to which)."""
         self.watchdog = Watchdog(cfg, leader=control_group.rank == 0)
         """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
@@ -328,7 +329,7 @@ class TrainerFleet:
     def _outcomes(self, version, replicas, outcomes, failures, probing, moved, start) -> RefitReport:
         """Every train rank's view of every replica's outcome, gathered; the replicas whose group
         broke dropped; the fleet's report (its serving metrics too)."""
-        mine = {r: (o.why(), o.broken) for r, o in outcomes.items() if o.error is not None}
+        mine = {r: (o.why(self.cfg), o.broken) for r, o in outcomes.items() if o.error is not None}
         checked = {r: o.serving for r, o in outcomes.items() if o.serving is not None}  # train rank 0's
         unprepared = {r: o.unprepared for r, o in outcomes.items() if o.unprepared}  # train rank 0's too
         gathered = self.control_group.all_gather_object((mine, moved, checked, unprepared), "fleet")

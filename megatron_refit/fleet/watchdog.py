@@ -81,7 +81,8 @@ class Watchdog:
             why = self._stalled.get((replica, incarnation))
             if why is None:
                 self._watched[(replica, incarnation)] = _Watched(
-                    [f"{namespace(replica, incarnation)}/{heartbeat_key(tp)}" for tp in range(self.cfg.gen_tp)], abort,
+                    [f"{namespace(replica, incarnation)}/{heartbeat_key(r)}" for r in range(self.cfg.replica_size)],
+                    abort,
                     since=self._clock())
         if why is not None:  # found stalled before this rank's group to it was up
             abort(why)
@@ -129,7 +130,7 @@ class Watchdog:
             tp_rank, quiet = entry.quiet([int(self._store.add(key, 0)) for key in entry.keys], now)
             if quiet >= self.stall_s and not entry.published:
                 entry.published = True
-                why = (f"engine replica {replica} stalled: its TP rank {tp_rank} sent no heartbeat for {quiet:.1f} s "
+                why = (f"engine replica {replica} stalled: its rank {tp_rank} sent no heartbeat for {quiet:.1f} s "
                        f"(refit.stall_s={self.stall_s:g})")
                 self._store.append(STALLED, f"{replica}:{incarnation}:{why}\n")
 

@@ -16,14 +16,14 @@ from megatron_refit.transport import open_transport, transport_name
 def connect(cfg: RefitConfig, *, refit_rank: int, num_train: int, device: torch.device, replica: int,
             incarnation: str):
     """This rank's end of engine replica ``replica``'s refit group (the train ranks and that
-    replica's ``gen_tp`` ranks, in the train ranks' store at ``refit.port`` under the
+    replica's ``replica_size`` ranks, in the train ranks' store at ``refit.port`` under the
     replica's incarnation: :func:`~megatron_refit.group.store.namespace`) over ``refit.transport``
     (``auto``: NCCL between GPUs, gloo on CPU; colocated: bucket bytes through shared buffers
     (CUDA IPC / shared memory), control messages over gloo)."""
-    world = num_train + cfg.gen_tp
+    world = num_train + cfg.replica_size
     if not 0 <= refit_rank < world:
         raise ValueError(f"refit rank {refit_rank} outside a replica's refit group of {world} "
-                         f"(num_train={num_train} + gen_tp={cfg.gen_tp})")
+                         f"(num_train={num_train} + replica_size={cfg.replica_size})")
     name = transport_name(cfg.transport, colocated=cfg.mode == "colocated", device=device)
     return open_transport(name, host=cfg.host, port=cfg.port, rank=refit_rank, world_size=world,
                           timeout_s=cfg.timeout_s, num_train=num_train, device=device,

@@ -75,7 +75,7 @@ class Member:
 
 def endpoint_kw(cfg: RefitConfig, num_train: int, on_report) -> dict:
     """What both sides' endpoints take from the ``refit:`` config (they must agree on it: ``prepare``).
-    A group holds one replica: its engine ranks are ``refit.gen_tp``, whatever ``gen_dp``."""
-    return dict(num_train=num_train, num_gen=cfg.gen_tp, bucket_bytes=cfg.bucket_bytes,
+    A group holds one replica: its engine ranks are ``cfg.replica_size``, whatever ``gen_dp``."""
+    return dict(num_train=num_train, num_gen=cfg.replica_size, bucket_bytes=cfg.bucket_bytes,
                 direct_bytes=cfg.direct_bytes, verify=in_force(cfg.verify, cfg.fanout), on_report=on_report,
-                delta=cfg.delta, replica_size=cfg.gen_tp, stall_s=stall_s(cfg))
+                delta=cfg.delta, replica_size=cfg.replica_size, stall_s=stall_s(cfg))

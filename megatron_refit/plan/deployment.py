@@ -101,11 +101,49 @@ class ExpertHolders:
             self._order = {prefix: position[layer] for prefix, layer in layers.items()}
         self._rows: dict[int, tuple[tuple[int, ...], ...]] = {}
 
+    def moe_layer(self, prefix: str) -> int:
+        """The MoE layer of ``prefix``: the index the placement's maps are read at."""
+        return 0 if self._order is None else self._order[prefix]
+
     def of_layer(self, prefix: str) -> tuple[tuple[int, ...], ...]:
         """Per logical expert, the ranks that hold it in the MoE layer of ``prefix``
         (:func:`holders_per_expert`)."""
-        moe_layer = 0 if self._order is None else self._order[prefix]
+        moe_layer = self.moe_layer(prefix)
         rows = self._rows.get(moe_layer)
         if rows is None:
             rows = self._rows[moe_layer] = holders_per_expert(self.placement, moe_layer)
         return rows
+
+
+def expert_prefixes(names: Iterable[str]) -> set[str]:
+    """The prefixes (``model.layers.5.mlp.experts.``) of the routed experts among ``names``."""
+    return {name[: match.start("expert")] for name in names if (match := EXPERT_RE.search(name)) is not None}
+
+
+class ExpertSlots:
+    """Where deployment rank ``rank`` writes each routed expert it receives: the local slots of
+    its MoE layer that hold it (:func:`local_slots`), two on one rank included. ``names``: every
+    HF parameter of the model (the MoE layer order is the model's, not this rank's)."""
+
+    def __init__(self, placement: ExpertPlacement, rank: int, names: Iterable[str]):
+        self.placement, self.rank = placement, rank
+        self.count = len(rank_slots(placement, rank))
+        """Local slots per MoE layer on this rank: the first dim of its FusedMoE weights."""
+        self._holders = ExpertHolders(placement, expert_prefixes(names))
+        self._layers: dict[int, dict[int, tuple[int, ...]]] = {}
+
+    def of(self, name: str) -> tuple[int, ...]:
+        """The local slots that hold the expert of parameter ``name`` (``ValueError`` where this
+        rank holds none: the plan sent it elsewhere)."""
+        match = EXPERT_RE.search(name)
+        if match is None:
+            raise ValueError(f"{name}: not a routed expert's parameter")
+        moe_layer = self._holders.moe_layer(name[: match.start("expert")])
+        layer = self._layers.get(moe_layer)
+        if layer is None:
+            layer = self._layers[moe_layer] = local_slots(self.placement, self.rank, moe_layer)
+        slots = layer.get(int(match.group("expert")), ())
+        if not slots:
+            raise ValueError(f"{name}: deployment rank {self.rank} holds no slot of its expert in MoE layer "
+                             f"{moe_layer}")
+        return slots

@@ -218,6 +218,20 @@ def _deployment_boxes(name: str, shape: tuple[int, ...], layout: GenLayout, flat
         layout.attention_dp
 
 
+def deployment_placement(layout: GenLayout, num_experts: int) -> ExpertPlacement | None:
+    """The placement whole routed experts follow on the ranks of a wide deployment: ``layout``'s
+    own, or vLLM's initial linear map over the deployment where ``attention_dp > 1``; None where
+    there are no whole experts to place or each TP rank holds ``num_experts // tp`` consecutive
+    ones (no placement given, ``attention_dp`` 1)."""
+    if not (layout.expert_parallel and num_experts):
+        return None
+    if layout.placement is not None:
+        return layout.placement
+    if layout.attention_dp > 1:
+        return ExpertPlacement(num_logical_experts=num_experts, ep_size=layout.deployment_size)
+    return None
+
+
 def gen_targets(
     params: dict[str, tuple[tuple[int, ...], str]],
     layout: GenLayout,
@@ -248,9 +262,8 @@ def gen_targets(
                          f"num_experts={model.num_experts}")
     if layout.attention_dp > 1 and model.num_experts == 0:  # dense: its DP ranks hold what replicas would
         layout = GenLayout(tp=layout.tp, dp=layout.dp * layout.attention_dp, expert_parallel=layout.expert_parallel)
+    placement = deployment_placement(layout, model.num_experts) if style == "vllm" else None
     wide = style == "vllm" and (layout.attention_dp > 1 or placement is not None)
-    if wide and layout.expert_parallel and placement is None:
-        placement = ExpertPlacement(num_logical_experts=model.num_experts, ep_size=layout.deployment_size)
     flat = GenLayout(tp=layout.deployment_size)
     out: dict[str, tuple[tuple[int, ...], str, tuple[Box | None, ...]] | None] = {}
     # Boxes depend on (role, shape) only, except whole experts under expert parallelism:

@@ -23,7 +23,9 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     refits = []
     for i in range(spec.refits):
         t_items = [t["refits"][i] for t in train]
-        landed = [(g, g["refits"][i]) for g in gens if g["refits"][i]["report"] is not None]
+        failed = {int(r) for r in t_items[0].get("failed_replicas", {})}
+        landed = [(g, g["refits"][i]) for g in gens if g["refits"][i]["report"] is not None
+                  and g["gen_index"] // spec.gen.deployment_size not in failed]
         g_items = [item for _, item in landed]  # a replica that failed this refit holds nothing to check
         bit_exact, logit_diff = None, None
         if spec.collect:
@@ -40,8 +42,8 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
                     missing = set(want) - set(got) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
                     bit_exact &= not missing
                 else:
-                    backend = make_gen_backend(replace(spec, device="cpu"), cfg, g["gen_index"])
-                    want = expected_storage(export, backend.target_specs(), shape, spec.gen.tp)
+                    backend = make_gen_backend(replace(spec, device="cpu"), cfg, g["gen_index"], version=i + 1)
+                    want = expected_storage(export, backend.target_specs(), shape, spec.gen.tp, backend.slots)
                     got = item["weights"]
                 bit_exact &= set(got) <= set(want) and all(torch.equal(got[n], want[n]) for n in got)
             ref = next((t["logits"] for t in t_items if t["logits"] is not None), None)
@@ -63,9 +65,10 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
                          onload=secs("onload", t_items), offload=secs("offload", t_items)),
             loss=t_items[-1].get("loss"),
             failed_replicas=t_items[0].get("failed_replicas", {}),
-            serves={g["gen_index"] // spec.gen.tp: item.get("serves") for g, item in landed},
+            serves={g["gen_index"] // spec.gen.deployment_size: item.get("serves") for g, item in landed},
             pause_s=max((item["pause_s"] for item in g_items if item.get("pause_s") is not None), default=None),
-            traffic={g["gen_index"] // spec.gen.tp: item.get("traffic") for g, item in landed if item.get("traffic")},
+            traffic={g["gen_index"] // spec.gen.deployment_size: item.get("traffic") for g, item in landed
+                     if item.get("traffic")},
             gate_s=max((item["gate_s"] or 0.0 for item in g_items if item.get("gate_s") is not None), default=None),
             replicas_ok=t_items[0]["report"]["summary"]["refit/replicas_ok"],
             serving={k.removeprefix("refit/serving_"): v for k, v in t_items[0]["report"]["summary"].items()
@@ -87,7 +90,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
         lr=spec.lr,
         fp8=spec.fp8 or None,
         train=dict(tp=spec.train.tp, pp=spec.train.pp, ep=spec.train.ep, dp=spec.train.dp),
-        gen=dict(tp=spec.gen.tp, dp=spec.gen.dp),
+        gen=dict(tp=spec.gen.tp, dp=spec.gen.dp, attention_dp=spec.gen.attention_dp),
         summary=train[0]["summary"],
         skipped=train[0]["skipped"],
         refits=refits,

@@ -65,9 +65,18 @@ def refit_config(spec: RunSpec, port: int):
     same integration calls as a training loop)."""
     from megatron_refit.config import RefitConfig
 
+    deployment = dict(engine="hf" if spec.gen.tp == 1 else "vllm")
+    if spec.wide:
+        from megatron_refit.testing.fused_engine import NAME
+
+        placement = spec.gen.placement
+        deployment = dict(engine=NAME, gen_attention_dp=spec.gen.attention_dp,
+                          gen_expert_placement=placement.strategy if placement else "linear",
+                          gen_redundant_experts=placement.num_redundant if placement else 0,
+                          gen_eplb=bool(spec.remap or (placement and placement.num_redundant)))
     return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
-                       engine="hf" if spec.gen.tp == 1 else "vllm", gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
-                       gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port,
+                       gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
+                       gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port, **deployment,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
                        on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
@@ -139,6 +148,7 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     parallel = _built_parallel(built, fleet, rank)
     hold = HoldRefits(fleet, spec.timeout_s) if spec.hold_refits else None
     out = []
+    joined = None  # train rank 0: the incarnations before a refit after which the experts move
     for version in bar or versions:
         if offloader is not None and offloader.offloaded:
             offloader.onload()
@@ -154,6 +164,9 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             offloader.offload()  # between steps the parameters wait in host memory
             if any(p.numel() for p in params):
                 raise RuntimeError("offload left parameters in place")
+        if rank == 0 and version - 1 in spec.remap:
+            _await_rejoined(fleet, joined, spec.timeout_s)
+        joined = {r: fleet.announced(r) for r in range(spec.gen.dp)} if rank == 0 and version in spec.remap else None
         t0 = time.perf_counter()
         report = fleet.refit(version)
         wall = time.perf_counter() - t0  # what the training loop waited for (the serving check too)
@@ -174,6 +187,16 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             item.update(report=reports[item.pop("version")].as_dict())
             item["failed_replicas"] = item["report"]["failed_replicas"]
     return dict(role="train", summary=summary, skipped=skipped, refits=out, parallel=parallel), fleet
+
+
+def _await_rejoined(fleet, joined: dict, timeout_s: float) -> None:
+    """Train rank 0, before the refit after a :attr:`RunSpec.remap`: every replica announced a new
+    incarnation (its engine ranks rejoined with the moved experts), within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(fleet.announced(r) == incarnation for r, incarnation in joined.items()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replicas did not rejoin within {timeout_s} s after their experts moved")
+        time.sleep(0.02)
 
 
 def _built_parallel(built, fleet, rank: int) -> dict:
@@ -234,7 +257,9 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
     member = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
                         lora=lora)
-    fail_at = spec.fail_replica[1] if spec.fail_replica and gen_index == spec.fail_replica[0] * spec.gen.tp else None
+    size = spec.gen.deployment_size
+    failing = spec.fail_replica and gen_index == spec.fail_replica[0] * size + spec.fail_rank
+    fail_at = spec.fail_replica[1] if failing else None
     armed = _failing(backend) if fail_at else [False]
     breaks = _breaking(backend, spec, gen_index)
     traffic = Traffic(backend, tokens_for(0, cfg.vocab_size)[:, :4]) if spec.traffic else None
@@ -258,6 +283,11 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
+        if version in spec.remap:  # EPLB moved the experts: the deployment rejoins with its new map
+            member.close()
+            backend = make_gen_backend(spec, cfg, gen_index, version=version + 1)
+            member = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train,
+                                  device=spec.device)
     if traffic is not None:
         traffic.close()
     return dict(role="gen", gen_index=gen_index, refits=out), member
@@ -291,7 +321,7 @@ def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bo
 
     out = []
     for replica, version, how in spec.breaks:
-        if gen_index // spec.gen.tp == replica:
+        if gen_index // spec.gen.deployment_size == replica:
             armed = [False]
             break_post_load(storage, how, armed)
             out.append((version, armed))
@@ -313,7 +343,8 @@ def _failing(storage) -> list[bool]:
     return armed
 
 
-def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
+def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
+    """Engine rank ``gen_index``'s storage, laid out as refit ``version`` lands (:meth:`RunSpec.gen_at`)."""
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1:
         from megatron_refit.engines.hf.storage import HFStorage
@@ -325,10 +356,13 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int):
         return HFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
     from megatron_refit.engines.fused.layout import FusedLayoutStorage
 
+    from megatron_refit.plan.deployment import moe_layers
+
     params = hf_param_table(cfg, dtype)
     if spec.fp8:
         params = fp8_param_table(params)
-    return FusedLayoutStorage.allocate(params, spec.gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
+    gen = spec.gen_at(version, len(moe_layers(params)))
+    return FusedLayoutStorage.allocate(params, gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
 
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:

@@ -50,6 +50,9 @@ class RunSpec:
     """``(replica, version)``: that engine replica's first rank raises while ``version`` lands (an
     engine error, as a CUDA fault would); run with ``refit.on_replica_failure: continue``, the
     other replicas land it and the next refit brings the replica back."""
+    fail_rank: int = 0
+    """The rank inside the replica (``dp_rank * tp + tp_rank`` of a deployment) that raises for
+    :attr:`fail_replica`."""
     fanout: str = "off"
     """``refit.fanout``: the train ranks send to the chain's head, the replicas forward."""
     overlap: bool = False
@@ -65,6 +68,10 @@ class RunSpec:
     """HF engine ranks answer one forward pass from a client thread each time a version goes live
     (:class:`~megatron_refit.testing.traffic.Traffic`): each refit's ``traffic`` lists the versions
     those passes were answered with, or ``"refused"``."""
+    remap: tuple[int, ...] = ()
+    """Versions after which every deployment's experts move (an EPLB rebalance, seeded by the
+    version: :func:`~megatron_refit.testing.fused_engine.rebalanced`): its engine ranks leave and
+    rejoin with the new map, and the next refit must land in it."""
     hold_refits: bool = False
     """``overlap``: each background refit starts (reads nothing) only once the next training
     step has changed the weights (the last one once training ends), so every refit provably
@@ -87,9 +94,17 @@ class RunSpec:
                              f"lora rank {self.lora_rank}")
         if self.fail_replica is not None:
             replica, version = self.fail_replica
+            if not 0 <= self.fail_rank < self.gen.deployment_size:
+                raise ValueError(f"fail_rank {self.fail_rank} is not a rank of a replica of "
+                                 f"{self.gen.deployment_size}")
             if not (0 <= replica < self.gen.dp and 1 <= version <= self.refits):
                 raise ValueError(f"--fail-replica {replica}@{version}: the replica must be in 0..{self.gen.dp - 1} "
                                  f"(gen DP {self.gen.dp}) and the version in 1..{self.refits}")
+        if self.remap and (self.gen.placement is None or self.fail_replica or self.breaks or self.overlap
+                           or self.traffic or not all(1 <= v < self.refits for v in self.remap)):
+            raise ValueError(f"remap {self.remap}: moves the experts of a deployment with a placement "
+                             f"(gen.placement), between refits 1..{self.refits} (each version before the last), "
+                             "without fail_replica, breaks, overlap or traffic")
         if self.lora_rank and (self.gen.tp != 1 or self.fp8):
             raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
                              f"{self.gen.tp}, fp8 {self.fp8!r}")
@@ -101,3 +116,20 @@ class RunSpec:
     @property
     def num_gen(self) -> int:
         return self.gen.world_size
+
+    @property
+    def wide(self) -> bool:
+        """The engine replicas are wide expert-parallel deployments (the harness's ``fused`` engine)."""
+        return self.gen.attention_dp > 1 or self.gen.placement is not None
+
+    def gen_at(self, version: int, moe_layers: int) -> GenLayout:
+        """The generation layout refit ``version`` lands in: :attr:`gen`, its placement rebalanced
+        at the last of :attr:`remap` before ``version`` (``moe_layers``: the model's MoE layers)."""
+        moved = [v for v in self.remap if v < version]
+        if not moved:
+            return self.gen
+        from dataclasses import replace
+
+        from megatron_refit.testing.fused_engine import rebalanced
+
+        return replace(self.gen, placement=rebalanced(self.gen.placement, moved[-1], layers=moe_layers))

@@ -141,7 +141,7 @@ def test_the_router_chains_replicas_of_one_plan_and_version_heads_the_one_with_c
     from megatron_refit.plan.fanout import Placement
 
     plan, other = 11, 12  # replica 1's plan is its own object with replica 0's fingerprint: one plan
-    router = FanoutRouter("chain", delta="on", bucket_bytes=1 << 20, gen_tp=1)
+    router = FanoutRouter("chain", delta="on", bucket_bytes=1 << 20, replica_size=1)
     members = {0: _Member(plan), 1: _Member(plan), 2: _Member(plan), 3: _Member(other)}
     members[1].ep.plan = object()
     first = {row[0]: Placement.from_values(row[1:]) for row in router.decide(members, full=False)}

@@ -83,7 +83,7 @@ def test_one_quiet_tp_rank_stalls_its_replica_and_every_train_rank_aborts_its_gr
     assert poll(0.5) == [[], []]
     assert poll(1.9) == [[], []]  # quiet 1.9 s: not yet
     assert poll(0.2) == [[1], [1]]  # rank 0 published, both aborted (rank 1 read it in the same poll)
-    why = "engine replica 1 stalled: its TP rank 1 sent no heartbeat for 2.1 s (refit.stall_s=2)"
+    why = "engine replica 1 stalled: its rank 1 sent no heartbeat for 2.1 s (refit.stall_s=2)"
     assert aborted == {0: [why], 1: [why]}
     assert store.values[STALLED].decode() == f"1:inc:{why}\n"
     assert poll(5) == [[], []]  # once; replica 0 goes on
@@ -171,7 +171,7 @@ def test_a_beat_survives_a_store_error_on_a_new_connection_and_logs_one_warning(
     assert beat.errors == 1 and len(connections) == 2  # one error, then a new connection beats on
     assert int(shared.values[key]) >= 4
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and "heartbeat of engine replica 0 TP rank 1 failed" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "heartbeat of engine replica 0 rank 1 failed" in warnings[0].getMessage()
     assert any("back after" in r.getMessage() for r in caplog.records)
 
 

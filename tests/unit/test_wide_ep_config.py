@@ -106,8 +106,8 @@ def test_every_wide_key_is_refused_where_a_refit_starts(key, value, shown):
         section["gen_eplb"] = True
     config = RefitConfig.from_dict(section)
     assert key in WIDE_EP_KEYS
-    refused = (rf"refit.{key}={value!r}: the engine side of wide expert parallelism is not built yet \(#64\): the dry "
-               rf"run and the cost model plan it .*; to refit now set {key}: {shown}$")
+    refused = (rf"refit.{key}={value!r}: engine 'vllm' does not receive into that wide expert-parallel deployment "
+               rf"yet \(#64\): the dry run and the cost model plan it .*; to refit now set {key}: {shown}$")
     with pytest.raises(ValueError, match=refused):
         refuse_wide_ep(config)
     # where both sides start: train ranks (trainer_refit_from_pieces) and engines (engine_refit, HF's too)
@@ -124,7 +124,19 @@ def test_engine_entry_points_refuse_before_touching_the_engine():
     from megatron_refit.engines.sglang.worker.loader import engine_refit_for
 
     config = RefitConfig.from_dict({**WIDE, "gen_tp": 1, "gen_attention_dp": 2})
-    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: the engine side of wide expert parallelism"):
+    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'vllm' does not receive into that wide"):
         engine_refit(config, None, gen_index=0, num_train=2)
-    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: the engine side of wide expert parallelism"):
+    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'sglang' does not receive into that"):
         engine_refit_for(None, {**WIDE, "gen_tp": 1, "gen_attention_dp": 2}, num_train=2, tp_rank=0)
+
+
+def test_an_engine_that_declares_the_keys_is_not_refused():
+    """What an engine receives into is its declaration (``Engine.wide_ep``): the harness's ``fused``
+    engine takes every key, a refit of it starts; the same keys with ``vllm`` are refused by name."""
+    from megatron_refit.group.connect import check_enabled
+    from megatron_refit.testing.fused_engine import NAME
+
+    section = {**WIDE, "gen_tp": 2, "gen_attention_dp": 2, "gen_redundant_experts": 4, "gen_eplb": True}
+    check_enabled(RefitConfig.from_dict({**section, "engine": NAME}), 2)
+    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'vllm' does not receive"):
+        check_enabled(RefitConfig.from_dict(section), 2)

@@ -3,7 +3,10 @@
 vLLM fuses projections per layer (``qkv_proj = [q; k; v]``, ``gate_up_proj = [gate; up]``,
 MLA's replicated ``fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]``,
 FusedMoE ``w13_weight [E_local, 2·I_tp, H]`` with gate then up, ``w2_weight [E_local, H,
-I_tp]``) and pads vocab-parallel rows per rank. Given the HF pieces a rank needs
+I_tp]``) and pads vocab-parallel rows per rank. In a wide expert-parallel deployment the first
+dim of the FusedMoE weights is the rank's physical expert slots (EPLB's redundant experts
+included): a received expert is written into its first slot and copied into the others that
+hold it at the end of the refit (:class:`~megatron_refit.plan.deployment.ExpertSlots`). Given the HF pieces a rank needs
 (:func:`megatron_refit.plan.gen_layout.gen_target_specs`), :func:`fused_layout` says where each
 piece lives in that storage; received bytes are then unpacked straight into it.
 
@@ -22,7 +25,9 @@ import torch
 from megatron_refit import families
 from megatron_refit.endpoint.storage import WeightsState
 from megatron_refit.engines.segments import split_segments
-from megatron_refit.plan.gen_layout import VOCAB_PADDING, GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.deployment import ExpertSlots
+from megatron_refit.plan.gen_layout import (VOCAB_PADDING, GenLayout, ModelShape, deployment_placement,
+                                            gen_target_specs)
 from megatron_refit.plan.spec import ShardSpec
 
 _VOCAB = families.vocab_names()
@@ -41,10 +46,23 @@ class Placement:
     vllm_name: str
     index: tuple
     transform: str | None = None
+    copies: tuple[tuple, ...] = ()
+    """Indices into ``storage[vllm_name]`` that hold the same bytes: the other local slots of a
+    routed expert (written from ``index`` at the end of a refit)."""
 
 
-def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[dict, dict]:
-    """``(shapes, placements)``: vLLM parameter name → (shape, dtype), HF name → Placement."""
+def expert_slots(params, layout: GenLayout, model: ModelShape, gen_index: int) -> ExpertSlots | None:
+    """Where engine rank ``gen_index`` writes each routed expert it receives, in a deployment whose
+    experts follow a placement (:func:`~megatron_refit.plan.gen_layout.deployment_placement`);
+    None: its experts in ascending order, one slot each."""
+    placement = deployment_placement(layout, model.num_experts)
+    return None if placement is None else ExpertSlots(placement, gen_index % layout.deployment_size, params)
+
+
+def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int,
+                 slots: ExpertSlots | None = None) -> tuple[dict, dict]:
+    """``(shapes, placements)``: vLLM parameter name → (shape, dtype), HF name → Placement.
+    ``slots``: a wide deployment rank's expert slots (:func:`expert_slots`)."""
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     placements: dict[str, Placement] = {}
     fused: dict[str, tuple[tuple[str, ...], dict[str, ShardSpec]]] = {}
@@ -78,18 +96,24 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int) -> tuple[d
         ids = sorted(by_expert)
         prefix = families.engine_name(prefix)[0]
         w13, w2 = f"{prefix}.w13_{kind}", f"{prefix}.w2_{kind}"
+        count = len(ids) if slots is None else slots.count
         for local, e in enumerate(ids):
             gate, up, down = (by_expert[e].get(k) for k in ("gate", "up", "down"))
+            first, *others = (local,) if slots is None else slots.of(down.name)
+
+            def place(name: str, *rest) -> Placement:
+                return Placement(name, (first, *rest), copies=tuple((slot, *rest) for slot in others))
+
             if gate is not None:  # gated: w13 = [gate; up]
                 n = gate.shape[0]
-                placements[gate.name] = Placement(w13, (local, slice(0, n)))
-                placements[up.name] = Placement(w13, (local, slice(n, 2 * n)))
-                shapes[w13] = ((len(ids), 2 * n, gate.shape[1]), gate.dtype)
+                placements[gate.name] = place(w13, slice(0, n))
+                placements[up.name] = place(w13, slice(n, 2 * n))
+                shapes[w13] = ((count, 2 * n, gate.shape[1]), gate.dtype)
             elif up is not None:  # non-gated (e.g. ReLU²): w13 is the up projection alone
-                placements[up.name] = Placement(w13, (local,))
-                shapes[w13] = ((len(ids), *up.shape), up.dtype)
-            placements[down.name] = Placement(w2, (local,))
-            shapes[w2] = ((len(ids), *down.shape), down.dtype)
+                placements[up.name] = place(w13)
+                shapes[w13] = ((count, *up.shape), up.dtype)
+            placements[down.name] = place(w2)
+            shapes[w2] = ((count, *down.shape), down.dtype)
     return shapes, placements
 
 
@@ -98,24 +122,30 @@ class FusedLayoutStorage(WeightsState):
     ``require_ready``: the weights' state, for the engine loop that serves them)."""
 
     def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],
-                 placements: dict[str, Placement]):
+                 placements: dict[str, Placement], slots: ExpertSlots | None = None):
         self._pieces = pieces
         self._placements = placements
+        self.slots = slots
+        """A wide deployment rank's expert slots (None: one per expert it holds)."""
         self._staged: dict[str, torch.Tensor] = {}
         """Sent bytes of the pieces the engine keeps transformed (by HF name)."""
         self._bind(storage)
 
     def _bind(self, storage: dict[str, torch.Tensor]) -> None:
         """Views of every piece into ``storage`` (vLLM-named tensors)."""
-        views, transformed = {}, []
+        views, transformed, copies = {}, [], []
         for piece in self._pieces:
             place = self._placements[piece.name]
             view = storage[place.vllm_name][place.index]
-            if tuple(view.shape) != piece.shape:
-                raise ValueError(
-                    f"{piece.name}: vLLM storage {place.vllm_name}{list(place.index)} has shape "
-                    f"{tuple(view.shape)}, the piece needs {piece.shape}"
-                )
+            for copy, index in enumerate((place.index, *place.copies)):
+                where = storage[place.vllm_name][index]
+                if tuple(where.shape) != piece.shape:
+                    raise ValueError(
+                        f"{piece.name}: vLLM storage {place.vllm_name}{list(index)} has shape "
+                        f"{tuple(where.shape)}, the piece needs {piece.shape}"
+                    )
+                if copy:
+                    copies.append((where, view))
             if place.transform is not None:  # received into a staging tensor, written at finalize
                 staged = self._staged.get(piece.name)
                 if staged is None or staged.device != view.device:
@@ -126,16 +156,17 @@ class FusedLayoutStorage(WeightsState):
             views[piece.name] = view
             if piece.name in _VOCAB:  # as vLLM's loader does: padding rows beyond the vocab are zero
                 storage[place.vllm_name][piece.shape[0]:].zero_()
-        self._storage, self._views, self._transformed = storage, views, transformed
+        self._storage, self._views, self._transformed, self._copies = storage, views, transformed, copies
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
                  *, gen_index: int, device: str | torch.device = "cpu") -> FusedLayoutStorage:
         pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
-        shapes, placements = fused_layout(pieces, model, layout.tp)
+        slots = expert_slots(params, layout, model, gen_index)
+        shapes, placements = fused_layout(pieces, model, layout.tp, slots)
         storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
                    for name, (shape, dtype) in shapes.items()}
-        return cls(storage, pieces, placements)
+        return cls(storage, pieces, placements, slots)
 
     def target_specs(self) -> list[ShardSpec]:
         return list(self._pieces)
@@ -144,8 +175,11 @@ class FusedLayoutStorage(WeightsState):
         return self._views[name]
 
     def finalize(self) -> None:
-        """Write the parameters the engine keeps transformed (e.g. Mamba's ``A``)."""
+        """Write the other slots of each expert a rank holds twice, and the parameters the engine
+        keeps transformed (e.g. Mamba's ``A``)."""
         with torch.no_grad():
+            for where, view in self._copies:
+                where.copy_(view)
             for view, staged, transform in self._transformed:
                 view.copy_(transform(staged))
 
@@ -154,14 +188,15 @@ class FusedLayoutStorage(WeightsState):
 
 
 def expected_storage(full: dict[str, torch.Tensor], pieces: list[ShardSpec], model: ModelShape,
-                     tp: int) -> dict[str, torch.Tensor]:
+                     tp: int, slots: ExpertSlots | None = None) -> dict[str, torch.Tensor]:
     """What a rank's vLLM storage must hold, filled from full HF tensors (vocab padding
-    rows zero; segmented tensors split as the pieces' segments say)."""
-    shapes, placements = fused_layout(pieces, model, tp)
+    rows zero; segmented tensors split as the pieces' segments say; every slot of an expert)."""
+    shapes, placements = fused_layout(pieces, model, tp, slots)
     out = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
     full = split_segments(full, {piece.name: piece.global_shape for piece in pieces})
     for piece in pieces:
         place = placements[piece.name]
         value = full[piece.name][tuple(slice(a, b) for a, b in piece.box)]
-        out[place.vllm_name][place.index] = value if place.transform is None else TRANSFORMS[place.transform][0](value)
+        for index in (place.index, *place.copies):
+            out[place.vllm_name][index] = value if place.transform is None else TRANSFORMS[place.transform][0](value)
     return out

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit import families
-from megatron_refit.engines.fused.layout import FusedLayoutStorage, fused_layout
+from megatron_refit.engines.fused.layout import FusedLayoutStorage, expert_slots, fused_layout
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
@@ -53,8 +53,8 @@ class LiveModelStorage(FusedLayoutStorage):
     when a parameter no longer has the checkpoint layout this receiver writes."""
 
     def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], model_shape: ModelShape, tp: int,
-                 post_load: Callable[[], None] | None = None):
-        shapes, placements = fused_layout(pieces, model_shape, tp)
+                 post_load: Callable[[], None] | None = None, slots=None):
+        shapes, placements = fused_layout(pieces, model_shape, tp, slots)
         self.model = model
         self._shapes = shapes
         self._post_load = post_load
@@ -63,7 +63,7 @@ class LiveModelStorage(FusedLayoutStorage):
         no delta refits unless the caller knows they stay as written and sets this True."""
         self.rebinds = 0
         """How often :meth:`refresh_targets` found the engine's storage moved and re-resolved it."""
-        super().__init__(self._live_storage(when="at construction"), pieces, placements)
+        super().__init__(self._live_storage(when="at construction"), pieces, placements, slots)
 
     def _live_storage(self, when: str) -> dict[str, torch.Tensor]:
         storage = resolve_names(self._shapes, dict(self.model.named_parameters()))
@@ -83,7 +83,8 @@ class LiveModelStorage(FusedLayoutStorage):
     def for_model(cls, model, hf_params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout,
                   model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None):
         pieces = gen_target_specs(hf_params, layout, model_shape, style="vllm")[gen_index]
-        return cls(model, pieces, model_shape, layout.tp, post_load)
+        return cls(model, pieces, model_shape, layout.tp, post_load,
+                   slots=expert_slots(hf_params, layout, model_shape, gen_index))
 
     def refresh_targets(self) -> bool:
         """Before a refit: True (and views re-resolved) if the engine re-allocated any

@@ -575,8 +575,8 @@ def test_weight_transfer_refuses_a_wide_expert_parallel_deployment_by_name(engin
     """#64: the worker side of a wide expert-parallel deployment is not built: refused at the start of
     ``init_transfer_engine``, before vLLM's own data-parallel check and before any group is joined."""
     info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 1, "gen_attention_dp": 2}})
-    with pytest.raises(ValueError, match=r"refit\.gen_attention_dp=2: the engine side of wide expert parallelism is "
-                                         r"not built yet \(#64\): the dry run and the cost model plan it"):
+    with pytest.raises(ValueError, match=r"refit\.gen_attention_dp=2: engine 'vllm' does not receive into that wide "
+                                         r"expert-parallel deployment yet \(#64\): the dry run and the cost model"):
         engine.init_transfer_engine(info)
     assert engine.member is None
 

@@ -1,0 +1,76 @@
+"""Megatron train ranks (real bf16 optimizer steps at an RL learning rate) refit into one wide
+expert-parallel deployment of D2 x T2 with EP4 (#64), through the real refit groups over gloo:
+attention at TP rank ``i % 2`` on both data-parallel ranks, every physical expert slot
+(redundant ones included, an expert twice on one rank) filled with its logical expert, the map
+permuted and then **moved between refits** (an EPLB rebalance: the deployment's engine ranks
+rejoin with their new map and the next refit lands in it). Every refit bit-exact against
+Bridge's ``export_hf_weights``, each engine rank receiving exactly its bytes once
+(``bytes_sent == bytes_minimal``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_refit.plan.expert_placement import ExpertPlacement
+from megatron_refit.plan.gen_layout import GenLayout
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.testing.evaluate import evaluate
+from megatron_refit.testing.fused_engine import rebalanced
+from megatron_refit.testing.harness import RunSpec, run
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 2
+
+
+def _deployment(experts: int, redundant: int) -> GenLayout:
+    first = rebalanced(ExpertPlacement(num_logical_experts=experts, ep_size=4, num_redundant=redundant), 0,
+                       layers=LAYERS)
+    return GenLayout(tp=2, attention_dp=2, expert_parallel=True, placement=first)
+
+
+CASES = [
+    # 8 experts top-2, 2 redundant: 10 slots over 4 ranks (3, 3, 2, 2), an expert twice on rank 0
+    ("8e-top2-r2-tp2ep2", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2),
+    # 64 experts top-8, 4 redundant (68 / 4 = 17 slots a rank, as vLLM's EPLB needs), PP2
+    ("64e-top8-r4-tp2ep2pp2", dict(experts=64, num_experts_per_tok=8, vocab=512), TrainLayout(tp=2, ep=2, pp=2), 4),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_wide_ep_refit_bit_exact(case):
+    _, overrides, train, redundant = case
+    experts = overrides["experts"]
+    gen = _deployment(experts, redundant)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(overrides, layers=LAYERS), train=train, gen=gen, refits=3,
+                   dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10, remap=(2,))
+    result = evaluate(spec, run(spec))
+    assert result["gen"] == dict(tp=2, dp=1, attention_dp=2)
+    for r in result["refits"]:
+        assert r["bit_exact"] is True, r["version"]
+        assert r["bytes_sent"] == r["bytes_minimal"] > 0, r
+        assert r["failed_replicas"] == {}
+    moved = spec.gen_at(3, LAYERS).placement
+    assert moved.physical_to_logical != gen.placement.physical_to_logical  # refit 3 landed in another map
+    assert result["refits"][0]["loss"] != result["refits"][1]["loss"]
+
+
+def test_one_data_parallel_rank_fails_its_deployment_only():
+    """Two deployments of D2 x T2; data-parallel rank 1's TP rank 0 (deployment rank 2) of
+    deployment 1 raises while refit 2 lands: deployment 1 fails by name, deployment 0 lands it
+    bit-exact, and refit 3 brings deployment 1 back in full."""
+    gen = GenLayout(tp=2, dp=2, attention_dp=2, expert_parallel=True,
+                    placement=_deployment(8, 0).placement)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(tp=2, ep=2), gen=gen, refits=3, dtype="bfloat16", lr=1e-6,
+                   bucket_bytes=64 << 10, fail_replica=(1, 2), fail_rank=2)
+    results = run(spec)
+    result = evaluate(spec, results)
+    failed = [r["failed_replicas"] for r in result["refits"]]
+    assert [sorted(map(int, f)) for f in failed] == [[], [1], []], failed
+    assert failed[1][1].startswith("rank 2 (DP rank 1, TP rank 0): RuntimeError: engine error"), failed[1]
+    # deployment 0 landed refit 2 bit-exact (deployment 1's ranks are not checked there), both landed 3
+    assert [r["bit_exact"] for r in result["refits"]] == [True, True, True]
+    gens = [g for g in results if g["role"] == "gen"]
+    assert [g["refits"][1]["report"] is None for g in gens] == [False] * 6 + [True, False]
+    assert all(g["refits"][2]["report"]["failed_replicas"] == {} for g in gens)
