@@ -29,9 +29,12 @@ if ROOT not in sys.path:  # run as a script: the repository's packages
 
 TRAIN_TP = 2
 LORA_ALPHA = 8
-VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2))}
+VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2)),
+            "qwen3-moe-e8": ("qwen3-moe", {"experts": 8, "num_experts_per_tok": 2}, dict(tp=2, ep=2)),
+            "qwen3-moe-e64": ("qwen3-moe", {"experts": 64, "num_experts_per_tok": 8}, dict(tp=2, ep=2))}
 """Models that are a preset with overrides and their own train layout: one KV head (every
-vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head)."""
+vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head);
+8 experts top-2 and 64 experts top-8 trained at TP2 x EP2 (the wide expert-parallel tests)."""
 
 
 def model_config(name: str):

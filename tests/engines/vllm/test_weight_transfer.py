@@ -88,7 +88,9 @@ class _Runner:
         pass
 
 
-def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool):
+def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int = 1):
+    """``dp > 1``: one deployment of ``dp`` data-parallel ranks with expert parallelism, every rank a
+    process of its own (vLLM's ``external_launcher``: ``RANK`` in the environment)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -103,19 +105,22 @@ def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool):
     return VllmConfig(
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                                  dtype="float32"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp) if dp == 1 else ParallelConfig(
+            tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=True,
+            distributed_executor_backend="external_launcher"),
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format="dummy"),
         weight_transfer_config=WeightTransferConfig(backend="megatron_refit") if engine else None,
     )
 
 
-def _init_vllm(tp: int, tp_rank: int, port: int, vcfg) -> None:
+def _init_vllm(tp: int, tp_rank: int, port: int, vcfg, dp: int = 1) -> None:
+    """vLLM's groups for this rank: ``tp_rank`` is its rank in the ``dp * tp`` world."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     with set_current_vllm_config(vcfg):
-        init_distributed_environment(world_size=tp, rank=tp_rank, local_rank=tp_rank, backend="gloo",
+        init_distributed_environment(world_size=tp * dp, rank=tp_rank, local_rank=tp_rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tp, 1, backend="gloo")
 
@@ -123,7 +128,8 @@ def _init_vllm(tp: int, tp_rank: int, port: int, vcfg) -> None:
 class _Engine:
     """One case on one engine rank: a vLLM ``Worker`` holding our engine, and the reference."""
 
-    def __init__(self, case: str, bridge_name: str, tp: int, tp_rank: int, workdir: str, bridge_dir: str):
+    def __init__(self, case: str, bridge_name: str, tp: int, tp_rank: int, workdir: str, bridge_dir: str,
+                 dp: int = 1):
         from vllm.plugins import load_general_plugins
         from vllm.v1.worker.gpu_worker import Worker
 
@@ -134,7 +140,7 @@ class _Engine:
 
         model_name = bridge_name.partition("+")[0]
         self.moe = model_shape(model_config(model_name)).num_experts > 0
-        self.vcfg = _vllm_config(model_name, tp, os.path.join(workdir, case), engine=True)
+        self.vcfg = _vllm_config(model_name, tp, os.path.join(workdir, case), engine=True, dp=dp)
         self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
                              is_driver_worker=tp_rank == 0)
         self.worker.device = torch.device("cpu")  # what its init_device sets (CUDA only)
@@ -572,11 +578,17 @@ def test_weight_transfer_bad_init_info_names_the_field(engine, bad, field):
 
 
 def test_weight_transfer_refuses_a_wide_expert_parallel_deployment_by_name(engine):
-    """#64: the worker side of a wide expert-parallel deployment is not built: refused at the start of
-    ``init_transfer_engine``, before vLLM's own data-parallel check and before any group is joined."""
+    """#64: what vLLM's worker does not receive into (EPLB's redundant, moving experts) is refused at the
+    start of ``init_transfer_engine``, before any group is joined; a deployment of data-parallel ranks
+    the engine does not run is refused naming both sides."""
+    info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 2, "gen_expert_parallel": True,
+                                                          "gen_redundant_experts": 4, "gen_eplb": True}})
+    with pytest.raises(ValueError, match=r"refit\.gen_redundant_experts=4: engine 'vllm' does not receive into that "
+                                         r"wide expert-parallel deployment yet \(#64\)"):
+        engine.init_transfer_engine(info)
     info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 1, "gen_attention_dp": 2}})
-    with pytest.raises(ValueError, match=r"refit\.gen_attention_dp=2: engine 'vllm' does not receive into that wide "
-                                         r"expert-parallel deployment yet \(#64\): the dry run and the cost model"):
+    with pytest.raises(ValueError, match=r"init_info\.refit\.gen_attention_dp=2, but this vLLM engine runs "
+                                         r"data_parallel_size=1"):
         engine.init_transfer_engine(info)
     assert engine.member is None
 

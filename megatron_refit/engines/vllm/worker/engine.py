@@ -49,14 +49,16 @@ from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
+from megatron_refit.engines.vllm.worker.expert_maps import check_expert_maps
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
+from megatron_refit.engines.vllm.worker.rank import engine_rank
 from megatron_refit.engines.vllm.worker.prepare import NotPreparableError, Prepared, prepare
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.group.store import note_swap
 from megatron_refit.plan.fp8_layout import fp8_param_table
-from megatron_refit.plan.gen_layout import gen_target_specs
+from megatron_refit.plan.gen_layout import deployment_placement, gen_target_specs
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.engine_side.entry import engine_refit
 
@@ -142,7 +144,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._staged_swap = False
         self._storage = None
         self._timeout_s = 0.0
-        self._tp = 1
+        self._replica_size = 1
         self._budget_bytes: int | None = None
         """``refit.swap_budget_mb`` in bytes: the staging buffers and the shadow together (None: no bound)."""
         self._staging: Future | None = None
@@ -161,20 +163,24 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise RuntimeError("megatron_refit: init_weight_transfer_engine called twice; call "
                                "shutdown_weight_transfer_engine first")
         cfg = init_info.config
-        refuse_wide_ep(cfg)  # before vLLM's own data_parallel_size check, which would name less
+        refuse_wide_ep(cfg)  # what vLLM's side does not receive into (EPLB's moving experts), before any check
         self.gen_index = self._gen_index(init_info)
         hf_config = self.model_config.hf_config
         params = hf_param_table(hf_config, self.model_config.dtype)
         if cfg.trainer_quantize_fp8:
             params = fp8_param_table(params)
         shape = model_shape(hf_config)
-        tp_rank = self.gen_index % cfg.gen_tp  # this rank's pieces: the same in every replica
+        rank = self.gen_index % cfg.replica_size  # this rank's pieces: the same in every replica
+        layout = cfg.replica_layout(shape.num_experts, getattr(hf_config, "n_group", None))
+        placement = deployment_placement(layout, shape.num_experts)
+        if placement is not None:  # a wide deployment: vLLM's own expert map is the one planned
+            check_expert_maps(self.model, placement, rank)
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
         mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
         storage, why = None, ""
         if mode in (None, "in_place"):
             try:
-                storage = LiveModelStorage.for_model(self.model, params, cfg.replica_layout(), shape, gen_index=tp_rank)
+                storage = LiveModelStorage.for_model(self.model, params, layout, shape, gen_index=rank)
                 mode = "in_place"
             except RepackedParameterError as exc:
                 if mode == "in_place":  # asked for: refused by name, before any byte moves
@@ -182,7 +188,10 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 mode, why = "load_weights", f" ({exc})"
         if mode == "load_weights":
             check_reloadable(self.model)  # MoE experts' post-load step: run again after each reload, or refused
-            pieces = gen_target_specs(params, cfg.replica_layout(), shape, style="vllm")[tp_rank]
+            if placement is not None:
+                raise ValueError("refit.engine_load load_weights: vLLM's load_weights of a wide expert-parallel "
+                                 "deployment is not planned (each rank's expert slots): use engine_load in_place")
+            pieces = gen_target_specs(params, layout, shape, style="vllm")[rank]
             storage = StagedPiecesStorage(self.model, pieces, self.device)
         if cfg.engine_load == "auto":
             logger.info("megatron_refit: engine_load auto: %s%s", mode, why)
@@ -190,40 +199,19 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         self._storage = storage
         self._timeout_s = cfg.timeout_s
         self._budget_bytes = None if cfg.swap_budget_mb is None else int(cfg.swap_budget_mb * 2**20)
-        self._tp = cfg.gen_tp
+        self._replica_size = cfg.replica_size
         lora = (init_info.lora_rank, init_info.lora_alpha) if init_info.lora_rank else None
         self.member = engine_refit(cfg, storage, gen_index=self.gen_index, num_train=init_info.num_train,
                                  device=self.device, lora=lora)
         self.state = "stale"
 
     def _gen_index(self, info: MegatronRefitInitInfo) -> int:
-        """``replica * tp + tp_rank`` from vLLM's parallel state; ``ValueError`` naming the field
-        where the trainer's ``refit:`` section and this engine disagree."""
+        """This rank's engine rank from vLLM's parallel state (:func:`~.rank.engine_rank`)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        cfg, pc = info.config, self.parallel_config
-        if cfg.engine != "vllm":
-            raise ValueError(f"init_info.refit.engine is {cfg.engine!r}, but this is vLLM's megatron_refit engine")
-        if pc.tensor_parallel_size != cfg.gen_tp:
-            raise ValueError(f"init_info.refit.gen_tp={cfg.gen_tp}, but this vLLM engine runs "
-                             f"tensor_parallel_size={pc.tensor_parallel_size}")
-        if pc.pipeline_parallel_size != 1:
-            raise ValueError(f"megatron_refit needs vLLM pipeline_parallel_size 1, got {pc.pipeline_parallel_size}")
-        if bool(pc.enable_expert_parallel) != cfg.gen_expert_parallel:
-            raise ValueError(f"init_info.refit.gen_expert_parallel={cfg.gen_expert_parallel}, but this vLLM engine "
-                             f"runs enable_expert_parallel={pc.enable_expert_parallel}")
-        if info.replica is not None:
-            if pc.data_parallel_size > 1:
-                raise ValueError(f"init_info.replica={info.replica} is for independent engines; this one runs vLLM "
-                                 f"data_parallel_size={pc.data_parallel_size} and takes its replica from vLLM")
-            replica = info.replica
-        else:
-            replica = pc.data_parallel_index
-            if pc.data_parallel_size > 1 and model_shape(self.model_config.hf_config).num_experts:
-                raise ValueError(f"vLLM data_parallel_size={pc.data_parallel_size} shards MoE experts over every "
-                                 "data-parallel rank, a layout megatron_refit does not plan for: run one engine per "
-                                 "replica (data_parallel_size 1) and set init_info.replica")
-        return replica * cfg.gen_tp + get_tensor_model_parallel_rank()
+        return engine_rank(info.config, self.parallel_config, replica=info.replica,
+                           tp_rank=get_tensor_model_parallel_rank,
+                           moe=model_shape(self.model_config.hf_config).num_experts > 0)
 
     def _check_initialised(self, what: str) -> None:
         if self.member is None:
@@ -318,7 +306,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         """Tell the train ranks whether ``version`` was prepared (``refit/swap_unprepared``); a
         store that fails here costs the count, not the version (logged)."""
         try:
-            note_swap(self.member.group.store, version, self.gen_index % self._tp, why)
+            note_swap(self.member.group.store, version, self.gen_index % self._replica_size, why)
         except Exception as exc:  # noqa: BLE001 -- the version itself is fine
             logger.warning("megatron_refit: swap: staged: could not note version %s for the train ranks: %s",
                            version, exc)
