@@ -110,8 +110,8 @@ def test_every_wide_key_is_refused_where_a_refit_starts(key, value, shown):
         section["gen_eplb"] = True
     config = RefitConfig.from_dict(section)
     assert key in WIDE_EP_KEYS
-    refused = (rf"refit.{key}={value!r}: engine 'no_wide_ep' does not receive into that wide expert-parallel deployment "
-               rf"yet \(#64\): the dry run and the cost model plan it .*; to refit now set {key}: {shown}$")
+    refused = (rf"refit.{key}={value!r}: engine 'no_wide_ep' does not receive into that wide expert-parallel "
+               rf"deployment yet \(#64\): the dry run and the cost model plan it .*; to refit now set {key}: {shown}$")
     with pytest.raises(ValueError, match=refused):
         refuse_wide_ep(config)
     # where both sides start: train ranks (trainer_refit_from_pieces) and engines (engine_refit, HF's too)
