@@ -64,20 +64,27 @@ class RefitConfig:
     ``--tensor-parallel-size gen_tp``; SGLang ``--enable-dp-attention --dp`` at ``--tp gen_tp *
     gen_attention_dp``): attention TP-sharded over ``gen_tp``, the same on each DP rank; routed
     experts over all the ranks (``gen_expert_parallel``, EP size ``gen_tp * gen_attention_dp``)
-    or MoE-tensor-sharded over them. ``gen_dp`` counts deployments. The dry run and the cost model
-    plan it; the engines refuse it by name (#64: their side is not built yet)."""
+    or MoE-tensor-sharded over them. ``gen_dp`` counts deployments; a deployment is one refit group
+    and one fault domain (a failure on any of its ranks fails that deployment's refit, the others
+    land). vLLM's worker receives into it (a MoE model at ``--data-parallel-size gen_attention_dp``,
+    its own expert maps checked against the plan's); an engine that does not declare it
+    (``Engine.wide_ep``) refuses it by name where a refit starts."""
     gen_expert_placement: str = "linear"
     """vLLM ``--expert-placement-strategy`` under ``gen_expert_parallel``: ``linear`` or
     ``round_robin``, which vLLM turns into linear unless the model has expert groups, no
     redundant experts, no EPLB and (with ``gen_attention_dp > 1``) an all2all backend other than
-    its default; the dry run prints the outcome. SGLang: ``linear``. Engines: ``linear`` (#64)."""
+    its default; the dry run prints the outcome. SGLang: ``linear``."""
     gen_redundant_experts: int = 0
     """Redundant expert slots per MoE layer under ``gen_expert_parallel`` (vLLM
     ``num_redundant_experts`` of ``--eplb-config``, with ``gen_eplb``; SGLang
-    ``--ep-num-redundant-experts``), planned at the engine's initial map. Engines: 0 (#64)."""
+    ``--ep-num-redundant-experts``), planned at the engine's initial map; a rank that holds an
+    expert in two slots receives it once and writes both. vLLM's worker refuses it (vLLM keeps
+    redundant experts only under EPLB: see ``gen_eplb``)."""
     gen_eplb: bool = False
-    """``--enable-eplb``: the engine moves experts between its slots while serving. Planned at
-    its initial map; the engines refuse it (#64: the map is not reported at refit yet)."""
+    """``--enable-eplb``: the engine moves experts between its slots while serving. The plan lands
+    a moved map bit-exact once the deployment's ranks rejoin with it (a new incarnation, planned
+    in full); vLLM's and SGLang's workers do not report their live map at a refit yet and refuse it
+    by name (#64)."""
     host: str = "127.0.0.1"
     """Rendezvous host of the refit process group (train rank 0's node under SLURM)."""
     port: int = 29600
