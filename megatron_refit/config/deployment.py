@@ -121,14 +121,19 @@ def refuse_wide_ep(cfg) -> None:
     """``ValueError`` naming the first key of a wide expert-parallel deployment that ``cfg`` sets
     and its engine does not receive into (its :attr:`~megatron_refit.registry.Engine.wide_ep`);
     called where a refit starts (the train ranks' and every engine's), before any byte moves."""
+    key = refused_key(cfg)
+    if key is not None:
+        raise ValueError(f"refit.{key}={getattr(cfg, key)!r}: engine {cfg.engine!r} does not receive into that wide "
+                         f"expert-parallel deployment yet (#64): the dry run and the cost model plan it "
+                         f"(python -m megatron_refit.dryrun / costmodel --config ...); to refit now set "
+                         f"{key}: {_yaml(DEFAULTS[key])}")
+
+
+def refused_key(cfg) -> str | None:
+    """The first wide-EP key ``cfg`` sets that its engine does not receive into (None: it receives
+    the whole deployment); the dry run prints it before a job starts."""
     honoured = engine_named(cfg.engine).wide_ep
-    for key in WIDE_EP_KEYS:
-        value = getattr(cfg, key)
-        if value != DEFAULTS[key] and key not in honoured:
-            raise ValueError(f"refit.{key}={value!r}: engine {cfg.engine!r} does not receive into that wide "
-                             f"expert-parallel deployment yet (#64): the dry run and the cost model plan it "
-                             f"(python -m megatron_refit.dryrun / costmodel --config ...); to refit now set "
-                             f"{key}: {_yaml(DEFAULTS[key])}")
+    return next((key for key in WIDE_EP_KEYS if getattr(cfg, key) != DEFAULTS[key] and key not in honoured), None)
 
 
 def _yaml(value) -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from conversion.derive import derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
-from megatron_refit.config.deployment import Deployment, deployment_layout
+from megatron_refit.config.deployment import Deployment, deployment_layout, refused_key
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
@@ -331,6 +331,9 @@ def gen_text(run: DryRun) -> str:
         text += f"; gen_expert_placement {requested} -> {run.deployment.strategy}: {run.deployment.fallback}"
     if not gen.expert_parallel and gen.attention_dp > 1:
         text += f"; routed experts MoE-TP over the deployment's {gen.deployment_size} ranks"
+    key = refused_key(run.refit)
+    if key is not None:
+        text += f"; engine {run.refit.engine} refuses it at a refit: refit.{key}={getattr(run.refit, key)!r}"
     return text
 
 
@@ -343,7 +346,7 @@ def gen_json(run: DryRun) -> dict:
             "placement": run.deployment.strategy if gen.expert_parallel else None,
             "placement_fallback": run.deployment.fallback,
             "redundant_experts": gen.placement.num_redundant if gen.placement is not None else 0,
-            "eplb": run.refit.gen_eplb}
+            "eplb": run.refit.gen_eplb, "refused_key": refused_key(run.refit)}
 
 
 def main(argv=None) -> int:

@@ -145,3 +145,20 @@ def test_an_engine_that_declares_the_keys_is_not_refused():
     check_enabled(RefitConfig.from_dict({**section, "engine": NAME}), 2)
     with pytest.raises(ValueError, match=r"refit.gen_redundant_experts=4: engine 'vllm' does not receive"):
         check_enabled(RefitConfig.from_dict(section), 2)  # vLLM: DP x EP yes, EPLB's moving experts not yet
+
+
+def test_the_dry_run_says_which_shipped_deployment_a_refit_refuses():
+    """Before a job starts: Kimi-K2's DP16 x TP8 vLLM deployment is received into; DeepSeek-V3's with EPLB and
+    32 redundant experts is refused by vLLM's worker, and the dry run's line says so by key."""
+    import os
+
+    from megatron_refit.config.deployment import refused_key
+    from megatron_refit.tools.dryrun import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    kimi, _, _ = load_config(os.path.join(root, "configs", "kimi-k2-fp8-256to128.yaml"))
+    deepseek, _, _ = load_config(os.path.join(root, "configs", "deepseek-v3-wide-ep.yaml"))
+    assert kimi.gen_attention_dp == 16 and refused_key(kimi) is None
+    assert refused_key(deepseek) == "gen_redundant_experts"
+    with pytest.raises(ValueError, match=r"refit.gen_redundant_experts=32: engine 'vllm' does not receive"):
+        refuse_wide_ep(deepseek)
