@@ -184,6 +184,7 @@ class _Engine:
         mine, theirs = dict(self.model.named_parameters()), dict(ref.named_parameters())
         engine = self.worker.weight_transfer_engine
         return dict(names_equal=set(mine) == set(theirs), num_params=len(mine),
+                    w13=[tuple(p.shape) for n, p in mine.items() if "w13" in n][:1],
                     diff=sorted(n for n in mine if n in theirs and not torch.equal(mine[n].data, theirs[n].data)),
                     state=engine.state, weights_version=engine.weights_version,
                     report=engine.last_report.as_dict(), rebinds=getattr(engine.member.full.storage, "rebinds", None))
@@ -212,30 +213,35 @@ def _serve(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     allow_non_gated_moe_on_cpu()  # Nemotron-H's ReLU² experts (see cpu_moe.py)
     # MoE first: vLLM creates its expert-parallel group only when the first config has experts
     _init_vllm(tp, tp_rank, vllm_ports[gen // tp], _vllm_config("qwen3-moe", tp, os.path.join(workdir, "x"), False))
+    serve_calls(requests[gen], replies[gen], lambda case: _Engine(
+        case, next(b for c, b, _ in cases if c == case), tp, tp_rank, workdir, bridge_dir))
+
+
+def serve_calls(requests, replies, make_engine) -> None:
+    """Run the calls a client sends this engine rank until told to stop: ``case`` builds that case's
+    engine (``make_engine(case)``), any other method runs on it (or its vLLM ``Worker``)."""
+    from vllm.config import set_current_vllm_config
+
     engines: dict[str, _Engine] = {}
     while True:
-        seq, method, kwargs = requests[gen].get()
+        seq, method, kwargs = requests.get()
         if method == "stop":
-            return None
+            return
         try:
-            from vllm.config import set_current_vllm_config
-
             if method == "case":
-                case = kwargs["case"]
-                bridge_name = next(b for c, b, _ in cases if c == case)
-                engines[case] = _Engine(case, bridge_name, tp, tp_rank, workdir, bridge_dir)
+                engines[kwargs["case"]] = make_engine(kwargs["case"])
                 result = None
             else:
                 engine = engines[kwargs.pop("case")]
                 target = engine if hasattr(engine, method) else engine.worker
                 with set_current_vllm_config(engine.vcfg):
                     result = getattr(target, method)(**kwargs)
-            replies[gen].put((seq, True, result))
+            replies.put((seq, True, result))
         except Exception as exc:  # noqa: BLE001 -- sent back to the client, which raises
             import traceback
 
             traceback.print_exc()  # the client reports only the message
-            replies[gen].put((seq, False, f"{type(exc).__name__}: {exc}"))
+            replies.put((seq, False, f"{type(exc).__name__}: {exc}"))
 
 
 _SEQ = itertools.count()

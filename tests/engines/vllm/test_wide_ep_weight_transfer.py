@@ -11,8 +11,8 @@ instance of the same deployment (its expert map), and the bytes sent are the min
 expert to the one rank that holds it, the attention shard to both data-parallel ranks of a TP rank).
 
 EP on CPU fails upstream at the forward (vLLM issue #57837: no ``all_gatherv`` in
-``CpuCommunicator``), so a running ``vllm serve --data-parallel-size 2`` of a MoE model is a GPU
-check (``scripts/gpu_check_vllm.py``), not one here.
+``CpuCommunicator``), so a running ``vllm serve --data-parallel-size 2`` of a MoE model is not
+checked here; it needs two GPUs (a DP rank each), more than ``make gpu-check``'s one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_refit.testing.launch import free_ports, run_spawned
 pytest.importorskip("vllm")
 
 from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
-                                                     _pieces, _QueueClient, _vllm_config)
+                                                     _pieces, _QueueClient, _vllm_config, serve_calls)
 
 TP, DP = 2, 2
 MODELS = ("qwen3-moe-e8", "qwen3-moe-e64")
@@ -39,32 +39,8 @@ def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     sys.path.insert(0, str(HERE))
     gen = rank - NUM_TRAIN
     os.environ.update(RANK=str(gen), LOCAL_RANK=str(gen), WORLD_SIZE=str(TP * DP))  # external_launcher
-    from vllm.config import set_current_vllm_config
-
     _init_vllm(TP, gen, vllm_port, _vllm_config(MODELS[0], TP, os.path.join(workdir, "x"), False, dp=DP), dp=DP)
-    engines = {}
-    while True:
-        seq, method, kwargs = requests[gen].get()
-        if method == "stop":
-            return None
-        try:
-            if method == "case":
-                case = kwargs["case"]
-                engines[case] = _Engine(case, case, TP, gen, workdir, bridge_dir, dp=DP)
-                result = None
-            else:
-                engine = engines[kwargs.pop("case")]
-                target = engine if hasattr(engine, method) else engine.worker
-                with set_current_vllm_config(engine.vcfg):
-                    result = getattr(target, method)(**kwargs)
-                if method == "check":
-                    result["w13"] = [tuple(p.shape) for n, p in engine.model.named_parameters() if "w13" in n][:1]
-            replies[gen].put((seq, True, result))
-        except Exception as exc:  # noqa: BLE001 -- sent back to the client, which raises
-            import traceback
-
-            traceback.print_exc()
-            replies[gen].put((seq, False, f"{type(exc).__name__}: {exc}"))
+    serve_calls(requests[gen], replies[gen], lambda case: _Engine(case, case, TP, gen, workdir, bridge_dir, dp=DP))
 
 
 def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
