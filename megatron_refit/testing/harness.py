@@ -346,7 +346,7 @@ def _failing(storage) -> list[bool]:
 def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
     """Engine rank ``gen_index``'s storage, laid out as refit ``version`` lands (:meth:`RunSpec.gen_at`)."""
     dtype = getattr(torch, spec.dtype)
-    if spec.gen.tp == 1:
+    if spec.gen.tp == 1 and not spec.wide:  # whole HF tensors; a wide deployment is vLLM-shaped
         from megatron_refit.engines.hf.storage import HFStorage
         from megatron_refit.engines.hf.staged import StagedHFStorage
 

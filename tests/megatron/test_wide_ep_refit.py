@@ -23,29 +23,32 @@ pytestmark = pytest.mark.slow
 LAYERS = 2
 
 
-def _deployment(experts: int, redundant: int) -> GenLayout:
-    first = rebalanced(ExpertPlacement(num_logical_experts=experts, ep_size=4, num_redundant=redundant), 0,
+def _deployment(experts: int, redundant: int, tp: int = 2) -> GenLayout:
+    first = rebalanced(ExpertPlacement(num_logical_experts=experts, ep_size=2 * tp, num_redundant=redundant), 0,
                        layers=LAYERS)
-    return GenLayout(tp=2, attention_dp=2, expert_parallel=True, placement=first)
+    return GenLayout(tp=tp, attention_dp=2, expert_parallel=True, placement=first)
 
 
 CASES = [
     # 8 experts top-2, 2 redundant: 10 slots over 4 ranks (3, 3, 2, 2), an expert twice on rank 0
-    ("8e-top2-r2-tp2ep2", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2),
+    ("8e-top2-r2-tp2ep2", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2, 2),
     # 64 experts top-8, 4 redundant (68 / 4 = 17 slots a rank, as vLLM's EPLB needs), PP2
-    ("64e-top8-r4-tp2ep2pp2", dict(experts=64, num_experts_per_tok=8, vocab=512), TrainLayout(tp=2, ep=2, pp=2), 4),
+    ("64e-top8-r4-tp2ep2pp2", dict(experts=64, num_experts_per_tok=8, vocab=512), TrainLayout(tp=2, ep=2, pp=2), 4,
+     2),
+    # attention TP1 (D2 x T1, EP2: public DP+EP runs): each rank holds every dense weight whole
+    ("8e-top2-r2-tp2ep2-to-d2t1", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2, 1),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_wide_ep_refit_bit_exact(case):
-    _, overrides, train, redundant = case
+    _, overrides, train, redundant, tp = case
     experts = overrides["experts"]
-    gen = _deployment(experts, redundant)
+    gen = _deployment(experts, redundant, tp)
     spec = RunSpec(model="qwen3-moe", overrides=dict(overrides, layers=LAYERS), train=train, gen=gen, refits=3,
                    dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10, remap=(2,))
     result = evaluate(spec, run(spec))
-    assert result["gen"] == dict(tp=2, dp=1, attention_dp=2)
+    assert result["gen"] == dict(tp=tp, dp=1, attention_dp=2)
     for r in result["refits"]:
         assert r["bit_exact"] is True, r["version"]
         assert r["bytes_sent"] == r["bytes_minimal"] > 0, r
