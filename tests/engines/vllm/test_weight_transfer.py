@@ -88,9 +88,10 @@ class _Runner:
         pass
 
 
-def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int = 1):
-    """``dp > 1``: one deployment of ``dp`` data-parallel ranks with expert parallelism, every rank a
-    process of its own (vLLM's ``external_launcher``: ``RANK`` in the environment)."""
+def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int = 1, ep: bool = True):
+    """``dp > 1``: one deployment of ``dp`` data-parallel ranks, with expert parallelism (``ep``) or
+    the MoE tensor-parallel over all its ranks, every rank a process of its own (vLLM's
+    ``external_launcher``: ``RANK`` in the environment)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -106,7 +107,7 @@ def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int =
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                                  dtype="float32"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp) if dp == 1 else ParallelConfig(
-            tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=True,
+            tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
             distributed_executor_backend="external_launcher"),
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format="dummy"),
@@ -129,7 +130,7 @@ class _Engine:
     """One case on one engine rank: a vLLM ``Worker`` holding our engine, and the reference."""
 
     def __init__(self, case: str, bridge_name: str, tp: int, tp_rank: int, workdir: str, bridge_dir: str,
-                 dp: int = 1):
+                 dp: int = 1, ep: bool = True):
         from vllm.plugins import load_general_plugins
         from vllm.v1.worker.gpu_worker import Worker
 
@@ -140,7 +141,7 @@ class _Engine:
 
         model_name = bridge_name.partition("+")[0]
         self.moe = model_shape(model_config(model_name)).num_experts > 0
-        self.vcfg = _vllm_config(model_name, tp, os.path.join(workdir, case), engine=True, dp=dp)
+        self.vcfg = _vllm_config(model_name, tp, os.path.join(workdir, case), engine=True, dp=dp, ep=ep)
         self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
                              is_driver_worker=tp_rank == 0)
         self.worker.device = torch.device("cpu")  # what its init_device sets (CUDA only)

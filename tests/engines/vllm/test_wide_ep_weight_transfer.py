@@ -31,7 +31,10 @@ from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERS
                                                      _pieces, _QueueClient, _vllm_config, serve_calls)
 
 TP, DP = 2, 2
-MODELS = ("qwen3-moe-e8", "qwen3-moe-e64")
+CASES = {"qwen3-moe-e8": True, "qwen3-moe-e64": True, "qwen3-moe-e8:moe-tp": False}
+"""Case -> expert parallelism; ``:moe-tp``: without it, vLLM shards each expert tensor-parallel over
+all D x T ranks (``FusedMoEParallelConfig``'s flattened TP)."""
+MODELS = ("qwen3-moe-e8", "qwen3-moe-e64")  # made by bridge_shards.py
 
 
 def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
@@ -40,7 +43,8 @@ def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     gen = rank - NUM_TRAIN
     os.environ.update(RANK=str(gen), LOCAL_RANK=str(gen), WORLD_SIZE=str(TP * DP))  # external_launcher
     _init_vllm(TP, gen, vllm_port, _vllm_config(MODELS[0], TP, os.path.join(workdir, "x"), False, dp=DP), dp=DP)
-    serve_calls(requests[gen], replies[gen], lambda case: _Engine(case, case, TP, gen, workdir, bridge_dir, dp=DP))
+    serve_calls(requests[gen], replies[gen], lambda case: _Engine(case, case.partition(":")[0], TP, gen, workdir, bridge_dir, dp=DP,
+                                                                  ep=CASES[case]))
 
 
 def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
@@ -54,13 +58,14 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     load_general_plugins()
     gens = list(range(world - NUM_TRAIN))
     results = {}
-    for n, case in enumerate(MODELS):
+    for n, case in enumerate(CASES):
+        model = case.partition(":")[0]
         client = _QueueClient(requests, replies, gens, case)
         if rank == 0:
             client.call("case")
-        saved = load(bridge_dir, case, 1, rank)
+        saved = load(bridge_dir, model, 1, rank)
         weights = _pieces(saved["weights"])
-        refit = dict(gen_tp=TP, gen_dp=1, gen_attention_dp=DP, gen_expert_parallel=True, port=refit_ports[n],
+        refit = dict(gen_tp=TP, gen_dp=1, gen_attention_dp=DP, gen_expert_parallel=CASES[case], port=refit_ports[n],
                      bucket_mb=0.25, timeout_s=120)
         engine = WeightTransferTrainerFactory.trainer_init(
             MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
@@ -68,7 +73,7 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
         out = []
         for version in VERSIONS:
             if version > 1:
-                for piece, (_, t) in zip(weights, load(bridge_dir, case, version, rank)["weights"]):
+                for piece, (_, t) in zip(weights, load(bridge_dir, model, version, rank)["weights"]):
                     piece.data = t
             report = engine.send_weights()
             out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0
@@ -98,7 +103,7 @@ def refitted(tmp_path_factory):
     num_gen = TP * DP
     requests = [ctx.Queue() for _ in range(num_gen)]
     replies = [ctx.Queue() for _ in range(num_gen)]
-    ports = free_ports(1 + len(MODELS))
+    ports = free_ports(1 + len(CASES))
     return run_spawned(_rank, NUM_TRAIN + num_gen, requests, replies, ports[0], ports[1:],
                        str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=900,
                        env={"VLLM_TARGET_DEVICE": "cpu"})
@@ -121,3 +126,17 @@ def test_wide_ep_refit_lands_in_vllms_own_expert_slots(refitted, case, experts):
         received = [check["report"]["bytes_received"] for check in checks]
         # each rank: its attention shard (same on both DP ranks of a TP rank) and its experts only
         assert received[0] == received[2] and received[1] == received[3] and sum(received) == sent
+
+
+@pytest.mark.slow
+def test_without_expert_parallelism_each_expert_is_tensor_parallel_over_the_deployment(refitted):
+    """``gen_expert_parallel: false`` at DP2 x TP2: vLLM shards every expert over all four ranks (a quarter
+    of its intermediate rows each); every rank receives its quarter of every expert, bit-exact."""
+    train = [rank_out["qwen3-moe-e8:moe-tp"] for rank_out in refitted[:NUM_TRAIN]]
+    for version, items in zip(VERSIONS, zip(*train)):
+        checks = items[0]["checks"]
+        for check in checks:
+            assert check["diff"] == [] and check["names_equal"], (version, check["diff"][:5])
+            assert check["state"] == "ready" and check["weights_version"] == version
+            assert check["w13"][0][0] == 8  # every expert on every rank, sliced
+        assert sum(item["report"]["bytes_sent"] for item in items) == items[0]["report"]["bytes_minimal"] > 0
