@@ -43,8 +43,10 @@ def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     gen = rank - NUM_TRAIN
     os.environ.update(RANK=str(gen), LOCAL_RANK=str(gen), WORLD_SIZE=str(TP * DP))  # external_launcher
     _init_vllm(TP, gen, vllm_port, _vllm_config(MODELS[0], TP, os.path.join(workdir, "x"), False, dp=DP), dp=DP)
-    serve_calls(requests[gen], replies[gen], lambda case: _Engine(case, case.partition(":")[0], TP, gen, workdir, bridge_dir, dp=DP,
-                                                                  ep=CASES[case]))
+    def engine(case: str) -> _Engine:
+        return _Engine(case, case.partition(":")[0], TP, gen, workdir, bridge_dir, dp=DP, ep=CASES[case])
+
+    serve_calls(requests[gen], replies[gen], engine)
 
 
 def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
