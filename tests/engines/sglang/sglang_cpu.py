@@ -21,10 +21,13 @@ import torch
 from megatron_refit.engines.sglang.messages import LOADER
 
 
-def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str) -> None:
+def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str, *, attention_dp: int = 1, ep_size: int = 1,
+                dp_lm_head: bool = True) -> None:
     """This process as rank ``tp_rank`` of an SGLang engine at TP ``tp`` on CPU: its world
     and model-parallel groups over gloo (rendezvous on ``port``) and the published server
-    args (``device="cpu"``, float32, dummy weights, :data:`LOADER` as custom weight loader)."""
+    args (``device="cpu"``, float32, dummy weights, :data:`LOADER` as custom weight loader).
+    ``attention_dp > 1``: ``--dp attention_dp --enable-dp-attention`` (and ``--enable-dp-lm-head``
+    unless ``dp_lm_head`` is false), attention TP ``tp // attention_dp``; ``ep_size``: ``--ep-size``."""
     # TP >= 2 would build PyNccl ("Expected a cuda device"): no NCCL library, no PyNccl
     os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(model_dir, "no-libnccl.so")
     from sglang.srt.distributed import parallel_state
@@ -33,6 +36,7 @@ def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str) -> None:
         initialize_model_parallel,
         set_custom_all_reduce,
     )
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
@@ -40,11 +44,15 @@ def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str) -> None:
     init_distributed_environment(world_size=tp, rank=tp_rank, local_rank=tp_rank, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
     reset_context()  # as sglang.test.test_utils.publish_build_topology, with the server args of a CPU engine
-    publish(ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, dtype="float32", load_format="dummy",
-                       skip_tokenizer_init=True, custom_weight_loader=[LOADER]),
-            role="test", ranks=SpawnRanks(world_rank=tp_rank))
+    dp_attention = dict(dp_size=attention_dp, enable_dp_attention=True, enable_dp_lm_head=dp_lm_head) \
+        if attention_dp > 1 else {}
+    server_args = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, ep_size=ep_size, dtype="float32",
+                             load_format="dummy", skip_tokenizer_init=True, custom_weight_loader=[LOADER],
+                             **dp_attention)
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
+    initialize_dp_attention(server_args)  # as distributed.bootstrap after the groups: DP attention's flags
     # the rotary embedding takes its CPU path only where SGLang's CPU kernels are built;
     # elsewhere it imports vLLM's rotary op
     import sglang.srt.layers.rotary_embedding.base as rotary
@@ -60,16 +68,28 @@ def write_model_dir(hf_config, model_dir: str) -> str:
     return model_dir
 
 
-def build_model(model_dir: str) -> torch.nn.Module:
+def build_model(model_dir: str, *, expert_location: bool = False) -> torch.nn.Module:
     """SGLang's model for ``model_dir`` (its registry's class for the architecture, e.g.
     ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``) on this TP rank, float32, built by
-    SGLang's dummy loader (random weights, then SGLang's post-load steps)."""
+    SGLang's dummy loader (random weights, then SGLang's post-load steps). ``expert_location``:
+    first the server's expert location for this model, as ``ModelRunner.maybe_init_expert_location_metadata``
+    sets it (``--init-expert-location``, trivial by default; its weight loader follows it)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import get_model_loader
 
     model_config = ModelConfig(model_dir, dtype="float32")
+    if expert_location:
+        from sglang.srt.eplb.expert_location import (
+            compute_initial_expert_location_metadata,
+            set_global_expert_location_metadata,
+        )
+        from sglang.srt.runtime_context import get_parallel
+
+        metadata = compute_initial_expert_location_metadata(model_config=model_config,
+                                                            moe_ep_rank=get_parallel().moe_ep_rank)
+        set_global_expert_location_metadata(metadata, allow_overwrite=True)
     loader = get_model_loader(LoadConfig(load_format="dummy"), model_config)
     return loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
 

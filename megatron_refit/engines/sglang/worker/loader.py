@@ -33,31 +33,42 @@ log = logging.getLogger(__name__)
 
 def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
                      tp_rank: int | None = None):
-    """Join the refit group as TP rank ``tp_rank`` (default: this worker's) of engine
-    ``replica`` and build the plan: an :class:`~megatron_refit.engines.fused.live.LiveModelStorage`
-    writing in place into ``model``'s own parameters, SGLang's post-load hook after every refit. ``refit``: the
+    """Join the refit group as this worker's rank (from SGLang's parallel state:
+    :func:`~megatron_refit.engines.sglang.worker.rank.engine_rank`; ``tp_rank`` given: that TP rank of an
+    engine without DP attention) of engine ``replica`` and build the plan: an
+    :class:`~megatron_refit.engines.fused.live.LiveModelStorage` writing in place into ``model``'s own
+    parameters, SGLang's post-load hook after every refit. In a DP-attention deployment
+    (``gen_attention_dp > 1``) each FusedMoE layer's slots are first held to the plan's
+    (:func:`~megatron_refit.engines.sglang.worker.expert_location.check_expert_location`). ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
     from megatron_refit.config import refit_section
     from megatron_refit.config.deployment import refuse_wide_ep
     from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import LiveModelStorage
+    from megatron_refit.engines.sglang.worker.expert_location import check_expert_location
+    from megatron_refit.engines.sglang.worker.rank import engine_rank
     from megatron_refit.engine_side.entry import engine_refit
+    from megatron_refit.plan.gen_layout import deployment_placement
 
     cfg = refit_section({"engine": "sglang", **refit} if isinstance(refit, dict) else refit, "connect")
     if cfg.engine != "sglang":
         raise ValueError(f"refit.engine is {cfg.engine!r}, but this is SGLang's megatron_refit weight loader "
                          "(set engine: sglang)")
-    refuse_wide_ep(cfg)  # SGLang's DP attention and EPLB: not received into yet (#64)
+    refuse_wide_ep(cfg)  # what SGLang's side does not receive into (redundant experts, EPLB), before any check
     if not isinstance(replica, int) or replica < 0:  # any index: one past gen_dp joins the running trainer
         raise ValueError(f"replica must be a non-negative int, got {replica!r}")
+    if tp_rank is not None and cfg.gen_attention_dp != 1:
+        raise ValueError(f"tp_rank={tp_rank} names a TP rank of an engine without DP attention; refit.gen_attention_dp="
+                         f"{cfg.gen_attention_dp}: the rank comes from SGLang's parallel state (leave tp_rank unset)")
+    hf_config = model.config
+    shape = model_shape(hf_config)
     if tp_rank is None:
         from sglang.srt.runtime_context import get_parallel
 
-        parallel = get_parallel()
-        if parallel.tp_size != cfg.gen_tp:
-            raise ValueError(f"refit.gen_tp={cfg.gen_tp}, but this SGLang engine runs tp_size={parallel.tp_size}")
-        tp_rank = parallel.tp_rank
-    hf_config = model.config
+        gen_index = engine_rank(cfg, get_parallel(), replica=replica, moe=shape.num_experts > 0)
+    else:
+        gen_index = replica * cfg.replica_size + tp_rank
+    rank = gen_index % cfg.replica_size  # this rank's pieces: the same in every replica
     # the dtype the model computes in: its first floating-point parameter wider than a byte
     # (an FP8 engine's embedding and norms, not its quantized weights)
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
@@ -66,9 +77,14 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
         from megatron_refit.plan.fp8_layout import fp8_param_table
 
         params = fp8_param_table(params)
-    gen_index = replica * cfg.gen_tp + tp_rank
-    storage = LiveModelStorage.for_model(model, params, cfg.replica_layout(), model_shape(hf_config),
-                                       gen_index=tp_rank, post_load=sglang_post_load(model))
+    layout = cfg.replica_layout(shape.num_experts)
+    placement = deployment_placement(layout, shape.num_experts)
+    if placement is not None:  # a wide deployment: SGLang's own expert slots are the ones planned
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        check_expert_location(model, placement, rank, get_global_expert_location_metadata())
+    storage = LiveModelStorage.for_model(model, params, layout, shape, gen_index=rank,
+                                         post_load=sglang_post_load(model))
     return engine_refit(cfg, storage, gen_index=gen_index, num_train=num_train,
                         device=next(model.parameters()).device)
 
