@@ -131,8 +131,8 @@ def test_engine_entry_points_refuse_before_touching_the_engine():
     config = RefitConfig.from_dict({**WIDE, "gen_tp": 1, "gen_attention_dp": 2, "engine": "no_wide_ep"})
     with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'no_wide_ep' does not receive into that"):
         engine_refit(config, None, gen_index=0, num_train=2)
-    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'sglang' does not receive into that"):
-        engine_refit_for(None, {**WIDE, "gen_tp": 1, "gen_attention_dp": 2}, num_train=2, tp_rank=0)
+    with pytest.raises(ValueError, match=r"refit.gen_eplb=True: engine 'sglang' does not receive into that"):
+        engine_refit_for(None, {**WIDE, "gen_tp": 1, "gen_eplb": True}, num_train=2, tp_rank=0)
 
 
 def test_an_engine_that_declares_the_keys_is_not_refused():
