@@ -23,9 +23,9 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
     refits = []
     for i in range(spec.refits):
         t_items = [t["refits"][i] for t in train]
-        failed = {int(r) for r in t_items[0].get("failed_replicas", {})}
-        landed = [(g, g["refits"][i]) for g in gens if g["refits"][i]["report"] is not None
-                  and g["gen_index"] // spec.gen.deployment_size not in failed]
+        # a replica one of whose ranks raised holds a partial version on its other ranks: nothing to check
+        raised = {g["gen_index"] // spec.gen.deployment_size for g in gens if g["refits"][i]["report"] is None}
+        landed = [(g, g["refits"][i]) for g in gens if g["gen_index"] // spec.gen.deployment_size not in raised]
         g_items = [item for _, item in landed]  # a replica that failed this refit holds nothing to check
         bit_exact, logit_diff = None, None
         if spec.collect:
