@@ -5,7 +5,9 @@ test_weight_transfer.py. vLLM's own FusedMoE layers computed each rank's ``exper
 checks it against the plan's and receives into it.
 
 Train TP2 x EP2 ranks (Bridge's real local shards of 8 experts top-2 and 64 experts top-8, made in
-``.venv``) send through vLLM's trainer contract. After every refit each engine rank's parameters
+``.venv``) send through vLLM's trainer contract, train rank 0 driving the deployment through a
+:class:`~megatron_refit.engines.vllm.trainer.deployment_client.DeploymentClient` of one client per
+DP rank (as one server per DP rank would be driven). After every refit each engine rank's parameters
 must equal, bit for bit, what vLLM's own ``load_weights`` makes of Bridge's export on a second model
 instance of the same deployment (its expert map), and the bytes sent are the minimal ones (each
 expert to the one rank that holds it, the attention shard to both data-parallel ranks of a TP rank).
@@ -55,6 +57,7 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     from vllm.plugins import load_general_plugins
 
     from bridge_shards import load
+    from megatron_refit.engines.vllm.trainer.deployment_client import DeploymentClient
     from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
 
     load_general_plugins()
@@ -62,9 +65,11 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     results = {}
     for n, case in enumerate(CASES):
         model = case.partition(":")[0]
-        client = _QueueClient(requests, replies, gens, case)
+        every = _QueueClient(requests, replies, gens, case)  # the test's own calls (build, check)
+        # the trainer drives the deployment as a vLLM server per DP rank (external load balancing)
+        client = DeploymentClient([_QueueClient(requests, replies, gens[r * TP:(r + 1) * TP], case) for r in range(DP)])
         if rank == 0:
-            client.call("case")
+            every.call("case")
         saved = load(bridge_dir, model, 1, rank)
         weights = _pieces(saved["weights"])
         refit = dict(gen_tp=TP, gen_dp=1, gen_attention_dp=DP, gen_expert_parallel=CASES[case], port=refit_ports[n],
@@ -78,7 +83,7 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
                 for piece, (_, t) in zip(weights, load(bridge_dir, model, version, rank)["weights"]):
                     piece.data = t
             report = engine.send_weights()
-            out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0
+            out.append(dict(report=report.as_dict(), checks=every.call("check", version=version) if rank == 0
                             else None))
         engine.shutdown()
         results[case] = out

@@ -23,9 +23,10 @@ from megatron_refit.fleet.lanes import ReplicaLanes
 
 class VllmControl(ReplicaLanes):
     """Control of vLLM engine replicas (``clients``: one ``VLLMWeightSyncClient`` per replica,
-    replica ``i`` = ``clients[i]``; a vLLM engine running its own data parallelism is one replica
-    per engine only: run one engine per replica). ``lora``: the LoRA adapters' ``(rank, alpha)``
-    the engines merge (``(0, 0.0)``: none)."""
+    replica ``i`` = ``clients[i]``; a wide expert-parallel deployment of a MoE model at
+    ``--data-parallel-size D`` is one replica, its client a
+    :class:`~.deployment_client.DeploymentClient` of its DP ranks' servers). ``lora``: the LoRA
+    adapters' ``(rank, alpha)`` the engines merge (``(0, 0.0)``: none)."""
 
     engine = "vLLM engine"
 
