@@ -62,12 +62,13 @@ class RefitConfig:
     """Data-parallel ranks inside one replica, then a wide expert-parallel deployment of
     ``gen_tp * gen_attention_dp`` ranks (vLLM ``--data-parallel-size`` of a MoE model at
     ``--tensor-parallel-size gen_tp``; SGLang ``--enable-dp-attention --dp`` at ``--tp gen_tp *
-    gen_attention_dp --ep-size`` the same ``--enable-dp-lm-head``): attention TP-sharded over ``gen_tp``, the same on each DP rank; routed
-    experts over all the ranks (``gen_expert_parallel``, EP size ``gen_tp * gen_attention_dp``)
-    or MoE-tensor-sharded over them. ``gen_dp`` counts deployments; a deployment is one refit group
-    and one fault domain (a failure on any of its ranks fails that deployment's refit, the others
-    land). vLLM's worker and SGLang's loader receive into it (a MoE model with expert parallelism;
-    vLLM without it too), each engine's own expert maps checked against the plan's; an engine that does not declare it
+    gen_attention_dp``, ``--ep-size`` the same, ``--enable-dp-lm-head``): attention TP-sharded over
+    ``gen_tp``, the same on each DP rank; routed experts over all the ranks (``gen_expert_parallel``,
+    EP size ``gen_tp * gen_attention_dp``) or MoE-tensor-sharded over them. ``gen_dp`` counts
+    deployments; a deployment is one refit group and one fault domain (a failure on any of its
+    ranks fails that deployment's refit, the others land). vLLM's worker and SGLang's loader
+    receive into it (a MoE model with expert parallelism; vLLM without it too), each engine's own
+    expert maps checked against the plan's; an engine that does not declare it
     (``Engine.wide_ep``) refuses it by name where a refit starts."""
     gen_expert_placement: str = "linear"
     """vLLM ``--expert-placement-strategy`` under ``gen_expert_parallel``: ``linear`` or

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
@@ -210,18 +211,15 @@ class ServingCheck:
         seconds = time.perf_counter() - t0
         profile = self.profiles.get(replica)
         bound = None if profile is None else calibration.limits(profile)
+        paths = served.paths if isinstance(served, PathScores) else (("", served),)
         try:
-            try:
-                worst = compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
-                                floor=self.floor, replica=replica, version=version)
-            except ServingMismatchError as exc:
-                if profile is not None or not self.calibrate:
-                    raise
-                raise ServingMismatchError(
-                    f"{exc}. This was its calibration check (its first since it joined, where its clean noise is "
-                    f"measured, judged against the rounding bound): it has no calibration", replica=replica,
-                    version=version, max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
-            values = calibration.shares(served, reference, tolerance=self.tolerance, relative=self.relative)
+            judged = [(self._compare(label, answer, reference, probe, replica, version, calibrated=profile is not None),
+                       answer) for label, answer in paths]
+            worst, served = max(judged, key=lambda item: item[0])  # the path furthest off stands for the replica
+            # each token at its largest share over the paths: a fault on one path is the replica's
+            values = [max(column) for column in zip(*(calibration.shares(answer, reference, tolerance=self.tolerance,
+                                                                          relative=self.relative)
+                                                      for _, answer in judged))]
             if bound is not None:
                 calibration.judge(values, bound, tolerance=self.tolerance, relative=self.relative, replica=replica,
                                   version=version, worst=worst)
@@ -246,6 +244,25 @@ class ServingCheck:
         return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
                     calibrated=bound is not None, tail=calibration.tail(values),
                     tail_limit=None if bound is None else bound.tail)
+
+    def _compare(self, label: str, served: Any, reference: Reference, probe: Probe, replica: int, version: int, *,
+                 calibrated: bool) -> float:
+        """:func:`~megatron_refit.plan.probe.compare` of one serving path (``label``: which, '' where
+        the replica has one), its failure named by the path and, on a calibration check, as such."""
+        try:
+            return compare(served, reference, probe, tolerance=self.tolerance, relative=self.relative,
+                           floor=self.floor, replica=replica, version=version)
+        except ServingMismatchError as exc:
+            where = f" (through its {label})" if label else ""
+            if calibrated or not self.calibrate:
+                if not where:
+                    raise
+                raise ServingMismatchError(f"{exc}{where}", replica=replica, version=version,
+                                           max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
+            raise ServingMismatchError(
+                f"{exc}{where}. This was its calibration check (its first since it joined, where its clean noise is "
+                f"measured, judged against the rounding bound): it has no calibration", replica=replica,
+                version=version, max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
 
     def _calibrate(self, replica: int, version: int, values: list[float], probe: Probe) -> None:
         """After replica ``replica`` passed a check with these :func:`~megatron_refit.plan.calibration.shares`:
@@ -294,6 +311,17 @@ class ServingCheck:
         self.verified.discard(replica)
         self.unable.discard(replica)
         self.profiles.pop(replica, None)
+
+
+@dataclass(frozen=True)
+class PathScores:
+    """A replica's log-probs of the probe through each of its serving paths: a wide expert-parallel
+    deployment's data-parallel ranks each serve from their own attention copy, so each is probed
+    (:class:`~megatron_refit.engines.vllm.trainer.deployment_client.DeploymentClient`). The
+    verdict judges every path and names the one that fails."""
+
+    paths: tuple[tuple[str, Any], ...]
+    """``(label, log-probs)`` per path, e.g. ``("DP rank 1", [[...], ...])``."""
 
 
 def stale_of(answer: Any) -> list[str]:

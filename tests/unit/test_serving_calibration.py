@@ -149,3 +149,25 @@ def test_the_profile_is_taken_again_on_a_new_probe_and_never_without_proven_byte
     for version in (1, 2):
         assert not off.verdict(0, version, lambda: _served(0.05, moved=0.05), reference, probe)["calibrated"]
     assert off.profiles == {}
+
+
+def test_a_wide_deployment_is_judged_through_every_dp_rank_and_a_fault_on_one_names_it():
+    """#64: each DP rank of a wide deployment serves from its own attention copy; its client scores the probe
+    through each (PathScores). Clean paths pass (calibrated on the largest share per token over the paths);
+    a fault on DP rank 1's copy alone fails the replica naming that DP rank, at the calibration check and later."""
+    from megatron_refit.fleet.serving import PathScores
+
+    check = _check()
+    probe, reference = Probe(TOKENS), Reference([[-2.0] * 10 for _ in range(5)], [[1.0] * 10 for _ in range(5)])
+
+    def paths(dp1: float):
+        return PathScores((("DP rank 0", _served(0.012)), ("DP rank 1", _served(0.006, moved=dp1))))
+
+    first = check.verdict(0, 1, lambda: paths(0.0), reference, probe)
+    assert not first["calibrated"] and first["max_dlogprob"] == pytest.approx(0.012)
+    with pytest.raises(ServingMismatchError, match=r"\(through its DP rank 1\)$"):
+        check.verdict(0, 2, lambda: paths(0.5), reference, probe)  # beyond the rounding bound on DP rank 1 only
+    fresh = _check()
+    with pytest.raises(ServingMismatchError, match=r"\(through its DP rank 1\)\. This was its calibration check"):
+        fresh.verdict(0, 1, lambda: paths(0.5), reference, probe)
+    assert check.verdict(0, 3, lambda: paths(0.0), reference, probe)["calibrated"]

@@ -1,8 +1,8 @@
 """The client of one wide expert-parallel vLLM deployment (#64): every weight-transfer call reaches every DP
 rank's server **at once** (the DP ranks' workers form one refit group: called one after another, the first
 would wait for the rest), a failure is raised naming its DP rank after every call ended, its threads are
-named and joined when the transfer engine shuts down. The real vLLM workers driven through it:
-tests/engines/vllm/test_wide_ep_weight_transfer.py."""
+named and joined when the transfer engine shuts down; the probe is scored through every DP rank. The real
+vLLM workers driven through it: tests/engines/vllm/test_wide_ep_weight_transfer.py."""
 
 from __future__ import annotations
 
@@ -57,14 +57,14 @@ def test_every_call_reaches_every_dp_rank_at_once():
     client.start_weight_update()
     client.update_weights({"version": 4})  # would time out at the barrier if called one after another
     client.finish_weight_update("4")
-    assert client.score([[1, 2]]) == [[0.0, 0.0]]  # through DP rank 0
+    assert client.score([[1, 2]]).paths == (("DP rank 0", [[0.0, 0.0]]), ("DP rank 1", [[1.0, 1.0]]),
+                                            ("DP rank 2", [[2.0, 2.0]]))  # through every DP rank
     client.shutdown_weight_transfer_engine()
     for server in servers:
         names = [name for name, _ in server.calls]
-        assert names == ["init", "start", "update", "finish", *(["score"] if server.rank == 0 else []), "shutdown"]
+        assert names == ["init", "start", "update", "finish", "score", "shutdown"]
         assert server.calls[0] == ("init", ({"replica": 1},))
-        fanned = [t for (name, _), t in zip(server.calls, server.threads) if name != "score"]
-        assert all(t.startswith("megatron_refit-dp-rank") for t in fanned), fanned
+        assert all(t.startswith("megatron_refit-dp-rank") for t in server.threads), server.threads
     assert not any(t.name.startswith("megatron_refit-dp-rank") for t in threading.enumerate())  # joined
 
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from megatron_refit.fleet.serving import PathScores
+
 
 class DeploymentClient:
     """The ``VLLMWeightSyncClient`` of one deployment over its DP ranks' clients (``clients[r]``:
     DP rank ``r``'s server, each an ``HTTPClient`` or ``LLMClient``): every call goes to all of them
     in threads of its own (named; started by the first call, joined when the transfer engine shuts
     down); a failure is raised naming its DP rank
-    once every call ended. The serving probe is scored through DP rank 0 (a request reaches one DP
-    rank's attention; the others' are not probed)."""
+    once every call ended. The serving probe is scored through every DP rank (each serves from its own
+    attention copy): :class:`~megatron_refit.fleet.serving.PathScores`, judged path by path."""
 
     def __init__(self, clients: list) -> None:
         if len(clients) < 2:
@@ -63,8 +65,9 @@ class DeploymentClient:
         finally:
             self.close()
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.clients[0].score(sequences)
+    def score(self, sequences: list[list[int]]) -> PathScores:
+        served = self._all("score", sequences)
+        return PathScores(tuple((f"DP rank {rank}", answer) for rank, answer in enumerate(served)))
 
     def hold(self) -> None:
         self._all("hold")
