@@ -257,7 +257,7 @@ class ServingCheck:
             if calibrated or not self.calibrate:
                 if not where:
                     raise
-                raise ServingMismatchError(f"{exc}{where}", replica=replica, version=version,
+                raise ServingMismatchError(f"{exc} (through its {label})", replica=replica, version=version,
                                            max_dlogprob=exc.max_dlogprob, first=exc.first) from exc
             raise ServingMismatchError(
                 f"{exc}{where}. This was its calibration check (its first since it joined, where its clean noise is "
