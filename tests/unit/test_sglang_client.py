@@ -62,6 +62,56 @@ def test_http_client_rejects_bad_arguments():
         HTTPClient("http://x", tp=0)
     with pytest.raises(ValueError, match="pause_mode must be one of"):
         HTTPClient("http://x", tp=1, pause_mode="in_place")
+    with pytest.raises(ValueError, match=r"attention_dp must be a positive int .*, got 0"):
+        HTTPClient("http://x", tp=1, attention_dp=0)
+
+
+def _answer(body: dict) -> list[dict]:
+    """SGLang's generate answer: each prompt token's (log-prob, token id, text), the log-prob -0.5 minus the
+    DP rank it was routed to (SGLang's ``routed_dp_rank``; 0 where none)."""
+    rank = body.get("routed_dp_rank") or 0
+    return [{"meta_info": {"input_token_logprobs": [[None if i == 0 else -0.5 - rank, t, ""] for i, t in enumerate(s)]}}
+            for s in body["input_ids"]]
+
+
+def test_with_dp_attention_the_probe_goes_through_every_dp_rank():
+    """#64: an SGLang engine with DP attention serves each request from one DP rank's attention copy: the
+    clients score the probe through each (``routed_dp_rank``), as PathScores the verdict judges path by path."""
+    import http.server
+    import json
+
+    from megatron_refit.engines.sglang.trainer.client import EngineClient
+    from megatron_refit.fleet.serving import PathScores
+
+    class Engine:
+        def generate(self, **body):
+            return _answer(body)
+
+    assert EngineClient(Engine()).score([[1, 2, 3]]) == [[-0.5, -0.5]]
+    scored = EngineClient(Engine(), attention_dp=2).score([[1, 2, 3]])
+    assert scored == PathScores((("DP rank 0", [[-0.5, -0.5]]), ("DP rank 1", [[-1.5, -1.5]])))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps(_answer(body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="test-sglang-http", daemon=True)
+    thread.start()
+    try:
+        client = HTTPClient(f"http://127.0.0.1:{server.server_port}", tp=4, attention_dp=2, timeout=10)
+        assert client.score([[4, 5]]) == PathScores((("DP rank 0", [[-0.5]]), ("DP rank 1", [[-1.5]])))
+    finally:
+        server.shutdown()
+        thread.join(5)
 
 
 class _Client:

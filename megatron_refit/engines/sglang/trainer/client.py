@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron_refit.engines.sglang.messages import LOADER, close_message, connect_message, refit_message
+from megatron_refit.fleet.serving import PathScores
 
 PAUSE_MODES = ("retract", "abort")
 """SGLang's pause modes a refit can use: ``retract`` requeues running requests (recomputed
@@ -106,12 +107,34 @@ GENERATE = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "retur
 """What the serving probe asks SGLang's ``generate``: every prompt token's log-prob."""
 
 
-class EngineClient:
-    """Control calls over an ``sglang.Engine`` in this process (its methods block)."""
+def _check_attention_dp(attention_dp) -> int:
+    if not isinstance(attention_dp, int) or isinstance(attention_dp, bool) or attention_dp < 1:
+        raise ValueError(f"attention_dp must be a positive int (the engine's --dp with --enable-dp-attention), got "
+                         f"{attention_dp!r}")
+    return attention_dp
 
-    def __init__(self, engine, *, pause_mode: str = "retract") -> None:
+
+def _scored(generate, sequences: list[list[int]], attention_dp: int):
+    """The probe's log-probs through ``generate(body)`` (SGLang's ``generate`` arguments); with DP
+    attention through each DP rank (``routed_dp_rank``: each serves from its own attention copy)."""
+    def logprobs(out):
+        return [input_token_logprobs(list(s), o["meta_info"]["input_token_logprobs"]) for s, o in zip(sequences, out)]
+
+    body = {"input_ids": [list(s) for s in sequences], **GENERATE}
+    if attention_dp == 1:
+        return logprobs(generate(body))
+    return PathScores(tuple((f"DP rank {rank}", logprobs(generate({**body, "routed_dp_rank": rank})))
+                            for rank in range(attention_dp)))
+
+
+class EngineClient:
+    """Control calls over an ``sglang.Engine`` in this process (its methods block). ``attention_dp``:
+    the engine's ``--dp`` under ``--enable-dp-attention``: the serving probe goes through each DP rank."""
+
+    def __init__(self, engine, *, pause_mode: str = "retract", attention_dp: int = 1) -> None:
         self.engine = engine
         self.pause_mode = _check_pause_mode(pause_mode)
+        self.attention_dp = _check_attention_dp(attention_dp)
 
     def _session(self, named_tensors, *, flush_cache: bool) -> None:
         _checked("begin_weight_update", self.engine.begin_weight_update())
@@ -147,10 +170,10 @@ class EngineClient:
     def close(self) -> None:
         self._session(close_message(), flush_cache=False)
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """The serving probe (``refit.verify_serving``) through ``Engine.generate``'s log-prob path."""
-        out = self.engine.generate(input_ids=[list(s) for s in sequences], **GENERATE)
-        return [input_token_logprobs(list(s), o["meta_info"]["input_token_logprobs"]) for s, o in zip(sequences, out)]
+    def score(self, sequences: list[list[int]]):
+        """The serving probe (``refit.verify_serving``) through ``Engine.generate``'s log-prob path
+        (through each DP rank: :class:`~megatron_refit.fleet.serving.PathScores`)."""
+        return _scored(lambda body: self.engine.generate(**body), sequences, self.attention_dp)
 
     def hold(self) -> None:
         """Stop serving (pause): the engine failed its serving check; the next refit resumes it."""
@@ -161,14 +184,16 @@ class EngineClient:
 
 class HTTPClient:
     """Control calls over ``sglang serve`` at ``base_url`` (standard library only). ``tp``:
-    the server's TP size (one serialised payload per TP rank)."""
+    the server's TP size (one serialised payload per TP rank); ``attention_dp``: its ``--dp`` under
+    ``--enable-dp-attention`` (the serving probe goes through each DP rank)."""
 
     def __init__(self, base_url: str, *, tp: int, timeout: float = 600, pause_mode: str = "retract",
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, attention_dp: int = 1) -> None:
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp must be a positive int (the server's TP size), got {tp!r}")
         self.base_url = base_url.rstrip("/")
         self.tp = tp
+        self.attention_dp = _check_attention_dp(attention_dp)
         self.timeout = timeout
         self.pause_mode = _check_pause_mode(pause_mode)
         self.api_key = api_key
@@ -217,11 +242,11 @@ class HTTPClient:
     def close(self) -> None:
         self._session(close_message(), flush_cache=False)
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def score(self, sequences: list[list[int]]):
         """The serving probe (``refit.verify_serving``) through the server's ``/generate``
-        (token-id prompts, ``return_logprob``, ``logprob_start_len: 0``)."""
-        out = self._post("generate", {"input_ids": [list(s) for s in sequences], **GENERATE})
-        return [input_token_logprobs(list(s), o["meta_info"]["input_token_logprobs"]) for s, o in zip(sequences, out)]
+        (token-id prompts, ``return_logprob``, ``logprob_start_len: 0``; through each DP rank:
+        :class:`~megatron_refit.fleet.serving.PathScores`)."""
+        return _scored(lambda body: self._post("generate", body), sequences, self.attention_dp)
 
     def hold(self) -> None:
         """Stop serving (``/pause_generation``): the server failed its serving check; the next
