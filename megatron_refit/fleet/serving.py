@@ -17,6 +17,7 @@ plane, e.g. the HF engine: :func:`~megatron_refit.group.inband.exchange_in_band`
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -216,13 +217,21 @@ class ServingCheck:
             judged = [(self._compare(label, answer, reference, probe, replica, version, calibrated=profile is not None),
                        answer) for label, answer in paths]
             worst, served = max(judged, key=lambda item: item[0])  # the path furthest off stands for the replica
-            # each token at its largest share over the paths: a fault on one path is the replica's
-            values = [max(column) for column in zip(*(calibration.shares(answer, reference, tolerance=self.tolerance,
-                                                                          relative=self.relative)
-                                                      for _, answer in judged))]
+            shares = [calibration.shares(answer, reference, tolerance=self.tolerance, relative=self.relative)
+                      for _, answer in judged]
+            values = [max(column) for column in zip(*shares)]  # a fault on one path is the replica's
             if bound is not None:
-                calibration.judge(values, bound, tolerance=self.tolerance, relative=self.relative, replica=replica,
-                                  version=version, worst=worst)
+                judge = functools.partial(calibration.judge, bound=bound, tolerance=self.tolerance,
+                                          relative=self.relative, replica=replica, version=version, worst=worst)
+                try:
+                    judge(values)
+                except ServingMismatchError as exc:
+                    failing = [label for (label, _), own in zip(paths, shares) if label and not _passes(judge, own)]
+                    if not failing:
+                        raise
+                    raise ServingMismatchError(f"{exc} (through its {', '.join(failing)})", replica=replica,
+                                               version=version, max_dlogprob=exc.max_dlogprob,
+                                               first=exc.first) from exc
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
@@ -322,6 +331,14 @@ class PathScores:
 
     paths: tuple[tuple[str, Any], ...]
     """``(label, log-probs)`` per path, e.g. ``("DP rank 1", [[...], ...])``."""
+
+
+def _passes(judge: Callable[[list[float]], Any], values: list[float]) -> bool:
+    try:
+        judge(values)
+    except ServingMismatchError:
+        return False
+    return True
 
 
 def stale_of(answer: Any) -> list[str]:

@@ -171,3 +171,7 @@ def test_a_wide_deployment_is_judged_through_every_dp_rank_and_a_fault_on_one_na
     with pytest.raises(ServingMismatchError, match=r"\(through its DP rank 1\)\. This was its calibration check"):
         fresh.verdict(0, 1, lambda: paths(0.5), reference, probe)
     assert check.verdict(0, 3, lambda: paths(0.0), reference, probe)["calibrated"]
+    # within the rounding bound but off DP rank 1's calibrated noise: named by the calibration too
+    off = PathScores((("DP rank 0", _served(0.012)), ("DP rank 1", _served(0.05, moved=0.05))))
+    with pytest.raises(ServingMismatchError, match=r"off its calibrated noise.*\(through its DP rank 1\)$"):
+        check.verdict(0, 4, lambda: off, reference, probe)
