@@ -6,30 +6,18 @@ checked on construction. Reading the training YAML around it: :mod:`.training_ya
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_refit.config.deployment import check_deployment, deployment_layout
+from megatron_refit.config.deployment import deployment_layout
+from megatron_refit.config.values import check_type, check_values
 from megatron_refit.registry import engine_named
 from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.plan.probe import check_probe_spec
 
-MODES = ("disaggregated", "colocated")
 RENAMED = {"backend": "engine"}
 """Keys of earlier releases: refused, naming the key that replaced them."""
-LORA_SYNC = ("auto", "adapters", "merged", "full")
-VERIFY = ("off", "sampled", "full")
-ENGINE_LOAD = ("auto", "in_place", "load_weights")
-DELTA = ("off", "on", "auto")
-SWAP = ("in_place", "staged")
-ON_REPLICA_FAILURE = ("raise", "continue")
-OVERLAP = ("off", "on")
-OVERLAP_BUSY = ("wait", "skip")
-FANOUT = ("off", "chain", "tree", "auto")
-VERIFY_SERVING = ("auto", "on", "off")
 AUTO_SERVING_EVERY = 10
 """``verify_serving: auto``: every this many refits (and the first to each replica)."""
 
@@ -276,56 +264,12 @@ class RefitConfig:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
-            _check_type(field.name, getattr(self, field.name), hints[field.name])
+            check_type(field.name, getattr(self, field.name), hints[field.name])
         self.validate()
 
     def validate(self) -> None:
-        """``ValueError`` naming the first bad value (also run on construction)."""
-        for name in ("bucket_mb", "direct_mb", "timeout_s", "stall_s", "swap_budget_mb", "serving_tolerance"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"refit.{name} must be a finite number, got {value!r}")
-        one_byte = 1 / (1 << 20)
-        for name, low, high in (("bucket_mb", one_byte, float(1 << 20)), ("direct_mb", one_byte, float(1 << 20)),
-                                ("timeout_s", 0.001, 7 * 24 * 3600.0)):
-            value = getattr(self, name)
-            if value is not None and value > 0 and not low <= value <= high:
-                raise ValueError(f"refit.{name} must be between {low:g} and {high:g}, got {value!r}")
-        engine = engine_named(self.engine)
-        if not self.transport:
-            raise ValueError("refit.transport must be 'auto' or a registered transport's name, got ''")
-        for name, allowed in (("mode", MODES), ("lora_sync", LORA_SYNC),
-                              ("engine_load", ENGINE_LOAD), ("verify", VERIFY), ("delta", DELTA),
-                              ("swap", SWAP), ("on_replica_failure", ON_REPLICA_FAILURE),
-                              ("overlap", OVERLAP), ("overlap_busy", OVERLAP_BUSY), ("fanout", FANOUT)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"refit.{name}: {value!r} is not one of {list(allowed)}")
-        for name in ("gen_tp", "gen_dp", "gen_attention_dp", "port", "bucket_mb", "direct_mb", "every_n_steps",
-                     "timeout_s", "train_dp"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"refit.{name} must be positive, got {value!r}")
-        if isinstance(self.verify_serving, str) and self.verify_serving not in VERIFY_SERVING:
-            raise ValueError(f"refit.verify_serving: {self.verify_serving!r} is not one of {list(VERIFY_SERVING)} "
-                             "or a positive int (every N-th refit)")
-        if isinstance(self.verify_serving, int) and self.verify_serving < 1:
-            raise ValueError(f"refit.verify_serving must be 'auto', 'on', 'off' or a positive int, got "
-                             f"{self.verify_serving!r}")
-        check_probe_spec(self.serving_probe)
-        if self.fanout != "off" and self.mode == "colocated":
-            raise ValueError(f"refit.fanout: {self.fanout!r} needs mode: disaggregated (colocated engines share the "
-                             "train ranks' GPUs: there is no replica link to relay over); set fanout: off")
-        if self.stall_s < 0:
-            raise ValueError(f"refit.stall_s must be 0 (off) or positive, got {self.stall_s!r}")
-        if self.serving_tolerance is not None and self.serving_tolerance <= 0:
-            raise ValueError(f"refit.serving_tolerance must be positive or null, got {self.serving_tolerance!r}")
-        if self.swap_budget_mb is not None and self.swap_budget_mb < 0:
-            raise ValueError(f"refit.swap_budget_mb must be >= 0 or null, got {self.swap_budget_mb!r}")
-        if self.port > 65535:
-            raise ValueError(f"refit.port must be at most 65535, got {self.port}")
-        engine.check(gen_tp=self.gen_tp, engine_load=self.engine_load, swap=self.swap)
-        check_deployment(self)
+        """``ValueError`` naming the first bad value (also run on construction): :func:`.values.check_values`."""
+        check_values(self)
 
     @property
     def serving_every(self) -> int | None:
@@ -384,27 +328,6 @@ class RefitConfig:
         ``gate_up_proj``, FusedMoE ``w13`` / ``w2``, vocabulary padded to 64) shard alike
         (tests/engines/sglang checks SGLang's real model classes against this plan)."""
         return engine_named(self.engine).layout
-
-
-def _check_type(key: str, value: Any, hint: Any) -> None:
-    allowed = typing.get_args(hint) or (hint,)
-    allowed = tuple(type(None) if a is None else a for a in allowed)
-    ok = False
-    for kind in allowed:
-        if kind is float:
-            ok = ok or (isinstance(value, (int, float)) and not isinstance(value, bool))
-        elif kind is int:
-            ok = ok or (isinstance(value, int) and not isinstance(value, bool))
-        else:
-            ok = ok or isinstance(value, kind)
-    if not ok:
-        names = " or ".join(a.__name__ if a is not type(None) else "null" for a in allowed)
-        raise ValueError(f"refit.{key}: expected {names}, got {value!r} ({type(value).__name__})")
-
-
-def check_int(name: str, value: Any, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def refit_section(value: Any, where: str) -> RefitConfig:
