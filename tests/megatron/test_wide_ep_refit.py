@@ -1,5 +1,5 @@
-"""Megatron train ranks (real bf16 optimizer steps at an RL learning rate) refit into one wide
-expert-parallel deployment of D2 x T2 with EP4 (#64), through the real refit groups over gloo:
+"""Megatron train ranks (real bf16 optimizer steps at an RL learning rate, sequence parallel) refit
+into one wide expert-parallel deployment of D2 x T2 with EP4 (#64), through the real refit groups over gloo:
 attention at TP rank ``i % 2`` on both data-parallel ranks, every physical expert slot
 (redundant ones included, an expert twice on one rank) filled with its logical expert, the map
 permuted and then **moved between refits** (an EPLB rebalance: the deployment's engine ranks
@@ -21,6 +21,8 @@ from megatron_refit.testing.harness import RunSpec, run
 pytestmark = pytest.mark.slow
 
 LAYERS = 2
+SP = dict(tp=2, ep=2, sequence_parallel=True)
+"""Train TP2 x EP2 with sequence parallelism, as Bridge's MoE recipes run TP > 1."""
 
 
 def _deployment(experts: int, redundant: int, tp: int = 2) -> GenLayout:
@@ -31,12 +33,12 @@ def _deployment(experts: int, redundant: int, tp: int = 2) -> GenLayout:
 
 CASES = [
     # 8 experts top-2, 2 redundant: 10 slots over 4 ranks (3, 3, 2, 2), an expert twice on rank 0
-    ("8e-top2-r2-tp2ep2", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2, 2),
+    ("8e-top2-r2-tp2ep2", dict(experts=8, num_experts_per_tok=2), TrainLayout(**SP), 2, 2),
     # 64 experts top-8, 4 redundant (68 / 4 = 17 slots a rank, as vLLM's EPLB needs), PP2
-    ("64e-top8-r4-tp2ep2pp2", dict(experts=64, num_experts_per_tok=8, vocab=512), TrainLayout(tp=2, ep=2, pp=2), 4,
+    ("64e-top8-r4-tp2ep2pp2", dict(experts=64, num_experts_per_tok=8, vocab=512), TrainLayout(**SP, pp=2), 4,
      2),
     # attention TP1 (D2 x T1, EP2: public DP+EP runs): each rank holds every dense weight whole
-    ("8e-top2-r2-tp2ep2-to-d2t1", dict(experts=8, num_experts_per_tok=2), TrainLayout(tp=2, ep=2), 2, 1),
+    ("8e-top2-r2-tp2ep2-to-d2t1", dict(experts=8, num_experts_per_tok=2), TrainLayout(**SP), 2, 1),
 ]
 
 
@@ -65,7 +67,7 @@ def test_one_data_parallel_rank_fails_its_deployment_only():
     gen = GenLayout(tp=2, dp=2, attention_dp=2, expert_parallel=True,
                     placement=_deployment(8, 0).placement)
     spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
-                   train=TrainLayout(tp=2, ep=2), gen=gen, refits=3, dtype="bfloat16", lr=1e-6,
+                   train=TrainLayout(**SP), gen=gen, refits=3, dtype="bfloat16", lr=1e-6,
                    bucket_bytes=64 << 10, fail_replica=(1, 2), fail_rank=2)
     results = run(spec)
     result = evaluate(spec, results)
