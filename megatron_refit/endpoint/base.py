@@ -24,7 +24,7 @@ from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
 from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
 from megatron_refit.plan.pieces import pack
-from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan, disagreeing
+from megatron_refit.plan.refit_plan import RefitPlan, agreement, build_local_plan, disagreeing, in_agreement
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
 
@@ -50,6 +50,11 @@ def delta_tag(index: int) -> int:
         raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
     return DELTA_TAG + index
 
+
+
+DECODED = "decoded parts"
+"""The key of the shared plan cache (:attr:`Endpoint.plans`) under which the last gather's
+decoded parts are kept, by digest."""
 
 class Endpoint:
     """What both sides share: the plan agreement, the version handshake, and the bucket
@@ -96,7 +101,9 @@ class Endpoint:
         self.plans = plans
         """Plans already built, shared by endpoints that meet the same pieces (a train rank's
         refit groups of every replica with one layout): ``prepare`` builds a plan once per
-        distinct set of gathered pieces. ``None``: not shared."""
+        distinct set of gathered pieces. ``None``: not shared. Under the key :data:`DECODED` it
+        also holds the last gather's decoded parts by digest, so that a replica (re)joining with
+        a layout planned before is neither decoded nor planned again."""
         self.plan: RefitPlan | None = None
         self._plan_id = 0
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
@@ -137,10 +144,13 @@ class Endpoint:
         names, layout = pack(self._local_specs(), adjacent)
         # names apart from boxes: an engine's TP ranks hold pieces of the same parameters, and
         # the gather moves each distinct object once (DP replicas' pieces, TP ranks' names)
-        names_gathered, name_digests = self.group.all_gather_unique(names, "prepare", digests=True)
+        known = self.plans.get(DECODED) if self.plans is not None else None
+        names_gathered, name_digests = self.group.all_gather_unique(names, "prepare", digests=True, known=known)
         mine = (self.role, layout, self.verify, self.bucket_bytes, self.direct_bytes, self.delta,
                 self._local_optional(), self.stall_s)
-        gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True)
+        gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True, known=known)
+        if self.plans is not None:  # only the last gather's: what a rejoining replica meets again
+            self.plans[DECODED] = {**dict(zip(name_digests, names_gathered)), **dict(zip(digests, gathered))}
         roles = [g[0] for g in gathered]
         expected = ["train"] * self.num_train + ["gen"] * self.num_gen
         if roles != expected:
@@ -163,8 +173,10 @@ class Endpoint:
             plan, prints = self._build([(n, g[1]) for n, g in zip(names_gathered, gathered)], optional)
             if self.plans is not None:
                 self.plans[key] = plan, prints
-        bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
-        if bad:
+        # two strings a rank; only where they disagree, every rank's route fingerprints, to name
+        # the ranks (every rank sees the same summaries, so every rank takes the same branch)
+        if not in_agreement(plan, self.group.all_gather_object(agreement(prints), "prepare")):
+            bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
         self._plan_id = int(prints["plan"][:15], 16)

@@ -68,10 +68,19 @@ class Assignment:
     def build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> Assignment:
         """Validate and assign senders; ``PlanError`` names the first bad parameter."""
         with gc_paused():
-            return cls._build(train_specs, targets)
+            return cls.from_index(*index_specs("train", train_specs), len(train_specs), targets)
 
     @classmethod
-    def _build(cls, train_specs: dict[int, list[ShardSpec]], targets: GenTargets) -> Assignment:
+    def from_index(cls, train_index: dict[str, dict[Box, list[int]]], train_meta: dict[str, ShardSpec],
+                   num_train: int, targets: GenTargets) -> Assignment:
+        """:meth:`build` from the train pieces' index (``index_specs`` of their specs, or
+        ``pieces.index_parts`` of the gathered parts: name -> box -> holders in rank order, and a
+        spec of each name's global shape and dtype)."""
+        with gc_paused():
+            return cls._build(train_index, train_meta, num_train, targets)
+
+    @classmethod
+    def _build(cls, train_index: dict, train_meta: dict, num_train: int, targets: GenTargets) -> Assignment:
         ranks = targets.ranks
         num_gen = sum(map(len, ranks))
         ranks_seen = sorted(rank for class_ranks in ranks for rank in class_ranks)
@@ -79,7 +88,6 @@ class Assignment:
             raise PlanError(f"gen ranks must be 0..{num_gen - 1}, got {ranks_seen}")
         if [r[0] for r in ranks] != sorted(r[0] for r in ranks):
             raise PlanError(f"gen classes must come in order of their first rank, got {ranks}")
-        train_index, train_meta = index_specs("train", train_specs)
         tiled: set[tuple[int, ...]] = set()  # by object identity: every shape and box stays alive
         for name in sorted(train_meta):
             shape, boxes = train_meta[name].global_shape, train_index[name]
@@ -87,7 +95,7 @@ class Assignment:
             if key not in tiled:
                 check_tiling(name, shape, list(boxes))
                 tiled.add(key)
-        load = [0] * len(train_specs)
+        load = [0] * num_train
         builder = _Builder(ranks, load)
         needed = []
         params = targets.params

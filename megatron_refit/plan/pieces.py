@@ -18,6 +18,7 @@ from __future__ import annotations
 from array import array
 
 from megatron_refit.errors import PlanError
+from megatron_refit.plan.checks import check_dtype
 from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.roles import EXPERT_RE
 from megatron_refit.plan.spec import ShardSpec
@@ -61,9 +62,11 @@ def kind_indices(side: str, rank: int, names: Names, layout: Layout) -> array:
         raise PlanError(f"{side} rank {rank}: {len(name_list)} names but {len(raw)} bytes of kind indices")
     if kind_of and max(kind_of) >= len(kinds):
         raise PlanError(f"{side} rank {rank}: kind index {max(kind_of)} out of range for {len(kinds)} kinds")
-    bad = next((name for name in name_list if not isinstance(name, str)), None)
-    if bad is not None:
-        raise PlanError(f"{side} rank {rank}: a piece name is {bad!r}, not a string")
+    try:
+        "".join(name_list)  # every name a string, checked at C speed (a rank holds up to 10^5 names)
+    except TypeError:
+        bad = next(name for name in name_list if not isinstance(name, str))
+        raise PlanError(f"{side} rank {rank}: a piece name is {bad!r}, not a string") from None
     if len(pairs) % 2 or any(not isinstance(i, int) or not 0 <= i < len(name_list) for i in pairs):
         bad = next((i for i in pairs if not isinstance(i, int) or not 0 <= i < len(name_list)), None)
         raise PlanError(f"{side}_adjacent of {side} rank {rank}: a pair names a piece the rank does not hold "
@@ -105,6 +108,53 @@ def unpack(side: str, rank: int, names: Names, layout: Layout) -> list[ShardSpec
     trusted = ShardSpec.trusted
     return [trusted(name, kinds[k].global_shape, kinds[k].dtype, kinds[k].box, pp_stage=kinds[k].pp_stage,
                     is_expert=kinds[k].is_expert) for name, k in zip(names[0], kind_of)]
+
+
+def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict, dict]:
+    """:func:`~megatron_refit.plan.checks.index_specs` of ranks' gathered parts, without a
+    ShardSpec per piece: ``name -> box -> ranks holding it`` (in rank order) and, per name, a
+    spec of its global shape and dtype. Each distinct part (the gather's equal objects: DP
+    replicas) is read once, so the work grows with the distinct parts, not with the world. The
+    same validation and errors: a malformed part, a name listed twice on a rank, a parameter
+    whose global shape or dtype differs between ranks."""
+    if sorted(parts) != list(range(len(parts))):
+        raise PlanError(f"{side} ranks must be 0..{len(parts) - 1}, got {sorted(parts)}")
+    sharing: dict[tuple[int, int], list[int]] = {}
+    for rank in range(len(parts)):
+        names, layout = parts[rank]
+        sharing.setdefault((id(names), id(layout)), []).append(rank)
+    index: dict[str, dict] = {}
+    meta: dict[str, ShardSpec] = {}
+    merged: list[list[int]] = []  # holder lists that more than one part added to: sorted at the end
+    for ranks in sharing.values():
+        names, layout = parts[ranks[0]]
+        kind_of = kind_indices(side, ranks[0], names, layout)
+        specs = kind_specs(side, ranks[0], names, layout, kind_of)
+        name_list = names[0]
+        if len(set(name_list)) != len(name_list):
+            twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
+            raise PlanError(f"{twice}: listed twice on {side} rank {ranks[0]}")
+        for name, k in zip(name_list, kind_of):
+            spec = specs[k]
+            boxes = index.get(name)
+            if boxes is None:
+                check_dtype(name, spec.dtype)
+                index[name] = {spec.box: list(ranks)}
+                meta[name] = spec
+                continue
+            first = meta[name]
+            if first is not spec and (first.global_shape, first.dtype) != (spec.global_shape, spec.dtype):
+                raise PlanError(f"{name}: {side} pieces disagree: global shape {first.global_shape} {first.dtype} "
+                                f"vs {spec.global_shape} {spec.dtype} on {side} rank {ranks[0]}")
+            holders = boxes.get(spec.box)
+            if holders is None:
+                boxes[spec.box] = list(ranks)
+            else:
+                holders += ranks
+                merged.append(holders)
+    for holders in merged:
+        holders.sort()
+    return index, meta
 
 
 def adjacent_names(names: Names) -> dict[str, str]:

@@ -17,10 +17,12 @@ from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.gen_layout import GenTargets
-from megatron_refit.plan.pieces import Layout, Names, adjacent_names, gen_targets_of, pack, unpack
+from megatron_refit.plan.checks import index_specs
+from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
+                                      unpack)
 from megatron_refit.plan.spec import ShardSpec, box_shape
 
-__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
+__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "agreement", "disagreeing", "gc_paused", "in_agreement"]
 
 
 def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int, list[ShardSpec]],
@@ -41,7 +43,7 @@ def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[in
     return out
 
 
-def _adjacency(transfers: list[Transfer], direct_bytes: int | None, train_specs: dict[int, list[ShardSpec]],
+def _adjacency(transfers: list[Transfer], direct_bytes: int | None, train_shapes: Callable[[int], dict],
                train_next: Callable[[int], dict | None], targets: GenTargets, gen: dict[int, tuple[Names, Layout]]):
     """``(src_next, dst_next, whole)`` for :func:`~megatron_refit.plan.buckets.bucketize`, for the
     ranks that ``transfers`` touch only (ranks sharing a names list share one map)."""
@@ -59,14 +61,11 @@ def _adjacency(transfers: list[Transfer], direct_bytes: int | None, train_specs:
     if not src_next or not dst_next:
         return None, None, None
     class_of = {rank: c for c, ranks in enumerate(targets.ranks) for rank in ranks}
-    shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # by list: DP replicas share one
 
     def whole(t: Transfer) -> bool:
-        specs = train_specs[t.src_rank]
-        if id(specs) not in shapes:
-            shapes[id(specs)] = {spec.name: spec.shape for spec in specs}
         shape = box_shape(t.global_box)
-        return shapes[id(specs)].get(t.name) == shape == box_shape(targets.params[t.name][2][class_of[t.dst_rank]])
+        gen_box = targets.params[t.name][2][class_of[t.dst_rank]]
+        return train_shapes(t.src_rank).get(t.name) == shape == box_shape(gen_box)
 
     return src_next, dst_next, whole
 
@@ -154,8 +153,19 @@ class RefitPlan:
             if key not in packed:
                 packed[key] = pack(specs, pairs)
             gen[rank] = packed[key]
-        return cls._assemble(train_specs, train_next.get, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
-                             train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids, local=local)
+        shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # by list: DP replicas share one
+
+        def train_shapes(rank: int) -> dict[str, tuple[int, ...]]:
+            specs = train_specs[rank]
+            if id(specs) not in shapes:
+                shapes[id(specs)] = {spec.name: spec.shape for spec in specs}
+            return shapes[id(specs)]
+
+        with gc_paused():
+            index = index_specs("train", train_specs)
+        return cls._assemble(index, len(train_specs), train_shapes, train_next.get, gen, bucket_bytes=bucket_bytes,
+                             direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
+                             local=local)
 
     @classmethod
     def from_pieces(
@@ -171,16 +181,10 @@ class RefitPlan:
     ) -> RefitPlan:
         """:meth:`build` from every rank's pieces in the compact form
         (:func:`megatron_refit.plan.pieces.pack`: adjacency included), as ``prepare()`` gathers
-        them. Parts that are one object (the gather's equal objects) are read once."""
-        specs: dict[tuple[int, int], list[ShardSpec]] = {}
+        them. Parts that are one object (the gather's equal objects) are read once, and no
+        ShardSpec is built per train piece (:func:`~megatron_refit.plan.pieces.index_parts`)."""
         nexts: dict[int, dict[str, str]] = {}
-        train_specs = {}
-        for rank in sorted(train):
-            names, layout = train[rank]
-            key = (id(names), id(layout))
-            if key not in specs:
-                specs[key] = unpack("train", rank, names, layout)
-            train_specs[rank] = specs[key]
+        shapes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
 
         def train_next(rank: int) -> dict[str, str] | None:
             names = train[rank][0]
@@ -188,11 +192,23 @@ class RefitPlan:
                 nexts[id(names)] = adjacent_names(names)
             return nexts[id(names)] or None
 
-        return cls._assemble(train_specs, train_next, gen, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
-                             train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids, local=local)
+        def train_shapes(rank: int) -> dict[str, tuple[int, ...]]:
+            names, layout = train[rank]
+            key = (id(names), id(layout))
+            if key not in shapes:  # a part the index validated
+                kinds = [box_shape(kind[2]) for kind in layout[0]]
+                shapes[key] = {name: kinds[k] for name, k in zip(names[0], kind_indices("train", rank, names, layout))}
+            return shapes[key]
+
+        with gc_paused():
+            index = index_parts("train", train)
+        return cls._assemble(index, len(train), train_shapes, train_next, gen, bucket_bytes=bucket_bytes,
+                             direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
+                             local=local)
 
     @classmethod
-    def _assemble(cls, train_specs: dict[int, list[ShardSpec]], train_next: Callable[[int], dict | None],
+    def _assemble(cls, train_index: tuple[dict, dict], num_train: int, train_shapes: Callable[[int], dict],
+                  train_next: Callable[[int], dict | None],
                   gen: dict[int, tuple[Names, Layout]], *, bucket_bytes: int, direct_bytes: int | None,
                   train_rank_ids: list[int] | None, gen_rank_ids: list[int] | None,
                   local: tuple[str, int] | None) -> RefitPlan:
@@ -200,7 +216,7 @@ class RefitPlan:
             raise PlanError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if direct_bytes is not None and (not isinstance(direct_bytes, int) or direct_bytes < 1):
             raise PlanError(f"direct_bytes must be a positive int or None, got {direct_bytes!r}")
-        num_train, num_gen = len(train_specs), len(gen)
+        num_gen = len(gen)
         train_global = tuple(range(num_train) if train_rank_ids is None else train_rank_ids)
         gen_global = tuple(range(num_train, num_train + num_gen) if gen_rank_ids is None else gen_rank_ids)
         for side, ids, count in (("train", train_global, num_train), ("gen", gen_global, num_gen)):
@@ -212,13 +228,13 @@ class RefitPlan:
 
         with gc_paused():
             targets = gen_targets_of(gen)
-            assignment = Assignment.build(train_specs, targets)
+            assignment = Assignment.from_index(*train_index, num_train, targets)
             if local is None:
                 transfers = assignment.transfers()
             else:
                 transfers = assignment.transfers(**{"src" if local[0] == "train" else "dst": local[1]})
             buckets = bucketize(transfers, bucket_bytes, direct_bytes,
-                                *_adjacency(transfers, direct_bytes, train_specs, train_next, targets, gen))
+                                *_adjacency(transfers, direct_bytes, train_shapes, train_next, targets, gen))
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
         for bucket in buckets:
@@ -348,6 +364,39 @@ def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
                          f"(the receiver does not know them), e.g. {refused[:5]}; {skippable} MTP parameters "
                          "besides, which may be skipped")
     return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
+
+
+ROUTE_SUM_BITS = 256
+
+
+def agreement(prints: dict) -> tuple[str, str]:
+    """``(plan fingerprint, route sum)`` of one rank's :meth:`RefitPlan.fingerprints`: what
+    ``prepare()`` gathers from every rank, two strings however many routes the rank holds. The
+    route sum adds a sha256 of each route's ends and digest (mod 2**256); every route is held by
+    one train rank and one gen rank, so the train ranks' sums add up to the gen ranks' exactly
+    when both ends of every route hold it alike (:func:`in_agreement`)."""
+    total = 0
+    for route, digest in prints.items():
+        if route != "plan":
+            total += int.from_bytes(hashlib.sha256(f"{route[0]} {route[1]} {digest}".encode()).digest(), "big")
+    return prints["plan"], format(total % (1 << ROUTE_SUM_BITS), "x")
+
+
+def in_agreement(plan: RefitPlan, summaries: list) -> bool:
+    """Whether every refit rank built this plan (each rank's :func:`agreement`, by refit rank):
+    one plan fingerprint, and the train ranks' route sums adding up to the gen ranks'. The same
+    answer on every rank, in O(ranks); where it is False, :func:`disagreeing` over the full
+    fingerprints names the ranks."""
+    try:
+        if len({summary[0] for summary in summaries}) != 1:
+            return False
+        sums = [int(summary[1], 16) for summary in summaries]
+    except (TypeError, ValueError, IndexError, KeyError):  # a malformed summary: found by name in the full check
+        return False
+    if len(sums) != len(plan.train_global) + len(plan.gen_global):
+        return False
+    mod = 1 << ROUTE_SUM_BITS
+    return (sum(sums[rank] for rank in plan.train_global) % mod) == (sum(sums[rank] for rank in plan.gen_global) % mod)
 
 
 def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:

@@ -102,9 +102,11 @@ class Transport(ABC):
     def all_gather_object(self, obj, call: str = "message") -> list: ...
 
     @abstractmethod
-    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False,
+                          known: dict | None = None) -> list:
         """:meth:`all_gather_object` of objects many ranks share; ``digests``: also each rank's
-        object's sha256 (``(objects, digests)``), a key for what was gathered."""
+        object's sha256 (``(objects, digests)``), a key for what was gathered; ``known``:
+        objects decoded before, by digest, taken instead of decoding their bytes again."""
 
     def barrier(self, call: str = "message") -> None:
         self.exchange(call)

@@ -139,8 +139,9 @@ class IpcTransport(Transport):
     def await_refit(self, timeout_s: float) -> None:
         self.group.await_refit(timeout_s)
 
-    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
-        return self.group.all_gather_unique(obj, call, digests=digests)
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False,
+                          known: dict | None = None) -> list:
+        return self.group.all_gather_unique(obj, call, digests=digests, known=known)
 
     def begin(self, phase: str) -> None:
         self.group.begin(phase)

@@ -309,12 +309,14 @@ class ProcessGroupTransport(Transport):
         gathered = self._all_gather(padded)
         return [wire.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
-    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False) -> list:
+    def all_gather_unique(self, obj, call: str = "message", *, digests: bool = False,
+                          known: dict | None = None) -> list:
         """:meth:`all_gather_object` for objects that many ranks share (DP replicas hold the
         same pieces): ranks compare digests first, then one holder of each distinct object
         broadcasts it; equal objects come back as one object. At full scale this moves
         (distinct objects) x (size) instead of (world size) x (largest size). ``digests``:
-        ``(objects, each rank's object's sha256)``."""
+        ``(objects, each rank's object's sha256)``. ``known``: objects this rank decoded in an
+        earlier gather, by digest (a replica rejoining): still broadcast, not decoded again."""
         blob = wire.dumps(obj)
         mine = hashlib.sha256(blob).hexdigest()
         announced = self.all_gather_object([mine, len(blob)], call)
@@ -329,6 +331,8 @@ class ProcessGroupTransport(Transport):
             self._broadcast(payload, src)
             if digest == mine:
                 objects[digest] = obj
+            elif known is not None and digest in known:
+                objects[digest] = known[digest]
             else:
                 data = payload.cpu().numpy().tobytes()
                 if hashlib.sha256(data).hexdigest() != digest:

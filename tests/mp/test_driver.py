@@ -168,15 +168,19 @@ def _unique_rank(rank, world, port):
 
     group = ProcessGroupTransport.connect(host="127.0.0.1", port=port, rank=rank, world_size=world, timeout_s=30)
     objs = [{"role": "a", "n": list(range(1000))}, {"role": "a", "n": list(range(1000))}, ("b", rank), None]
-    got = group.all_gather_unique(objs[rank])
+    got, digests = group.all_gather_unique(objs[rank], digests=True)
+    # a rejoin: what this rank decoded before is taken by its digest, not decoded again
+    known = {digests[2]: "decoded before"} if rank != 2 else {}
+    again = group.all_gather_unique(objs[rank], known=known)
     # equal objects come back as one object; every rank gets what each rank gave
-    return dict(equal=got == [objs[0], objs[0], ("b", 2), None], shared=got[0] is got[1], distinct=got[2] is not got[0])
+    return dict(equal=got == [objs[0], objs[0], ("b", 2), None], shared=got[0] is got[1], distinct=got[2] is not got[0],
+                known=again[2] == ("decoded before" if rank != 2 else ("b", 2)) and again[:2] == got[:2])
 
 
 @pytest.mark.slow
 def test_all_gather_unique_moves_each_distinct_object_once():
     out = run_spawned(_unique_rank, 4, timeout_s=60)
-    assert all(r == dict(equal=True, shared=True, distinct=True) for r in out), out
+    assert all(r == dict(equal=True, shared=True, distinct=True, known=True) for r in out), out
 
 
 class _Failing(_Store):

@@ -153,3 +153,38 @@ def _broken(rank: int, how: str) -> dict:
 def test_malformed_pieces_from_a_peer_are_refused_naming_it(how, match):
     with pytest.raises(PlanError, match=match):
         gen_targets_of(_broken(1, how))
+
+
+def _replicated_parts() -> dict[int, tuple]:
+    """Four train ranks: DP replicas 0, 2 and 1, 3 each share one part object, as the gather returns them."""
+    train = _train()
+    first, second = pack(train[0]), pack(train[1])
+    return {0: first, 1: second, 2: first, 3: second}
+
+
+def test_index_of_gathered_parts_equals_the_index_of_their_specs():
+    from megatron_refit.plan.checks import index_specs
+    from megatron_refit.plan.pieces import index_parts
+
+    parts = _replicated_parts()
+    index, meta = index_parts("train", parts)
+    specs = {rank: unpack("train", rank, *part) for rank, part in parts.items()}
+    want_index, want_meta = index_specs("train", specs)
+    assert {name: dict(boxes) for name, boxes in want_index.items()} == index  # holders in rank order
+    assert index["model.norm.weight"] == {((0, 8),): [0, 2]}
+    assert {name: (s.global_shape, s.dtype) for name, s in want_meta.items()} == \
+        {name: (s.global_shape, s.dtype) for name, s in meta.items()}
+
+
+@pytest.mark.parametrize("how, match", [
+    ("twice", r"model\.embed_tokens\.weight: listed twice on train rank 1"),
+    ("name", r"train rank 1: a piece name is 7, not a string"),
+    ("shape", r"train pieces disagree: global shape \(100, 8\) bfloat16 vs \(200, 16\) bfloat16 on train rank 1"),
+])
+@pytest.mark.reliability
+def test_malformed_train_parts_are_refused_naming_the_rank(how, match):
+    from megatron_refit.plan.pieces import index_parts
+
+    parts = _broken(1, how)  # gen parts of two ranks, the second broken: as train parts here
+    with pytest.raises(PlanError, match=match):
+        index_parts("train", parts)

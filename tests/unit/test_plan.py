@@ -333,3 +333,33 @@ def test_disagreeing_ranks_are_named_the_same_everywhere():
     odd = [dict(p) for p in prints]
     odd[1][(9, 0)] = "x"  # a pair of ranks the plan does not have
     assert disagreeing(plan, odd) == [1]
+
+
+def test_agreement_summaries_catch_what_the_full_fingerprints_catch():
+    """prepare() gathers two strings a rank (agreement) and gathers the full fingerprints only
+    where in_agreement is False: every disagreement disagreeing() names must turn it False."""
+    from megatron_refit.plan.refit_plan import agreement, disagreeing, in_agreement
+
+    plan = RefitPlan.build(train_specs(), gen_specs(2))
+    whole = plan.fingerprints()
+    locals_ = [RefitPlan.build(train_specs(), gen_specs(2), local=("train", r)) for r in range(4)] + \
+        [RefitPlan.build(train_specs(), gen_specs(2), local=("gen", r)) for r in range(2)]
+    prints = [p.fingerprints() for p in locals_]
+    assert all(p == {k: whole[k] for k in p} for p in prints)  # each rank's own routes, as the whole plan's
+    assert in_agreement(plan, [agreement(p) for p in prints]) and disagreeing(plan, prints) == []
+    route = min(k for k in prints[5] if k != "plan")
+    cases = {"one end's route differs": (5, route, "x"), "a route one end lacks": (5, route, None),
+             "a route the other end lacks": (plan.train_global[route[0]], (route[0], 0 if route[1] else 1), "y"),
+             "the plan differs": (2, "plan", "x")}
+    for why, (rank, key, value) in cases.items():
+        odd = [dict(p) for p in prints]
+        if value is None:
+            del odd[rank][key]
+        else:
+            odd[rank][key] = value
+        assert not in_agreement(plan, [agreement(p) for p in odd]), why
+        assert disagreeing(plan, odd), why
+    summaries = [agreement(p) for p in prints]
+    for bad in (None, ("x",), (summaries[0][0], "not hex")):
+        assert not in_agreement(plan, summaries[:3] + [bad] + summaries[4:])
+    assert not in_agreement(plan, summaries[:-1])  # a rank missing
