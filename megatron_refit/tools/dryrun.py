@@ -17,8 +17,8 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
    gathered, timed on the train rank that sends the most transfers and the gen rank that
    receives the most: decoding every distinct gathered part from its wire form, then
    :func:`megatron_refit.plan.refit_plan.build_local_plan` (the whole plan validated, that
-   rank's transfers and buckets expanded), its pair fingerprints, and every rank's
-   fingerprints decoded and compared (each taken as large as the timed rank's).
+   rank's transfers and buckets expanded), its route fingerprints, and every rank's agreement
+   summary decoded and checked (:func:`~megatron_refit.plan.refit_plan.in_agreement`).
 
 ``plan_seconds`` covers step 2; ``peak_rss_mb`` the whole life of this process (reading the
 YAML included, step 3 too); the enumeration's time is reported apart.
@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,10 +45,9 @@ from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quanti
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.pieces import pack, pack_targets
-from megatron_refit.plan.refit_plan import build_local_plan, disagreeing
 from megatron_refit.tools.cli import plain
 from megatron_refit.tools.enumeration_cache import cache_key, ensure_cache
-from megatron_refit import wire
+from megatron_refit.tools.prepare_rank import peak_rss_mb, time_ranks
 
 @dataclass
 class DryRun:
@@ -74,8 +72,9 @@ class DryRun:
     """The trainer's MTP parameters, which no engine rank holds (skipped by name, as the refit does)."""
     skipped_elements: int = 0
     """Their elements."""
-    prepare: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """``{"train rank i" / "gen rank j": (prepare seconds, its transfers)}`` of the ranks timed."""
+    prepare: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
+    """``{"train rank i" / "gen rank j": (prepare seconds, its transfers, peak RSS MB of its process,
+    seconds of its prepare when a replica of a layout it planned rejoins)}`` of the ranks timed."""
     fanout: dict | None = None
     """:func:`fanout_bytes`, once computed."""
     deployment: Deployment | None = None
@@ -86,7 +85,17 @@ class DryRun:
 
     @property
     def prepare_seconds(self) -> float:
-        return max((seconds for seconds, _ in self.prepare.values()), default=0.0)
+        return max((timed[0] for timed in self.prepare.values()), default=0.0)
+
+    @property
+    def prepare_rss_mb(self) -> float:
+        """The largest peak RSS of a timed rank's prepare (its own process)."""
+        return max((timed[2] for timed in self.prepare.values()), default=0.0)
+
+    @property
+    def rejoin_seconds(self) -> float:
+        """The slowest timed rank's prepare when a replica of a layout it planned (re)joins."""
+        return max((timed[3] for timed in self.prepare.values()), default=0.0)
 
     def gen_bytes_max(self) -> int:
         return max(self.senders.gen_bytes().values())
@@ -154,10 +163,11 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
 
 def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig,
-                 optional: frozenset[str] = frozenset()) -> dict[str, tuple[float, int]]:
+                 optional: frozenset[str] = frozenset()) -> dict[str, tuple[float, int, float]]:
     """Step 3 of the module docstring, with ``refit``'s buckets on NCCL (``direct_mb: null``:
-    one bucket). Each distinct part (equal objects: DP replicas, an engine's TP ranks' names)
-    is encoded once, as the gather moves it."""
+    one bucket): ``{"train rank i" / "gen rank j": (seconds, transfers, peak RSS MB)}``, each rank
+    timed in a process of its own (:mod:`megatron_refit.tools.prepare_rank`). Each distinct part
+    (equal objects: DP replicas, an engine's TP ranks' names) is encoded once, as the gather moves it."""
     parts = []
     packed: dict[int, tuple] = {}
     for _, specs in sorted(train_specs.items()):
@@ -166,29 +176,14 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
         parts.append(packed[id(specs)])
     gen = pack_targets(targets)
     parts += [gen[rank] for rank in range(len(gen))]
-    blobs: dict[int, bytes] = {}
-    for part in (part for rank_parts in parts for part in rank_parts):
-        if id(part) not in blobs:
-            blobs[id(part)] = wire.dumps(part)
-    num_train = len(train_specs)
-    bucket = refit.bucket_bytes
-    direct = bucket if refit.direct_bytes == "auto" else refit.direct_bytes
     sent, received = senders.transfer_counts()
-    out = {}
-    for side, counts in (("train", sent), ("gen", received)):
-        rank = max(range(len(counts)), key=counts.__getitem__)
-        start = time.perf_counter()
-        decoded = {key: wire.loads(blob) for key, blob in blobs.items()}
-        gathered = [(decoded[id(names)], decoded[id(layout)]) for names, layout in parts]
-        plan = build_local_plan(gathered, num_train, bucket_bytes=bucket, direct_bytes=direct, local=(side, rank),
-                                optional=optional)
-        blob = wire.dumps(plan.fingerprints())
-        # every rank's fingerprints, each as large as this rank's (no rank has more pairs than
-        # the busiest), decoded and compared as prepare() does
-        disagreeing(plan, [wire.loads(blob) for _ in parts])
-        out[f"{side} rank {rank}"] = (time.perf_counter() - start, len(plan.transfers))
-        del plan, gathered, decoded
-    return out
+    ranks = [(side, max(range(len(counts)), key=counts.__getitem__)) for side, counts in (("train", sent),
+                                                                                           ("gen", received))]
+    direct = refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes
+    timed = time_ranks(parts, ranks, num_train=len(train_specs), bucket_bytes=refit.bucket_bytes,
+                       direct_bytes=direct, optional=optional)
+    return {f"{t['side']} rank {t['rank']}": (t["seconds"], t["transfers"], t["peak_rss_mb"], t["rejoin_seconds"])
+            for t in timed}
 
 
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
@@ -231,19 +226,6 @@ def _quantized(train_specs: dict, skip: set[str] | frozenset[str] = frozenset())
                 fp8_specs(s) if s.name not in skip and is_quantized(s.name, s.global_shape) else (s,))]
         out[rank] = done[id(specs)]
     return out
-
-
-def peak_rss_mb() -> float:
-    """Peak RSS of this process's own address space (Linux ``VmHWM``). ``ru_maxrss`` would
-    also count the image of a parent that forked this process before its exec."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass  # not Linux: fall back to getrusage
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def fanout_bytes(run: DryRun) -> dict:
@@ -308,9 +290,10 @@ def summary_lines(run: DryRun) -> list[str]:
         f"{'torch' in sys.modules}",
     ]
     if run.prepare:
-        lines.append("prepare       " + "; ".join(f"{who} {seconds:.2f} s ({count:,} transfers)"
-                                                  for who, (seconds, count) in run.prepare.items())
-                     + " (one rank's prepare() after the gather)")
+        lines.append("prepare       " + "; ".join(f"{who} {seconds:.2f} s, peak RSS {rss:.0f} MB ({count:,} transfers)"
+                                                  for who, (seconds, count, rss, _) in run.prepare.items())
+                     + f" (one rank's prepare() after the gather, in a process of its own); a replica rejoining "
+                     f"{run.rejoin_seconds * 1e3:.1f} ms (its parts and plan found by digest)")
     fanout = fanout_bytes(run)
     lines.append(f"fan-out       {fanout['mode']}: the train ranks send {fanout['bytes_from_trainers'] / gb:.2f} GB, "
                  f"the replicas relay {fanout['bytes_relayed'] / gb:.2f} GB (refit.fanout: {run.refit.fanout})")
@@ -377,6 +360,9 @@ def main(argv=None) -> int:
             "plan_seconds": round(run.plan_seconds, 3),
             "prepare_seconds": round(run.prepare_seconds, 3),
             "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0], default=""),
+            "prepare_peak_rss_mb": round(run.prepare_rss_mb, 1),
+            "enumerate_seconds": round(run.enumerate_seconds, 2),
+            "rejoin_seconds": round(run.rejoin_seconds, 4),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "train": run.train.describe_keys(),
