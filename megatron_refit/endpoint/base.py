@@ -24,7 +24,8 @@ from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
 from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
 from megatron_refit.plan.pieces import pack
-from megatron_refit.plan.refit_plan import RefitPlan, agreement, build_local_plan, disagreeing, in_agreement
+from megatron_refit.plan.agreement import agreement, disagreeing, in_agreement
+from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targe
                                       unpack)
 from megatron_refit.plan.spec import ShardSpec, box_shape
 
-__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "agreement", "disagreeing", "gc_paused", "in_agreement"]
+__all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
 
 
 def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int, list[ShardSpec]],
@@ -364,60 +363,3 @@ def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
                          f"(the receiver does not know them), e.g. {refused[:5]}; {skippable} MTP parameters "
                          "besides, which may be skipped")
     return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
-
-
-ROUTE_SUM_BITS = 256
-
-
-def agreement(prints: dict) -> tuple[str, str]:
-    """``(plan fingerprint, route sum)`` of one rank's :meth:`RefitPlan.fingerprints`: what
-    ``prepare()`` gathers from every rank, two strings however many routes the rank holds. The
-    route sum adds a sha256 of each route's ends and digest (mod 2**256); every route is held by
-    one train rank and one gen rank, so the train ranks' sums add up to the gen ranks' exactly
-    when both ends of every route hold it alike (:func:`in_agreement`)."""
-    total = 0
-    for route, digest in prints.items():
-        if route != "plan":
-            total += int.from_bytes(hashlib.sha256(f"{route[0]} {route[1]} {digest}".encode()).digest(), "big")
-    return prints["plan"], format(total % (1 << ROUTE_SUM_BITS), "x")
-
-
-def in_agreement(plan: RefitPlan, summaries: list) -> bool:
-    """Whether every refit rank built this plan (each rank's :func:`agreement`, by refit rank):
-    one plan fingerprint, and the train ranks' route sums adding up to the gen ranks'. The same
-    answer on every rank, in O(ranks); where it is False, :func:`disagreeing` over the full
-    fingerprints names the ranks."""
-    try:
-        if len({summary[0] for summary in summaries}) != 1:
-            return False
-        sums = [int(summary[1], 16) for summary in summaries]
-    except (TypeError, ValueError, IndexError, KeyError):  # a malformed summary: found by name in the full check
-        return False
-    if len(sums) != len(plan.train_global) + len(plan.gen_global):
-        return False
-    mod = 1 << ROUTE_SUM_BITS
-    return (sum(sums[rank] for rank in plan.train_global) % mod) == (sum(sums[rank] for rank in plan.gen_global) % mod)
-
-
-def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
-    """Refit ranks whose plan differs, the same answer on every rank (each sees every rank's
-    :meth:`RefitPlan.fingerprints`): those whose ``"plan"`` fingerprint
-    is not the most common one, and both ends of any route (train rank, gen rank) that they
-    hold differently (one end alone cannot tell which of them is wrong)."""
-    common = Counter(p.get("plan") for p in prints).most_common(1)[0][0]
-    bad = {rank for rank, theirs in enumerate(prints) if theirs.get("plan") != common}
-    routes = set()
-    for rank, theirs in enumerate(prints):
-        for route in theirs:
-            if route == "plan":
-                continue
-            if not (isinstance(route, tuple) and len(route) == 2 and 0 <= route[0] < len(plan.train_global)
-                    and 0 <= route[1] < len(plan.gen_global)):
-                bad.add(rank)  # a route this plan does not have
-                continue
-            routes.add(route)
-    for src, dst in routes:
-        ends = (plan.train_global[src], plan.gen_global[dst])
-        if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
-            bad.update(ends)
-    return sorted(bad)

@@ -18,7 +18,7 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
    receives the most: decoding every distinct gathered part from its wire form, then
    :func:`megatron_refit.plan.refit_plan.build_local_plan` (the whole plan validated, that
    rank's transfers and buckets expanded), its route fingerprints, and every rank's agreement
-   summary decoded and checked (:func:`~megatron_refit.plan.refit_plan.in_agreement`).
+   summary decoded and checked (:func:`~megatron_refit.plan.agreement.in_agreement`).
 
 ``plan_seconds`` covers step 2; ``peak_rss_mb`` the whole life of this process (reading the
 YAML included, step 3 too); the enumeration's time is reported apart.

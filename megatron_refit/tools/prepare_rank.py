@@ -29,7 +29,8 @@ import time
 
 from megatron_refit import wire
 from megatron_refit.plan.checks import gc_paused
-from megatron_refit.plan.refit_plan import agreement, build_local_plan, in_agreement
+from megatron_refit.plan.agreement import agreement, in_agreement
+from megatron_refit.plan.refit_plan import build_local_plan
 
 
 def write_gathered(path: str, parts: list[tuple], *, num_train: int, bucket_bytes: int, direct_bytes: int | None,

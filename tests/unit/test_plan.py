@@ -315,7 +315,7 @@ def test_local_plan_refuses_other_ranks_buckets():
 
 
 def test_disagreeing_ranks_are_named_the_same_everywhere():
-    from megatron_refit.plan.refit_plan import disagreeing
+    from megatron_refit.plan.agreement import disagreeing
 
     plan = RefitPlan.build(train_specs(), gen_specs(2))  # 4 train ranks (0-3), 2 gen ranks (4, 5)
     whole = plan.fingerprints()
@@ -338,7 +338,7 @@ def test_disagreeing_ranks_are_named_the_same_everywhere():
 def test_agreement_summaries_catch_what_the_full_fingerprints_catch():
     """prepare() gathers two strings a rank (agreement) and gathers the full fingerprints only
     where in_agreement is False: every disagreement disagreeing() names must turn it False."""
-    from megatron_refit.plan.refit_plan import agreement, disagreeing, in_agreement
+    from megatron_refit.plan.agreement import agreement, disagreeing, in_agreement
 
     plan = RefitPlan.build(train_specs(), gen_specs(2))
     whole = plan.fingerprints()
