@@ -79,20 +79,12 @@ def quantized_bytes(assignment, *, source_itemsize: int = 2) -> list[int]:
     for group in assignment.groups:
         if group.dtype != FP8:
             continue
-        live = [(i, box_numel(box)) for i, box in enumerate(group.train_boxes) if any(row[i] for row in group.nbytes)]
-        for holders in group.holders:
-            for i, numel in live:
-                out[holders[i]] += numel * source_itemsize
-    seen = set()
-    for ranks, items in zip(assignment.class_ranks, assignment.replicated):
-        for name, dtype, _, pieces in items:
-            if dtype != FP8:
-                continue
-            for train_box, senders, _ in pieces:
-                for sender in senders[:len(ranks)]:  # the class's j-th rank gets it from senders[j % len]
-                    if (sender, name, train_box) not in seen:
-                        seen.add((sender, name, train_box))
-                        out[sender] += box_numel(train_box) * source_itemsize
+        live = [(i, box_numel(box) * source_itemsize, turns) for i, (box, turns)
+                in enumerate(zip(group.train_boxes, group.turns)) if turns]
+        for senders in group.senders:
+            for i, nbytes, turns in live:
+                for sender in senders[i][:turns]:  # a parameter's turns of box i: senders[i][t % len]
+                    out[sender] += nbytes
     return out
 
 

@@ -37,11 +37,10 @@ class SenderPlan:
     """Validated sender assignment per class of identical gen ranks (pure).
 
     The reference form of the assignment (see the module docstring): every gen piece of
-    every class with its train pieces, listed one by one. Senders are balanced by
-    water-filling: the D gen ranks of a class that need a train box held by h train ranks
-    get it from the holders in order of (bytes assigned so far, rank), round robin, so each
-    holder sends it D // h or D // h + 1 times (with D = 1 this is the least-loaded holder,
-    lowest rank on ties).
+    every class with its train pieces, listed one by one. Senders take turns
+    (:mod:`megatron_refit.plan.box_groups`): the boxes one set of h holders holds are
+    numbered, and the D gen ranks that need box n get it from the holders in turn from
+    holder n % h on, so each holder sends it D // h or D // h + 1 times.
     """
 
     classes: tuple[tuple[tuple[int, ...], tuple[tuple[ShardSpec, tuple[Piece, ...]], ...]], ...]

@@ -140,7 +140,7 @@ def test_sender_plan_is_what_refit_plan_expands(train_tp, train_dp, gen_tp, gen_
     assert list(senders.train_bytes) == [plan.bytes_from(r) for r in train]
     assert senders.num_transfers == len(plan.transfers)
     assert plan.bytes_sent == plan.bytes_minimal == sum(senders.gen_bytes().values())
-    # Water-filling: a replicated piece needed by D gen ranks goes out of each of its h
+    # Turns: a replicated piece needed by D gen ranks goes out of each of its h
     # holders D // h or D // h + 1 times.
     norm = [t.src_rank for t in plan.transfers if t.name == "l.input_layernorm.weight"]
     holders = train_tp * train_dp

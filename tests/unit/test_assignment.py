@@ -117,38 +117,46 @@ def test_assignment_equals_refit_plan_on_reduced_layouts(config, layers, gen, fp
         assert assignment.transfers(dst=r) == [t for t in transfers if t.dst_rank == r]
 
 
-def _water_filled_loads(train, gen) -> list[int]:
-    """Bytes per train rank by the rule the docs state, written out plainly: names in
-    order, then gen classes in order of their first rank; the D ranks of a class that need a
-    train box held by h ranks get it from the h holders in (bytes so far, rank) order, each
-    sending D // h or D // h + 1 times."""
+def _turn_loads(train, gen) -> list[int]:
+    """Bytes per train rank by the rule the docs state, written out plainly, turn by turn:
+    the boxes each set of holders H holds are numbered, names in order, then train boxes in
+    order; the gen ranks that need a piece of box number n, in order of class (by first rank)
+    and rank, take its turns t = 0, 1, ..., and turn t is H[(n + t) % len(H)]."""
     classes = sorted(gen_classes(gen), key=lambda c: c[0][0])
     index, meta = index_specs("train", train)
     load = [0] * len(train)
+    numbered = {}
     for name in sorted({s.name for _, specs in classes for s in specs}):
-        for ranks, specs in classes:
-            (spec,) = [s for s in specs if s.name == name] or [None]
-            if spec is None:
-                continue
-            for train_box, holders in index[name].items():
+        for train_box in sorted(index[name]):
+            holders = tuple(sorted(index[name][train_box]))
+            n = numbered.get(holders, 0) if len(holders) > 1 else 0
+            numbered[holders] = n + 1
+            t = 0
+            for ranks, specs in classes:
+                (spec,) = [s for s in specs if s.name == name] or [None]
+                if spec is None:
+                    continue
                 box = intersect(train_box, spec.box) if spec.box else train_box
                 if box is None:
                     continue
                 nbytes = math.prod(hi - lo for lo, hi in box) * ITEMSIZE[meta[name].dtype]
-                order = sorted(holders, key=lambda r: (load[r], r))[:len(ranks)]
-                base, extra = divmod(len(ranks), len(order))
-                for i, rank in enumerate(order):
-                    load[rank] += nbytes * (base + (i < extra))
+                for _ in ranks:
+                    load[holders[(n + t) % len(holders)]] += nbytes
+                    t += 1
     return load
 
 
 @settings(max_examples=200, **SETTINGS)
 @given(problems())
-def test_senders_are_water_filled_on_random_tilings(problem):
+def test_senders_take_turns_on_random_tilings(problem):
     train, gen, _, _ = problem
     assignment = Assignment.build(train, targets_of(gen_classes(gen)))
-    assert list(assignment.train_bytes) == _water_filled_loads(train, gen)
+    assert list(assignment.train_bytes) == _turn_loads(train, gen)
     assert sum(assignment.train_bytes) == sum(assignment.gen_bytes().values())
+    # the senders each transfer names agree with the loads, transfer by transfer
+    transfers = assignment.transfers()
+    assert [sum(t.nbytes for t in transfers if t.src_rank == r) for r in range(len(train))] == list(
+        assignment.train_bytes)
 
 
 def _spec(name, shape, box, dtype="float32"):
