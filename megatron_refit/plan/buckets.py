@@ -6,6 +6,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_refit.plan.spec import Box, box_numel, box_shape
 
@@ -13,9 +14,9 @@ ALIGN = 16
 """Byte alignment of items in a bucket: a uint8 slice can be viewed as any dtype up to 16 bytes."""
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One box of one parameter, from a train rank's piece to a gen rank's piece."""
+class Transfer(NamedTuple):
+    """One box of one parameter, from a train rank's piece to a gen rank's piece (a named
+    tuple: a rank's plan holds tens of thousands, built in a loop)."""
 
     name: str
     src_rank: int
@@ -31,8 +32,7 @@ class Transfer:
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class BucketItem:
+class BucketItem(NamedTuple):
     transfer: Transfer
     offset: int
     """Byte offset in the bucket, a multiple of :data:`ALIGN`."""

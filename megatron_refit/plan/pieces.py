@@ -48,8 +48,10 @@ def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[
     return (names, pairs), (plain, kind_of.tobytes())
 
 
-def kind_indices(side: str, rank: int, names: Names, layout: Layout) -> array:
-    """Each name's kind, checked against the parts (``PlanError`` naming the rank)."""
+def kind_indices(side: str, rank: int, names: Names, layout: Layout, checked: dict | None = None) -> array:
+    """Each name's kind, checked against the parts (``PlanError`` naming the rank). ``checked``:
+    what this caller's earlier calls checked (an engine's TP ranks share one names list and
+    equal kind indices), kept alive by the caller; this call's is added."""
     parts = names, layout
     if not (all(isinstance(part, tuple) and len(part) == 2 for part in parts)
             and all(isinstance(x, t) for x, t in zip((*names, *layout), (tuple, tuple, tuple, bytes)))):
@@ -60,13 +62,19 @@ def kind_indices(side: str, rank: int, names: Names, layout: Layout) -> array:
         kind_of.frombytes(raw)
     if len(kind_of) != len(name_list) or len(raw) % kind_of.itemsize:
         raise PlanError(f"{side} rank {rank}: {len(name_list)} names but {len(raw)} bytes of kind indices")
-    if kind_of and max(kind_of) >= len(kinds):
-        raise PlanError(f"{side} rank {rank}: kind index {max(kind_of)} out of range for {len(kinds)} kinds")
-    try:
-        "".join(name_list)  # every name a string, checked at C speed (a rank holds up to 10^5 names)
-    except TypeError:
-        bad = next(name for name in name_list if not isinstance(name, str))
-        raise PlanError(f"{side} rank {rank}: a piece name is {bad!r}, not a string") from None
+    if kind_of and (checked is None or (raw, len(kinds)) not in checked):
+        if max(kind_of) >= len(kinds):
+            raise PlanError(f"{side} rank {rank}: kind index {max(kind_of)} out of range for {len(kinds)} kinds")
+        if checked is not None:
+            checked[raw, len(kinds)] = True
+    if checked is None or id(name_list) not in checked:
+        try:
+            "".join(name_list)  # every name a string, checked at C speed (a rank holds up to 10^5 names)
+        except TypeError:
+            bad = next(name for name in name_list if not isinstance(name, str))
+            raise PlanError(f"{side} rank {rank}: a piece name is {bad!r}, not a string") from None
+        if checked is not None:
+            checked[id(name_list)] = True
     if len(pairs) % 2 or any(not isinstance(i, int) or not 0 <= i < len(name_list) for i in pairs):
         bad = next((i for i in pairs if not isinstance(i, int) or not 0 <= i < len(name_list)), None)
         raise PlanError(f"{side}_adjacent of {side} rank {rank}: a pair names a piece the rank does not hold "
@@ -126,10 +134,14 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
     index: dict[str, dict] = {}
     meta: dict[str, ShardSpec] = {}
     merged: list[list[int]] = []  # holder lists that more than one part added to: sorted at the end
+    checked: dict = {}
+    layouts: dict[int, list[ShardSpec]] = {}  # a layout's kinds, read once (EP ranks share one)
     for ranks in sharing.values():
         names, layout = parts[ranks[0]]
-        kind_of = kind_indices(side, ranks[0], names, layout)
-        specs = kind_specs(side, ranks[0], names, layout, kind_of)
+        kind_of = kind_indices(side, ranks[0], names, layout, checked)
+        specs = layouts.get(id(layout))
+        if specs is None:  # named after the first part's names: a spec's name appears in no message here
+            specs = layouts[id(layout)] = kind_specs(side, ranks[0], names, layout, kind_of)
         name_list = names[0]
         if len(set(name_list)) != len(name_list):
             twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
@@ -201,21 +213,29 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
     if sorted(gen) != list(range(len(gen))):
         raise PlanError(f"gen ranks must be 0..{len(gen) - 1}, got {sorted(gen)}")
     classes: dict[tuple, list[int]] = {}
-    seen: dict[tuple[int, int], tuple] = {}  # by identity first: the gather returns equal parts as one object
+    # by identity first (the gather returns equal parts as one object): a part is hashed (all
+    # its names) once per distinct object, not once per rank
+    seen: dict[tuple[int, int], list[int]] = {}
     indices: dict[tuple, array] = {}
+    checked: dict = {}
     for rank in range(len(gen)):
         names, layout = gen[rank]
-        key = seen.get((id(names), id(layout)))
-        if key is None:  # checked before it is hashed: a peer's parts may be anything
-            kind_of = kind_indices("gen", rank, names, layout)
-            key = seen[id(names), id(layout)] = (names, layout)
+        members = seen.get((id(names), id(layout)))
+        if members is None:  # checked before it is hashed: a peer's parts may be anything
+            kind_of = kind_indices("gen", rank, names, layout, checked)
+            key = (names, layout)
+            members = seen[id(names), id(layout)] = classes.setdefault(key, [])
             indices.setdefault(key, kind_of)
-        classes.setdefault(key, []).append(rank)
+        members.append(rank)
     ranks = tuple(tuple(r) for r in classes.values())
     parts = list(classes)
     by_names: dict[tuple, list[int]] = {}  # classes sharing one names list (an engine's TP ranks)
+    names_of: dict[int, list[int]] = {}  # the same by identity
     for c, (names, _) in enumerate(parts):
-        by_names.setdefault(names, []).append(c)
+        same = names_of.get(id(names))
+        if same is None:
+            same = names_of[id(names)] = by_names.setdefault(names, [])
+        same.append(c)
     kinds = []
     for c, (names, layout) in enumerate(parts):
         kind_of = indices[names, layout]
@@ -230,10 +250,13 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
             twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
             raise PlanError(f"{twice}: listed twice on gen rank {ranks[members[0]][0]}")
         rows: dict[tuple, tuple] = {}
-        for name, row in zip(name_list, zip(*(kinds[c][0] for c in members))):
-            entry = rows.get(row)
+        alike: dict[bytes, int] = {}  # classes whose kinds are numbered alike (an engine's TP ranks) zip once
+        spread = [alike.setdefault(kinds[c][0].tobytes(), len(alike)) for c in members]
+        firsts = [members[spread.index(d)] for d in range(len(alike))]
+        for name, key in zip(name_list, zip(*(kinds[c][0] for c in firsts))):
+            entry = rows.get(key)
             if entry is None:
-                entry = rows[row] = _row(name, row, members, kinds, ranks, interned)
+                entry = rows[key] = _row(name, tuple(key[d] for d in spread), members, kinds, ranks, interned)
             prev = table.get(name)
             if prev is None:
                 table[name] = entry

@@ -19,7 +19,7 @@ from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.checks import index_specs
 from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
                                       unpack)
-from megatron_refit.plan.spec import ShardSpec, box_shape
+from megatron_refit.plan.spec import Box, ShardSpec, box_shape
 
 __all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
 
@@ -304,12 +304,21 @@ class RefitPlan:
                   f"bytes {self.train_bytes}", f"transfers {self.num_transfers}", f"settings {self.settings}"]
         out: dict = {"plan": hashlib.sha256("\n".join(shared).encode()).hexdigest()}
         routes: dict[tuple[int, int], list[str]] = {}
+        text: dict[int, str] = {}  # each box's text once, by identity: the plan's boxes are shared and alive
+
+        def box(value: Box) -> str:
+            got = text.get(id(value))
+            if got is None:
+                got = text[id(value)] = str(value)
+            return got
+
         for bucket in self.buckets:
             lines = routes.setdefault((bucket.src_rank, bucket.dst_rank), [])
             lines.append(f"bucket {bucket.index} {bucket.nbytes}")
             for item in bucket.items:
                 t = item.transfer
-                lines.append(f"  {item.offset} {t.name} {t.dtype} {t.nbytes} {t.global_box} {t.src_box} {t.dst_box}")
+                lines.append(f"  {item.offset} {t.name} {t.dtype} {t.nbytes} {box(t.global_box)} {box(t.src_box)} "
+                             f"{box(t.dst_box)}")
         for route, lines in routes.items():
             out[route] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         return out

@@ -36,15 +36,18 @@ from megatron_refit.plan.refit_plan import build_local_plan
 def write_gathered(path: str, parts: list[tuple], *, num_train: int, bucket_bytes: int, direct_bytes: int | None,
                    optional: frozenset[str]) -> None:
     """``parts``: each refit rank's ``(names, layout)`` as :func:`~megatron_refit.plan.pieces.pack`
-    gives it (equal parts as one object, encoded once)."""
+    gives it; equal parts are written once and read back as one object, as the gather returns them."""
     index: dict[int, int] = {}
+    by_value: dict[bytes, int] = {}  # equal parts as one blob, as the gather moves them (by digest)
     with open(path, "wb") as f:
         for part in (p for rank_parts in parts for p in rank_parts):
             if id(part) not in index:
                 blob = wire.dumps(part)
-                f.write(struct.pack("<Q", len(blob)))
-                f.write(blob)
-                index[id(part)] = len(index)
+                if blob not in by_value:
+                    f.write(struct.pack("<Q", len(blob)))
+                    f.write(blob)
+                    by_value[blob] = len(by_value)
+                index[id(part)] = by_value[blob]
         header = json.dumps({"parts": [[index[id(names)], index[id(layout)]] for names, layout in parts],
                              "num_train": num_train, "bucket_bytes": bucket_bytes, "direct_bytes": direct_bytes,
                              "optional": sorted(optional)}).encode()

@@ -111,6 +111,25 @@ def _gen_parts():
     return {rank: pack(specs) for rank, specs in gen_target_specs(PARAMS, GenLayout(tp=2), MODEL).items()}
 
 
+def test_ranks_sharing_names_but_numbering_kinds_otherwise_plan_alike():
+    """An engine's TP ranks share one names list; their kinds are read once where they number
+    them alike, per rank where they do not (here rank 1 lists its kinds in reverse)."""
+    from array import array
+
+    parts = _gen_parts()
+    (names, pairs), (kinds, raw) = parts[1]
+    names = parts[0][0][0]  # one names list, as the gather returns it
+    parts[0] = ((names, pairs), parts[0][1])
+    want = gen_targets_of(dict(parts))
+    parts[1] = ((names, pairs), (kinds, raw))
+    assert gen_targets_of(dict(parts)) == want
+    reverse = array("I", (len(kinds) - 1 - k for k in array("I", raw)))
+    parts[1] = ((names, pairs), (kinds[::-1], reverse.tobytes()))
+    got = gen_targets_of(dict(parts))
+    assert got == want and len(got.ranks) == 2
+    assert got.params[GATE][2] == (((0, 8), (0, 8)), ((8, 16), (0, 8)))  # each rank its own half
+
+
 def _broken(rank: int, how: str) -> dict:
     parts = _gen_parts()
     (names, pairs), (kinds, raw) = parts[rank]
