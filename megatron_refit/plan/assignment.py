@@ -66,16 +66,12 @@ class Assignment:
             raise PlanError(f"gen ranks must be 0..{num_gen - 1}, got {ranks_seen}")
         if [r[0] for r in ranks] != sorted(r[0] for r in ranks):
             raise PlanError(f"gen classes must come in order of their first rank, got {ranks}")
-        tiled: set[tuple[int, ...]] = set()  # by object identity: every shape and box stays alive
-        for name in sorted(train_meta):
-            shape, boxes = train_meta[name].global_shape, train_index[name]
-            key = (id(shape), *map(id, boxes))
-            if key not in tiled:
-                check_tiling(name, shape, list(boxes))
-                tiled.add(key)
+        _check_tilings(train_index, train_meta)
         load = [0] * num_train
         builder = Builder(ranks, load)
-        solo, by_id, group = builder.solo, builder.by_id, builder.group
+        group = builder.group
+        only = [(senders,) for senders in builder.solo]  # a one-box parameter's senders: one tuple per rank
+        fast: dict[tuple, tuple] = {}  # a one-box, one-holder group's appenders and bytes, by the boxes' identity
         needed = []
         params = targets.params
         for name in sorted(params):  # the turns count on in name order
@@ -92,10 +88,16 @@ class Assignment:
             if len(boxes) == 1:  # the common case (whole experts under EP): inlined
                 (box, holders), = boxes.items()
                 if len(holders) == 1:
-                    members = by_id.get((dtype, id(gen_boxes), id(box))) or group(dtype, gen_boxes, boxes)
-                    members.names.append(name)
-                    members.senders.append((solo[holders[0]],))
-                    load[holders[0]] += members.sent[0]
+                    hit = fast.get((dtype, id(gen_boxes), id(box)))
+                    if hit is None:
+                        members = group(dtype, gen_boxes, boxes)
+                        hit = fast[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append,
+                                                                      members.sent[0])
+                    add_name, add_senders, sent = hit
+                    rank = holders[0]
+                    add_name(name)
+                    add_senders(only[rank])
+                    load[rank] += sent
                     continue
             builder.add(group(dtype, gen_boxes, boxes), name, boxes)
         return cls(class_ranks=ranks, groups=builder.groups(), train_bytes=tuple(load),
@@ -209,3 +211,22 @@ class Assignment:
             mine.sort(key=attrgetter("name"))  # stable: a name's pieces stay in train box order
             out += mine
         return out
+
+
+def _check_tilings(train_index: dict, train_meta: dict) -> None:
+    """Each train parameter's boxes tile its shape exactly, checked once per distinct (shape,
+    boxes) by the objects' identity (every shape and box stays alive meanwhile); the first bad
+    parameter by name is named."""
+    tiled: set[tuple[int, ...]] = set()
+    try:
+        for name, boxes in train_index.items():
+            shape = train_meta[name].global_shape
+            key = (id(shape), *map(id, boxes)) if len(boxes) > 1 else (id(shape), id(next(iter(boxes))))
+            if key not in tiled:
+                check_tiling(name, shape, list(boxes))
+                tiled.add(key)
+    except PlanError:  # name the first bad one in name order
+        for name in sorted(train_index):
+            check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
+        raise
+
