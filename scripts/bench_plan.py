@@ -16,7 +16,9 @@ rank's prepare seconds and peak RSS. Then, at 1,024:
   (``Endpoint.plans``), the agreement checked (the collectives' own time is not in it);
 - ``eplb_replan_s``: the wide engine's expert map moved by EPLB: today a moved map changes the
   engine ranks' parts, so every rank re-plans in full; the figure is the wide engine's busiest
-  rank's whole prepare at 1,024 (no experts-only re-plan exists yet).
+  rank's whole prepare at 1,024 (no experts-only re-plan exists yet, and one by changed names
+  would gain little: vLLM's own rebalance puts ~96 % of the (layer, expert) pairs on other ranks,
+  ``scripts/eplb_moves.py``).
 
 ``--cold`` also runs the smallest world with an empty enumeration cache once (the enumeration's
 seconds reported apart). The last line is JSON::
