@@ -50,10 +50,6 @@ class BoxGroup:
     senders: tuple[tuple[Senders, ...], ...]
     """Per name, per train box: its holders in turn order (see :data:`Senders`)."""
 
-    def sender(self, senders: Senders, c: int, i: int, j: int) -> int:
-        """Who sends train box ``i`` of a parameter (its ``senders``) to class ``c``'s ``j``-th rank."""
-        return senders[(self.offsets[c][i] + j) % len(senders)]
-
 
 class Builder:
     """Accumulates groups and each train rank's load (``load``, in place), names in order."""
