@@ -24,7 +24,7 @@ from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
 from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
 from megatron_refit.plan.pieces import pack
-from megatron_refit.plan.agreement import agreement, disagreeing, in_agreement
+from megatron_refit.plan.agreement import agreement, check_settings, disagreeing, in_agreement
 from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
@@ -56,6 +56,8 @@ def delta_tag(index: int) -> int:
 DECODED = "decoded parts"
 """The key of the shared plan cache (:attr:`Endpoint.plans`) under which the last gather's
 decoded parts are kept, by digest."""
+LAST = "last plan"
+"""Its key for the last plan agreed, with its key: what an engine whose experts moved re-plans from."""
 
 class Endpoint:
     """What both sides share: the plan agreement, the version handshake, and the bucket
@@ -104,7 +106,8 @@ class Endpoint:
         refit groups of every replica with one layout): ``prepare`` builds a plan once per
         distinct set of gathered pieces. ``None``: not shared. Under the key :data:`DECODED` it
         also holds the last gather's decoded parts by digest, so that a replica (re)joining with
-        a layout planned before is neither decoded nor planned again."""
+        a layout planned before is neither decoded nor planned again; under :data:`LAST` the last
+        plan agreed, which an engine whose experts moved re-plans from."""
         self.plan: RefitPlan | None = None
         self._plan_id = 0
         """The plan's shared fingerprint as an int: the per-refit handshake checks that every
@@ -152,37 +155,43 @@ class Endpoint:
         gathered, digests = self.group.all_gather_unique(mine, "prepare", digests=True, known=known)
         if self.plans is not None:  # only the last gather's: what a rejoining replica meets again
             self.plans[DECODED] = {**dict(zip(name_digests, names_gathered)), **dict(zip(digests, gathered))}
-        roles = [g[0] for g in gathered]
-        expected = ["train"] * self.num_train + ["gen"] * self.num_gen
-        if roles != expected:
-            raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
-        for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 5)):
-            values = [g[index] for g in gathered]
-            if len(set(values)) != 1:
-                raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
-        stalls = {g[0]: g[7] for g in gathered}  # the watchdog (train) judges the beats (gen) by its own
-        if len({g[7] for g in gathered}) != 1:
-            raise ValueError(
-                f"the train ranks' refit.stall_s in force is {stalls['train']:g} s but the engine ranks' is "
-                f"{stalls['gen']:g} s (0: off, or not under refit.timeout_s): the engine would beat at another "
-                f"pace than the train ranks judge it by; set the same refit.stall_s and refit.timeout_s on both "
-                f"sides (by refit rank: {[g[7] for g in gathered]})")
+        check_settings(gathered, self.num_train, self.num_gen)
         key = (tuple(name_digests), tuple(digests), self._local_rank())
         plan, prints = self.plans.get(key, (None, None)) if self.plans is not None else (None, None)
         if plan is None:
-            optional = frozenset(name for g in gathered for name in g[6])
-            plan, prints = self._build([(n, g[1]) for n, g in zip(names_gathered, gathered)], optional)
-            if self.plans is not None:
-                self.plans[key] = plan, prints
+            pieces = [(n, g[1]) for n, g in zip(names_gathered, gathered)]
+            plan = self._experts_moved(key, pieces)
+            if plan is not None:  # kept as the last only: each EPLB move is another key
+                prints = plan.fingerprints()
+            else:
+                plan, prints = self._build(pieces, frozenset(name for g in gathered for name in g[6]))
+                if self.plans is not None:
+                    self.plans[key] = plan, prints
         # two strings a rank; only where they disagree, every rank's route fingerprints, to name
         # the ranks (every rank sees the same summaries, so every rank takes the same branch)
         if not in_agreement(plan, self.group.all_gather_object(agreement(prints), "prepare")):
             bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan
+        if self.plans is not None:
+            self.plans[LAST] = key, plan
         self._plan_id = int(prints["plan"][:15], 16)
         self._digesters = None
         return plan
+
+    def _experts_moved(self, key: tuple, pieces: list[tuple]) -> RefitPlan | None:
+        """The last plan re-planned where the engine ranks' experts moved and nothing else changed
+        (an EPLB rebalance: :meth:`RefitPlan.replanned`): the same train ranks' pieces and
+        settings, this rank in the same place; None otherwise (a full build)."""
+        last = self.plans.get(LAST) if self.plans is not None else None
+        if last is None:
+            return None
+        (names, parts, local), last = last
+        num_train = self.num_train
+        if (local != key[2] or names[:num_train] != key[0][:num_train] or parts[:num_train] != key[1][:num_train]
+                or last.settings != (self.bucket_bytes, self.direct_bytes)):
+            return None
+        return last.replanned(dict(enumerate(pieces[num_train:])))
 
     def _build(self, pieces: list[tuple], optional: frozenset[str] = frozenset()) -> tuple[RefitPlan, dict]:
         """The plan of what every rank of the group holds (``pieces``: each rank's

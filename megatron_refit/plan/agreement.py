@@ -1,4 +1,4 @@
-"""Do the refit ranks hold the same plan? (pure). Each rank's :meth:`RefitPlan.fingerprints`
+"""Do the refit ranks hold the same plan, with the same settings? (pure). Each rank's :meth:`RefitPlan.fingerprints`
 summed into two strings that every rank gathers (:func:`agreement`, :func:`in_agreement`), and,
 only where they disagree, the ranks named from the full fingerprints (:func:`disagreeing`)."""
 
@@ -64,3 +64,24 @@ def disagreeing(plan: RefitPlan, prints: list[dict]) -> list[int]:
         if prints[ends[0]].get((src, dst)) != prints[ends[1]].get((src, dst)):
             bad.update(ends)
     return sorted(bad)
+
+
+def check_settings(gathered: list[tuple], num_train: int, num_gen: int) -> None:
+    """Every refit rank's role in place and its settings alike: ``gathered`` is each rank's
+    ``(role, layout, verify, bucket_bytes, direct_bytes, delta, optional, stall_s)`` as
+    ``prepare()`` gathers it; ``ValueError`` naming the setting and every rank's value."""
+    roles = [g[0] for g in gathered]
+    expected = ["train"] * num_train + ["gen"] * num_gen
+    if roles != expected:
+        raise ValueError(f"refit ranks disagree on roles: got {roles}, expected {expected}")
+    for what, index in (("verify", 2), ("bucket_bytes", 3), ("direct_bytes", 4), ("delta", 5)):
+        values = [g[index] for g in gathered]
+        if len(set(values)) != 1:
+            raise ValueError(f"refit ranks disagree on {what}: {values} (by refit rank)")
+    stalls = {g[0]: g[7] for g in gathered}  # the watchdog (train) judges the beats (gen) by its own
+    if len({g[7] for g in gathered}) != 1:
+        raise ValueError(
+            f"the train ranks' refit.stall_s in force is {stalls['train']:g} s but the engine ranks' is "
+            f"{stalls['gen']:g} s (0: off, or not under refit.timeout_s): the engine would beat at another "
+            f"pace than the train ranks judge it by; set the same refit.stall_s and refit.timeout_s on both "
+            f"sides (by refit rank: {[g[7] for g in gathered]})")

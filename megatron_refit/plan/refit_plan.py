@@ -12,61 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_refit.errors import PlanError
+from megatron_refit.plan.adjacency import adjacency, next_maps
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
-from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.checks import index_specs
+from megatron_refit.plan.expert_moves import Basis, movable, replan
 from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
                                       unpack)
 from megatron_refit.plan.spec import Box, ShardSpec, box_shape
 
 __all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
-
-
-def _next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int, list[ShardSpec]],
-               side: str) -> dict[int, dict[str, str]]:
-    """Per rank, piece name -> the piece after it in memory; names must be the rank's pieces."""
-    out: dict[int, dict[str, str]] = {}
-    for rank, pairs in (adjacent or {}).items():
-        if not pairs:
-            continue
-        if rank not in specs:
-            raise PlanError(f"{side}_adjacent names {side} rank {rank}, which is not in the plan")
-        names = {s.name for s in specs[rank]}
-        for a, b in pairs:
-            if a not in names or b not in names:
-                raise PlanError(f"{side}_adjacent of {side} rank {rank}: ({a!r}, {b!r}) names a piece the rank "
-                                "does not hold")
-        out[rank] = dict(pairs)
-    return out
-
-
-def _adjacency(transfers: list[Transfer], direct_bytes: int | None, train_shapes: Callable[[int], dict],
-               train_next: Callable[[int], dict | None], targets: GenTargets, gen: dict[int, tuple[Names, Layout]]):
-    """``(src_next, dst_next, whole)`` for :func:`~megatron_refit.plan.buckets.bucketize`, for the
-    ranks that ``transfers`` touch only (ranks sharing a names list share one map)."""
-    if direct_bytes is None:
-        return None, None, None
-    src_next = {rank: m for rank in {t.src_rank for t in transfers} if (m := train_next(rank))}
-    maps: dict[int, dict[str, str]] = {}
-    dst_next = {}
-    for rank in {t.dst_rank for t in transfers}:
-        names = gen[rank][0]
-        if id(names) not in maps:
-            maps[id(names)] = adjacent_names(names)
-        if maps[id(names)]:
-            dst_next[rank] = maps[id(names)]
-    if not src_next or not dst_next:
-        return None, None, None
-    class_of = {rank: c for c, ranks in enumerate(targets.ranks) for rank in ranks}
-
-    def whole(t: Transfer) -> bool:
-        shape = box_shape(t.global_box)
-        gen_box = targets.params[t.name][2][class_of[t.dst_rank]]
-        return train_shapes(t.src_rank).get(t.name) == shape == box_shape(gen_box)
-
-    return src_next, dst_next, whole
 
 
 def _send_order(bucket: Bucket) -> tuple[int, int]:
@@ -114,6 +70,8 @@ class RefitPlan:
     not from the senders, so ``bytes_sent / bytes_minimal`` checks the assignment)."""
     _from: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False, default_factory=dict)
     _to: dict[int, tuple[Bucket, ...]] = field(repr=False, compare=False, default_factory=dict)
+    basis: Basis | None = field(default=None, repr=False, compare=False)
+    """What a local plan was built from, for :meth:`replanned` after an engine's experts move."""
 
     @classmethod
     def build(
@@ -142,8 +100,8 @@ class RefitPlan:
 
         The gen pieces are planned in the compact form ``prepare()`` gathers
         (:func:`megatron_refit.plan.pieces.pack`); :meth:`from_pieces` takes that form directly."""
-        train_next = _next_maps(train_adjacent, train_specs, "train")
-        _next_maps(gen_adjacent, gen_specs, "gen")
+        train_next = next_maps(train_adjacent, train_specs, "train")
+        next_maps(gen_adjacent, gen_specs, "gen")
         packed: dict[tuple[int, int], tuple] = {}  # ranks given one list (gathered replicas) are packed once
         gen = {}
         for rank, specs in gen_specs.items():
@@ -232,31 +190,64 @@ class RefitPlan:
                 transfers = assignment.transfers()
             else:
                 transfers = assignment.transfers(**{"src" if local[0] == "train" else "dst": local[1]})
-            buckets = bucketize(transfers, bucket_bytes, direct_bytes,
-                                *_adjacency(transfers, direct_bytes, train_shapes, train_next, targets, gen))
+            basis = Basis(groups=assignment.groups, train_meta=train_index[1], targets=targets,
+                          train_shapes=train_shapes, train_next=train_next)
+            keep = local is not None and movable(basis, gen, local)  # kept only where experts can move
+            totals = (assignment.train_bytes, assignment.num_transfers, sum(assignment.gen_bytes().values()))
+            plan = cls._finish(transfers, targets, totals, basis, gen=gen, unused=assignment.unused_train_params,
+                               num_train=num_train, train_global=train_global, gen_global=gen_global,
+                               bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, local=local)
+            return plan if keep else dataclasses.replace(plan, basis=None)
+
+    @classmethod
+    def _finish(cls, transfers: list[Transfer], targets, totals: tuple, basis: Basis, *, gen: dict,
+                unused: tuple[str, ...], num_train: int, train_global: tuple[int, ...], gen_global: tuple[int, ...],
+                bucket_bytes: int, direct_bytes: int | None, local: tuple[str, int] | None) -> RefitPlan:
+        """The plan of ``transfers`` (the local rank's, or all) and the whole plan's ``totals``
+        (bytes each train rank sends, transfers, bytes the gen ranks hold): buckets cut."""
+        buckets = bucketize(transfers, bucket_bytes, direct_bytes,
+                            *adjacency(transfers, direct_bytes, basis.train_shapes, basis.train_next, targets, gen))
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
-        to: dict[int, list[Bucket]] = {rank: [] for rank in range(num_gen)}
+        to: dict[int, list[Bucket]] = {rank: [] for rank in range(len(gen))}
         for bucket in buckets:
             from_[bucket.src_rank].append(bucket)
             to[bucket.dst_rank].append(bucket)
         if local is not None:  # other ranks' lists are partial: keep only the local rank's
             from_ = {local[1]: from_[local[1]]} if local[0] == "train" else {}
             to = {local[1]: to[local[1]]} if local[0] == "gen" else {}
+        train_bytes, num_transfers, bytes_minimal = totals
         return cls(
             train_global=train_global,
             gen_global=gen_global,
             transfers=tuple(transfers),
             buckets=tuple(buckets),
-            unused_train_params=assignment.unused_train_params,
+            unused_train_params=unused,
             gen_parts=dict(gen),
             local=local,
-            train_bytes=assignment.train_bytes,
-            num_transfers=assignment.num_transfers,
+            train_bytes=tuple(train_bytes),
+            num_transfers=num_transfers,
             settings=(bucket_bytes, direct_bytes),
-            bytes_minimal=sum(assignment.gen_bytes().values()),  # what the gen ranks hold
+            bytes_minimal=bytes_minimal,  # what the gen ranks hold
             _from={rank: tuple(sorted(b, key=_send_order)) for rank, b in from_.items()},
             _to={rank: tuple(sorted(b, key=_receive_order)) for rank, b in to.items()},
+            basis=basis,
         )
+
+    def replanned(self, gen: dict[int, tuple[Names, Layout]]) -> RefitPlan | None:
+        """This local plan for the gen ranks' new pieces where only which experts each holds
+        changed (an EPLB move: :mod:`megatron_refit.plan.expert_moves`), equal to a full
+        build; None where that is not the change (build in full)."""
+        def finish(transfers, targets, totals, basis):
+            return self._finish(transfers, targets, totals, basis, gen=gen, unused=self.unused_train_params,
+                                num_train=len(self.train_global), train_global=self.train_global,
+                                gen_global=self.gen_global, bucket_bytes=self.settings[0],
+                                direct_bytes=self.settings[1], local=self.local)
+
+        if self.local is None:
+            return None
+        with gc_paused():
+            plan = replan(self, gen, finish)
+        return None if plan is None else dataclasses.replace(plan, skipped_params=self.skipped_params)
 
     def global_src(self, bucket: Bucket) -> int:
         return self.train_global[bucket.src_rank]

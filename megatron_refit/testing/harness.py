@@ -174,7 +174,9 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             if not offloader.offloaded:  # the refit puts them back where it found them
                 raise RuntimeError(f"refit {version} left offloaded parameters loaded")
             offloader.onload()  # for the checks below
-        item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas, wall_s=wall)
+        basis = fleet.plan.basis  # set with its holding where the plan was re-planned after the experts moved
+        item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas, wall_s=wall,
+                    replanned=basis is not None and basis.holding is not None)
         if spec.collect:
             item.update(_trainer_weights(spec, built, cfg, rank))
         out.append(item)

@@ -47,6 +47,7 @@ from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.tools.cli import plain
 from megatron_refit.tools.enumeration_cache import cache_key, ensure_cache
+from megatron_refit.tools.eplb_replan import time_eplb
 from megatron_refit.tools.prepare_rank import peak_rss_mb, time_ranks
 
 @dataclass
@@ -82,6 +83,9 @@ class DryRun:
     held_bytes: int = 0
     """Bytes of one whole copy of what the engine holds (its parameters in the sent dtypes, each
     once): what one replica must receive at least, however many of its ranks hold a byte."""
+    eplb: list[dict] | None = None
+    """``gen_eplb``: each timed rank's re-plan when one deployment's experts move
+    (:mod:`megatron_refit.tools.eplb_replan`)."""
 
     @property
     def prepare_seconds(self) -> float:
@@ -150,6 +154,13 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     if refused:  # what the refit's prepare() refuses (MTP layers apart)
         raise ValueError(f"the trainer produces {len(refused)} HF parameters that no generation rank holds, e.g. "
                          f"{refused[:5]}")
+    eplb = None
+    if prepare and refit.gen_eplb:  # one deployment's ranks re-plan its move: gen rank 0, the busiest sender
+        busiest = max(range(len(senders.train_bytes)), key=senders.train_bytes.__getitem__)
+        eplb = time_eplb(train_specs, gen, lambda one: _targets(path, key, refit, preset, layout, one)[1],
+                         [("gen", 0), ("train", busiest)], bucket_bytes=refit.bucket_bytes,
+                         direct_bytes=refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes,
+                         optional=frozenset(skipped))
     prepare = time_prepare(train_specs, targets, senders, refit, frozenset(skipped)) if prepare else {}
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
@@ -158,7 +169,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
                   deployment=deployment, held_bytes=_held_bytes(targets),
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
-                  train_local_bytes=local, skipped=tuple(skipped), prepare=prepare,
+                  train_local_bytes=local, skipped=tuple(skipped), prepare=prepare, eplb=eplb,
                   skipped_elements=sum(math.prod(params[n][0]) for n in skipped if n in params))
 
 
@@ -294,6 +305,10 @@ def summary_lines(run: DryRun) -> list[str]:
                                                   for who, (seconds, count, rss, _) in run.prepare.items())
                      + f" (one rank's prepare() after the gather, in a process of its own); a replica rejoining "
                      f"{run.rejoin_seconds * 1e3:.1f} ms (its parts and plan found by digest)")
+    if run.eplb:
+        lines.append("EPLB move     " + "; ".join(f"{t['side']} rank {t['rank']} {t['seconds'] * 1e3:.0f} ms"
+                                                  f"{'' if t['replanned'] else ' (a full build)'}" for t in run.eplb)
+                     + " (one deployment's experts all moved, re-planned in a process of its own)")
     fanout = fanout_bytes(run)
     lines.append(f"fan-out       {fanout['mode']}: the train ranks send {fanout['bytes_from_trainers'] / gb:.2f} GB, "
                  f"the replicas relay {fanout['bytes_relayed'] / gb:.2f} GB (refit.fanout: {run.refit.fanout})")
@@ -363,6 +378,7 @@ def main(argv=None) -> int:
             "prepare_peak_rss_mb": round(run.prepare_rss_mb, 1),
             "enumerate_seconds": round(run.enumerate_seconds, 2),
             "rejoin_seconds": round(run.rejoin_seconds, 4),
+            "eplb_replan_seconds": round(max(t["seconds"] for t in run.eplb), 4) if run.eplb else None,
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "train": run.train.describe_keys(),

@@ -55,7 +55,7 @@ def write_gathered(path: str, parts: list[tuple], *, num_train: int, bucket_byte
         f.write(header)
 
 
-def _read(path: str) -> tuple[list[bytes], dict]:
+def read_gathered(path: str) -> tuple[list[bytes], dict]:
     blobs = []
     with open(path, "rb") as f:
         data = f.read()
@@ -70,7 +70,7 @@ def _read(path: str) -> tuple[list[bytes], dict]:
 def prepare_once(path: str, side: str, rank: int) -> dict:
     """What the rank's ``prepare()`` does after the gather: ``{"seconds", "transfers", "peak_rss_mb",
     "rejoin_seconds"}``, the last what it does again when a replica of a layout it planned (re)joins."""
-    blobs, header = _read(path)
+    blobs, header = read_gathered(path)
     start = time.perf_counter()
     with gc_paused():  # as prepare() builds its plan
         decoded = [wire.loads(blob) for blob in blobs]

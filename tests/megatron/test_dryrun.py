@@ -165,7 +165,8 @@ EXPECTED_PARAMS = {  # published totals, by preset
 }
 PEAK_RSS_MB = {"recipe-deepseek-v3": 600, "kimi-k2-fp8-256to128": 800}
 """Peak RSS bounds above the default 300 MB: 1024 train ranks; FP8 scale tiles of 384 experts."""
-PREPARE_TIMED = ("deepseek-v3", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-4b")
+PREPARE_TIMED = ("deepseek-v3", "deepseek-v3-wide-ep", "nemotron-3-nano-30b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b",
+                 "qwen3-4b")
 """Configs whose dry run here also times prepare() (the recipes' are in BENCHMARKS.md: up to 8 s
 each at 1,280 ranks, planned here without it to keep the suite's time)."""
 
@@ -236,6 +237,13 @@ def test_dry_run_of_shipped_config(config):
     # replica's prepare finds its parts and plan by digest
     assert 0 < result["prepare_peak_rss_mb"] < 300
     assert 0 < result["rejoin_seconds"] < result["prepare_seconds"]
+    # under EPLB, one deployment's experts all moved: re-planned (not built again), faster than a prepare
+    if refit.gen_eplb:
+        (line,) = [line for line in text.splitlines() if line.startswith("EPLB move ")]
+        assert "a full build" not in line, line
+        assert 0 < result["eplb_replan_seconds"] < result["prepare_seconds"]
+    else:
+        assert result["eplb_replan_seconds"] is None and "\nEPLB move " not in text
 
 
 @pytest.mark.parametrize("config", ["recipe-llama3-70b", "recipe-kimi-k2", "recipe-deepseek-v3",

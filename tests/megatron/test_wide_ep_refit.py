@@ -57,6 +57,10 @@ def test_wide_ep_refit_bit_exact(case):
         assert r["failed_replicas"] == {}
     moved = spec.gen_at(3, LAYERS).placement
     assert moved.physical_to_logical != gen.placement.physical_to_logical  # refit 3 landed in another map
+    # the train ranks re-planned only the moved experts (RefitPlan.replanned), agreed by the
+    # rejoined engine ranks' full builds; the refits before it ran on the first full build
+    assert [r["replanned"] for r in result["refits"]] == [[False] * train.world_size] * 2 + [
+        [True] * train.world_size], [r["replanned"] for r in result["refits"]]
     assert result["refits"][0]["loss"] != result["refits"][1]["loss"]
 
 

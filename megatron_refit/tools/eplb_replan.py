@@ -1,0 +1,118 @@
+"""An EPLB move re-planned, timed in a process of its own (#65): what a rank of one wide
+expert-parallel deployment's refit group does when the deployment rejoins with its experts moved.
+
+The dry run of a config with ``gen_eplb: true`` plans one deployment (the run-time refit group)
+at its first map and at a moved one (:func:`moved`: every layer's map permuted, so nearly every
+slot holds another expert, as vLLM's own rebalance does: ``scripts/eplb_moves.py``), writes both
+gathers (:func:`~megatron_refit.tools.prepare_rank.write_gathered`) and runs
+``python -m megatron_refit.tools.eplb_replan BEFORE AFTER --side gen --rank 0`` per timed rank.
+The child builds the rank's plan from BEFORE untimed, then times what its ``prepare()`` does at
+the move: decode the engine ranks' new parts (the train ranks' are known by digest),
+:meth:`~megatron_refit.plan.refit_plan.RefitPlan.replanned`, the fingerprints and the agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+from megatron_refit import wire
+from megatron_refit.plan.agreement import agreement, in_agreement
+from megatron_refit.plan.checks import gc_paused
+from megatron_refit.plan.expert_placement import ExpertPlacement
+from megatron_refit.plan.pieces import pack, pack_targets
+from megatron_refit.plan.refit_plan import build_local_plan
+from megatron_refit.tools.prepare_rank import read_gathered, write_gathered
+
+
+def moved(placement: ExpertPlacement, seed: int = 0) -> ExpertPlacement:
+    """``placement`` after a rebalance that moves nearly every slot: each MoE layer's
+    physical-to-logical map permuted (every expert keeps its number of replicas)."""
+    rng = random.Random(seed)
+    rows = []
+    for layer in range(len(placement.physical_to_logical) or 1):
+        row = list(placement.layer_map(layer))
+        rng.shuffle(row)
+        rows.append(tuple(row))
+    return dataclasses.replace(placement, physical_to_logical=tuple(rows))
+
+
+def time_eplb(train_specs: dict, gen, targets_of, ranks: list[tuple[str, int]], *, bucket_bytes: int,
+              direct_bytes: int | None, optional: frozenset[str], timeout_s: float = 600.0) -> list[dict]:
+    """Each of ``ranks``' re-plan when one deployment of ``gen`` (a GenLayout with a placement)
+    moves its experts; ``targets_of(layout)``: the dry run's engine targets of a layout."""
+    one = dataclasses.replace(gen, dp=1)
+    packed: dict[int, tuple] = {}
+    for _, specs in sorted(train_specs.items()):
+        if id(specs) not in packed:  # DP replicas share one list of specs: packed once
+            packed[id(specs)] = pack(specs)
+    train = [packed[id(specs)] for _, specs in sorted(train_specs.items())]
+    before = pack_targets(targets_of(one))
+    after = pack_targets(targets_of(dataclasses.replace(one, placement=moved(one.placement))))
+    with tempfile.TemporaryDirectory(prefix="refit-eplb-") as tmp:
+        paths = [os.path.join(tmp, name) for name in ("before.bin", "after.bin")]
+        for path, gen_parts in zip(paths, (before, after)):
+            write_gathered(path, train + [gen_parts[r] for r in range(len(gen_parts))], num_train=len(train),
+                           bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, optional=optional)
+        out = []
+        for side, rank in ranks:
+            done = subprocess.run([sys.executable, "-m", "megatron_refit.tools.eplb_replan", *paths, "--side", side,
+                                   "--rank", str(rank)], capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode != 0:
+                raise RuntimeError(f"timing {side} rank {rank}'s EPLB re-plan failed (exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-2000:]}")
+            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        return out
+
+
+def _gathered(path: str) -> tuple[list, dict, list]:
+    blobs, header = read_gathered(path)
+    return blobs, header, header["parts"]
+
+
+def replan_once(before: str, after: str, side: str, rank: int) -> dict:
+    """``{"side", "rank", "seconds", "replanned", "transfers"}``: the rank's plan of BEFORE, then
+    its re-plan for AFTER's engine parts, timed (``replanned`` False: a full build was needed)."""
+    blobs, header, parts = _gathered(before)
+    num_train = header["num_train"]
+    kw = dict(bucket_bytes=header["bucket_bytes"], direct_bytes=header["direct_bytes"], local=(side, rank),
+              optional=frozenset(header["optional"]))
+    with gc_paused():
+        decoded = [wire.loads(blob) for blob in blobs]
+        plan = build_local_plan([(decoded[n], decoded[lay]) for n, lay in parts], num_train, **kw)
+        new_blobs, _, new_parts = _gathered(after)
+        gen_blobs = sorted({i for n, lay in new_parts[num_train:] for i in (n, lay)})
+        start = time.perf_counter()
+        fresh = {i: wire.loads(new_blobs[i]) for i in gen_blobs}  # the train ranks' parts: known by digest
+        gen = {r: (fresh[n], fresh[lay]) for r, (n, lay) in enumerate(new_parts[num_train:])}
+        again = plan.replanned(gen)
+        if again is None:
+            again = build_local_plan([(decoded[n], decoded[lay]) for n, lay in parts[:num_train]]
+                                     + list(gen.values()), num_train, **kw)
+        blob = wire.dumps(agreement(again.fingerprints()))
+        in_agreement(again, [wire.loads(blob) for _ in new_parts])
+        seconds = time.perf_counter() - start
+    return {"side": side, "rank": rank, "seconds": seconds, "replanned": again.basis is not None
+            and again.basis.holding is not None, "transfers": len(again.transfers)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_refit.tools.eplb_replan", description=__doc__.split("\n")[0])
+    p.add_argument("before", help="the gathered parts at the first map, as write_gathered writes them")
+    p.add_argument("after", help="the same after the move")
+    p.add_argument("--side", choices=("train", "gen"), required=True)
+    p.add_argument("--rank", type=int, required=True)
+    args = p.parse_args(argv)
+    print(json.dumps(replan_once(args.before, args.after, args.side, args.rank)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""An EPLB move re-planned (megatron_refit.plan.expert_moves, RefitPlan.replanned): after a wide
+expert-parallel deployment's experts move, every rank's re-planned local plan equals a full
+build of the new layout (transfers, buckets, every total, fingerprints), move after move; with
+experts held by one train rank or two (expert data parallelism), redundant experts (two on one
+rank included), the engine's gate/up adjacency, and DeepSeek-V3's shipped layout in FP8. Any
+other change is left to a full build (None), which names what is wrong."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+
+import pytest
+
+from conversion.derive import derive_all_ranks, load_specs
+from megatron_refit.plan.expert_placement import ExpertPlacement, vllm_placement
+from megatron_refit.plan.fp8_layout import fp8_param_table
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.pieces import pack
+from megatron_refit.plan.refit_plan import build_local_plan
+from megatron_refit.plan.spec import box_along
+from megatron_refit.tools.dryrun import _quantized, load_config, num_experts
+from tests.unit.test_wide_ep_layout import D, TP, megatron_pieces, model, params, permuted_maps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUCKET = 4096
+
+
+def _gen_parts(table, layout, shape, *, adjacent=False) -> list[tuple]:
+    """Each engine rank's packed pieces, with gate and up of each expert adjacent (``adjacent``)."""
+    out = []
+    for rank, specs in sorted(gen_target_specs(table, layout, shape).items()):
+        names = {s.name for s in specs}
+        pairs = [(n, n.replace("gate_proj", "up_proj")) for n in sorted(names)
+                 if adjacent and ".experts." in n and "gate_proj" in n and n.replace("gate_proj", "up_proj") in names]
+        out.append(pack(specs, pairs))
+    return out
+
+
+def _check_moves(train_parts, gen_layouts, table, shape, *, locals_, direct=None, adjacent=False, optional=(),
+                 bucket=BUCKET):
+    """For each local rank: the plan of the first layout, re-planned into each next one in turn,
+    equals a full build of that layout."""
+    parts = [_gen_parts(table, layout, shape, adjacent=adjacent) for layout in gen_layouts]
+    num_train = len(train_parts)
+    kw = dict(bucket_bytes=bucket, direct_bytes=direct, optional=frozenset(optional))
+    for local in locals_:
+        plan = build_local_plan(train_parts + parts[0], num_train, local=local, **kw)
+        assert plan.basis is not None, local
+        for gen in parts[1:]:
+            moved = plan.replanned(dict(enumerate(gen)))
+            full = build_local_plan(train_parts + gen, num_train, local=local, **kw)
+            assert moved is not None, local
+            assert moved == full, local
+            assert any(".experts." in t.name for t in moved.transfers) or local == ("train", 3), local
+            assert moved.fingerprints() == full.fingerprints(), local
+            side = "buckets_from" if local[0] == "train" else "buckets_to"
+            assert getattr(moved, side)(local[1]) == getattr(full, side)(local[1]), local
+            plan = moved
+
+
+def _deployment(num_experts, redundant, seed, *, twice_on_rank0=False):
+    placement = ExpertPlacement(num_logical_experts=num_experts, ep_size=TP * D, num_redundant=redundant,
+                                physical_to_logical=permuted_maps(num_experts, redundant, seed,
+                                                                  twice_on_rank0=twice_on_rank0))
+    return GenLayout(tp=TP, attention_dp=D, expert_parallel=True, placement=placement)
+
+
+@pytest.mark.parametrize("num_experts, redundant, train_dp, adjacent", [
+    (8, 2, 1, False),   # each expert on one train rank
+    (8, 2, 2, False),   # each expert on two train ranks (expert data parallelism): turns
+    (64, 4, 2, True),   # 64 experts, the engine's gate/up adjacent (direct runs)
+])
+def test_a_move_replans_what_a_full_build_plans(num_experts, redundant, train_dp, adjacent):
+    table = params(num_experts, dtype="bfloat16")
+    train = megatron_pieces(table, num_experts, dp=train_dp)
+    train_parts = [pack(train[r]) for r in sorted(train)]
+    layouts = [_deployment(num_experts, redundant, seed, twice_on_rank0=seed == 2) for seed in (1, 2, 3)]
+    ranks = [("train", r) for r in range(len(train))] + [("gen", r) for r in range(TP * D)]
+    _check_moves(train_parts, layouts, table, model(num_experts), locals_=ranks, adjacent=adjacent,
+                 direct=64 if adjacent else None)
+
+
+def test_deepseek_v3_fp8_moves_replan_what_a_full_build_plans():
+    """DeepSeek-V3's shipped train layout (TP1 PP16 EP16), dense layer 0 and MoE layers 3-4, FP8
+    weights and scale tiles, into one D4 x T2 deployment with 256 + 16 experts under EPLB."""
+    refit, preset, train_layout = load_config(os.path.join(ROOT, "configs", "deepseek-v3.yaml"))
+    (path,) = glob.glob(os.path.join(ROOT, "configs", "cache", f"{refit.model}-{train_layout.describe()}-bfloat16.json.gz"))
+    kept: dict = {}
+    train = {}
+    for rank, specs in derive_all_ranks(train_layout, load_specs(path), num_experts(preset)).items():
+        if id(specs) not in kept:
+            kept[id(specs)] = [s for s in specs if s.name.startswith(("model.layers.0.", "model.layers.3.",
+                                                                      "model.layers.4.")) or ".layers." not in s.name]
+        train[rank] = kept[id(specs)]
+    table = fp8_param_table({s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs})
+    train = _quantized(train, set())  # FP8 weights and their scale tiles, as the dry run quantizes
+    shape = ModelShape(num_attention_heads=preset["num_attention_heads"], num_kv_heads=preset["num_key_value_heads"],
+                       vocab_size=preset["vocab_size"], num_experts=256)
+    rng = random.Random(5)
+    layouts = []
+    for _ in range(3):
+        maps = []
+        for _ in range(2):
+            row = list(range(256)) + rng.sample(range(256), 16)
+            rng.shuffle(row)
+            maps.append(tuple(row))
+        placement = vllm_placement(num_logical_experts=256, ep_size=8, num_redundant=16, eplb=True,
+                                   physical_to_logical=tuple(maps))
+        layouts.append(GenLayout(tp=2, attention_dp=4, expert_parallel=True, placement=placement))
+    train_parts = [pack(train[r]) for r in sorted(train)]
+    _check_moves(train_parts, layouts, table, shape, locals_=[("gen", 0), ("gen", 7), ("train", 3), ("train", 16), ("train", 27)],
+                 bucket=64 << 20)
+
+
+def test_other_changes_are_left_to_a_full_build():
+    table = params(8, dtype="bfloat16")
+    train = megatron_pieces(table, 8)
+    train_parts = [pack(train[r]) for r in sorted(train)]
+    first, second = (_gen_parts(table, _deployment(8, 2, seed), model(8)) for seed in (1, 2))
+    plan = build_local_plan(train_parts + first, len(train_parts), bucket_bytes=BUCKET, direct_bytes=None,
+                            local=("gen", 1))
+    # a dense piece on another box
+    specs = gen_target_specs(table, _deployment(8, 2, 2), model(8))[1]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    shape = table[q][0]
+    changed = [s if s.name != q else type(s)(s.name, s.global_shape, s.dtype, box_along(shape, 0, 0, shape[0]))
+               for s in specs]
+    assert plan.replanned(dict(enumerate(second[:1] + [pack(changed)] + second[2:]))) is None
+    # an expert no rank holds any more: the full build names it
+    gone = [s for s in gen_target_specs(table, _deployment(8, 2, 2), model(8))[0] if ".experts.0." not in s.name]
+    others = [pack(s) for r, s in sorted(gen_target_specs(table, _deployment(8, 2, 2), model(8)).items())]
+    holders = [r for r, (names, _) in enumerate(others) if any(".layers.1.mlp.experts.0." in n for n in names[0])]
+    without = [pack([s for s in gen_target_specs(table, _deployment(8, 2, 2), model(8))[r]
+                     if ".layers.1.mlp.experts.0." not in s.name]) if r in holders else part
+               for r, part in enumerate(others)]
+    assert gone and plan.replanned(dict(enumerate(without))) is None
+    with pytest.raises(ValueError, match=r"no generation rank holds .*experts\.0\."):
+        build_local_plan(train_parts + without, len(train_parts), bucket_bytes=BUCKET, direct_bytes=None,
+                         local=("gen", 1))
+    # the same move again and the first layout back: re-planned; a plan over engine TP ranks
+    # (experts sharded, held by every rank) keeps nothing to move
+    assert plan.replanned(dict(enumerate(first))) == plan
+    tp_layout = GenLayout(tp=2, dp=1)
+    tp_parts = [pack(s) for _, s in sorted(gen_target_specs(table, tp_layout, model(8)).items())]
+    assert build_local_plan(train_parts + tp_parts, len(train_parts), bucket_bytes=BUCKET, direct_bytes=None,
+                            local=("gen", 0)).basis is None
