@@ -20,10 +20,10 @@ anywhere else it returns None and the caller builds in full (which names the err
 from __future__ import annotations
 
 import math
+from array import array
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from itertools import compress, repeat
-
-import numpy as np
+from itertools import chain, compress, repeat
 
 from megatron_refit.plan.box_groups import BoxGroup
 from megatron_refit.plan.buckets import Transfer
@@ -33,7 +33,8 @@ from megatron_refit.plan.spec import box_numel, intersect, relative
 
 @dataclass(frozen=True, kw_only=True)
 class Basis:
-    """What a local plan was built from, kept for :func:`replan` (its cache fills on first use)."""
+    """What a local plan was built from, kept for :func:`replan` (its cache is filled by
+    :func:`movable` when the plan is built, and only read afterwards)."""
 
     groups: tuple[BoxGroup, ...]
     train_meta: dict
@@ -47,71 +48,60 @@ class Basis:
 
 
 class _Experts:
-    """The plan's whole-expert groups, numbered: expert ``i`` (a parameter) is ``names[i]``,
-    the groups' parameters in turn (built once per basis)."""
+    """The plan's experts whole where held, numbered: expert ``i`` (a parameter) is ``names[i]``,
+    the groups' parameters in turn."""
 
     def __init__(self, basis: Basis) -> None:
         self.names: list[str] = []
         self.groups: list[BoxGroup] = []
-        self.starts: list[int] = []
-        self.holders: list[list[np.ndarray]] = []  # per group, per train box: its senders (parameters x h)
-        self.before: list[int] = []  # per group: ranks holding each parameter in the basis's targets
+        self.group_id = array("l")
+        self.position = array("l")
         self.kind: list[tuple] = []  # per group: (global shape, dtype)
+        before = []  # per expert: the ranks holding it in the basis's targets
         for g in basis.groups:
             held = [box for box in g.gen_boxes if box is not None]
             shape = basis.train_meta[g.names[0]].global_shape
             if not basis.train_meta[g.names[0]].is_expert or any(box_numel(b) != math.prod(shape) for b in held):
                 continue  # not an expert whole where held (expert parallelism): its names stay where they are
-            try:  # per train box, its senders: (parameters, holders), where every parameter has as many
-                senders = np.array(g.senders, dtype=np.int64)
-            except ValueError:
-                continue
-            if senders.ndim != 3:
-                continue
-            self.starts.append(len(self.names))
+            self.group_id.extend(repeat(len(self.groups), len(g.names)))
+            self.position.extend(range(len(g.names)))
             self.names += g.names
             self.groups.append(g)
-            self.before.append(len(held))
             self.kind.append((shape, g.dtype))
-            self.holders.append([senders[:, i, :] for i in range(len(g.train_boxes))])
+            before.append(repeat(len(held), len(g.names)))
         self.index = dict(zip(self.names, range(len(self.names))))
-        self.kinds: dict[tuple, int] = {}  # every (shape, dtype, box) met, numbered
-        self.group_id = np.repeat(np.arange(len(self.groups)), [len(g.names) for g in self.groups])
-        self.position = np.arange(len(self.names)) - np.array(self.starts + [0], dtype=np.int64)[self.group_id] \
-            if self.groups else np.zeros(0, dtype=np.int64)
+        self.sigs = {kind: n for n, kind in enumerate(dict.fromkeys(self.kind))}  # (shape, dtype) numbered
+        self.sig = array("l", map([self.sigs[kind] for kind in self.kind].__getitem__, self.group_id))
+        self.before = Counter(dict(zip(range(len(self.names)), chain.from_iterable(before))))
+        self.kinds: dict[tuple, int] = {}
+        """Every (shape, dtype, box) of the parts the plan was built from, numbered."""
 
 
 @dataclass(frozen=True)
 class Holding:
-    """Which gen ranks hold each expert after a move, as arrays over :class:`_Experts`' numbering."""
+    """Which gen ranks hold each expert (by :class:`_Experts`' numbers) after a move."""
 
-    counts: np.ndarray
+    counts: Counter
     """Ranks holding each expert."""
-    experts: np.ndarray
-    """Every rank's experts, rank after rank (their numbers)."""
-    ranks: np.ndarray
-    """The rank of each of ``experts``."""
-    order: np.ndarray
-    """``experts`` sorted by number, stably (so each expert's ranks in rank order)."""
-    starts: np.ndarray
-    """Where each expert's run begins in ``order``."""
+    only: dict[int, int]
+    """A rank holding each (the one, for an expert held once)."""
+    several: dict[int, list[int]]
+    """The ranks in order, for an expert held more than once."""
 
     @classmethod
-    def of(cls, held: list[np.ndarray], num: int) -> Holding:
-        experts = np.concatenate(held) if held else np.zeros(0, dtype=np.int64)
-        ranks = np.repeat(np.arange(len(held)), [len(h) for h in held])
-        counts = np.bincount(experts, minlength=num)
-        order = np.argsort(experts, kind="stable")
-        return cls(counts, experts, ranks, order, np.concatenate(([0], np.cumsum(counts)[:-1])))
+    def of(cls, held: list[list[int]]) -> Holding:
+        counts = Counter(chain.from_iterable(held))
+        only = dict(zip(chain.from_iterable(held), chain.from_iterable(repeat(r, len(h)) for r, h in enumerate(held))))
+        twice = {i for i, n in counts.items() if n > 1}
+        several: dict[int, list[int]] = {}
+        if twice:
+            for rank, numbers in enumerate(held):
+                for i in compress(numbers, map(twice.__contains__, numbers)):
+                    several.setdefault(i, []).append(rank)
+        return cls(counts, only, several)
 
-    def twice(self) -> bool:
-        """Whether a rank lists an expert twice."""
-        ranks, experts = self.ranks[self.order], self.experts[self.order]
-        return bool(((ranks[1:] == ranks[:-1]) & (experts[1:] == experts[:-1])).any())
-
-    def ranks_of(self, i: int) -> np.ndarray:
-        start = self.starts[i]
-        return self.ranks[self.order[start:start + self.counts[i]]]
+    def ranks_of(self, i: int) -> list[int]:
+        return self.several.get(i) or [self.only[i]]
 
 
 def movable(basis: Basis, gen: dict, local: tuple[str, int]) -> bool:
@@ -124,13 +114,12 @@ def movable(basis: Basis, gen: dict, local: tuple[str, int]) -> bool:
     experts = basis.cache["experts"] = _Experts(basis)
     if not experts.groups:
         return False
-    basis.cache["rest"] = [_split(gen[r], r, experts)[0] for r in range(len(gen))]
+    basis.cache["rest"] = [_split(gen[r], r, experts, learn=True)[0] for r in range(len(gen))]
     if local[0] == "train":  # the experts this train rank holds a box of
-        basis.cache["sends"] = np.concatenate([
-            start + np.flatnonzero(np.any([(matrix == local[1]).any(axis=1) for matrix in boxes], axis=0))
-            for start, boxes in zip(experts.starts, experts.holders)]).tolist()
-    for g in experts.groups:
-        _geometry(basis, g)
+        rank = local[1]
+        basis.cache["sends"] = [i for i, (gi, p) in enumerate(zip(experts.group_id, experts.position))
+                                if any(rank in s for s in experts.groups[gi].senders[p])]
+    basis.cache["geometry"] = {id(g): _geometry(g) for g in experts.groups}
     return True
 
 
@@ -140,43 +129,41 @@ def replan(previous, gen: dict, finish) -> object | None:
     docstring's conditions do not hold. ``finish(transfers, targets, totals, basis)`` makes the
     plan (the caller's, shared with a full build)."""
     basis: Basis | None = previous.basis
-    if basis is None or len(gen) != len(previous.gen_parts):
-        return None
-    targets = basis.targets
-    experts = basis.cache.get("experts")
-    if experts is None and not movable(basis, previous.gen_parts, previous.local):
+    if basis is None or len(gen) != len(previous.gen_parts) or "experts" not in basis.cache:
         return None
     experts = basis.cache["experts"]
     held = _held(basis, experts, gen)
     if held is None:
         return None
-    holding = Holding.of(held, len(experts.names))
-    if not holding.counts.all() or holding.twice():  # an expert no rank holds, or one listed twice on a
-        return None  # rank (its other pieces are compared whole): the full build names it
+    holding = Holding.of(held)
+    if len(holding.counts) != len(experts.names):  # an expert no rank holds: the full build names it
+        return None
     totals = _totals(previous, basis, experts, holding)
     transfers = _transfers(previous, basis, experts, held, holding)
-    return finish(transfers, _Targets(targets, holding, experts), totals,
+    return finish(transfers, _Targets(basis.targets, holding, experts), totals,
                   replace(basis, holding=holding, cache=basis.cache))
 
 
-def _held(basis: Basis, experts: _Experts, gen: dict) -> list[np.ndarray] | None:
-    """Each gen rank's experts (their numbers), checked: its other pieces as before, its experts whole."""
+def _held(basis: Basis, experts: _Experts, gen: dict) -> list[list[int]] | None:
+    """Each gen rank's experts (their numbers), checked: its other pieces as before, its experts
+    whole, none twice."""
     rest = basis.cache["rest"]
     out = []
     distinct: dict[tuple, int] = {}
     for rank in range(len(gen)):
         names, layout = gen[rank]
-        others, mine = _split((names, layout), rank, experts, whole=True)
-        if others is None or others != rest[rank] or distinct.setdefault(names, rank) != rank:
+        others, mine = _split((names, layout), rank, experts)
+        if others is None or others != rest[rank] or distinct.setdefault(names, rank) != rank \
+                or len(set(mine)) != len(mine):
             return None  # another change, or two ranks alike (another class structure): a full build
         out.append(mine)
     return out
 
 
-def _split(part: tuple, rank: int, experts: _Experts, whole: bool = False):
-    """``((other names, their kinds' numbers), the numbers of its experts)`` of one gen rank's part;
-    ``(None, None)`` where it is malformed or (``whole``) an expert's piece is not its whole
-    tensor of its shape and dtype."""
+def _split(part: tuple, rank: int, experts: _Experts, learn: bool = False):
+    """``((other names, their kinds' numbers), the numbers of its experts)`` of one gen rank's
+    part; ``(None, None)`` where it is malformed or an expert's piece is not its whole tensor of
+    its shape and dtype. ``learn``: number kinds not met before (when the plan is built)."""
     names, layout = part
     try:
         kind_of = kind_indices("gen", rank, names, layout)
@@ -184,78 +171,70 @@ def _split(part: tuple, rank: int, experts: _Experts, whole: bool = False):
     except ValueError:
         return None, None
     name_list = names[0]
-    number = np.fromiter(map(experts.index.get, name_list, repeat(-1)), dtype=np.int64, count=len(name_list))
-    flags = number >= 0
-    others = (~flags).tolist()
+    number = list(map(experts.index.get, name_list, repeat(-1)))  # -1: not an expert
     values = [(s.global_shape, s.dtype, s.box) for s in specs]
-    ids = [experts.kinds.setdefault(value, len(experts.kinds)) for value in values]  # each kind by value, once
-    rest = (tuple(compress(name_list, others)), np.array(ids, dtype=np.int64)[np.frombuffer(
-        kind_of.tobytes(), dtype=np.uint32)[~flags].astype(np.int64)].tobytes())
-    mine = number[flags]
-    if whole and len(mine):
-        kinds = np.frombuffer(kind_of.tobytes(), dtype=np.uint32)[flags].astype(np.int64)
-        pairs = np.unique(kinds * len(experts.groups) + experts.group_id[mine])
-        for k, g in zip(*divmod(pairs, len(experts.groups))):  # each (kind, group) once: the group's whole tensor?
-            k, g = int(k), int(g)
-            shape, dtype, box = values[k]
-            if (shape, dtype) != experts.kind[g] or box_numel(box) != math.prod(shape):
-                return None, None
+    kinds = experts.kinds
+    ids = [kinds.setdefault(v, len(kinds)) for v in values] if learn else [kinds.get(v, -1) for v in values]
+    rest = (tuple(compress(name_list, map((-1).__eq__, number))),
+            array("l", map(ids.__getitem__, compress(kind_of, map((-1).__eq__, number)))).tobytes())
+    mine = list(filter((-1).__ne__, number))
+    # each expert's piece its whole tensor of its shape and dtype: its kind's signature is its group's
+    whole = [experts.sigs.get((shape, dtype), -1) if box_numel(box) == math.prod(shape) else -1
+             for shape, dtype, box in values]
+    if not all(map(int.__eq__, map(whole.__getitem__, compress(kind_of, map((-1).__ne__, number))),
+                   map(experts.sig.__getitem__, mine))):
+        return None, None
     return rest, mine
 
 
 def _totals(previous, basis: Basis, experts: _Experts, holding: Holding) -> tuple[tuple[int, ...], int, int]:
-    """``(train bytes, transfers, bytes held)`` of the whole plan after the move."""
-    load = np.array(previous.train_bytes, dtype=np.int64)
+    """``(train bytes, transfers, bytes held)`` of the whole plan after the move: what the
+    experts whose number of holders changed add or take."""
+    before = basis.holding.counts if basis.holding is not None else experts.before
+    load = list(previous.train_bytes)
     transfers, held = previous.num_transfers, previous.bytes_minimal
-    for gi, (g, senders) in enumerate(zip(experts.groups, experts.holders)):
-        span = slice(experts.starts[gi], experts.starts[gi] + len(g.names))
-        after = holding.counts[span]
-        before = basis.holding.counts[span] if basis.holding is not None else np.full_like(after, experts.before[gi])
+    changed = () if dict.__eq__(holding.counts, before) else [i for i, n in holding.counts.items() if before[i] != n]
+    for i in changed:
+        g = experts.groups[experts.group_id[i]]
+        senders = g.senders[experts.position[i]]
+        after, was = holding.counts[i], before[i]
         row = next(r for r in g.nbytes if any(r))  # a whole expert: the same bytes on every rank holding it
-        for matrix, nbytes in zip(senders, row):
-            k = matrix.shape[1]
-            for h in range(k):
-                share = (after // k + (h < after % k)) - (before // k + (h < before % k))
-                load += np.bincount(matrix[:, h], weights=share * nbytes, minlength=len(load)).astype(np.int64)
-        delta = int((after - before).sum())
-        transfers += delta * len(g.train_boxes)
-        held += delta * sum(row)
-    return tuple(load.tolist()), transfers, held
+        for holders, nbytes in zip(senders, row):
+            k = len(holders)
+            for h, rank in enumerate(holders):  # turn t is holders[t % k]: D // k or D // k + 1 turns each
+                load[rank] += nbytes * ((after // k + (h < after % k)) - (was // k + (h < was % k)))
+        transfers += (after - was) * len(g.train_boxes)
+        held += (after - was) * sum(row)
+    return tuple(load), transfers, held
 
 
-def _geometry(basis: Basis, g: BoxGroup) -> list:
-    geometry = basis.cache.setdefault("geometry", {})
-    got = geometry.get(id(g))
-    if got is None:  # a whole expert: each train box lands whole, at its own place
-        box = next(b for b in g.gen_boxes if b is not None)
-        got = geometry[id(g)] = [(relative(intersect(tb, box), tb), relative(intersect(tb, box), box),
-                                  intersect(tb, box), nbytes)
-                                 for tb, nbytes in zip(g.train_boxes, next(r for r in g.nbytes if any(r)))]
-    return got
+def _geometry(g: BoxGroup) -> list:
+    """A whole expert's pieces: each train box lands whole, at its own place."""
+    box = next(b for b in g.gen_boxes if b is not None)
+    return [(relative(intersect(tb, box), tb), relative(intersect(tb, box), box), intersect(tb, box), nbytes)
+            for tb, nbytes in zip(g.train_boxes, next(r for r in g.nbytes if any(r)))]
 
 
-def _transfers(previous, basis: Basis, experts: _Experts, held: list[np.ndarray], holding: Holding) -> list[Transfer]:
+def _transfers(previous, basis: Basis, experts: _Experts, held: list[list[int]], holding: Holding) -> list[Transfer]:
     """The local rank's transfers: its other transfers as before, its experts' anew."""
     side, rank = previous.local
-    index = experts.index
+    index, geometry = experts.index, basis.cache["geometry"]
     out = [t for t in previous.transfers if t.name not in index]
     names, groups, position, group_id = experts.names, experts.groups, experts.position, experts.group_id
     if side == "gen":
-        mine = held[rank]
-        earlier = np.bincount(np.concatenate(held[:rank]), minlength=len(names)) if rank else None
-        turns = earlier[mine].tolist() if earlier is not None else [0] * len(mine)
-        for i, turn in zip(mine.tolist(), turns):  # turn: ranks before this one holding it
+        for i in held[rank]:
             g = groups[group_id[i]]
-            senders = g.senders[position[i]]
-            for s, (src_box, dst_box, box, nbytes) in zip(senders, _geometry(basis, g)):
+            ranks = holding.several.get(i)
+            turn = ranks.index(rank) if ranks else 0  # the ranks before this one holding it
+            for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
                 out.append(Transfer(names[i], s[turn % len(s)], rank, src_box, dst_box, box, g.dtype, nbytes))
         out.sort(key=lambda t: t.name)  # stable: a name's pieces in train box order
         return out
     for i in basis.cache["sends"]:
         g = groups[group_id[i]]
         senders = g.senders[position[i]]
-        for turn, dst in enumerate(holding.ranks_of(i).tolist()):
-            for s, (src_box, dst_box, box, nbytes) in zip(senders, _geometry(basis, g)):
+        for turn, dst in enumerate(holding.ranks_of(i)):
+            for s, (src_box, dst_box, box, nbytes) in zip(senders, geometry[id(g)]):
                 if s[turn % len(s)] == rank:
                     out.append(Transfer(names[i], rank, dst, src_box, dst_box, box, g.dtype, nbytes))
     out.sort(key=lambda t: (t.dst_rank, t.name))  # by gen rank, then name (stable: train box order)
@@ -279,7 +258,7 @@ class _Params:
         i = self._experts.index.get(name)
         if i is None:
             return self._params[name]
-        ranks = set(self._holding.ranks_of(i).tolist())
+        ranks = set(self._holding.ranks_of(i))
         shape, dtype = self._experts.kind[self._experts.group_id[i]]
         whole = tuple((0, n) for n in shape)
         return shape, dtype, tuple(whole if c in ranks else None for c in range(self._n))
