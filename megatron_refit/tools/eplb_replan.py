@@ -18,8 +18,6 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -29,7 +27,7 @@ from megatron_refit.plan.checks import gc_paused
 from megatron_refit.plan.expert_placement import ExpertPlacement
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.plan.refit_plan import build_local_plan
-from megatron_refit.tools.prepare_rank import read_gathered, write_gathered
+from megatron_refit.tools.prepare_rank import read_gathered, run_child, write_gathered
 
 
 def moved(placement: ExpertPlacement, seed: int = 0) -> ExpertPlacement:
@@ -61,15 +59,8 @@ def time_eplb(train_specs: dict, gen, targets_of, ranks: list[tuple[str, int]], 
         for path, gen_parts in zip(paths, (before, after)):
             write_gathered(path, train + [gen_parts[r] for r in range(len(gen_parts))], num_train=len(train),
                            bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, optional=optional)
-        out = []
-        for side, rank in ranks:
-            done = subprocess.run([sys.executable, "-m", "megatron_refit.tools.eplb_replan", *paths, "--side", side,
-                                   "--rank", str(rank)], capture_output=True, text=True, timeout=timeout_s)
-            if done.returncode != 0:
-                raise RuntimeError(f"timing {side} rank {rank}'s EPLB re-plan failed (exit {done.returncode}): "
-                                   f"{done.stderr.strip()[-2000:]}")
-            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        return out
+        return [run_child("megatron_refit.tools.eplb_replan", [*paths, "--side", side, "--rank", str(rank)],
+                          f"{side} rank {rank}'s EPLB re-plan", timeout_s) for side, rank in ranks]
 
 
 def _gathered(path: str) -> tuple[list, dict, list]:

@@ -108,15 +108,17 @@ def time_ranks(parts: list[tuple], ranks: list[tuple[str, int]], *, num_train: i
         path = os.path.join(tmp, "gathered.bin")
         write_gathered(path, parts, num_train=num_train, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
                        optional=optional)
-        out = []
-        for side, rank in ranks:
-            done = subprocess.run([sys.executable, "-m", "megatron_refit.tools.prepare_rank", path, "--side", side,
-                                   "--rank", str(rank)], capture_output=True, text=True, timeout=timeout_s)
-            if done.returncode != 0:
-                raise RuntimeError(f"timing {side} rank {rank}'s prepare failed (exit {done.returncode}): "
-                                   f"{done.stderr.strip()[-2000:]}")
-            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        return out
+        return [run_child("megatron_refit.tools.prepare_rank", [path, "--side", side, "--rank", str(rank)],
+                          f"{side} rank {rank}'s prepare", timeout_s) for side, rank in ranks]
+
+
+def run_child(module: str, args: list[str], what: str, timeout_s: float) -> dict:
+    """The JSON last line of ``python -m module *args`` (a rank timed in a process of its own);
+    ``RuntimeError`` naming ``what`` with the child's error where it fails."""
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"timing {what} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def peak_rss_mb() -> float:

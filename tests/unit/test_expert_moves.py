@@ -7,30 +7,27 @@ other change is left to a full build (None), which names what is wrong."""
 
 from __future__ import annotations
 
-import glob
-import os
 import random
 
 import pytest
 
-from conversion.derive import derive_all_ranks, load_specs
-from megatron_refit.plan.expert_placement import ExpertPlacement, vllm_placement
+from megatron_refit.plan.expert_placement import ExpertPlacement
 from megatron_refit.plan.fp8_layout import fp8_param_table
-from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.gen_layout import GenLayout, gen_target_specs
 from megatron_refit.plan.pieces import pack
 from megatron_refit.plan.refit_plan import build_local_plan
 from megatron_refit.plan.spec import box_along
-from megatron_refit.tools.dryrun import _quantized, load_config, num_experts
-from tests.unit.test_wide_ep_layout import D, TP, megatron_pieces, model, params, permuted_maps
+from megatron_refit.tools.dryrun import _quantized
+from tests.unit.test_wide_ep_layout import (D, TP, deepseek_v3_deployment, deepseek_v3_reduced, megatron_pieces,
+                                            model, params, permuted_maps)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = 4096
 
 
 def _gen_parts(table, layout, shape, *, adjacent=False) -> list[tuple]:
     """Each engine rank's packed pieces, with gate and up of each expert adjacent (``adjacent``)."""
     out = []
-    for rank, specs in sorted(gen_target_specs(table, layout, shape).items()):
+    for _, specs in sorted(gen_target_specs(table, layout, shape).items()):
         names = {s.name for s in specs}
         pairs = [(n, n.replace("gate_proj", "up_proj")) for n in sorted(names)
                  if adjacent and ".experts." in n and "gate_proj" in n and n.replace("gate_proj", "up_proj") in names]
@@ -85,33 +82,14 @@ def test_a_move_replans_what_a_full_build_plans(num_experts, redundant, train_dp
 def test_deepseek_v3_fp8_moves_replan_what_a_full_build_plans():
     """DeepSeek-V3's shipped train layout (TP1 PP16 EP16), dense layer 0 and MoE layers 3-4, FP8
     weights and scale tiles, into one D4 x T2 deployment with 256 + 16 experts under EPLB."""
-    refit, preset, train_layout = load_config(os.path.join(ROOT, "configs", "deepseek-v3.yaml"))
-    (path,) = glob.glob(os.path.join(ROOT, "configs", "cache", f"{refit.model}-{train_layout.describe()}-bfloat16.json.gz"))
-    kept: dict = {}
-    train = {}
-    for rank, specs in derive_all_ranks(train_layout, load_specs(path), num_experts(preset)).items():
-        if id(specs) not in kept:
-            kept[id(specs)] = [s for s in specs if s.name.startswith(("model.layers.0.", "model.layers.3.",
-                                                                      "model.layers.4.")) or ".layers." not in s.name]
-        train[rank] = kept[id(specs)]
+    train, shape = deepseek_v3_reduced()
     table = fp8_param_table({s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs})
     train = _quantized(train, set())  # FP8 weights and their scale tiles, as the dry run quantizes
-    shape = ModelShape(num_attention_heads=preset["num_attention_heads"], num_kv_heads=preset["num_key_value_heads"],
-                       vocab_size=preset["vocab_size"], num_experts=256)
     rng = random.Random(5)
-    layouts = []
-    for _ in range(3):
-        maps = []
-        for _ in range(2):
-            row = list(range(256)) + rng.sample(range(256), 16)
-            rng.shuffle(row)
-            maps.append(tuple(row))
-        placement = vllm_placement(num_logical_experts=256, ep_size=8, num_redundant=16, eplb=True,
-                                   physical_to_logical=tuple(maps))
-        layouts.append(GenLayout(tp=2, attention_dp=4, expert_parallel=True, placement=placement))
+    layouts = [deepseek_v3_deployment(rng) for _ in range(3)]
     train_parts = [pack(train[r]) for r in sorted(train)]
-    _check_moves(train_parts, layouts, table, shape, locals_=[("gen", 0), ("gen", 7), ("train", 3), ("train", 16), ("train", 27)],
-                 bucket=64 << 20)
+    _check_moves(train_parts, layouts, table, shape, bucket=64 << 20,
+                 locals_=[("gen", 0), ("gen", 7), ("train", 3), ("train", 16), ("train", 27)])
 
 
 def test_other_changes_are_left_to_a_full_build():

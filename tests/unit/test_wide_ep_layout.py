@@ -314,9 +314,22 @@ def test_refit_plan_into_a_wide_deployment_with_redundant_experts():
     assert gen_targets_of(pack_targets(targets)) == targets
 
 
-def test_refit_plan_from_deepseek_v3_into_a_wide_deployment():
-    """DeepSeek-V3's shipped train layout (TP1 PP16 EP16, its cache), the dense layer 0 and MoE
-    layers 3 and 4, into one D4 x T2 deployment with 256 + 16 experts under EPLB, permuted maps."""
+def deepseek_v3_deployment(rng: random.Random) -> GenLayout:
+    """One D4 x T2 deployment of DeepSeek-V3's 256 experts + 16 redundant under EPLB, its two MoE
+    layers' maps drawn from ``rng``."""
+    maps = []
+    for _ in range(2):
+        row = list(range(256)) + rng.sample(range(256), 16)
+        rng.shuffle(row)
+        maps.append(tuple(row))
+    placement = vllm_placement(num_logical_experts=256, ep_size=8, num_redundant=16, eplb=True,
+                               physical_to_logical=tuple(maps))
+    return GenLayout(tp=2, attention_dp=4, expert_parallel=True, placement=placement)
+
+
+def deepseek_v3_reduced():
+    """DeepSeek-V3's shipped train layout (TP1 PP16 EP16, its cache) with the dense layer 0 and MoE
+    layers 3 and 4 only: every train rank's specs, and the engine's ModelShape."""
     refit, preset, train_layout = load_config(os.path.join(ROOT, "configs", "deepseek-v3.yaml"))
     cache = f"{refit.model}-{train_layout.describe()}-bfloat16.json.gz"
     (path,) = glob.glob(os.path.join(ROOT, "configs", "cache", cache))
@@ -329,16 +342,16 @@ def test_refit_plan_from_deepseek_v3_into_a_wide_deployment():
         train[rank] = kept[id(specs)]
     shape = ModelShape(num_attention_heads=preset["num_attention_heads"], num_kv_heads=preset["num_key_value_heads"],
                        vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
+    return train, shape
+
+
+def test_refit_plan_from_deepseek_v3_into_a_wide_deployment():
+    """DeepSeek-V3's shipped train layout (TP1 PP16 EP16, its cache), the dense layer 0 and MoE
+    layers 3 and 4, into one D4 x T2 deployment with 256 + 16 experts under EPLB, permuted maps."""
+    train, shape = deepseek_v3_reduced()
     table = {s.name: (s.global_shape, s.dtype) for specs in train.values() for s in specs}
-    rng = random.Random(3)
-    maps = []
-    for _ in range(2):
-        row = list(range(256)) + rng.sample(range(256), 16)
-        rng.shuffle(row)
-        maps.append(tuple(row))
-    placement = vllm_placement(num_logical_experts=256, ep_size=8, num_redundant=16, eplb=True,
-                               physical_to_logical=tuple(maps))
-    layout = GenLayout(tp=2, attention_dp=4, expert_parallel=True, placement=placement)
+    layout = deepseek_v3_deployment(random.Random(3))
+    placement = layout.placement
     targets = gen_targets(table, layout, shape)
     assert len(targets.ranks) == 8
     assignment = Assignment.build(train, targets)
