@@ -192,19 +192,20 @@ class RefitPlan:
                 transfers = assignment.transfers(**{"src" if local[0] == "train" else "dst": local[1]})
             basis = Basis(groups=assignment.groups, train_meta=train_index[1], targets=targets,
                           train_shapes=train_shapes, train_next=train_next)
-            keep = local is not None and movable(basis, gen, local)  # kept only where experts can move
             totals = (assignment.train_bytes, assignment.num_transfers, sum(assignment.gen_bytes().values()))
-            plan = cls._finish(transfers, targets, totals, basis, gen=gen, unused=assignment.unused_train_params,
+            return cls._finish(transfers, targets, totals, basis, gen=gen, unused=assignment.unused_train_params,
                                num_train=num_train, train_global=train_global, gen_global=gen_global,
-                               bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, local=local)
-            return plan if keep else dataclasses.replace(plan, basis=None)
+                               bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, local=local,
+                               keep=local is not None and movable(basis, gen, local))  # only where experts can move
 
     @classmethod
     def _finish(cls, transfers: list[Transfer], targets, totals: tuple, basis: Basis, *, gen: dict,
                 unused: tuple[str, ...], num_train: int, train_global: tuple[int, ...], gen_global: tuple[int, ...],
-                bucket_bytes: int, direct_bytes: int | None, local: tuple[str, int] | None) -> RefitPlan:
+                bucket_bytes: int, direct_bytes: int | None, local: tuple[str, int] | None, keep: bool = True,
+                skipped: tuple[str, ...] = ()) -> RefitPlan:
         """The plan of ``transfers`` (the local rank's, or all) and the whole plan's ``totals``
-        (bytes each train rank sends, transfers, bytes the gen ranks hold): buckets cut."""
+        (bytes each train rank sends, transfers, bytes the gen ranks hold): buckets cut; ``keep``:
+        keep ``basis`` on it (for :meth:`replanned`)."""
         buckets = bucketize(transfers, bucket_bytes, direct_bytes,
                             *adjacency(transfers, direct_bytes, basis.train_shapes, basis.train_next, targets, gen))
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
@@ -222,6 +223,7 @@ class RefitPlan:
             transfers=tuple(transfers),
             buckets=tuple(buckets),
             unused_train_params=unused,
+            skipped_params=skipped,
             gen_parts=dict(gen),
             local=local,
             train_bytes=tuple(train_bytes),
@@ -230,7 +232,7 @@ class RefitPlan:
             bytes_minimal=bytes_minimal,  # what the gen ranks hold
             _from={rank: tuple(sorted(b, key=_send_order)) for rank, b in from_.items()},
             _to={rank: tuple(sorted(b, key=_receive_order)) for rank, b in to.items()},
-            basis=basis,
+            basis=basis if keep else None,
         )
 
     def replanned(self, gen: dict[int, tuple[Names, Layout]]) -> RefitPlan | None:
@@ -241,13 +243,10 @@ class RefitPlan:
             return self._finish(transfers, targets, totals, basis, gen=gen, unused=self.unused_train_params,
                                 num_train=len(self.train_global), train_global=self.train_global,
                                 gen_global=self.gen_global, bucket_bytes=self.settings[0],
-                                direct_bytes=self.settings[1], local=self.local)
+                                direct_bytes=self.settings[1], local=self.local, skipped=self.skipped_params)
 
-        if self.local is None:
-            return None
         with gc_paused():
-            plan = replan(self, gen, finish)
-        return None if plan is None else dataclasses.replace(plan, skipped_params=self.skipped_params)
+            return replan(self, gen, finish)
 
     def global_src(self, bucket: Bucket) -> int:
         return self.train_global[bucket.src_rank]

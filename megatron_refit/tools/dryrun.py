@@ -147,7 +147,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
     start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
-        train_specs, targets, params, skipped = _targets(path, key, refit, preset, layout, gen)
+        train_specs, targets, params, skipped, targets_of = _targets(path, key, refit, preset, layout, gen)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     refused = sorted(set(senders.unused_train_params) - set(skipped))
@@ -156,11 +156,9 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
                          f"{refused[:5]}")
     eplb = None
     if prepare and refit.gen_eplb:  # one deployment's ranks re-plan its move: gen rank 0, the busiest sender
-        busiest = max(range(len(senders.train_bytes)), key=senders.train_bytes.__getitem__)
-        eplb = time_eplb(train_specs, gen, lambda one: _targets(path, key, refit, preset, layout, one)[1],
-                         [("gen", 0), ("train", busiest)], bucket_bytes=refit.bucket_bytes,
-                         direct_bytes=refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes,
-                         optional=frozenset(skipped))
+        ranks = [("gen", 0), ("train", max(range(len(senders.train_bytes)), key=senders.train_bytes.__getitem__))]
+        eplb = time_eplb(train_specs, gen, targets_of, ranks, bucket_bytes=refit.bucket_bytes, optional=frozenset(
+            skipped), direct_bytes=refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes)
     prepare = time_prepare(train_specs, targets, senders, refit, frozenset(skipped)) if prepare else {}
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
@@ -200,7 +198,8 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
 def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
     """Every train rank's pieces (derived from the cache), the engine TP ranks' targets,
     ``{HF name: (global shape, dtype)}`` of the trainer's parameters, and its MTP parameters
-    (which the engine's main model does not hold: skipped by name, as the refit does)."""
+    (which the engine's main model does not hold: skipped by name, as the refit does), and the
+    targets of any engine layout of the model (a function)."""
     train_specs = derive_all_ranks(layout, load_specs(path, key), num_experts(preset))
     params = {}
     for rank_specs in {id(specs): specs for specs in train_specs.values()}.values():
@@ -212,13 +211,16 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
                        num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
                        vocab_size=preset["vocab_size"], num_experts=num_experts(preset))
-    style = refit.gen_style
     targets = held
     if refit.trainer_quantize_fp8:  # FP8 weights + scale tiles on both sides (the 128 rule checked)
         train_specs = _quantized(train_specs, skip)
         targets = fp8_param_table(held)
         skipped = sorted({s.name for specs in train_specs.values() for s in specs} - set(targets))
-    return train_specs, gen_targets(targets, gen, model, style=style), params, skipped
+
+    def targets_of(other: GenLayout):
+        return gen_targets(targets, other, model, style=refit.gen_style)
+
+    return train_specs, targets_of(gen), params, skipped, targets_of
 
 
 def _held_bytes(targets) -> int:

@@ -82,7 +82,7 @@ def _shipped_plan(config: str, backend: str) -> tuple[RefitPlan, int]:
     run = dryrun.build(path, prepare=False)
     refit, preset, layout = dryrun.load_config(path)
     key = dryrun.cache_key(refit.model, preset, layout, "bfloat16")
-    train_specs, _, params, _ = dryrun._targets(run.cache_path, key, refit, preset, layout, run.gen)
+    train_specs, _, params, _, _ = dryrun._targets(run.cache_path, key, refit, preset, layout, run.gen)
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
                        num_kv_heads=preset.get("num_key_value_heads") or preset["num_attention_heads"],
                        vocab_size=preset["vocab_size"], num_experts=dryrun.num_experts(preset))
