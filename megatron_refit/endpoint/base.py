@@ -23,6 +23,7 @@ from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
 from megatron_refit.plan.fanout import DIRECT, PLACEMENT_VALUES, Placement
+from megatron_refit.plan.folded import fold
 from megatron_refit.plan.pieces import pack
 from megatron_refit.plan.agreement import agreement, check_settings, disagreeing, in_agreement
 from megatron_refit.plan.refit_plan import RefitPlan, build_local_plan
@@ -52,7 +53,6 @@ def delta_tag(index: int) -> int:
     return DELTA_TAG + index
 
 
-
 DECODED = "decoded parts"
 """The key of the shared plan cache (:attr:`Endpoint.plans`) under which the last gather's
 decoded parts are kept, by digest."""
@@ -71,10 +71,8 @@ class Endpoint:
                  delta: str = "off", replica_size: int | None = None, plans: dict | None = None,
                  stall_s: float = 0.0):
         if group.world_size != num_train + num_gen:
-            raise ValueError(
-                f"refit group has {group.world_size} ranks but num_train={num_train} + num_gen={num_gen} "
-                f"= {num_train + num_gen}"
-            )
+            raise ValueError(f"refit group has {group.world_size} ranks but num_train={num_train} + "
+                             f"num_gen={num_gen} = {num_train + num_gen}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
@@ -146,6 +144,8 @@ class Endpoint:
         self._begin("prepare")
         adjacent = self._local_adjacent() if self.direct_bytes is not None else []
         names, layout = pack(self._local_specs(), adjacent)
+        if self.role == "gen":  # its whole experts folded: an EPLB move is then a few numbers (plan/folded.py)
+            names, layout = fold(names, layout)
         # names apart from boxes: an engine's TP ranks hold pieces of the same parameters, and
         # the gather moves each distinct object once (DP replicas' pieces, TP ranks' names)
         known = self.plans.get(DECODED) if self.plans is not None else None

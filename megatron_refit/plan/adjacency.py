@@ -10,7 +10,6 @@ from collections.abc import Callable
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.buckets import Transfer
 from megatron_refit.plan.gen_layout import GenTargets
-from megatron_refit.plan.pieces import Layout, Names, adjacent_names
 from megatron_refit.plan.spec import ShardSpec, box_shape
 
 
@@ -33,20 +32,14 @@ def next_maps(adjacent: dict[int, list[tuple[str, str]]] | None, specs: dict[int
 
 
 def adjacency(transfers: list[Transfer], direct_bytes: int | None, train_shapes: Callable[[int], dict],
-               train_next: Callable[[int], dict | None], targets: GenTargets, gen: dict[int, tuple[Names, Layout]]):
+              train_next: Callable[[int], dict | None], targets: GenTargets, gen_next: Callable[[int], dict | None]):
     """``(src_next, dst_next, whole)`` for :func:`~megatron_refit.plan.buckets.bucketize`, for the
-    ranks that ``transfers`` touch only (ranks sharing a names list share one map)."""
+    ranks that ``transfers`` touch only (``train_next`` / ``gen_next``: a rank's piece name -> the
+    piece after it)."""
     if direct_bytes is None:
         return None, None, None
     src_next = {rank: m for rank in {t.src_rank for t in transfers} if (m := train_next(rank))}
-    maps: dict[int, dict[str, str]] = {}
-    dst_next = {}
-    for rank in {t.dst_rank for t in transfers}:
-        names = gen[rank][0]
-        if id(names) not in maps:
-            maps[id(names)] = adjacent_names(names)
-        if maps[id(names)]:
-            dst_next[rank] = maps[id(names)]
+    dst_next = {rank: m for rank in {t.dst_rank for t in transfers} if (m := gen_next(rank))}
     if not src_next or not dst_next:
         return None, None, None
     class_of = {rank: c for c, ranks in enumerate(targets.ranks) for rank in ranks}

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from itertools import chain, compress, repeat
+from itertools import accumulate, chain, compress, repeat
 
 from megatron_refit.plan.box_groups import BoxGroup
 from megatron_refit.plan.buckets import Transfer
-from megatron_refit.plan.pieces import kind_indices, kind_specs
+from megatron_refit.plan.folded import is_folded, stems_of
 from megatron_refit.plan.spec import box_numel, intersect, relative
 
 
@@ -48,16 +49,15 @@ class Basis:
 
 
 class _Experts:
-    """The plan's experts whole where held, numbered: expert ``i`` (a parameter) is ``names[i]``,
-    the groups' parameters in turn."""
+    """The plan's experts that can move, numbered: expert ``i`` (a parameter) is ``names[i]``,
+    the groups' parameters in turn; a *unit* is one expert of one folded stem (its parameters
+    move together), numbered stem by stem (:mod:`megatron_refit.plan.folded`)."""
 
-    def __init__(self, basis: Basis) -> None:
+    def __init__(self, basis: Basis, gen: dict) -> None:
         self.names: list[str] = []
         self.groups: list[BoxGroup] = []
         self.group_id = array("l")
         self.position = array("l")
-        self.kind: list[tuple] = []  # per group: (global shape, dtype)
-        before = []  # per expert: the ranks holding it in the basis's targets
         for g in basis.groups:
             held = [box for box in g.gen_boxes if box is not None]
             shape = basis.train_meta[g.names[0]].global_shape
@@ -67,14 +67,40 @@ class _Experts:
             self.position.extend(range(len(g.names)))
             self.names += g.names
             self.groups.append(g)
-            self.kind.append((shape, g.dtype))
-            before.append(repeat(len(held), len(g.names)))
-        self.index = dict(zip(self.names, range(len(self.names))))
-        self.sigs = {kind: n for n, kind in enumerate(dict.fromkeys(self.kind))}  # (shape, dtype) numbered
-        self.sig = array("l", map([self.sigs[kind] for kind in self.kind].__getitem__, self.group_id))
-        self.before = Counter(dict(zip(range(len(self.names)), chain.from_iterable(before))))
-        self.kinds: dict[tuple, int] = {}
-        """Every (shape, dtype, box) of the parts the plan was built from, numbered."""
+        index = dict(zip(self.names, range(len(self.names))))
+        self.stems: dict[tuple, int] = {}  # (prefix, suffixes) -> stem number
+        self.rank_stems: list[list[int]] = []  # per gen rank: its stems' numbers, in its order
+        size: list[int] = []  # per stem: 1 + the highest expert any rank holds
+        for rank in range(len(gen)):
+            numbers = []
+            for prefix, suffixes, _, experts in stems_of("gen", rank, *gen[rank]):
+                t = self.stems.setdefault((prefix, suffixes), len(self.stems))
+                size += [0] * (len(self.stems) - len(size))
+                size[t] = max(size[t], max(experts, default=-1) + 1)
+                numbers.append(t)
+            self.rank_stems.append(numbers)
+        self.size = size
+        self.width = [len(suffixes) for _, suffixes in self.stems]
+        self.base = list(accumulate(size, initial=0))
+        self.unit_names: list[tuple[int, ...]] = []
+        """Per unit: its parameters' numbers, one per suffix (-1: not a movable expert of this plan)."""
+        for (prefix, suffixes), t in self.stems.items():
+            for e in range(size[t]):
+                self.unit_names.append(tuple(index.get(f"{prefix}{e}.{suffix}", -1) for suffix in suffixes))
+        self.bad = {u for u, found in enumerate(self.unit_names) if -1 in found}
+        self.unit_of = {self.names[i]: u for u, found in enumerate(self.unit_names) if u not in self.bad
+                        for i in found}
+        """Each movable parameter's unit (by name)."""
+        self.suffix_of = {self.names[i]: j for u, found in enumerate(self.unit_names) if u not in self.bad
+                          for j, i in enumerate(found)}
+        """Each movable parameter's place among its unit's."""
+        good = [(u, found) for u, found in enumerate(self.unit_names) if u not in self.bad]
+        self.first_name = [None] * len(self.unit_names)
+        for u, found in good:
+            self.first_name[u] = self.names[found[0]]
+        self.alone = len(self.unit_of) == sum(len(found) for _, found in good)
+        """No parameter in two units (two ranks folding one layer's experts alike)."""
+        self.kind = [(basis.train_meta[g.names[0]].global_shape, g.dtype) for g in self.groups]
 
 
 @dataclass(frozen=True)
@@ -105,106 +131,124 @@ class Holding:
 
 
 def movable(basis: Basis, gen: dict, local: tuple[str, int]) -> bool:
-    """Whether the ``local`` rank's plan over the gen ranks' parts ``gen`` has experts that
-    :func:`replan` can move (a deployment under expert parallelism); if so their numbering, each
-    rank's other pieces and what this rank sends are kept in ``basis`` now, so that a move
-    re-plans in its own time only."""
-    if any(len(ranks) != 1 for ranks in basis.targets.ranks):
+    """Whether the ``local`` rank's plan over the gen ranks' parts ``gen`` (as gathered:
+    folded) has experts that :func:`replan` can move (a deployment under expert parallelism);
+    if so their numbering, each rank's other pieces and what this rank sends are kept in
+    ``basis`` now, so that a move re-plans in its own time only."""
+    if any(len(ranks) != 1 for ranks in basis.targets.ranks) or not all(map(is_folded, gen.values())):
         return False
-    experts = basis.cache["experts"] = _Experts(basis)
-    if not experts.groups:
-        return False
-    basis.cache["rest"] = [_split(gen[r], r, experts, learn=True)[0] for r in range(len(gen))]
-    if local[0] == "train":  # the experts this train rank holds a box of
-        rank = local[1]
-        basis.cache["sends"] = [i for i, (gi, p) in enumerate(zip(experts.group_id, experts.position))
-                                if any(rank in s for s in experts.groups[gi].senders[p])]
+    experts = basis.cache["experts"] = _Experts(basis, gen)
+    held = _units(experts, gen)
+    plain = {id(names): names[0] for names, _ in gen.values()}
+    if not experts.unit_of or held is None or not experts.alone or any(
+            any(map(experts.unit_of.__contains__, names)) for names in plain.values()):
+        return False  # none folded, one that cannot move, or one a rank holds unfolded (it would not move)
+    classes: dict[tuple, int] = {}  # ranks whose other pieces are equal, numbered
+    basis.cache["parts"] = [(names, layout[:3], classes.setdefault((names, layout[:3]), len(classes)))
+                            for names, layout in (gen[r] for r in range(len(gen)))]
+    basis.cache["before"] = Holding.of([list(chain.from_iterable(rows)) for rows in held]).counts
+    if local[0] == "train":  # the units this train rank sends a box of
+        rank, groups, position, group_id = local[1], experts.groups, experts.position, experts.group_id
+        basis.cache["sends"] = [u for u, found in enumerate(experts.unit_names) if u not in experts.bad and any(
+            rank in s for i in found for s in groups[group_id[i]].senders[position[i]])]
     basis.cache["geometry"] = {id(g): _geometry(g) for g in experts.groups}
     return True
 
 
 def replan(previous, gen: dict, finish) -> object | None:
     """``previous`` (a local :class:`~megatron_refit.plan.refit_plan.RefitPlan` with its
-    ``basis``) re-planned for the gen ranks' new parts ``gen``, or None where the module
-    docstring's conditions do not hold. ``finish(transfers, targets, totals, basis)`` makes the
-    plan (the caller's, shared with a full build)."""
+    ``basis``) re-planned for the gen ranks' new parts ``gen`` (folded), or None where the
+    module docstring's conditions do not hold. ``finish(transfers, targets, totals, basis,
+    gen_next)`` makes the plan (the caller's, shared with a full build)."""
     basis: Basis | None = previous.basis
-    if basis is None or len(gen) != len(previous.gen_parts) or "experts" not in basis.cache:
+    if basis is None or len(gen) != len(previous.gen_parts) or "parts" not in basis.cache:
         return None
     experts = basis.cache["experts"]
-    held = _held(basis, experts, gen)
-    if held is None:
+    rows = _held(basis, experts, gen)
+    if rows is None:
         return None
+    held = [list(chain.from_iterable(r)) for r in rows]
     holding = Holding.of(held)
-    if len(holding.counts) != len(experts.names):  # an expert no rank holds: the full build names it
+    if len(holding.counts) != len(experts.unit_names) - len(experts.bad):  # a unit no rank holds: named in full
         return None
     totals = _totals(previous, basis, experts, holding)
     transfers = _transfers(previous, basis, experts, held, holding)
     return finish(transfers, _Targets(basis.targets, holding, experts), totals,
-                  replace(basis, holding=holding, cache=basis.cache))
+                  replace(basis, holding=holding, cache=basis.cache),
+                  lambda rank: _Next(experts, gen[rank], experts.rank_stems[rank], rows[rank]))
 
 
-def _held(basis: Basis, experts: _Experts, gen: dict) -> list[list[int]] | None:
-    """Each gen rank's experts (their numbers), checked: its other pieces as before, its experts
-    whole, none twice."""
-    rest = basis.cache["rest"]
+def _units(experts: _Experts, gen: dict) -> list[list[list[int]]] | None:
+    """Each gen rank's units (its experts, by unit number) per stem in its order, or None where
+    one is malformed, out of range, listed twice or not movable."""
     out = []
-    distinct: dict[tuple, int] = {}
+    base, size, bad = experts.base, experts.size, experts.bad
     for rank in range(len(gen)):
-        names, layout = gen[rank]
-        others, mine = _split((names, layout), rank, experts)
-        if others is None or others != rest[rank] or distinct.setdefault(names, rank) != rank \
-                or len(set(mine)) != len(mine):
-            return None  # another change, or two ranks alike (another class structure): a full build
-        out.append(mine)
+        rows, stems = gen[rank][1][3], experts.rank_stems[rank]
+        if not isinstance(rows, tuple) or len(rows) != len(stems):
+            return None
+        units: list[list[int]] = []
+        for t, raw in zip(stems, rows):
+            if not isinstance(raw, bytes) or len(raw) % 4:
+                return None
+            row = array("I")
+            row.frombytes(raw)
+            if row and max(row) >= size[t]:
+                return None
+            units.append(list(map(base[t].__add__, row)))
+        every = list(chain.from_iterable(units))
+        if len(set(every)) != len(every) or not bad.isdisjoint(every):
+            return None
+        out.append(units)
     return out
 
 
-def _split(part: tuple, rank: int, experts: _Experts, learn: bool = False):
-    """``((other names, their kinds' numbers), the numbers of its experts)`` of one gen rank's
-    part; ``(None, None)`` where it is malformed or an expert's piece is not its whole tensor of
-    its shape and dtype. ``learn``: number kinds not met before (when the plan is built)."""
-    names, layout = part
-    try:
-        kind_of = kind_indices("gen", rank, names, layout)
-        specs = kind_specs("gen", rank, names, layout, kind_of)
-    except ValueError:
-        return None, None
-    name_list = names[0]
-    number = list(map(experts.index.get, name_list, repeat(-1)))  # -1: not an expert
-    values = [(s.global_shape, s.dtype, s.box) for s in specs]
-    kinds = experts.kinds
-    ids = [kinds.setdefault(v, len(kinds)) for v in values] if learn else [kinds.get(v, -1) for v in values]
-    rest = (tuple(compress(name_list, map((-1).__eq__, number))),
-            array("l", map(ids.__getitem__, compress(kind_of, map((-1).__eq__, number)))).tobytes())
-    mine = list(filter((-1).__ne__, number))
-    # each expert's piece its whole tensor of its shape and dtype: its kind's signature is its group's
-    whole = [experts.sigs.get((shape, dtype), -1) if box_numel(box) == math.prod(shape) else -1
-             for shape, dtype, box in values]
-    if not all(map(int.__eq__, map(whole.__getitem__, compress(kind_of, map((-1).__ne__, number))),
-                   map(experts.sig.__getitem__, mine))):
-        return None, None
-    return rest, mine
+def _held(basis: Basis, experts: _Experts, gen: dict) -> list[list[list[int]]] | None:
+    """Each gen rank's units per stem, checked: its other pieces as before (the same stems), its
+    experts' pairs in range, none listed twice, no two ranks alike (that would be another class
+    structure)."""
+    parts = basis.cache["parts"]
+    alike = set()
+    for rank in range(len(gen)):
+        part = gen[rank]
+        if not is_folded(part):
+            return None
+        names, layout = part
+        was_names, was_layout, same = parts[rank]
+        if (names is not was_names and names != was_names) or layout[:3] != was_layout:
+            return None  # another change: a full build
+        alike.add((same, layout[3], layout[4]))
+    rows = _units(experts, gen) if len(alike) == len(gen) else None
+    for rank in range(len(gen)) if rows is not None else ():  # the experts' pairs within the rank's pieces
+        names, layout = gen[rank]
+        pairs = array("i")
+        if not isinstance(layout[4], bytes) or len(layout[4]) % 8:
+            return None
+        pairs.frombytes(layout[4])
+        size = len(names[0]) + sum(len(r) * experts.width[t] for r, t in zip(rows[rank], experts.rank_stems[rank]))
+        if pairs and not (0 <= min(pairs) and max(pairs) < size):
+            return None
+    return rows
 
 
 def _totals(previous, basis: Basis, experts: _Experts, holding: Holding) -> tuple[tuple[int, ...], int, int]:
     """``(train bytes, transfers, bytes held)`` of the whole plan after the move: what the
-    experts whose number of holders changed add or take."""
-    before = basis.holding.counts if basis.holding is not None else experts.before
+    units whose number of holders changed add or take."""
+    before = basis.holding.counts if basis.holding is not None else basis.cache["before"]
     load = list(previous.train_bytes)
     transfers, held = previous.num_transfers, previous.bytes_minimal
-    changed = () if dict.__eq__(holding.counts, before) else [i for i, n in holding.counts.items() if before[i] != n]
-    for i in changed:
-        g = experts.groups[experts.group_id[i]]
-        senders = g.senders[experts.position[i]]
-        after, was = holding.counts[i], before[i]
-        row = next(r for r in g.nbytes if any(r))  # a whole expert: the same bytes on every rank holding it
-        for holders, nbytes in zip(senders, row):
-            k = len(holders)
-            for h, rank in enumerate(holders):  # turn t is holders[t % k]: D // k or D // k + 1 turns each
-                load[rank] += nbytes * ((after // k + (h < after % k)) - (was // k + (h < was % k)))
-        transfers += (after - was) * len(g.train_boxes)
-        held += (after - was) * sum(row)
+    changed = () if dict.__eq__(holding.counts, before) else [u for u, n in holding.counts.items() if before[u] != n]
+    for u in changed:
+        after, was = holding.counts[u], before[u]
+        for i in experts.unit_names[u]:
+            g = experts.groups[experts.group_id[i]]
+            row = next(r for r in g.nbytes if any(r))  # a whole expert: the same bytes on every rank holding it
+            for holders, nbytes in zip(g.senders[experts.position[i]], row):
+                k = len(holders)
+                for h, rank in enumerate(holders):  # turn t is holders[t % k]: D // k or D // k + 1 turns each
+                    load[rank] += nbytes * ((after // k + (h < after % k)) - (was // k + (h < was % k)))
+            transfers += (after - was) * len(g.train_boxes)
+            held += (after - was) * sum(row)
     return tuple(load), transfers, held
 
 
@@ -218,32 +262,34 @@ def _geometry(g: BoxGroup) -> list:
 def _transfers(previous, basis: Basis, experts: _Experts, held: list[list[int]], holding: Holding) -> list[Transfer]:
     """The local rank's transfers: its other transfers as before, its experts' anew."""
     side, rank = previous.local
-    index, geometry = experts.index, basis.cache["geometry"]
-    out = [t for t in previous.transfers if t.name not in index]
-    names, groups, position, group_id = experts.names, experts.groups, experts.position, experts.group_id
+    moving, geometry = experts.unit_of, basis.cache["geometry"]
+    out = [t for t in previous.transfers if t.name not in moving]
+    names, groups, position, group_id, unit_names = (experts.names, experts.groups, experts.position,
+                                                     experts.group_id, experts.unit_names)
     if side == "gen":
-        for i in held[rank]:
-            g = groups[group_id[i]]
-            ranks = holding.several.get(i)
+        for u in held[rank]:
+            ranks = holding.several.get(u)
             turn = ranks.index(rank) if ranks else 0  # the ranks before this one holding it
-            for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
-                out.append(Transfer(names[i], s[turn % len(s)], rank, src_box, dst_box, box, g.dtype, nbytes))
+            for i in unit_names[u]:
+                g = groups[group_id[i]]
+                for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
+                    out.append(Transfer(names[i], s[turn % len(s)], rank, src_box, dst_box, box, g.dtype, nbytes))
         out.sort(key=lambda t: t.name)  # stable: a name's pieces in train box order
         return out
-    for i in basis.cache["sends"]:
-        g = groups[group_id[i]]
-        senders = g.senders[position[i]]
-        for turn, dst in enumerate(holding.ranks_of(i)):
-            for s, (src_box, dst_box, box, nbytes) in zip(senders, geometry[id(g)]):
-                if s[turn % len(s)] == rank:
-                    out.append(Transfer(names[i], rank, dst, src_box, dst_box, box, g.dtype, nbytes))
+    for u in basis.cache["sends"]:
+        for turn, dst in enumerate(holding.ranks_of(u)):
+            for i in unit_names[u]:
+                g = groups[group_id[i]]
+                for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
+                    if s[turn % len(s)] == rank:
+                        out.append(Transfer(names[i], rank, dst, src_box, dst_box, box, g.dtype, nbytes))
     out.sort(key=lambda t: (t.dst_rank, t.name))  # by gen rank, then name (stable: train box order)
     return out
 
 
 class _Targets:
     """The targets after a move, for the buckets' adjacency: the other pieces as planned, each
-    expert whole on the ranks now holding it."""
+    moving expert whole on the ranks now holding it."""
 
     def __init__(self, targets, holding: Holding, experts: _Experts) -> None:
         self.ranks = targets.ranks
@@ -255,10 +301,51 @@ class _Params:
         self._params, self._holding, self._experts, self._n = params, holding, experts, num_classes
 
     def __getitem__(self, name: str) -> tuple:
-        i = self._experts.index.get(name)
-        if i is None:
+        u = self._experts.unit_of.get(name)
+        if u is None:
             return self._params[name]
-        ranks = set(self._holding.ranks_of(i))
-        shape, dtype = self._experts.kind[self._experts.group_id[i]]
+        ranks = set(self._holding.ranks_of(u))
+        experts = self._experts
+        shape, dtype = experts.kind[experts.group_id[experts.unit_names[u][experts.suffix_of[name]]]]
         whole = tuple((0, n) for n in shape)
         return shape, dtype, tuple(whole if c in ranks else None for c in range(self._n))
+
+
+class _Next:
+    """A gen rank's piece name -> the piece after it in its memory, after a move, for the
+    buckets' direct runs: looked up as they ask, from the rank's pairs in the folded order
+    (:mod:`megatron_refit.plan.folded`) and the experts now in its slots."""
+
+    def __init__(self, experts: _Experts, part: tuple, stems: list[int], rows: list[list[int]]) -> None:
+        (names, layout), outer = part, array("i")
+        outer.frombytes(layout[4])
+        self._experts, self._plain, self._rows = experts, names[0], rows
+        self._links = dict(zip(chain(names[1][::2], outer[::2]), chain(names[1][1::2], outer[1::2])))
+        self._widths = [experts.width[t] for t in stems]
+        self._starts = list(accumulate((len(r) * w for r, w in zip(rows, self._widths)), initial=len(names[0])))
+        self._index: dict[str, int] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._links)
+
+    def get(self, name: str, default=None):
+        if self._index is None:  # each piece's place in the folded order
+            self._index = dict(zip(self._plain, range(len(self._plain))))
+            for n, (row, width) in enumerate(zip(self._rows, self._widths)):
+                self._index.update(zip(map(self._experts.first_name.__getitem__, row),
+                                       range(self._starts[n], self._starts[n + 1], width)))
+        at = self._index.get(name)
+        if at is None:
+            u = self._experts.unit_of.get(name)
+            first = None if u is None else self._index.get(self._experts.first_name[u])
+            if first is None:
+                return default
+            at = first + self._experts.suffix_of[name]
+        b = self._links.get(at, -1)
+        if b < 0:
+            return default
+        if b < len(self._plain):
+            return self._plain[b]
+        n = bisect_right(self._starts, b) - 1
+        k, j = divmod(b - self._starts[n], self._widths[n])
+        return self._experts.names[self._experts.unit_names[self._rows[n][k]][j]]

@@ -24,7 +24,7 @@ from megatron_refit.plan.roles import EXPERT_RE
 from megatron_refit.plan.spec import ShardSpec
 
 Names = tuple[tuple[str, ...], tuple[int, ...]]
-"""``(names sorted, flat pairs (a, b, a, b, ...) of indices: piece b starts where a ends)``."""
+"""``(names sorted, flat pairs (a, b, a, b, ...) of indices, in order: piece b starts where a ends)``."""
 
 Layout = tuple[tuple[tuple, ...], bytes]
 """``(kinds, each name's kind as uint32)``; a kind is ``(global shape, dtype, box, pp stage, expert)``."""
@@ -42,7 +42,7 @@ def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[
     index: dict[str, int] = {}
     for i, name in enumerate(names):
         index.setdefault(name, i)
-    pairs = tuple(index.get(name, -1) for pair in adjacent for name in pair)
+    pairs = tuple(x for pair in sorted((index.get(a, -1), index.get(b, -1)) for a, b in adjacent) for x in pair)
     plain = tuple((tuple(shape), dtype, tuple(map(tuple, box)), int(stage), bool(expert))  # as peers decode them
                   for shape, dtype, box, stage, expert in kinds)
     return (names, pairs), (plain, kind_of.tobytes())

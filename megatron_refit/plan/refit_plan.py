@@ -18,6 +18,7 @@ from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.checks import index_specs
 from megatron_refit.plan.expert_moves import Basis, movable, replan
+from megatron_refit.plan.folded import unfold, unfold_parts
 from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
                                       unpack)
 from megatron_refit.plan.spec import Box, ShardSpec, box_shape
@@ -120,7 +121,7 @@ class RefitPlan:
 
         with gc_paused():
             index = index_specs("train", train_specs)
-        return cls._assemble(index, len(train_specs), train_shapes, train_next.get, gen, bucket_bytes=bucket_bytes,
+        return cls._assemble(index, len(train_specs), train_shapes, train_next.get, gen, gen, bucket_bytes=bucket_bytes,
                              direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
                              local=local)
 
@@ -157,16 +158,19 @@ class RefitPlan:
                 shapes[key] = {name: kinds[k] for name, k in zip(names[0], kind_indices("train", rank, names, layout))}
             return shapes[key]
 
+        folded = gen
         with gc_paused():
+            train, gen = unfold_parts("train", train), unfold_parts("gen", gen)
             index = index_parts("train", train)
-        return cls._assemble(index, len(train), train_shapes, train_next, gen, bucket_bytes=bucket_bytes,
+        return cls._assemble(index, len(train), train_shapes, train_next, gen, folded, bucket_bytes=bucket_bytes,
                              direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
                              local=local)
 
     @classmethod
     def _assemble(cls, train_index: tuple[dict, dict], num_train: int, train_shapes: Callable[[int], dict],
                   train_next: Callable[[int], dict | None],
-                  gen: dict[int, tuple[Names, Layout]], *, bucket_bytes: int, direct_bytes: int | None,
+                  gen: dict[int, tuple[Names, Layout]], folded: dict[int, tuple], *, bucket_bytes: int,
+                  direct_bytes: int | None,
                   train_rank_ids: list[int] | None, gen_rank_ids: list[int] | None,
                   local: tuple[str, int] | None) -> RefitPlan:
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -193,21 +197,32 @@ class RefitPlan:
             basis = Basis(groups=assignment.groups, train_meta=train_index[1], targets=targets,
                           train_shapes=train_shapes, train_next=train_next)
             totals = (assignment.train_bytes, assignment.num_transfers, sum(assignment.gen_bytes().values()))
-            return cls._finish(transfers, targets, totals, basis, gen=gen, unused=assignment.unused_train_params,
-                               num_train=num_train, train_global=train_global, gen_global=gen_global,
-                               bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, local=local,
-                               keep=local is not None and movable(basis, gen, local))  # only where experts can move
+            nexts: dict[int, dict[str, str]] = {}
+
+            def gen_next(rank: int) -> dict[str, str]:
+                names = gen[rank][0]
+                if id(names) not in nexts:
+                    nexts[id(names)] = adjacent_names(names)
+                return nexts[id(names)]
+
+            return cls._finish(transfers, targets, totals, basis, gen_next, gen=folded,
+                               unused=assignment.unused_train_params, num_train=num_train, train_global=train_global,
+                               gen_global=gen_global, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                               local=local, keep=local is not None and movable(basis, folded, local))
 
     @classmethod
-    def _finish(cls, transfers: list[Transfer], targets, totals: tuple, basis: Basis, *, gen: dict,
+    def _finish(cls, transfers: list[Transfer], targets, totals: tuple, basis: Basis,
+                gen_next: Callable[[int], dict[str, str]], *, gen: dict,
                 unused: tuple[str, ...], num_train: int, train_global: tuple[int, ...], gen_global: tuple[int, ...],
                 bucket_bytes: int, direct_bytes: int | None, local: tuple[str, int] | None, keep: bool = True,
                 skipped: tuple[str, ...] = ()) -> RefitPlan:
         """The plan of ``transfers`` (the local rank's, or all) and the whole plan's ``totals``
-        (bytes each train rank sends, transfers, bytes the gen ranks hold): buckets cut; ``keep``:
-        keep ``basis`` on it (for :meth:`replanned`)."""
+        (bytes each train rank sends, transfers, bytes the gen ranks hold): buckets cut; ``gen``:
+        the gen ranks' parts as gathered, ``gen_next(rank)`` their adjacent pieces; ``keep``: keep
+        ``basis`` on it (for :meth:`replanned`)."""
         buckets = bucketize(transfers, bucket_bytes, direct_bytes,
-                            *adjacency(transfers, direct_bytes, basis.train_shapes, basis.train_next, targets, gen))
+                            *adjacency(transfers, direct_bytes, basis.train_shapes, basis.train_next, targets,
+                                       gen_next))
         from_: dict[int, list[Bucket]] = {rank: [] for rank in range(num_train)}
         to: dict[int, list[Bucket]] = {rank: [] for rank in range(len(gen))}
         for bucket in buckets:
@@ -239,8 +254,8 @@ class RefitPlan:
         """This local plan for the gen ranks' new pieces where only which experts each holds
         changed (an EPLB move: :mod:`megatron_refit.plan.expert_moves`), equal to a full
         build; None where that is not the change (build in full)."""
-        def finish(transfers, targets, totals, basis):
-            return self._finish(transfers, targets, totals, basis, gen=gen, unused=self.unused_train_params,
+        def finish(transfers, targets, totals, basis, gen_next):
+            return self._finish(transfers, targets, totals, basis, gen_next, gen=gen, unused=self.unused_train_params,
                                 num_train=len(self.train_global), train_global=self.train_global,
                                 gen_global=self.gen_global, bucket_bytes=self.settings[0],
                                 direct_bytes=self.settings[1], local=self.local, skipped=self.skipped_params)
@@ -273,7 +288,7 @@ class RefitPlan:
 
     def gen_pieces(self, gen_idx: int) -> list[ShardSpec]:
         """The pieces gen rank ``gen_idx`` holds (by name, then box)."""
-        return unpack("gen", gen_idx, *self.gen_parts[gen_idx])
+        return unpack("gen", gen_idx, *unfold("gen", gen_idx, *self.gen_parts[gen_idx]))
 
     @property
     def bytes_sent(self) -> int:

@@ -41,6 +41,7 @@ from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
 from megatron_refit.plan.fanout import fanout_routes, resolve_mode
+from megatron_refit.plan.folded import fold_parts
 from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
@@ -183,11 +184,10 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
         if id(specs) not in packed:
             packed[id(specs)] = pack(specs)
         parts.append(packed[id(specs)])
-    gen = pack_targets(targets)
+    gen = fold_parts(pack_targets(targets))  # as an engine rank's prepare() gathers them
     parts += [gen[rank] for rank in range(len(gen))]
     sent, received = senders.transfer_counts()
-    ranks = [(side, max(range(len(counts)), key=counts.__getitem__)) for side, counts in (("train", sent),
-                                                                                           ("gen", received))]
+    ranks = [(side, max(range(len(c)), key=c.__getitem__)) for side, c in (("train", sent), ("gen", received))]
     direct = refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes
     timed = time_ranks(parts, ranks, num_train=len(train_specs), bucket_bytes=refit.bucket_bytes,
                        direct_bytes=direct, optional=optional)

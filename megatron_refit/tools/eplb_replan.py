@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from megatron_refit import wire
 from megatron_refit.plan.agreement import agreement, in_agreement
 from megatron_refit.plan.checks import gc_paused
 from megatron_refit.plan.expert_placement import ExpertPlacement
+from megatron_refit.plan.folded import fold_parts
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.plan.refit_plan import build_local_plan
 from megatron_refit.tools.prepare_rank import read_gathered, run_child, write_gathered
@@ -52,8 +54,8 @@ def time_eplb(train_specs: dict, gen, targets_of, ranks: list[tuple[str, int]], 
         if id(specs) not in packed:  # DP replicas share one list of specs: packed once
             packed[id(specs)] = pack(specs)
     train = [packed[id(specs)] for _, specs in sorted(train_specs.items())]
-    before = pack_targets(targets_of(one))
-    after = pack_targets(targets_of(dataclasses.replace(one, placement=moved(one.placement))))
+    before = fold_parts(pack_targets(targets_of(one)))  # as the engine ranks gather them
+    after = fold_parts(pack_targets(targets_of(dataclasses.replace(one, placement=moved(one.placement)))))
     with tempfile.TemporaryDirectory(prefix="refit-eplb-") as tmp:
         paths = [os.path.join(tmp, name) for name in ("before.bin", "after.bin")]
         for path, gen_parts in zip(paths, (before, after)):
@@ -79,9 +81,12 @@ def replan_once(before: str, after: str, side: str, rank: int) -> dict:
         decoded = [wire.loads(blob) for blob in blobs]
         plan = build_local_plan([(decoded[n], decoded[lay]) for n, lay in parts], num_train, **kw)
         new_blobs, _, new_parts = _gathered(after)
+        known = {hashlib.sha256(blob).digest(): part for blob, part in zip(blobs, decoded)}
+        digests = [hashlib.sha256(blob).digest() for blob in new_blobs]  # what the gather hands over with them
         gen_blobs = sorted({i for n, lay in new_parts[num_train:] for i in (n, lay)})
         start = time.perf_counter()
-        fresh = {i: wire.loads(new_blobs[i]) for i in gen_blobs}  # the train ranks' parts: known by digest
+        # what is known by digest (the train ranks' parts, the engine ranks' names) is not decoded again
+        fresh = {i: known[digests[i]] if digests[i] in known else wire.loads(new_blobs[i]) for i in gen_blobs}
         gen = {r: (fresh[n], fresh[lay]) for r, (n, lay) in enumerate(new_parts[num_train:])}
         again = plan.replanned(gen)
         if again is None:
