@@ -112,6 +112,8 @@ def _broken(how: str) -> tuple:
         suffix_kinds = suffix_kinds[:-4]
     elif how == "plain":
         raw = raw[:-1]
+    elif how == "pairs":
+        outer = outer + b"\x00"
     return (names, pairs, stems), (kinds, raw, suffix_kinds, rows, outer)
 
 
@@ -120,6 +122,7 @@ def _broken(how: str) -> tuple:
     ("stem", r"gen rank 1: malformed expert stem \('model\.layers\.1\.mlp\.experts\.', 'w'\) \(expected \(prefix"),
     ("kinds", r"gen rank 1: \d+ expert suffix kinds for \d+ suffixes"),
     ("plain", r"gen rank 1: malformed folded pieces \(expected \(\(names, pairs, stems\)"),
+    ("pairs", r"gen rank 1: malformed folded pieces \(expected the experts' pairs as int32 pairs\)"),
 ])
 @pytest.mark.reliability
 def test_malformed_folded_parts_from_a_peer_are_refused_naming_it(how, match):
