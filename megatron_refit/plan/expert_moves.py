@@ -53,7 +53,7 @@ class _Experts:
     the groups' parameters in turn; a *unit* is one expert of one folded stem (its parameters
     move together), numbered stem by stem (:mod:`megatron_refit.plan.folded`)."""
 
-    def __init__(self, basis: Basis, gen: dict) -> None:
+    def __init__(self, basis: Basis, gen: dict, spelled: dict) -> None:
         self.names: list[str] = []
         self.groups: list[BoxGroup] = []
         self.group_id = array("l")
@@ -67,10 +67,11 @@ class _Experts:
             self.position.extend(range(len(g.names)))
             self.names += g.names
             self.groups.append(g)
-        index = dict(zip(self.names, range(len(self.names))))
+        self.index = index = dict(zip(self.names, range(len(self.names))))
         self.stems: dict[tuple, int] = {}  # (prefix, suffixes) -> stem number
         self.rank_stems: list[list[int]] = []  # per gen rank: its stems' numbers, in its order
         size: list[int] = []  # per stem: 1 + the highest expert any rank holds
+        rows = []
         for rank in range(len(gen)):
             numbers = []
             for prefix, suffixes, _, experts in stems_of("gen", rank, *gen[rank]):
@@ -78,29 +79,50 @@ class _Experts:
                 size += [0] * (len(self.stems) - len(size))
                 size[t] = max(size[t], max(experts, default=-1) + 1)
                 numbers.append(t)
+                rows.append((rank, t, len(suffixes), experts))
             self.rank_stems.append(numbers)
         self.size = size
         self.width = [len(suffixes) for _, suffixes in self.stems]
         self.base = list(accumulate(size, initial=0))
-        self.unit_names: list[tuple[int, ...]] = []
+        none = (-1,)
+        self.unit_names: list[tuple[int, ...]] = [none] * self.base[-1]
         """Per unit: its parameters' numbers, one per suffix (-1: not a movable expert of this plan)."""
-        for (prefix, suffixes), t in self.stems.items():
-            for e in range(size[t]):
-                self.unit_names.append(tuple(index.get(f"{prefix}{e}.{suffix}", -1) for suffix in suffixes))
+        at = {}  # per rank: where its next stem's names start in its spelled names
+        for rank, t, width, experts in rows:  # each unit named once, by the names the parts were unfolded to
+            every = spelled[id(gen[rank][0]), id(gen[rank][1])]
+            start = at.get(rank, len(gen[rank][0][0]))
+            for k, u in enumerate(map(self.base[t].__add__, experts)):
+                if self.unit_names[u] is none:
+                    self.unit_names[u] = tuple([index.get(x, -1) for x in every[start + k * width:
+                                                                                 start + (k + 1) * width]])
+            at[rank] = start + len(experts) * width
         self.bad = {u for u, found in enumerate(self.unit_names) if -1 in found}
-        self.unit_of = {self.names[i]: u for u, found in enumerate(self.unit_names) if u not in self.bad
-                        for i in found}
-        """Each movable parameter's unit (by name)."""
-        self.suffix_of = {self.names[i]: j for u, found in enumerate(self.unit_names) if u not in self.bad
-                          for j, i in enumerate(found)}
-        """Each movable parameter's place among its unit's."""
-        good = [(u, found) for u, found in enumerate(self.unit_names) if u not in self.bad]
-        self.first_name = [None] * len(self.unit_names)
-        for u, found in good:
-            self.first_name[u] = self.names[found[0]]
-        self.alone = len(self.unit_of) == sum(len(found) for _, found in good)
+        good = [u for u, found in enumerate(self.unit_names) if found[-1] >= 0 and u not in self.bad]
+        flat = list(chain.from_iterable(map(self.unit_names.__getitem__, good)))
+        widths = [len(self.unit_names[u]) for u in good]
+        self.unit_at = array("l", repeat(-1, len(self.names) + 1))
+        """Each parameter's unit (-1: it does not move; the last entry: a name not here)."""
+        self.suffix_at = array("l", repeat(-1, len(self.names) + 1))
+        """Each moving parameter's place among its unit's."""
+        for i, u, j in zip(flat, chain.from_iterable(map(repeat, good, widths)),
+                           chain.from_iterable(map(range, widths))):
+            self.unit_at[i], self.suffix_at[i] = u, j
+        self.alone = len(set(flat)) == len(flat)
         """No parameter in two units (two ranks folding one layer's experts alike)."""
-        self.kind = [(basis.train_meta[g.names[0]].global_shape, g.dtype) for g in self.groups]
+        self.moving = len(self.unit_names) - len(self.bad)
+        self.kinds = {id(g): (basis.train_meta[g.names[0]].global_shape, g.dtype) for g in self.groups}
+
+    def unit(self, name: str) -> int:
+        """The unit of parameter ``name``, -1 where it does not move."""
+        return self.unit_at[self.index.get(name, -1)]
+
+    def name(self, u: int, j: int) -> str:
+        return self.names[self.unit_names[u][j]]
+
+    def kind_of(self, name: str) -> tuple:
+        """``(global shape, dtype)`` of a parameter."""
+        g = self.groups[self.group_id[self.index[name]]]
+        return self.kinds[id(g)]
 
 
 @dataclass(frozen=True)
@@ -130,18 +152,19 @@ class Holding:
         return self.several.get(i) or [self.only[i]]
 
 
-def movable(basis: Basis, gen: dict, local: tuple[str, int]) -> bool:
+def movable(basis: Basis, gen: dict, local: tuple[str, int], spelled: dict) -> bool:
     """Whether the ``local`` rank's plan over the gen ranks' parts ``gen`` (as gathered:
-    folded) has experts that :func:`replan` can move (a deployment under expert parallelism);
+    folded; ``spelled``: their names as :func:`~megatron_refit.plan.folded.unfold_parts` spelled
+    them) has experts that :func:`replan` can move (a deployment under expert parallelism);
     if so their numbering, each rank's other pieces and what this rank sends are kept in
     ``basis`` now, so that a move re-plans in its own time only."""
     if any(len(ranks) != 1 for ranks in basis.targets.ranks) or not all(map(is_folded, gen.values())):
         return False
-    experts = basis.cache["experts"] = _Experts(basis, gen)
+    experts = basis.cache["experts"] = _Experts(basis, gen, spelled)
     held = _units(experts, gen)
     plain = {id(names): names[0] for names, _ in gen.values()}
-    if not experts.unit_of or held is None or not experts.alone or any(
-            any(map(experts.unit_of.__contains__, names)) for names in plain.values()):
+    if not experts.moving or held is None or not experts.alone or any(
+            max(map(experts.unit, names), default=-1) >= 0 for names in plain.values()):
         return False  # none folded, one that cannot move, or one a rank holds unfolded (it would not move)
     classes: dict[tuple, int] = {}  # ranks whose other pieces are equal, numbered
     basis.cache["parts"] = [(names, layout[:3], classes.setdefault((names, layout[:3]), len(classes)))
@@ -169,7 +192,7 @@ def replan(previous, gen: dict, finish) -> object | None:
         return None
     held = [list(chain.from_iterable(r)) for r in rows]
     holding = Holding.of(held)
-    if len(holding.counts) != len(experts.unit_names) - len(experts.bad):  # a unit no rank holds: named in full
+    if len(holding.counts) != experts.moving:  # a unit no rank holds: the full build names it
         return None
     totals = _totals(previous, basis, experts, holding)
     transfers = _transfers(previous, basis, experts, held, holding)
@@ -262,8 +285,8 @@ def _geometry(g: BoxGroup) -> list:
 def _transfers(previous, basis: Basis, experts: _Experts, held: list[list[int]], holding: Holding) -> list[Transfer]:
     """The local rank's transfers: its other transfers as before, its experts' anew."""
     side, rank = previous.local
-    moving, geometry = experts.unit_of, basis.cache["geometry"]
-    out = [t for t in previous.transfers if t.name not in moving]
+    geometry = basis.cache["geometry"]
+    out = [t for t in previous.transfers if experts.unit(t.name) < 0]
     names, groups, position, group_id, unit_names = (experts.names, experts.groups, experts.position,
                                                      experts.group_id, experts.unit_names)
     if side == "gen":
@@ -301,12 +324,11 @@ class _Params:
         self._params, self._holding, self._experts, self._n = params, holding, experts, num_classes
 
     def __getitem__(self, name: str) -> tuple:
-        u = self._experts.unit_of.get(name)
-        if u is None:
+        u = self._experts.unit(name)
+        if u < 0:
             return self._params[name]
         ranks = set(self._holding.ranks_of(u))
-        experts = self._experts
-        shape, dtype = experts.kind[experts.group_id[experts.unit_names[u][experts.suffix_of[name]]]]
+        shape, dtype = self._experts.kind_of(name)
         whole = tuple((0, n) for n in shape)
         return shape, dtype, tuple(whole if c in ranks else None for c in range(self._n))
 
@@ -332,15 +354,15 @@ class _Next:
         if self._index is None:  # each piece's place in the folded order
             self._index = dict(zip(self._plain, range(len(self._plain))))
             for n, (row, width) in enumerate(zip(self._rows, self._widths)):
-                self._index.update(zip(map(self._experts.first_name.__getitem__, row),
+                self._index.update(zip(map(self._experts.name, row, repeat(0)),
                                        range(self._starts[n], self._starts[n + 1], width)))
         at = self._index.get(name)
         if at is None:
-            u = self._experts.unit_of.get(name)
-            first = None if u is None else self._index.get(self._experts.first_name[u])
+            u = self._experts.unit(name)
+            first = None if u < 0 else self._index.get(self._experts.name(u, 0))
             if first is None:
                 return default
-            at = first + self._experts.suffix_of[name]
+            at = first + self._experts.suffix_at[self._experts.index[name]]
         b = self._links.get(at, -1)
         if b < 0:
             return default
@@ -348,4 +370,4 @@ class _Next:
             return self._plain[b]
         n = bisect_right(self._starts, b) - 1
         k, j = divmod(b - self._starts[n], self._widths[n])
-        return self._experts.names[self._experts.unit_names[self._rows[n][k]][j]]
+        return self._experts.name(self._rows[n][k], j)

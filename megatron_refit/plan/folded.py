@@ -122,8 +122,10 @@ def stems_of(side: str, rank: int, names: tuple, layout: tuple) -> list[tuple[st
     return out
 
 
-def unfold(side: str, rank: int, names: tuple, layout: tuple) -> tuple[Names, Layout]:
-    """A folded part as :func:`~megatron_refit.plan.pieces.pack` gives it (a plain part as it is)."""
+def unfold(side: str, rank: int, names: tuple, layout: tuple, spelled: list | None = None) -> tuple[Names, Layout]:
+    """A folded part as :func:`~megatron_refit.plan.pieces.pack` gives it (a plain part as it
+    is); ``spelled``: extended with its names in the folded order (the other names, then each
+    stem's experts' suffixes in turn)."""
     if not is_folded((names, layout)):
         return names, layout
     if not (isinstance(names[0], tuple) and isinstance(names[1], tuple) and isinstance(layout[1], bytes)
@@ -140,27 +142,40 @@ def unfold(side: str, rank: int, names: tuple, layout: tuple) -> tuple[Names, La
     kind_of = array("I")
     kind_of.frombytes(layout[1])
     for prefix, suffixes, suffix_kinds, experts in stems_of(side, rank, names, layout):
-        every += [f"{prefix}{e}.{suffix}" for e in experts for suffix in suffixes]
+        every += [head + suffix for head in [f"{prefix}{e}." for e in experts] for suffix in suffixes]
         kind_of.extend(suffix_kinds * len(experts))
-    order = sorted(range(len(every)), key=every.__getitem__)
-    position = array("l", repeat(-1, len(every) + 1))  # [-1]: a pair's end the rank does not hold stays -1
-    for n, i in enumerate(order):
-        position[i] = n
-    out = len(every)  # an end out of range (a peer's) stays out of range: the plan names it
+    if spelled is not None:
+        spelled += every
+    kinds = dict(zip(every, kind_of))
+    if len(kinds) == len(every):  # names once each (else the plan names the one listed twice)
+        order = sorted(every)  # runs already in order: the other names, each stem's experts
+        kind_of = array("I", map(kinds.__getitem__, order))
+        if not pairs:
+            return (tuple(order), ()), (layout[0], kind_of.tobytes())
+        at = dict(zip(order, range(len(order))))
+        position = array("l", (at[name] for name in every))
+    else:
+        ranked = sorted(range(len(every)), key=every.__getitem__)
+        order, kind_of = list(map(every.__getitem__, ranked)), array("I", map(kind_of.__getitem__, ranked))
+        position = array("l", repeat(0, len(every)))
+        for n, i in enumerate(ranked):
+            position[i] = n
+    position.append(-1)  # a pair's end out of range (a peer's) stays out of range: the plan names it
+    out = len(every)
     ends = [position[i if isinstance(i, int) and 0 <= i < out else out] for i in pairs]
     moved = sorted(zip(ends[::2], ends[1::2]))
-    return ((tuple(map(every.__getitem__, order)), tuple(x for pair in moved for x in pair)),
-            (layout[0], array("I", map(kind_of.__getitem__, order)).tobytes()))
+    return (tuple(order), tuple(x for pair in moved for x in pair)), (layout[0], kind_of.tobytes())
 
 
-def unfold_parts(side: str, parts: dict[int, tuple]) -> dict[int, tuple]:
-    """Each rank's parts unfolded, equal objects once (plain parts as they are)."""
+def unfold_parts(side: str, parts: dict[int, tuple], spelled: dict | None = None) -> dict[int, tuple]:
+    """Each rank's parts unfolded, equal objects once (plain parts as they are); ``spelled``:
+    each folded part's names in the folded order, by the ids of its two parts (see :func:`unfold`)."""
     done: dict[tuple[int, int], tuple] = {}
     out = {}
     for rank, (names, layout) in parts.items():
         key = (id(names), id(layout))
         if key not in done:
-            done[key] = unfold(side, rank, names, layout)
+            every = spelled.setdefault(key, []) if spelled is not None and is_folded((names, layout)) else None
+            done[key] = unfold(side, rank, names, layout, every)
         out[rank] = done[key]
     return out
-

@@ -121,7 +121,8 @@ class RefitPlan:
 
         with gc_paused():
             index = index_specs("train", train_specs)
-        return cls._assemble(index, len(train_specs), train_shapes, train_next.get, gen, gen, bucket_bytes=bucket_bytes,
+        return cls._assemble(index, len(train_specs), train_shapes, train_next.get, gen, gen, {},
+                             bucket_bytes=bucket_bytes,
                              direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
                              local=local)
 
@@ -160,16 +161,18 @@ class RefitPlan:
 
         folded = gen
         with gc_paused():
-            train, gen = unfold_parts("train", train), unfold_parts("gen", gen)
+            spelled: dict = {}  # the engine ranks' expert names, spelled once: what a move re-plans by
+            train, gen = unfold_parts("train", train), unfold_parts("gen", gen, spelled)
             index = index_parts("train", train)
-        return cls._assemble(index, len(train), train_shapes, train_next, gen, folded, bucket_bytes=bucket_bytes,
+        return cls._assemble(index, len(train), train_shapes, train_next, gen, folded, spelled,
+                             bucket_bytes=bucket_bytes,
                              direct_bytes=direct_bytes, train_rank_ids=train_rank_ids, gen_rank_ids=gen_rank_ids,
                              local=local)
 
     @classmethod
     def _assemble(cls, train_index: tuple[dict, dict], num_train: int, train_shapes: Callable[[int], dict],
                   train_next: Callable[[int], dict | None],
-                  gen: dict[int, tuple[Names, Layout]], folded: dict[int, tuple], *, bucket_bytes: int,
+                  gen: dict[int, tuple[Names, Layout]], folded: dict[int, tuple], spelled: dict, *, bucket_bytes: int,
                   direct_bytes: int | None,
                   train_rank_ids: list[int] | None, gen_rank_ids: list[int] | None,
                   local: tuple[str, int] | None) -> RefitPlan:
@@ -208,7 +211,7 @@ class RefitPlan:
             return cls._finish(transfers, targets, totals, basis, gen_next, gen=folded,
                                unused=assignment.unused_train_params, num_train=num_train, train_global=train_global,
                                gen_global=gen_global, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
-                               local=local, keep=local is not None and movable(basis, folded, local))
+                               local=local, keep=local is not None and movable(basis, folded, local, spelled))
 
     @classmethod
     def _finish(cls, transfers: list[Transfer], targets, totals: tuple, basis: Basis,
