@@ -54,8 +54,8 @@ def fold(names: Names, layout: Layout) -> tuple[tuple, tuple]:
         if match is None or not whole[kind_of[i]]:
             continue
         number = match.group("expert")
-        if number != str(int(number)):
-            continue  # "01" would not round-trip
+        if number != str(int(number)) or int(number) >= 1 << 32:
+            continue  # "01" would not round-trip, nor a number past uint32
         prefix, suffix = name[:match.start("expert")], name[match.end("expert") + 1:]
         stems.setdefault(prefix, {}).setdefault(int(number), {}).setdefault(suffix, []).append(i)
         where[i] = prefix

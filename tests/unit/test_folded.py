@@ -44,7 +44,7 @@ def _pieces(draw):
             for suffix in mine:
                 shape = (8, 4)
                 box = box_along(shape, 0, 0, 4) if sliced else full_box(shape)
-                number = f"0{e}" if draw(st.integers(0, 19)) == 0 else str(e)
+                number = {0: f"0{e}", 1: str(e + (1 << 32))}.get(draw(st.integers(0, 19)), str(e))
                 specs.append(ShardSpec(f"model.layers.{layer}.mlp.experts.{number}.{suffix}", shape, "bfloat16", box))
     names = sorted({s.name for s in specs})
     pairs = []
