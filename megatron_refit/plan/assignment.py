@@ -72,6 +72,7 @@ class Assignment:
         group = builder.group
         only = [(senders,) for senders in builder.solo]  # a one-box parameter's senders: one tuple per rank
         fast: dict[tuple, tuple] = {}  # a one-box, one-holder group's appenders and bytes, by the boxes' identity
+        several: dict[tuple, object] = {}  # a one-box group of several holders, the same way
         needed = []
         params = targets.params
         for name in sorted(params):  # the turns count on in name order
@@ -99,8 +100,14 @@ class Assignment:
                     add_senders(only[rank])
                     load[rank] += sent
                     continue
+                members = several.get((dtype, id(gen_boxes), id(box)))  # whole experts under expert DP
+                if members is None:
+                    members = several[dtype, id(gen_boxes), id(box)] = group(dtype, gen_boxes, boxes)
+                builder.add_turn(members, name, holders)
+                continue
             builder.add(group(dtype, gen_boxes, boxes), name, boxes)
-        return cls(class_ranks=ranks, groups=builder.groups(), train_bytes=tuple(load),
+        groups = builder.finish()  # the load counted in full
+        return cls(class_ranks=ranks, groups=groups, train_bytes=tuple(load),
                    unused_train_params=tuple(sorted(set(train_meta).difference(needed))))
 
     def gen_bytes(self) -> dict[int, int]:

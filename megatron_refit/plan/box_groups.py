@@ -63,8 +63,9 @@ class Builder:
         self.values: dict[tuple, int] = {}
         self.members: dict[tuple, Members] = {}  # by (dtype, gen boxes, train boxes) as numbers
         self.by_id: dict[tuple, Members] = {}  # the same by the boxes' identities
-        self.numbered: dict[tuple[int, ...], int] = {}  # boxes numbered so far, per holder set
-        self.rotated: dict[tuple[tuple[int, ...], int], Senders] = {}
+        self.turns: dict[tuple[int, ...], list] = {}  # per holder set: [boxes numbered so far, its rotations]
+        self.pending: dict[tuple[int, int, int], list] = {}
+        """Boxes of several holders not yet in ``load``, counted per (rotation, group, train box): :meth:`finish`."""
         self.solo = [(rank,) for rank in range(len(load))]
         self.overlap: dict[tuple[int, int], int] = {}  # by identity: boxes stay alive meanwhile
 
@@ -125,19 +126,35 @@ class Builder:
                 senders.append(self.solo[rank])
                 load[rank] += members.sent[i]
                 continue
-            key = tuple(ranks)
-            number = self.numbered.get(key, 0)
-            self.numbered[key] = number + 1
-            rotated = self.rotated.get((key, start := number % len(key)))
-            if rotated is None:
-                rotated = self.rotated[key, start] = key[start:] + key[:start]
-            senders.append(rotated)
-            for rank, nbytes in zip(rotated, members.shares(i, len(key))):
-                load[rank] += nbytes
+            senders.append(self._turn(members, i, ranks))
         members.names.append(name)
         members.senders.append(tuple(senders))
 
-    def groups(self) -> tuple[BoxGroup, ...]:
+    def add_turn(self, members: Members, name: str, ranks: list[int]) -> None:
+        """:meth:`add` of a parameter of one train box held by several ``ranks``."""
+        members.names.append(name)
+        members.senders.append((self._turn(members, 0, ranks),))
+
+    def _turn(self, members: Members, i: int, ranks: list[int]) -> Senders:
+        """The next box of holder set ``ranks``: its senders, its bytes counted for :meth:`finish`."""
+        turns = self.turns.get(key := tuple(ranks))
+        if turns is None:
+            turns = self.turns[key] = [0, [key[start:] + key[:start] for start in range(len(key))]]
+        rotated = turns[1][turns[0] % len(key)]
+        turns[0] += 1
+        count = self.pending.get(tally := (id(rotated), id(members), i))
+        if count is None:
+            self.pending[tally] = [1, rotated, members, i]
+        else:
+            count[0] += 1
+        return rotated
+
+    def finish(self) -> tuple[BoxGroup, ...]:
+        """The groups, with every box's bytes in ``load``."""
+        for count, rotated, members, i in self.pending.values():
+            for rank, nbytes in zip(rotated, members.shares(i, len(rotated))):
+                self.load[rank] += count * nbytes
+        self.pending.clear()
         return tuple(replace(m.group, names=tuple(m.names), senders=tuple(m.senders)) for m in self.members.values())
 
 
