@@ -42,19 +42,21 @@ def test_bad_control_messages_are_named(name, expected):
 
 def test_the_loader_never_raises_into_the_engine():
     """SGLang does not catch a custom loader's exception (it would end the scheduler): every
-    refusal is kept on the model instead, and the next call clears it."""
+    refusal is kept for refit_state instead (beside the model, not on it), and the next call
+    clears it."""
     model = torch.nn.Linear(2, 2)
     empty = torch.empty(0, dtype=torch.uint8)
     refit_loader(model, [("model.embed_tokens.weight", torch.zeros(2))])
-    assert "no megatron_refit control message" in model.megatron_refit_error
+    assert "no megatron_refit control message" in refit_state(model)["error"]
     refit_loader(model, refit_message(1))
-    assert "never connected" in model.megatron_refit_error
+    assert "never connected" in refit_state(model)["error"]
     refit_loader(model, [("megatron_refit.connect:" + '{"refit": {"engine": "vllm"}, "num_train": 2}', empty)])
-    assert "refit.engine is 'vllm'" in model.megatron_refit_error
+    assert "refit.engine is 'vllm'" in refit_state(model)["error"]
     assert refit_state(model) == dict(connected=False, state=None, weights_version=None,
-                                      error=model.megatron_refit_error)
+                                      error=refit_state(model)["error"])
     refit_loader(model, [])
-    assert model.megatron_refit_error is None
+    assert refit_state(model)["error"] is None
+    assert not any(name.startswith(("_megatron", "megatron")) for name in vars(model))  # nothing hung on it
 
 
 def test_http_client_rejects_bad_arguments():

@@ -70,7 +70,7 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
-    from megatron_refit.engines.sglang.worker.loader import engine_refit_for, refit_state
+    from megatron_refit.engines.sglang.worker.loader import engine_refit_for, refit_member, refit_state
     from megatron_refit.engines.sglang.trainer.client import EngineClient, HTTPClient
 
     from .engine_standins import RankEngine, scheduler_updater, serve_http
@@ -110,7 +110,7 @@ def _gen(rank, tp, sglang_ports, refit_ports, bridge_dir, workdir, cases):
             url, calls, server = serve_http(manager)
             client = HTTPClient(url, tp=tp, timeout=120)
         client.connect(refit, num_train=NUM_TRAIN, replica=replica)
-        member = model._megatron_refit
+        member = refit_member(model)
         checks = []
         for version in VERSIONS:
             client.refit(version)
@@ -273,7 +273,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
     from bridge_shards import load, model_config
 
-    from megatron_refit.engines.sglang.worker.loader import refit_state
+    from megatron_refit.engines.sglang.worker.loader import refit_member, refit_state
     from megatron_refit.testing.faults import fail_next_refit
 
     from .engine_standins import scheduler_updater, serve_http
@@ -295,7 +295,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
             server.shutdown()
             return dict(calls=calls, state=refit_state(model))
         if op == "fail_next":  # the engine's storage raises while the next refit lands
-            fail_next_refit(model._megatron_refit.full.storage)
+            fail_next_refit(refit_member(model).full.storage)
             replies[gen].put(None)
         elif op == "break_next":  # its next post-load step leaves the first layer as it was
             _break_next_post_load(model)
@@ -308,7 +308,9 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
 
 
 def _break_next_post_load(model) -> None:
-    storage = model._megatron_refit.full.storage
+    from megatron_refit.engines.sglang.worker.loader import refit_member
+
+    storage = refit_member(model).full.storage
     layer = model.model.layers[0]
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     finalize = storage.finalize

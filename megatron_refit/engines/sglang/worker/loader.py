@@ -22,6 +22,7 @@ at ``connect``, inside the worker).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,12 @@ import torch
 from megatron_refit.engines.sglang.messages import parse_message
 
 log = logging.getLogger(__name__)
+
+_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each SGLang model's refit group member, from ``connect`` to ``close``: kept beside the model,
+not on it (the model is SGLang's). The member holds the model, so an entry ends at ``close``."""
+_ERRORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each model's last loader call's error (None: it succeeded)."""
 
 
 def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
@@ -104,45 +111,50 @@ def sglang_post_load(model) -> Callable[[], None]:
 def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang custom weight loader (``WeightUpdater.update_weights_from_tensor`` calls it in
     every TP worker with the live model and this rank's deserialised named tensors): runs the
-    control messages in order. The refit group lives on the model (``model._megatron_refit``)
-    from ``connect`` to ``close``.
+    control messages in order. The refit group's member is kept per model (:data:`_MEMBERS`) from
+    ``connect`` to ``close``.
 
     It never raises: SGLang does not catch a custom loader's exception, which would end the
     scheduler process ("Scheduler hit an exception", SIGQUIT to the server) and leave the
-    other TP workers in the call's closing barrier. A failure is logged and kept in
-    ``model.megatron_refit_error`` (``None`` after a call that succeeded); the weights' state
+    other TP workers in the call's closing barrier. A failure is logged and kept for
+    :func:`refit_state` (``None`` after a call that succeeded); the weights' state
     is the receiver's (``stale`` once bytes moved, ``ready`` at the old version when it refused
     before), and every train rank's ``refit`` raises: the trainer is the source of truth."""
-    model.megatron_refit_error = None
+    _ERRORS[model] = None
     for name, _ in named_tensors:
         op = "?"
         try:
             op, args = parse_message(name)
             if op == "connect":
-                if getattr(model, "_megatron_refit", None) is not None:
+                if _MEMBERS.get(model) is not None:
                     raise RuntimeError("this engine is connected to a refit group already; close it first")
-                model._megatron_refit = engine_refit_for(model, args["refit"], num_train=args["num_train"],
-                                                         replica=args.get("replica", 0))
+                _MEMBERS[model] = engine_refit_for(model, args["refit"], num_train=args["num_train"],
+                                                   replica=args.get("replica", 0))
             else:
-                member = getattr(model, "_megatron_refit", None)
+                member = _MEMBERS.get(model)
                 if member is None:
                     raise RuntimeError(f"megatron_refit {op}: this engine never connected to a refit group "
                                        "(send the connect message first)")
                 if op == "refit":
                     member.receive(args["version"], full=args.get("full", False))
                 else:
-                    model._megatron_refit = None
+                    del _MEMBERS[model]
                     member.close()
         except Exception as exc:  # noqa: BLE001 -- see the docstring: raising would end the engine
             log.exception("megatron_refit %s failed", op)
-            model.megatron_refit_error = f"{type(exc).__name__}: {exc}"
+            _ERRORS[model] = f"{type(exc).__name__}: {exc}"
             return
+
+
+def refit_member(model: torch.nn.Module):
+    """The model's refit group member (None before ``connect`` and after ``close``)."""
+    return _MEMBERS.get(model)
 
 
 def refit_state(model: torch.nn.Module) -> dict:
     """What a TP worker's model says about its refits: the receiver's ``state`` and
     ``weights_version`` (``None`` before ``connect``) and the last call's error."""
-    member = getattr(model, "_megatron_refit", None)
-    return dict(connected=member is not None, state=getattr(member, "state", None),
+    member = _MEMBERS.get(model)
+    return dict(connected=member is not None, state=None if member is None else member.state,
                 weights_version=None if member is None else member.full.weights_version,
-                error=getattr(model, "megatron_refit_error", None))
+                error=_ERRORS.get(model))
