@@ -45,8 +45,8 @@ class LocalShard:
     get: Callable[[], torch.Tensor]
     """Returns the piece, shaped like ``spec.shape``, from the *current* parameter values
     (a view where the layout allows, else one copy of this rank's part)."""
-    release: Callable[[], None] | None = None
-    """Drops any copy ``get`` made (QKV split); the endpoint calls it after each refit."""
+    drop: Callable[[], None] | None = None
+    """Drops any copy ``get`` made (QKV split): :meth:`release`."""
     follows: str | None = None
     """HF name of the piece this one starts right after in memory (up after gate of one
     fused weight; k after q, v after k of one QKV split): such runs can leave as one message."""
@@ -57,6 +57,11 @@ class LocalShard:
 
     def tensor(self) -> torch.Tensor:
         return self.get()
+
+    def release(self) -> None:
+        """Drop any copy ``tensor()`` made; the endpoint calls it after each refit."""
+        if self.drop is not None:
+            self.drop()
 
 
 def local_conversion_tasks(bridge, model: list, hf_config) -> list:
@@ -134,7 +139,7 @@ def task_shards(task, *, vocab_size: int, hf_config=None) -> list[LocalShard]:
 
     def shard(name, global_shape, box, get, release=None, follows=None):
         spec = ShardSpec(name=name + suffix, global_shape=tuple(global_shape), dtype=dtype, box=box, **common)
-        return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release,
+        return LocalShard(spec=spec, megatron_name=meg_name, get=get, drop=release,
                           follows=None if follows is None else follows + suffix, optional=optional)
 
     if isinstance(mapping, pm.QKVMapping):

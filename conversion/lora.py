@@ -58,7 +58,7 @@ def _shard(name: str, shape: tuple, box, get, meg_name: str, pp_stage: int, rele
 
     spec = ShardSpec(name=name, global_shape=tuple(shape), dtype=str(get().dtype).removeprefix("torch."), box=box,
                      pp_stage=pp_stage)
-    return LocalShard(spec=spec, megatron_name=meg_name, get=get, release=release)
+    return LocalShard(spec=spec, megatron_name=meg_name, get=get, drop=release)
 
 
 def _task_adapter_shards(task, adapter) -> list[LocalShard]:

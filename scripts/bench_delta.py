@@ -51,12 +51,10 @@ def delta_rank(group, spec, cfg, shards, reps: int) -> dict:
             s = shard.spec
             bf16 = ShardSpec(name=s.name, global_shape=s.global_shape, dtype="bfloat16", box=s.box,
                              pp_stage=s.pp_stage, is_expert=s.is_expert)
-            pieces.append(TensorPiece(bf16, master.to(torch.bfloat16), follows=getattr(shard, "follows", None)))
+            pieces.append(TensorPiece(bf16, master.to(torch.bfloat16), follows=shard.follows))
             masters.append(master)
             noise.append(torch.randn(master.shape, generator=g))
-            release = getattr(shard, "release", None)  # drop a copy tensor() made (the QKV split)
-            if release is not None:
-                release()
+            shard.release()  # drop a copy tensor() made (the QKV split)
         endpoints = {key: Refitter(group, pieces, delta=key, **kw) for key in KEYS}
     else:
         bf16_spec = replace(spec, dtype="bfloat16")

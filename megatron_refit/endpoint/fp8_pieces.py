@@ -45,9 +45,7 @@ class _Quantized:
             if any(p is not None for p in self._parts):
                 return
             self._parts = None
-        release = getattr(self.piece, "release", None)
-        if release is not None:
-            release()
+        self.piece.release()
 
 
 @dataclass
@@ -57,6 +55,10 @@ class Fp8Piece:
     spec: ShardSpec
     source: _Quantized
     index: int
+    follows: str | None = None
+    """Its own buffer: it follows no piece."""
+    optional: str | None = None
+    """An optional piece is not quantized (:func:`quantize_pieces`)."""
 
     def tensor(self) -> torch.Tensor:
         return self.source.part(self.index)
@@ -75,7 +77,7 @@ def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
     out = []
     for piece in pieces:
         spec = piece.spec
-        if getattr(piece, "optional", None) or not is_quantized(spec.name, spec.global_shape):
+        if piece.optional or not is_quantized(spec.name, spec.global_shape):
             out.append(piece)
             continue
         if spec.dtype == "float8_e4m3fn":

@@ -37,15 +37,35 @@ from megatron_refit.transport import Transport
 
 
 
+PIECE_MEMBERS = ("spec", "tensor", "release", "follows", "optional")
+"""What a piece declares (:class:`HasPiece`): checked by name where the pieces enter."""
+
+
 class HasPiece(Protocol):
-    """A trainer's local piece: ``conversion.local_shards.LocalShard`` satisfies it. An
-    optional ``release()`` is called after every refit to drop copies ``tensor()`` made; an
-    optional ``optional`` (``"mtp"``) marks a piece that an engine may not hold: skipped by name
-    where no engine rank holds it (``refit/skipped_params``), where any other is refused."""
+    """A trainer's local piece, as ``conversion.local_shards.LocalShard`` and
+    :class:`TensorPiece` declare it: every member below, ``None`` where it does not apply."""
 
     spec: ShardSpec
+    follows: str | None
+    """Name of the piece whose memory this one starts right after (a hint: pieces adjacent on
+    both ends of a transfer can leave as one message); None where none."""
+    optional: str | None
+    """Why an engine may not hold this piece (``"mtp"``: skipped by name where no engine rank
+    holds it, ``refit/skipped_params``; any other piece no engine holds is refused); None."""
 
     def tensor(self) -> torch.Tensor: ...
+
+    def release(self) -> None:
+        """Drop any copy ``tensor()`` made (called after each refit); nothing where it made none."""
+
+
+def check_pieces(pieces: list) -> None:
+    """``ValueError`` naming the first piece that does not declare every member of :class:`HasPiece`."""
+    for piece in pieces:
+        missing = [m for m in PIECE_MEMBERS if not hasattr(piece, m)]
+        if missing:
+            raise ValueError(f"a refit piece of type {type(piece).__name__} does not declare {missing} "
+                             f"(every piece declares {list(PIECE_MEMBERS)}: see endpoint.sender.HasPiece)")
 
 
 @dataclass
@@ -63,6 +83,9 @@ class TensorPiece:
 
     def tensor(self) -> torch.Tensor:
         return self.data
+
+    def release(self) -> None:
+        """Nothing to drop: ``data`` is the piece."""
 
 
 class Refitter(Endpoint):
@@ -86,6 +109,7 @@ class Refitter(Endpoint):
         :class:`~megatron_refit.endpoint.base.RefitAbortedError` on the others)."""
         if group.rank >= num_train:
             raise ValueError(f"refit rank {group.rank} is a generation rank (num_train={num_train})")
+        check_pieces(pieces)
         self.pieces = {p.spec.name: p for p in pieces}
         if len(self.pieces) != len(pieces):
             raise ValueError("duplicate HF names among this rank's pieces")
@@ -95,10 +119,10 @@ class Refitter(Endpoint):
 
     def _local_adjacent(self) -> list[tuple[str, str]]:
         # declared by the pieces (``follows``: gate/up of one fused weight, q/k/v of one split)
-        return [(p.follows, name) for name, p in self.pieces.items() if getattr(p, "follows", None) in self.pieces]
+        return [(p.follows, name) for name, p in self.pieces.items() if p.follows in self.pieces]
 
     def _local_optional(self) -> tuple[str, ...]:
-        return tuple(sorted(name for name, p in self.pieces.items() if getattr(p, "optional", None)))
+        return tuple(sorted(name for name, p in self.pieces.items() if p.optional))
 
     def delta_base(self) -> int:
         return self._delta.base

@@ -63,9 +63,7 @@ class Sources:
 
 
 def release(piece) -> None:
-    release_piece = getattr(piece, "release", None)
-    if release_piece is not None:
-        release_piece()
+    piece.release()
 
 
 class SendDigests:

@@ -37,6 +37,13 @@ class SnapshotPiece:
 
     spec: ShardSpec
     data: torch.Tensor | None = None
+    optional: str | None = None
+    """As the live piece's (a snapshot stands for it in the plan)."""
+    follows = None
+    """Its buffer is its own: it follows no piece."""
+
+    def release(self) -> None:
+        """Nothing to drop: the buffer is kept for the next snapshot."""
 
     def tensor(self) -> torch.Tensor:
         if self.data is None:
@@ -51,7 +58,7 @@ class Snapshot:
 
     def __init__(self, live: list):
         self.live = {p.spec.name: p for p in live}
-        self.pieces = [SnapshotPiece(p.spec) for p in live]
+        self.pieces = [SnapshotPiece(p.spec, optional=p.optional) for p in live]
         self._by_name = {p.spec.name: p for p in self.pieces}
         self.ready: torch.cuda.Event | None = None
         """On a GPU: recorded on the training stream after the copies (the sender waits for it)."""
@@ -81,9 +88,7 @@ class Snapshot:
                     piece.data = torch.empty(src.shape, dtype=src.dtype, device=src.device)
                 dsts.append(piece.data)
                 srcs.append(src)
-                release = getattr(live, "release", None)
-                if release is not None:
-                    releases.append(release)
+                releases.append(live.release)
             if dsts:
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one call (device: one launch per group)
         for release in releases:  # copies tensor() made (a QKV split): after the copy that read them

@@ -94,9 +94,7 @@ class LocalShardSource(_SourceBase):
         self.lora_alpha = lora_alpha if self.adapters else 0.0
         if device is None and self.weights:
             device = self.weights[0].tensor().device
-            release = getattr(self.weights[0], "release", None)  # drop a copy tensor() made (a QKV split)
-            if release is not None:
-                release()
+            self.weights[0].release()  # drop a copy tensor() made (a QKV split)
         self.device = torch.device(device or "cpu")
 
     @cached_property
