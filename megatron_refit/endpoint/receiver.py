@@ -32,7 +32,8 @@ class Receiver(Endpoint):
     def __init__(self, group: Transport, storage: Storage, *, num_train: int, num_gen: int,
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, delta: str = "off",
-                 replica_size: int | None = None, relay=None, stall_s: float = 0.0):
+                 replica_size: int | None = None, relay=None, stall_s: float = 0.0,
+                 gate: Callable[[int], None] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
                          stall_s=stall_s)
@@ -50,7 +51,7 @@ class Receiver(Endpoint):
         """Version of the last complete refit (None before the first)."""
         self._moved = False
         """The engine re-allocated its parameters since the last refit: the next is a full one."""
-        self.gate: Callable[[int], None] | None = None
+        self.gate = gate
         """The engine's :meth:`~megatron_refit.endpoint.storage.GatesTraffic.gate`, called at the start
         of a refit the train ranks will check (``refit.verify_serving``); its member releases it."""
         self._set_state("stale")

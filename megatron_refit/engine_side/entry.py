@@ -37,15 +37,13 @@ def engine_refit(cfg: RefitConfig, storage, *, gen_index: int, num_train: int, d
     try:
         group = connect(cfg, refit_rank=num_train + rank, num_train=num_train, device=torch.device(device),
                         replica=replica, incarnation=incarnation)
-        member = EngineMember(group, storage, cfg, num_train=num_train, lora=lora,
-                              on_report=on_report, relay=relay_links(cfg, torch.device(device), replica, rank))
+        leave = (lambda: announce(cfg, "leave", replica, incarnation)) if rank == 0 else None
+        return EngineMember(group, storage, cfg, num_train=num_train, lora=lora, on_report=on_report,
+                            relay=relay_links(cfg, torch.device(device), replica, rank), heartbeat=heartbeat,
+                            on_close=leave)
     except BaseException:
         heartbeat.close()
         raise
-    member.heartbeat = heartbeat
-    if rank == 0:
-        member.on_close = lambda: announce(cfg, "leave", replica, incarnation)
-    return member
 
 
 def relay_links(cfg: RefitConfig, device: torch.device, replica: int, rank: int):

@@ -20,7 +20,8 @@ class EngineMember(Member):
     """Generation side of the refit (one per generation rank)."""
 
     def __init__(self, group, storage, cfg: RefitConfig, *, num_train: int, lora: tuple[int, float] | None = None,
-                 on_report: Callable[[dict], None] | None = None, relay=None):
+                 on_report: Callable[[dict], None] | None = None, relay=None, heartbeat=None,
+                 on_close: Callable[[], None] | None = None):
         self.num_train = num_train
         self._score = storage.score if isinstance(storage, ScoresProbe) else None
         """The engine's forward over the probe (``refit.verify_serving`` in band), if it has one."""
@@ -28,8 +29,13 @@ class EngineMember(Member):
         """How the engine stops serving a version that failed its serving check, if it can."""
         self._gates = storage if isinstance(storage, GatesTraffic) else None
         """An engine that keeps traffic off a checked version until its verdict (scored first)."""
-        kw = dict(endpoint_kw(cfg, num_train, on_report), relay=relay)
+        kw = dict(endpoint_kw(cfg, num_train, on_report), relay=relay,
+                  gate=None if self._gates is None else self._gates.gate)
         self.group = group
+        self.heartbeat = heartbeat
+        """This rank's :class:`~megatron_refit.engine_side.heartbeat.Heartbeat` (stopped by :meth:`close`)."""
+        self.on_close = on_close
+        """Called first by :meth:`close` (replica rank 0 announces that the replica leaves)."""
         self.relay = relay
         """``refit.fanout``: this rank's links to the other replicas (closed with the member)."""
         self.adapters = None
@@ -45,9 +51,6 @@ class EngineMember(Member):
         else:
             self.full = Receiver(group, storage, **kw)
             self.plan = self.full.prepare()
-        for endpoint in (self.full, self.adapters):
-            if endpoint is not None and self._gates is not None:
-                endpoint.gate = self._gates.gate
         self._last = self.full
 
     def receive(self, version: int | None = None, *, full: bool = False) -> RefitReport:
