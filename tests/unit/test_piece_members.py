@@ -52,3 +52,7 @@ def test_a_piece_that_declares_too_little_is_refused_by_name():
     with pytest.raises(ValueError, match=r"a refit piece of type Bare does not declare \['release', 'follows', "
                                          r"'optional'\]"):
         check_pieces([TensorPiece(SPEC, torch.zeros(1)), Bare()])
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource
+
+    with pytest.raises(ValueError, match=r"a refit piece of type Bare does not declare"):  # where users hand them
+        LocalShardSource([Bare()])

@@ -33,6 +33,7 @@ import torch
 
 from megatron_refit.config import RefitConfig, check_int, refit_section
 from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.endpoint.sender import check_pieces
 from megatron_refit.engines.vllm import BACKEND
 from megatron_refit.engines.control import NoControl
 from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
@@ -79,11 +80,12 @@ class MegatronRefitTrainerInitInfo(_InitInfoBase):
 
 
 class LocalShardSource(_SourceBase):
-    """This train rank's local pieces (``spec`` + ``tensor()``): weights and LoRA adapters."""
+    """This train rank's local pieces (:class:`~megatron_refit.endpoint.sender.HasPiece`): weights and LoRA adapters."""
 
     def __init__(self, weights: list, adapters: list = (), *, lora_rank: int = 0, lora_alpha: float = 0.0,
                  device: str | torch.device | None = None, forward=None):
         self.weights = list(weights)
+        check_pieces([*self.weights, *adapters])
         self.forward = forward
         """The trainer model's forward over the serving probe (``refit.verify_serving``; None: none)."""
         self.adapters = list(adapters)
