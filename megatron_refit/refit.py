@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.sender import check_pieces
 from megatron_refit.fleet.member import TrainerMember
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.group.connect import check_enabled, check_lora_sync, connect
@@ -43,8 +44,8 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
                               device: str | torch.device = "cpu", offloader=None,
                               on_report: Callable[[dict], None] | None = None, forward=None,
                               hooks=None) -> TrainerFleet:
-    """:func:`conversion.refit.trainer_refit` for pieces at hand (objects with ``spec`` and ``tensor()``: Bridge's
-    local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
+    """:func:`conversion.refit.trainer_refit` for pieces at hand (:class:`~megatron_refit.endpoint.sender.HasPiece`:
+    Bridge's local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
     model's forward over the serving probe (:class:`~megatron_refit.fleet.serving.TrainerForward`,
     ``refit.verify_serving``; None: the trainer has none, its refits are not checked). ``hooks``:
     train rank 0's engine control (what :meth:`~megatron_refit.engines.control.EngineControl.connect`
@@ -54,6 +55,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
     if adapters:
         check_lora_sync(cfg)
+    check_pieces([*pieces, *adapters])  # named here, before a snapshot or FP8 reads a member
     snapshot = None
     if cfg.overlap == "on":
         if offloader is not None:

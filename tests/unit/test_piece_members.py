@@ -54,5 +54,11 @@ def test_a_piece_that_declares_too_little_is_refused_by_name():
         check_pieces([TensorPiece(SPEC, torch.zeros(1)), Bare()])
     from megatron_refit.engines.vllm.trainer.engine import LocalShardSource
 
-    with pytest.raises(ValueError, match=r"a refit piece of type Bare does not declare"):  # where users hand them
-        LocalShardSource([Bare()])
+    from megatron_refit.config import RefitConfig
+    from megatron_refit.refit import trainer_refit_from_pieces
+
+    for hand in (lambda: LocalShardSource([Bare()]),  # where users hand them, before any member is read
+                 lambda: trainer_refit_from_pieces(RefitConfig.from_dict({"enabled": True, "overlap": "on"}), [Bare()],
+                                                   [], rank=0, num_train=1)):
+        with pytest.raises(ValueError, match=r"a refit piece of type Bare does not declare"):
+            hand()
