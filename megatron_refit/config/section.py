@@ -235,6 +235,20 @@ class RefitConfig:
     """Trainer data-parallel size for the dry run (at launch it follows from the world
     size). Default: the smallest that fits expert parallelism, ``ep*etp / gcd(tp, ep*etp)``."""
 
+    def to_wire(self) -> dict[str, Any]:
+        """The section as plain data for another process (an engine's ``init_info``, SGLang's
+        ``connect``): every field, read back by :meth:`from_wire`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> RefitConfig:
+        """:meth:`to_wire`'s mapping, validated as the edge of the receiving process
+        (``ValueError`` naming ``where``); the section is in force there (``enabled``)."""
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}.refit must be the refit: config section as a mapping, "
+                             f"got {type(value).__name__}")
+        return cls.from_dict({**value, "enabled": True})
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> RefitConfig:
         """Validated config from a YAML mapping; ``ValueError`` names unknown keys and bad values."""
@@ -335,6 +349,4 @@ def refit_section(value: Any, where: str) -> RefitConfig:
     valid since its construction and passed on as it is) as a validated, enabled config."""
     if isinstance(value, RefitConfig):
         return value if value.enabled else dataclasses.replace(value, enabled=True)
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}.refit must be the refit: config section as a mapping, got {type(value).__name__}")
-    return RefitConfig.from_dict({**value, "enabled": True})
+    return RefitConfig.from_wire(value, where)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -264,3 +265,16 @@ def test_a_misspelt_refit_section_is_an_error_not_refit_off():
 def test_direct_construction_is_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RefitConfig(**kwargs)
+
+
+def test_the_section_crosses_a_process_boundary_as_one_mapping_and_back():
+    """One encoder (``to_wire``: vLLM's ``init_info``, SGLang's ``connect``) and one decoder
+    (``from_wire``, where the receiving process parses it): every field comes back, in force."""
+    with pytest.warns(UserWarning, match="refit.enabled is false"):  # the trainer's side may be off; the engine's is on
+        cfg = RefitConfig.from_dict({"enabled": False, "engine": "sglang", "gen_tp": 2, "bucket_mb": 8, "delta": "on",
+                                     "verify_serving": "on", "stall_s": 12.5})
+    wire = cfg.to_wire()
+    assert json.loads(json.dumps(wire)) == wire  # plain JSON: it passes vLLM's routes and Ray unchanged
+    assert RefitConfig.from_wire(json.loads(json.dumps(wire)), "init_info") == dataclasses.replace(cfg, enabled=True)
+    with pytest.raises(ValueError, match=r"connect\.refit must be the refit: config section as a mapping, got list"):
+        RefitConfig.from_wire([], "connect")

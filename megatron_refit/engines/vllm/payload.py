@@ -11,7 +11,6 @@ server's engine-step swap (:data:`SWAP_PATH`, :mod:`.server_swap`): the version 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from megatron_refit.config import RefitConfig
@@ -19,7 +18,7 @@ from megatron_refit.config import RefitConfig
 
 def init_payload(cfg: RefitConfig, *, num_train: int, lora_rank: int = 0, lora_alpha: float = 0.0) -> dict:
     """The engine's ``init_info``."""
-    return {"refit": asdict(cfg), "num_train": num_train, "lora_rank": lora_rank, "lora_alpha": lora_alpha}
+    return {"refit": cfg.to_wire(), "num_train": num_train, "lora_rank": lora_rank, "lora_alpha": lora_alpha}
 
 
 def update_payload(version: int, *, full: bool, complete: bool = False) -> dict:

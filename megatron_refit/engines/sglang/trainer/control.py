@@ -14,7 +14,7 @@ in full at the next refit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from megatron_refit.config import RefitConfig, refit_section
@@ -33,7 +33,7 @@ class SglangControl(ReplicaLanes):
     def __init__(self, clients: Sequence, refit: dict | RefitConfig) -> None:
         cfg = refit if isinstance(refit, RefitConfig) else refit_section({"engine": "sglang", **refit}, "control")
         super().__init__(clients, replace(cfg, engine="sglang") if cfg.engine != "sglang" else cfg)
-        self.refit_section = asdict(self.cfg)
+        self.refit_section = self.cfg.to_wire()
         """What every engine gets at connect (the wire form of :attr:`cfg`)."""
 
     def connect_call(self, replica: int) -> Callable[[Any], Any]:
