@@ -97,7 +97,7 @@ class _Experts:
                                                                                  start + (k + 1) * width]])
             at[rank] = start + len(experts) * width
         self.bad = {u for u, found in enumerate(self.unit_names) if -1 in found}
-        good = [u for u, found in enumerate(self.unit_names) if found[-1] >= 0 and u not in self.bad]
+        good = [u for u in range(len(self.unit_names)) if u not in self.bad]
         flat = list(chain.from_iterable(map(self.unit_names.__getitem__, good)))
         widths = [len(self.unit_names[u]) for u in good]
         self.unit_at = array("l", repeat(-1, len(self.names) + 1))
@@ -110,7 +110,8 @@ class _Experts:
         self.alone = len(set(flat)) == len(flat)
         """No parameter in two units (two ranks folding one layer's experts alike)."""
         self.moving = len(self.unit_names) - len(self.bad)
-        self.kinds = {id(g): (basis.train_meta[g.names[0]].global_shape, g.dtype) for g in self.groups}
+        self.kinds = [(basis.train_meta[g.names[0]].global_shape, g.dtype) for g in self.groups]
+        """Per group: its parameters' ``(global shape, dtype)``."""
 
     def unit(self, name: str) -> int:
         """The unit of parameter ``name``, -1 where it does not move."""
@@ -121,8 +122,7 @@ class _Experts:
 
     def kind_of(self, name: str) -> tuple:
         """``(global shape, dtype)`` of a parameter."""
-        g = self.groups[self.group_id[self.index[name]]]
-        return self.kinds[id(g)]
+        return self.kinds[self.group_id[self.index[name]]]
 
 
 @dataclass(frozen=True)
