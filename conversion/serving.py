@@ -53,6 +53,9 @@ class MegatronForward:
         self.scale: list[list[float]] | None = None
         """After a call: per scored token, ``|its logit| + |the largest logit|``
         (:attr:`megatron_refit.plan.probe.Reference.scale`)."""
+        self.routes: list[list[tuple[int, ...]]] | None = None
+        """After a call, for a MoE model: per scored token, the (layer, expert) pairs its position was
+        routed to (:attr:`megatron_refit.plan.probe.Reference.routes`); None for a dense model."""
         self._moe_layers: torch.Tensor | None = None
 
     def prepare(self, *, fp8: bool) -> None:
@@ -74,7 +77,7 @@ class MegatronForward:
 
     @torch.no_grad()
     def __call__(self, sequences) -> list[list[float]]:
-        logprobs, seen = self._run(sequences)
+        logprobs, seen = self._run(sequences, routes=True)
         self.experts = None if seen is None else self._count(seen.any(dim=0))
         self.scale = [[m for _, m in row] for row in logprobs]
         return [[lp for lp, _ in row] for row in logprobs]
@@ -113,12 +116,14 @@ class MegatronForward:
         chosen = greedy_cover(missing, gains, [len(s) for s in candidates], budget)
         return tuple(base) + tuple(candidates[i] for i in chosen)
 
-    def _run(self, sequences, *, scored: bool = True) -> tuple[list[list[float]] | None, torch.Tensor | None]:
+    def _run(self, sequences, *, scored: bool = True,
+             routes: bool = False) -> tuple[list[list[float]] | None, torch.Tensor | None]:
         """Each sequence's log-probs (``scored``; else None) and, for a MoE model, the experts its
         tokens were routed to (``[sequences, layers, experts]`` bool,
-        :meth:`conversion.routing.RoutedExperts.per_sequence`)."""
+        :meth:`conversion.routing.RoutedExperts.per_sequence`); ``routes``: :attr:`routes` too."""
         out: list = [None] * len(sequences)
         seen = None
+        self.routes = [None] * len(sequences) if routes and self.routing.moe else None
         if self.routing.moe:
             seen = torch.zeros(len(sequences), self.routing.num_layers, self.routing.num_experts, dtype=torch.bool)
         with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
@@ -131,6 +136,9 @@ class MegatronForward:
                 if seen is not None:
                     routed, self._moe_layers = self.routing.per_sequence(run, len(indices))
                     seen[indices] = routed
+                    if self.routes is not None:
+                        for i, row in zip(indices, self.routing.per_token(run, len(indices)), strict=True):
+                            self.routes[i] = row
         return (out if scored else None), seen
 
     def _count(self, union: torch.Tensor) -> tuple[int, int]:

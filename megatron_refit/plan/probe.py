@@ -62,12 +62,15 @@ BULK_MIN_TOKENS = 40
 
 @dataclass(frozen=True)
 class Reference:
-    """The trainer's answer to a probe: per sequence, the log-prob of each scored token, and
+    """The trainer's answer to a probe: per sequence, the log-prob of each scored token,
     ``scale``: ``|its logit| + |the largest logit|`` at its position, what its error grows with
-    (None: 0)."""
+    (None: 0), and ``routes``."""
 
     logprobs: list[list[float]]
     scale: list[list[float]] | None = None
+    routes: list[list[tuple[tuple[int, int], ...]]] | None = None
+    """Of a MoE model: per sequence, per scored token, the ``(layer, expert)`` pairs the trainer's
+    router sends its position to (what the calibrated check groups tokens by); None: not known."""
 
 
 @dataclass(frozen=True)

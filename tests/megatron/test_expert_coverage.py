@@ -4,7 +4,9 @@ reachable from one token id only. The random probe never routes it (a random pro
 holds that token with probability 1 - (4095/4096)**64 = 1.6 %), so an engine whose copy of that
 expert is broken passes a check on the random probe; the probe extended under the trainer's
 router (:meth:`conversion.serving.MegatronForward.cover`) routes every expert of every layer, and
-the same engine fails it while a clean engine passes it.
+the same engine fails it while a clean engine passes it. The per-token routes the calibrated check
+groups the probe by (:meth:`conversion.routing.RoutedExperts.per_token`) are the same on both TP
+ranks, and the token that alone reaches the expert is routed to it.
 """
 
 from __future__ import annotations
@@ -77,13 +79,17 @@ def _rank(rank, world, port):
     cover_s = time.perf_counter() - start
     reference = Reference(forward(sequences), forward.scale)
     covered = forward.experts
+    routes = forward.routes  # per scored token, the (layer, expert) pairs its position is routed to
     weights = dict(built.bridge.export_hf_weights(built.model, cpu=True, show_progress=False))
     if rank:
-        return None
+        return routes
     assert any(FC2.search(n) for n in params), sorted(params)
     found = dict(cover_s=round(cover_s, 2), base=base_experts, covered=covered,
                  added=len(sequences) - len(probe.sequences),
-                 reaches=any(target in s for s in sequences[len(probe.sequences):]))
+                 reaches=any(target in s for s in sequences[len(probe.sequences):]), routes=routes,
+                 target_routes=[routes[i][t] for i, s in enumerate(sequences) for t, token in enumerate(s[:-1])
+                                if token == target],
+                 lengths=[len(s) - 1 for s in sequences])
     engine = HFStorage.from_config(cfg, dtype=torch.bfloat16)
     for name, tensor in weights.items():
         engine.buffer(name).copy_(tensor)
@@ -107,8 +113,14 @@ def _rank(rank, world, port):
 
 
 def test_the_probe_routes_every_expert_and_catches_one_no_random_probe_reaches():
-    found = run_spawned(_rank, 2, timeout_s=600)[0]
+    found, other = run_spawned(_rank, 2, timeout_s=600)
+    routes = found.pop("routes")
     print(found)
+    # the routes the calibrated check groups tokens by: each scored token's 8 experts in each of the 2 MoE layers,
+    # the same on both TP ranks though each router saw its own sequence-parallel half of the positions
+    assert routes == other and [len(r) for r in routes] == found["lengths"]
+    assert all(len(pairs) == 16 and sorted({layer for layer, _ in pairs}) == [0, 1] for r in routes for pairs in r)
+    assert found["target_routes"] and all((0, EXPERT) in pairs for pairs in found["target_routes"])
     covered, total = found["covered"]
     assert total == 2 * 64 and covered == total  # every (layer, expert) of the two MoE layers
     assert found["base"][1] == total and found["base"][0] < total  # the random probe misses some: EXPERT
