@@ -127,6 +127,10 @@ def moe(refits: int, warmup: int) -> dict:
                 experts_total=summaries[-1]["experts_total"])
 
 
+def _g(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
 @reports_user_errors
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,14 +176,17 @@ def main(argv=None) -> dict:
               f"at version {cal['version']} (tail {cal['tail_limit']:.3g}, 80 % quantile {cal['bulk_limit']:.3g} "
               f"of the rounding bound {p['tolerance']:g} + {p['relative']:g} x the logits' magnitude); clean max "
               f"|dlogprob| {p['clean_max_dlogprob']:.3g}, mean {p['clean_mean_dlogprob']:.2g}, bulk "
-              f"{p['clean_bulk']:.3g}; caught {seen} (of them the rounding bound alone passes "
-              f"{[f for f in seen if p['faults'][f]['rounding_bound_passes']]}); smallest caught "
-              f"{p['smallest_caught']}", flush=True)
+              f"{p['clean_bulk']:.3g}, one expert's tokens moved {_g(p['clean_expert_moved'])} (limit "
+              f"{_g(p['expert_limit'])}); caught {[(f, p['faults'][f]['caught_by']) for f in seen]} (of them the "
+              f"rounding bound alone passes {[f for f in seen if p['faults'][f]['rounding_bound_passes']]}); smallest "
+              f"caught {p['smallest_caught']}", flush=True)
         for fault, v in p["faults"].items():
             if not v["caught"]:
                 print(f"  {fault}: not caught, within the calibrated limits (the clean noise and its margins): "
-                      f"max |dlogprob| {v['max_dlogprob']:.3g} (clean "
-                      f"{p['clean_max_dlogprob']:.3g}), bulk {v['bulk']:.3g} (clean {p['clean_bulk']:.3g})", flush=True)
+                      f"max |dlogprob| {v['max_dlogprob']:.3g} (clean {p['clean_max_dlogprob']:.3g}), bulk "
+                      f"{v['bulk']:.3g} (clean {p['clean_bulk']:.3g}), one expert's tokens moved "
+                      f"{_g(v['expert_moved'])} (clean {_g(p['clean_expert_moved'])}, limit {_g(p['expert_limit'])})",
+                      flush=True)
     result |= dict(model="qwen3", shape=shape or "qwen3 (tests)", train="TP2", gen="TP1xDP2 (HF engine, in band)",
                    refits=args.refits, cpu=cpu_model(), seconds=time.perf_counter() - t0)
     if args.json:

@@ -65,6 +65,9 @@ class TrainerForward(Protocol):
     (:attr:`~megatron_refit.plan.probe.Reference.scale`; None: not measured)."""
     lora: bool
     """The model carries LoRA adapters (the engine merges them)."""
+    routes: list[list[tuple[tuple[int, int], ...]]] | None
+    """After a call, for a MoE model: per scored token, the (layer, expert) pairs its position is
+    routed to (:attr:`~megatron_refit.plan.probe.Reference.routes`); None for a dense model."""
 
     def prepare(self, *, fp8: bool) -> None:
         """Once, before the first call: ``fp8``, the trainer quantizes what it sends (the reference
@@ -186,7 +189,7 @@ class ServingCheck:
                                experts[0], experts[1], self.cover_tokens)
                 self._said_uncovered = True
         self.experts = experts
-        answer = Reference(reference, self.forward.scale)
+        answer = Reference(reference, self.forward.scale, self.forward.routes)
         return self.probe, answer, time.perf_counter() - t0
 
     def verdict(self, replica: int, version: int, score: Callable[[], Any], reference: Reference, probe: Probe,
@@ -210,6 +213,7 @@ class ServingCheck:
             raise ServingMismatchError(f"refit {version}: engine replica {replica} failed to serve the probe ({why})",
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
+        moved = None
         profile = self.profiles.get(replica)
         bound = None if profile is None else calibration.limits(profile)
         paths = served.paths if isinstance(served, PathScores) else (("", served),)
@@ -221,10 +225,12 @@ class ServingCheck:
                       for _, answer in judged]
             values = [max(column) for column in zip(*shares)]  # a fault on one path is the replica's
             if bound is not None:
+                same = reference.routes is not None and calibration.on_probe(profile, probe.sequences)
                 judge = functools.partial(calibration.judge, bound=bound, tolerance=self.tolerance,
-                                          relative=self.relative, replica=replica, version=version, worst=worst)
+                                          relative=self.relative, replica=replica, version=version, worst=worst,
+                                          routes=[r for row in reference.routes for r in row] if same else None)
                 try:
-                    judge(values)
+                    moved = judge(values)
                 except ServingMismatchError as exc:
                     failing = [label for (label, _), own in zip(paths, shares) if label and not _passes(judge, own)]
                     if not failing:
@@ -252,7 +258,8 @@ class ServingCheck:
             self._said_short = True
         return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
                     calibrated=bound is not None, tail=calibration.tail(values),
-                    tail_limit=None if bound is None else bound.tail)
+                    tail_limit=None if bound is None else bound.tail, expert_moved=moved,
+                    expert_limit=None if bound is None else bound.expert)
 
     def _compare(self, label: str, served: Any, reference: Reference, probe: Probe, replica: int, version: int, *,
                  calibrated: bool) -> float:
@@ -275,9 +282,14 @@ class ServingCheck:
 
     def _calibrate(self, replica: int, version: int, values: list[float], probe: Probe) -> None:
         """After replica ``replica`` passed a check with these :func:`~megatron_refit.plan.calibration.shares`:
-        its profile measured where one is due (:func:`~megatron_refit.plan.calibration.due`)."""
+        its profile measured where one is due (:func:`~megatron_refit.plan.calibration.due`), else
+        these shares kept as the baseline of its next check's experts
+        (:func:`~megatron_refit.plan.calibration.passed`)."""
         profile = self.profiles.get(replica)
-        if not self.calibrate or not calibration.due(profile, probe.sequences):
+        if not self.calibrate:
+            return
+        if not calibration.due(profile, probe.sequences):
+            self.profiles[replica] = calibration.passed(profile, values, version=version)
             return
         new = calibration.measure(values, probe.sequences, version=version)
         self.profiles[replica] = new if profile is None else calibration.remeasured(profile, new)

@@ -14,9 +14,17 @@ Every later check of that replica must also keep (:func:`judge`):
 - the probe's **bulk**, the :data:`QUANTILE` of the shares, within :data:`BULK_MARGIN` times the
   clean one: a fault that moves many tokens a little (two swapped experts on a peaked model);
 
-never tighter than :data:`MIN_SHARE` and :data:`MIN_BULK` of the rounding bound, never looser than
-it. No single token is held to its own calibration: one token's share moves 2.4x between two clean
-refits of a hard-trained model (a near-tie of its router), a mean over several moves less.
+- of a MoE model, each **expert's tokens**: the probe tokens the trainer routes to one (layer,
+  expert), at least :data:`EXPERT_MIN_TOKENS` of them, may not have moved by a median of more than
+  :data:`EXPERT_MARGIN` times the clean tail (and :data:`EXPERT_BULK` times the clean bulk) since
+  the replica's last passed check
+  (:func:`expert_shift`): a fault confined to a few experts (two swapped experts on a flat model,
+  which moves the probe's tail no further than clean drift does on a peaked one);
+
+never tighter than :data:`MIN_SHARE`, :data:`MIN_BULK` and :data:`MIN_EXPERT` of the rounding bound,
+never looser than it. No single token is held to its own calibration: one token's share moves 2.4x
+between two clean refits of a hard-trained model (a near-tie of its router), a mean over several
+moves less, and the median of an expert's tokens less still.
 
 Shares, not nats: each token's bound is re-measured by the trainer's reference at every check
 (``|its logit| + |the largest logit|``), so as training makes the model more peaked the limits
@@ -29,7 +37,9 @@ shrinking) and when the replica rejoins: never after a failure, so a fault is no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.plan.probe import BULK, BULK_MIN_TOKENS, Reference
@@ -52,6 +62,25 @@ magnitude, 1.3 units in the last place of a bf16 logit (2^-7 of its magnitude)."
 MIN_BULK = 0.05
 """Nor the :data:`QUANTILE`'s: in bf16 0.001 + 0.005 x the magnitude, about one rounding of a bf16
 logit (2^-8 of its magnitude, x1.28)."""
+EXPERT_MARGIN = 0.15
+"""An expert's tokens may move by a median of this many times the clean tail between two checks
+(or :data:`EXPERT_BULK` times the clean bulk, the larger). Measured (bf16, 64 experts top-8, lr
+1e-6; four model states on sixteen numeric trajectories, Megatron TP1 and TP2 with sequence
+parallelism x EP2; checks 1, 5 and 10 refits apart): clean moves reach 0.79 of the limit; two
+swapped experts 0.94-6.9x it on the nearly flat model, where the probe's tail may not see them
+(docs/guide-serving.md, "Calibrated limits")."""
+EXPERT_BULK = 1.0
+"""...and this many times the clean :data:`QUANTILE`: the tokens of an expert that matched the
+trainer almost exactly (shares ~1e-4: their roundings happened to agree) move to the deployment's
+typical noise when an update changes its weights, all at once (a model at random init, Megatron
+TP2 with sequence parallelism x EP2: a median move of 0.0092 where the 80 % quantile was 0.0117);
+a fault moves them beyond it."""
+EXPERT_MIN_TOKENS = 8
+"""An expert is judged where at least this many probe tokens are routed to it: the median of
+fewer follows single tokens (a near-tie of the router moves one token's share 2.4x)."""
+MIN_EXPERT = 0.005
+"""No expert limit is tighter than this share: 5x the clean shares of a float32 engine (~1e-3 of
+its rounding bound), where a near-exact engine's tiny tail would set none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +96,11 @@ class Profile:
     """The version it was (last) measured at."""
     tokens: tuple[tuple[int, ...], ...]
     """The probe it was measured on."""
+    last: tuple[float, ...] = ()
+    """The shares of the replica's last passed check, on :attr:`tokens`: what :func:`expert_shift`
+    measures each expert's tokens from."""
+    last_version: int = 0
+    """The version of that check."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +110,8 @@ class Limits:
     tail: float
     bulk: float | None
     """None: not judged (a short probe)."""
+    expert: float
+    """The largest median move of one expert's tokens (:func:`expert_shift`)."""
     profile: Profile
 
 
@@ -110,20 +146,48 @@ def quantile(values: list[float]) -> float | None:
 
 def measure(values: list[float], tokens, *, version: int) -> Profile:
     """The profile of one clean check's :func:`shares` (``tokens``: the probe's sequences)."""
-    return Profile(tail=tail(values), bulk=quantile(values), version=version, tokens=tuple(map(tuple, tokens)))
+    return Profile(tail=tail(values), bulk=quantile(values), version=version, tokens=tuple(map(tuple, tokens)),
+                   last=tuple(values), last_version=version)
+
+
+def passed(profile: Profile, values: list[float], *, version: int) -> Profile:
+    """``profile`` after a check on its probe passed with these :func:`shares`: the baseline of
+    the next :func:`expert_shift`."""
+    return replace(profile, last=tuple(values), last_version=version)
 
 
 def limits(profile: Profile) -> Limits:
     """The limits ``profile`` sets (see the module docstring)."""
     return Limits(tail=min(1.0, max(MIN_SHARE, TAIL_MARGIN * profile.tail)),
                   bulk=None if profile.bulk is None else min(BULK, max(MIN_BULK, BULK_MARGIN * profile.bulk)),
+                  expert=min(1.0, max(MIN_EXPERT, EXPERT_MARGIN * profile.tail, EXPERT_BULK * (profile.bulk or 0.0))),
                   profile=profile)
 
 
+def expert_shift(values: list[float], last: Sequence[float],
+                 routes: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, tuple[int, int], int] | None:
+    """The (layer, expert) whose tokens moved most since ``last`` (the same probe's shares at an
+    earlier check): ``(the median of their share increases, (layer, expert), how many tokens)``
+    over the experts that ``routes`` (per token, the (layer, expert) pairs its position is routed
+    to) gives at least :data:`EXPERT_MIN_TOKENS` tokens; None where none has as many."""
+    if len(last) != len(values) or len(routes) != len(values):
+        raise ValueError(f"expert_shift: {len(values)} shares, {len(last)} earlier ones and {len(routes)} routes "
+                         "(one each per probe token)")
+    tokens: dict[tuple[int, int], list[int]] = {}
+    for i, pairs in enumerate(routes):
+        for pair in pairs:
+            tokens.setdefault(tuple(pair), []).append(i)
+    found = [(statistics.median(values[i] - last[i] for i in index), pair, len(index))
+             for pair, index in tokens.items() if len(index) >= EXPERT_MIN_TOKENS]
+    return max(found, default=None)
+
+
 def judge(values: list[float], bound: Limits, *, tolerance: float, relative: float, replica: int,
-          version: int, worst: float) -> None:
+          version: int, worst: float, routes: Sequence[Sequence[tuple[int, int]]] | None = None) -> float | None:
     """:class:`~megatron_refit.errors.ServingMismatchError` where a check's :func:`shares` (one
-    that passed the rounding bound; ``worst``: its largest |Δ log-prob|) break ``bound``."""
+    that passed the rounding bound; ``worst``: its largest |Δ log-prob|) break ``bound``;
+    ``routes`` (a MoE model's, on the profile's probe): each expert's tokens judged too. Returns
+    the largest move of an expert's tokens it judged (None: none judged)."""
     p = bound.profile
     found = [("tail", f"its {tail_size(len(values))} largest |Δ| (the largest {TAIL_SHARE:.0%}) average",
               tail(values), bound.tail, TAIL_MARGIN, p.tail, "a few tokens moved far")]
@@ -141,16 +205,37 @@ def judge(values: list[float], bound: Limits, *, tolerance: float, relative: flo
                 f"that the uncalibrated check lets pass (two experts swapped), or the noise grew past the margin. It "
                 f"has not landed version {version}; its next refit is a full one",
                 replica=replica, version=version, max_dlogprob=worst, first=None)
+    shift = None if routes is None or not p.last else expert_shift(values, p.last, routes)
+    if shift is not None and shift[0] > bound.expert:
+        moved, (layer, expert), count = shift
+        raise ServingMismatchError(
+            f"refit {version}: engine replica {replica} does not serve the trainer's model: one expert's tokens are "
+            f"off its calibrated noise: the {count} probe tokens the trainer routes to expert {expert} of layer "
+            f"{layer} moved by a median of {moved:.3g} of their tolerance ({tolerance:g} + {relative:g} x their "
+            f"logits' magnitude) since its check at version {p.last_version}, beyond {bound.expert:.3g} (the larger "
+            f"of {EXPERT_MARGIN:g}x the tail {p.tail:.3g} and {EXPERT_BULK:g}x the {QUANTILE:.0%} quantile "
+            f"{p.bulk or 0.0:.3g} this replica showed clean at version {p.version}; the largest difference "
+            f"{worst:.4g}). Every token is within its tolerance: the tokens of one expert moved "
+            f"together, as a post-load fault confined to a few experts does (two experts swapped, one expert's "
+            f"weights wrong). It has not landed version {version}; its next refit is a full one",
+            replica=replica, version=version, max_dlogprob=worst, first=None)
+    return None if shift is None else shift[0]
 
 
 def remeasured(profile: Profile, new: Profile) -> Profile:
     """``profile`` after a re-measure that passed its limits: the larger of each statistic (a quiet
     check must not make the next one fail), on the new check's probe."""
     bulk = new.bulk if profile.bulk is None or new.bulk is None else max(profile.bulk, new.bulk)
-    return Profile(tail=max(profile.tail, new.tail), bulk=bulk, version=new.version, tokens=new.tokens)
+    return Profile(tail=max(profile.tail, new.tail), bulk=bulk, version=new.version, tokens=new.tokens,
+                   last=new.last, last_version=new.last_version)
+
+
+def on_probe(profile: Profile, tokens) -> bool:
+    """Whether ``profile`` was measured on the probe ``tokens`` (its shares line up with a check's)."""
+    return tuple(map(tuple, tokens)) == profile.tokens
 
 
 def due(profile: Profile | None, tokens) -> bool:
     """Whether a passed check measures the profile: the first (none yet), and one on a probe other
     than the profile's."""
-    return profile is None or tuple(map(tuple, tokens)) != profile.tokens
+    return profile is None or not on_probe(profile, tokens)

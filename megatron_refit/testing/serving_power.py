@@ -79,7 +79,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.fleet.serving import ServingCheck
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.plan.calibration import limits
+    from megatron_refit.plan.calibration import expert_shift, limits, shares
     from megatron_refit.plan.probe import bulk, compare
 
     init_gloo(rank, world, port)
@@ -119,7 +119,13 @@ def power_rank(rank, world, port, states=tuple(STATES)):
                 except ServingMismatchError:
                     rounding = False
                 return dict(max_dlogprob=exc.max_dlogprob, message=str(exc), bulk=math.inf if share is None else share,
-                            rounding_passes=rounding)
+                            rounding_passes=rounding, expert_moved=moved(served, reference) if finite else None)
+
+        def moved(served, reference):  # the largest move of one expert's tokens since the last passed check
+            last = check.profiles[0].last if 0 in check.profiles else ()
+            values = shares(served, reference, tolerance=check.tolerance, relative=check.relative)
+            found = expert_shift(values, last, [r for row in reference.routes for r in row]) if last else None
+            return None if found is None else found[0]
 
         clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
         for version in range(1, CLEAN_REFITS + 1):
@@ -127,8 +133,9 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             load(engine, version)
             probe, reference, _ = check.take_reference()
             clean.append(verdict(engine, version, probe, reference))
-        faults = {}
-        for fault in FAULTS:
+        faults, kept = {}, dict(check.profiles)
+        for fault in FAULTS:  # each judged against the last clean check (a fault that passes is no baseline)
+            check.profiles = dict(kept)
             broken = load(HFStorage.from_config(cfg, dtype=torch.bfloat16), CLEAN_REFITS + 1)
             break_engine(broken.model, fault)
             faults[fault] = verdict(broken, CLEAN_REFITS + 1, probe, reference)
@@ -140,10 +147,23 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     return found
 
 
+def caught_by(message: str | None) -> str | None:
+    """Which limit a serving mismatch's ``message`` names: ``expert``, ``tail`` or ``bulk`` (the
+    calibrated limits), ``rounding bound``; None: no mismatch."""
+    if message is None:
+        return None
+    for what, words in (("expert", "one expert's tokens are off"), ("tail", "the tail of its log-probs is off"),
+                        ("bulk", "the bulk of its log-probs is off its calibrated")):
+        if words in message:
+            return what
+    return "rounding bound"
+
+
 def summary(found: dict) -> dict:
     """Per state: the clean refits' largest max / mean |Δ| and :func:`~megatron_refit.plan.probe.bulk`
-    (against its limit), how many passed, and per fault its largest |Δ|, its bulk and whether the
-    check caught it; ``smallest_caught``: the caught fault that moved
+    (against its limit), how many passed, the largest move of one expert's tokens between two clean
+    checks (against its limit), and per fault its largest |Δ|, its bulk, its experts' move, whether
+    the check caught it and by which limit (:func:`caught_by`); ``smallest_caught``: the caught fault that moved
     the log-probs least (its name and |Δ|)."""
     out = {}
     for state, got in found.items():
@@ -152,7 +172,10 @@ def summary(found: dict) -> dict:
         moved = {f: r["max_dlogprob"] for f, r in got["faults"].items()}
         shares = {f: r.get("bulk") for f, r in got["faults"].items()}
         smallest = min((f for f in caught if caught[f]), key=lambda f: moved[f], default=None)
+        moves = [r["expert_moved"] for r in clean if r.get("expert_moved") is not None]
         out[state] = dict(clean_passed=sum("message" not in r for r in clean), clean_refits=len(clean),
+                          clean_expert_moved=max(moves, default=None),
+                          expert_limit=next((r["expert_limit"] for r in clean if r.get("expert_limit")), None),
                           clean_max_dlogprob=max(r["max_dlogprob"] for r in clean),
                           clean_mean_dlogprob=max(r.get("mean_dlogprob", math.inf) for r in clean),
                           clean_bulk=max(r.get("bulk") or 0.0 for r in clean), bulk_limit=BULK,
@@ -161,6 +184,8 @@ def summary(found: dict) -> dict:
                           tolerance=got["tolerance"], relative=got["relative"], loss=got["loss"],
                           experts_covered=got["experts"][0], experts_total=got["experts"][1],
                           faults={f: dict(max_dlogprob=moved[f], bulk=shares[f], caught=caught[f],
+                                          caught_by=caught_by(got["faults"][f].get("message")),
+                                          expert_moved=got["faults"][f].get("expert_moved"),
                                           rounding_bound_passes=got["faults"][f].get("rounding_passes", True))
                                   for f in moved},
                           smallest_caught=None if smallest is None else dict(fault=smallest,

@@ -6,19 +6,22 @@ engine's weights not read back (``readback: false``: as on vLLM and SGLang, whos
 re-pack). In each, the first check is judged against the rounding bound (each token within 0.02 +
 0.1 x (|its logit| + |the largest logit|), 90 % of the probe's tokens within 0.2 of that) and
 measures the replica's clean noise; the next 19 checks are also held to the limits calibrated
-from it (``plan.calibration``). Flat and peaked: 20 clean refits at an RL learning rate (1e-6)
-pass, and a NaN in one routed expert, a wrong RoPE base and a post-load scale error (the final norm
-x1.1) are caught. In no state does the calibration fail a clean refit that the rounding bound
-passes (trained hard, the rounding bound itself fails some clean refits on some CPUs and thread
-counts: the known limit, docs/guide-serving.md "What passes"); a fault the calibration alone
-catches is one the rounding bound passes.
+from it (``plan.calibration``: the probe's tail and bulk against the calibration, and each expert's
+tokens against the replica's last passed check). In every state: 20 clean refits at an RL learning
+rate (1e-6) pass (trained hard, the rounding bound itself fails some clean refits on some CPUs and
+thread counts: the known limit, docs/guide-serving.md "What passes"), and a NaN in one routed
+expert, a wrong RoPE base and a post-load scale error (the final norm x1.1) are caught; on the
+peaked model two swapped experts too. The calibration fails no clean refit that the rounding bound
+passes, and a fault the calibration alone catches is one the rounding bound passes.
 
-Two swapped experts, one expert x1.05 and an attention output x1.02 are measured and printed, not
-asserted: whether the calibrated limits see the swap depends on the trained state's numerics (on 2
-threads the nearly flat model's swap moves the probe's tail 2.55x its clean value and is caught;
-on 1 thread, another trajectory of the same recipe, 1.25x, inside the 2.2x margin;
-docs/guide-serving.md, "Calibrated limits"). The HF engine's read-back of its live weights catches
-every weight fault of these (``test_verify_serving.py``).
+Two swapped experts on the nearly flat and the hard-trained models, one expert x1.05 and an
+attention output x1.02 are measured and printed, not asserted. The swap was caught on all 11
+hard-trained trajectories measured and on 10 of 11 nearly flat ones (docs/guide-serving.md,
+"Calibrated limits"): not on the nearly flat model on 1 thread, as this test runs in ``make
+test``: there it moves the probe's tail 1.25x its clean value (inside the 2.2x margin) and its two
+experts' tokens 0.94 of the per-expert limit, about what a clean update does to one expert's tokens
+on a model at random init. The HF engine's read-back of its live weights catches every weight
+fault of these (``test_verify_serving.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from megatron_refit.testing.serving_power import power_rank, summary
 
 pytestmark = pytest.mark.slow
 
-CAUGHT = {"flat": {"nan", "rope", "scale x1.1"}, "peaked": {"nan", "rope", "scale x1.1"},
+CAUGHT = {"flat": {"nan", "rope", "scale x1.1"}, "peaked": {"nan", "rope", "scale x1.1", "swap"},
           "hard": {"nan", "rope", "scale x1.1"}}
 """Faults the check must catch in each state (the others are reported)."""
 CLEAN = ("flat", "peaked")

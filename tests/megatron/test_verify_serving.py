@@ -25,7 +25,7 @@ class _Forward:
     """A trainer forward (``TrainerForward``) that counts its calls."""
 
     vocab_size, dtype, lora = 50, "float32", False
-    experts = scale = None  # a dense model; no logits' magnitudes measured
+    experts = scale = routes = None  # a dense model; no logits' magnitudes measured
 
     def __init__(self):
         self.calls, self.fp8 = 0, None

@@ -12,8 +12,9 @@ from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.fleet.serving import ServingCheck
 from megatron_refit.plan import calibration
-from megatron_refit.plan.calibration import (MIN_BULK, MIN_SHARE, Profile, due, judge, limits, measure, quantile,
-                                             remeasured, shares, tail, tail_size)
+from megatron_refit.plan.calibration import (EXPERT_MIN_TOKENS, MIN_BULK, MIN_EXPERT, MIN_SHARE, Profile, due,
+                                             expert_shift, judge, limits, measure, passed, quantile, remeasured,
+                                             shares, tail, tail_size)
 from megatron_refit.plan.probe import BULK, Probe, Reference
 
 TOKENS = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),) * 5  # 50 scored tokens: the bulk is judged, the tail is 2 of them
@@ -27,10 +28,13 @@ def test_limits_are_the_margins_times_the_clean_noise_between_the_rounding_floor
     got = limits(_profile(0.104, 0.038))
     assert got.tail == pytest.approx(calibration.TAIL_MARGIN * 0.104)
     assert got.bulk == pytest.approx(calibration.BULK_MARGIN * 0.038) and got.profile.version == 1
+    assert got.expert == pytest.approx(calibration.EXPERT_BULK * 0.038)  # the larger: 0.038 against 0.0156
+    assert limits(_profile(0.3, 0.038)).expert == pytest.approx(calibration.EXPERT_MARGIN * 0.3)
     quiet = limits(_profile(1e-4, 1e-5))  # float32-quiet: never tighter than the rounding floor
-    assert (quiet.tail, quiet.bulk) == (MIN_SHARE, MIN_BULK)
+    assert (quiet.tail, quiet.bulk, quiet.expert) == (MIN_SHARE, MIN_BULK, MIN_EXPERT)
     loud = limits(_profile(0.9, 0.15))  # never looser than the rounding bound
     assert (loud.tail, loud.bulk) == (1.0, BULK)
+    assert limits(_profile(20.0, 0.15)).expert == 1.0
     assert limits(_profile(0.1, None)).bulk is None  # a short probe: its bulk is not judged
 
 
@@ -73,10 +77,42 @@ def test_judge_names_the_tail_or_the_bulk_beyond_the_calibrated_noise():
         judge([0.07] * 50, bound, tolerance=0.02, relative=0.1, replica=1, version=5, worst=0.01)
 
 
+def test_expert_shift_is_the_largest_median_move_of_one_experts_tokens_since_the_last_check():
+    routes = [((0, 3), (1, 0))] * 8 + [((0, 1), (1, 0))] * 8 + [((0, 5),)] * (EXPERT_MIN_TOKENS - 1)
+    last = [0.1] * len(routes)
+    now = [0.1 + 0.02 * (i < 6) for i in range(8)] + [0.1] * 8 + [0.9] * (EXPERT_MIN_TOKENS - 1)
+    # expert 3 of layer 0: 6 of its 8 tokens moved by 0.02 (its median); expert 5 of layer 0 moved more but has
+    # too few tokens to be judged; expert 0 of layer 1 holds both groups (median 0.0: a coherent move is diluted)
+    assert expert_shift(now, last, routes) == (pytest.approx(0.02), (0, 3), 8)
+    assert expert_shift(now[:4], last[:4], routes[:4]) is None
+    with pytest.raises(ValueError, match=r"expert_shift: 23 shares, 22 earlier ones and 23 routes"):
+        expert_shift(now, last[:-1], routes)
+
+
+def test_judge_names_the_expert_whose_tokens_moved_together_since_the_last_passed_check():
+    routes = [((0, 3),)] * 10 + [((0, 1),)] * 40
+    profile = passed(_profile(0.05, 0.03, version=1), [0.0] * 50, version=4)  # expert limit 1 x 0.03
+    bound = limits(profile)
+    judge([0.029] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01,
+          routes=routes)  # within 0.03
+    with pytest.raises(ServingMismatchError) as caught:
+        judge([0.05] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01,
+              routes=routes)  # tail 0.05 and bulk 0.0 within theirs: expert 3 alone moved
+    assert str(caught.value).startswith(
+        "refit 5: engine replica 2 does not serve the trainer's model: one expert's tokens are off its calibrated "
+        "noise: the 10 probe tokens the trainer routes to expert 3 of layer 0 moved by a median of 0.05 of their "
+        "tolerance (0.02 + 0.1 x their logits' magnitude) since its check at version 4, beyond 0.03 (the larger of "
+        "0.15x the tail 0.05 and 1x the 80% quantile 0.03 this replica showed clean at version 1; the largest "
+        "difference 0.01)"), str(caught.value)
+    judge([0.05] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01)  # no routes
+    judge([0.05] * 10 + [0.0] * 40, limits(_profile(0.05, 0.03)), tolerance=0.02, relative=0.1, replica=2, version=5,
+          worst=0.01, routes=routes)  # no baseline kept (a profile from before): nothing to measure a move from
+
+
 class _Forward:
     """A trainer forward of a 12-token vocabulary in bf16 (only what ``ServingCheck`` reads)."""
 
-    vocab_size, experts, dtype, scale, lora = 12, None, "bfloat16", None, False
+    vocab_size, experts, dtype, scale, routes, lora = 12, None, "bfloat16", None, None, False
 
     def prepare(self, *, fp8):
         pass
@@ -117,6 +153,35 @@ def test_a_replica_is_judged_against_its_own_clean_noise_from_its_second_check()
     assert metrics["refit/serving_calibrated"] == 1
     check.forget(0)  # a replica that leaves: whoever joins as 0 is calibrated again
     assert 0 not in check.profiles and not check.verdict(0, 5, lambda: _served(0.05), reference, probe)["calibrated"]
+
+
+def test_a_replicas_expert_tokens_are_judged_from_its_last_passed_check_on_the_same_probe():
+    check = _check()
+    routes = [[((0, 3), (1, 2))] * 10] + [[((0, 1), (1, 2))] * 10 for _ in range(4)]  # seq 0: expert 3 of layer 0
+    probe = Probe(TOKENS)
+    reference = Reference([[-2.0] * 10 for _ in range(5)], [[1.0] * 10 for _ in range(5)], routes)
+
+    def served(moved: float) -> list[list[float]]:
+        rows = _served(0.012)  # the calibration's tail (0.1 and 0) every time
+        rows[0][1:] = [-2.0 + moved] * 9  # expert 3's other 9 tokens
+        return rows
+
+    check.verdict(0, 1, lambda: served(0.0), reference, probe)  # calibrates: tail 0.05, expert limit 0.0075
+    second = check.verdict(0, 2, lambda: served(0.0006), reference, probe)  # a median move of 0.005
+    assert second["calibrated"] and second["expert_moved"] == pytest.approx(0.005)
+    assert second["expert_limit"] == pytest.approx(0.0075)
+    assert check.profiles[0].last_version == 2 and check.profiles[0].version == 1
+    assert check.verdict(0, 3, lambda: served(0.0012), reference, probe)["calibrated"]  # +0.005 from version 2
+    with pytest.raises(ServingMismatchError, match=r"the 10 probe tokens the trainer routes to expert 3 of layer 0 "
+                                                   r"moved by a median of 0.01 of their tolerance .* since its check "
+                                                   r"at version 3, beyond 0.0075"):
+        check.verdict(0, 4, lambda: served(0.0024), reference, probe)
+    assert check.profiles[0].last_version == 3  # a failure keeps the baseline
+    assert check.verdict(0, 5, lambda: served(0.0018), reference, probe)["calibrated"]
+    check.verdict(0, 6, lambda: served(0.0036) + [[-1.0, -1.0]],  # a new probe: measured on it, its experts not judged
+                  Reference(reference.logprobs + [[-1.0, -1.0]], reference.scale + [[1.0, 1.0]],
+                            routes + [[((0, 3),)] * 2]), Probe(TOKENS + ((1, 2, 3),)))
+    assert check.profiles[0].last_version == 6 and len(check.profiles[0].last) == 52
 
 
 def test_a_failed_calibration_check_fails_by_name_and_calibrates_nothing():

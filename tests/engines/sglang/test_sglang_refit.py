@@ -331,7 +331,7 @@ class _RecordedForward:
     (this one has no Megatron)."""
 
     dtype, lora = "float32", False
-    experts = scale = None  # a dense model; no logits' magnitudes recorded
+    experts = scale = routes = None  # a dense model; no logits' magnitudes recorded
 
     def __init__(self, bridge_dir: str, rank: int, vocab_size: int):
         self.bridge_dir, self.rank, self.vocab_size, self.step = bridge_dir, rank, vocab_size, 1

@@ -28,7 +28,7 @@ class Recorded:
     (``conversion.serving.trainer_forward``, in ``session.session_tp2``); ``shift`` moves every
     log-prob, as a version the engine does not serve would."""
 
-    experts = None
+    experts = routes = None  # a dense model
     dtype = "float32"
     lora = False
 
