@@ -161,7 +161,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
     built, optimizer, cfg = train_model(model)
     section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
-    control = SglangControl([client], section)
+    control = SglangControl([client], refit_cfg)
     fleet = control.connect(lambda hooks: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0,
                                                         num_train=1, hooks=hooks),
                            rank=0, num_train=1)

@@ -344,6 +344,16 @@ class RefitConfig:
         return engine_named(self.engine).layout
 
 
+def typed_section(value: Any, where: str) -> RefitConfig:
+    """A trainer entry point's ``refit:`` section (``where``: the entry point), in force: a
+    :class:`RefitConfig`, parsed once at the edge of the process (:meth:`RefitConfig.from_dict`,
+    :func:`~megatron_refit.config.load_training_yaml`); anything else is a ``TypeError`` naming it."""
+    if not isinstance(value, RefitConfig):
+        raise TypeError(f"{where} takes the refit: section as a RefitConfig, parsed once where it is read "
+                        f"(RefitConfig.from_dict(mapping), load_training_yaml(path)), got {type(value).__name__}")
+    return refit_section(value, where)
+
+
 def refit_section(value: Any, where: str) -> RefitConfig:
     """``value`` (a ``refit:`` mapping, parsed here: the edge of a process; or a ``RefitConfig``,
     valid since its construction and passed on as it is) as a validated, enabled config."""

@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from megatron_refit.config import RefitConfig, refit_section
+from megatron_refit.config import RefitConfig, typed_section
 from megatron_refit.registry import engine_named, engine_names
 
 
@@ -51,12 +51,11 @@ class NoControl:
         fleet.close()
 
 
-def engine_control(refit: RefitConfig | dict, clients: Sequence = ()) -> EngineControl:
-    """The control of engine ``refit.engine`` (``refit``: the ``refit:`` section, a ``RefitConfig``
-    or a mapping parsed here) over ``clients`` (one control client per engine replica; train rank 0
-    uses them, other ranks may pass none). No clients: :class:`NoControl`. ``ValueError`` where
-    clients are given for an engine that takes none."""
-    refit = refit_section(refit, "control")
+def engine_control(refit: RefitConfig, clients: Sequence = ()) -> EngineControl:
+    """The control of engine ``refit.engine`` (``refit``: the ``refit:`` section) over ``clients``
+    (one control client per engine replica; train rank 0 uses them, other ranks may pass none). No
+    clients: :class:`NoControl`. ``ValueError`` where clients are given for an engine that takes none."""
+    refit = typed_section(refit, "engine_control")
     engine = engine_named(refit.engine)
     if not clients:
         return NoControl()

@@ -34,7 +34,7 @@ from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from megatron_refit.config import RefitConfig, refit_section
+from megatron_refit.config import RefitConfig, typed_section
 from megatron_refit.errors import EngineLoadError
 from megatron_refit.fleet.serving import ServingUnavailableError
 
@@ -91,13 +91,13 @@ class _Client:
 class ReplicaLanes:
     """Control calls to every engine replica (see the module docstring). ``clients``: one control
     client per replica the job starts with (replica ``i`` = ``clients[i]``; train rank 0 passes
-    them, the other train ranks may pass them or none). ``refit``: the ``refit:`` section (a
-    mapping or a ``RefitConfig``)."""
+    them, the other train ranks may pass them or none). ``refit``: the ``refit:`` section, a
+    ``RefitConfig`` (parsed where it was read)."""
 
     engine = "engine"
 
-    def __init__(self, clients: Sequence, refit: dict | RefitConfig):
-        self.cfg = refit_section(refit, "control")
+    def __init__(self, clients: Sequence, refit: RefitConfig):
+        self.cfg = typed_section(refit, type(self).__name__)
         self.staged = self.cfg.swap == "staged"
         """Each engine rank notes whether it prepared a version beside the live model (read after land)."""
         if clients and len(clients) != self.cfg.gen_dp:

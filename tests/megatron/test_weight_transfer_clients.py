@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from megatron_refit.config import RefitConfig
+
 
 def test_weight_transfer_trainer_side_imports_without_vllm():
     code = ("import sys, importlib.util\n"
@@ -160,7 +162,7 @@ def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
     from megatron_refit.engines.vllm.trainer.control import VllmControl
 
     url, seen = server
-    control = VllmControl([HTTPClient(url), HTTPClient(url)], {"gen_dp": 2}, lora=(4, 8.0))
+    control = VllmControl([HTTPClient(url), HTTPClient(url)], RefitConfig(engine="vllm", gen_dp=2), lora=(4, 8.0))
     control.num_train = 3
     for replica, client in enumerate(control.clients):
         control.connect_call(replica)(client)
@@ -170,7 +172,7 @@ def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
     with pytest.raises(ValueError, match="at least one client"):
         ReplicaClients([])
     with pytest.raises(ValueError, match=r"1 engine clients for refit.gen_dp=2"):
-        VllmControl([HTTPClient(url)], {"gen_dp": 2})
+        VllmControl([HTTPClient(url)], RefitConfig(engine="vllm", gen_dp=2))
 
 
 def test_weight_transfer_vllm_control_staged_lands_by_waiting_for_the_staging_before_the_pause(server):
@@ -180,7 +182,8 @@ def test_weight_transfer_vllm_control_staged_lands_by_waiting_for_the_staging_be
     from megatron_refit.engines.vllm.trainer.control import VllmControl
 
     url, seen = server
-    control = VllmControl([HTTPClient(url, swap="staged")], {"swap": "staged", "engine_load": "load_weights"})
+    control = VllmControl([HTTPClient(url, swap="staged")],
+                          RefitConfig(engine="vllm", swap="staged", engine_load="load_weights"))
     control.receive_call(5, full=True)(control.clients[0])
     control.land_call(5)(control.clients[0])
     assert seen == [("/start_weight_update", None),

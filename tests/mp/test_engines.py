@@ -4,7 +4,6 @@ registered from one module (megatron_refit/testing/toy_engine.py) that a refit l
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -34,17 +33,27 @@ def test_the_old_backend_key_is_refused_naming_engine():
 
 
 def test_engine_control_by_name():
-    assert isinstance(engine_control({"engine": "vllm"}), NoControl)
-    assert isinstance(engine_control({"engine": "sglang"}, []), NoControl)  # train ranks other than 0
+    assert isinstance(engine_control(RefitConfig(engine="vllm")), NoControl)
+    assert isinstance(engine_control(RefitConfig(engine="sglang"), []), NoControl)  # train ranks other than 0
     with pytest.raises(ValueError, match="control clients were given for refit.engine 'hf'"):
-        engine_control({"engine": "hf"}, [object()])
+        engine_control(RefitConfig(engine="hf"), [object()])
     from megatron_refit.engines.sglang.trainer.control import SglangControl
     from megatron_refit.engines.vllm.trainer.control import VllmControl
 
-    control = engine_control({"engine": "sglang"}, [object()])
+    control = engine_control(RefitConfig(engine="sglang"), [object()])
     assert isinstance(control, SglangControl) and isinstance(control, EngineControl)
-    control = engine_control({"engine": "vllm", "gen_dp": 2}, [object(), object()])  # one client per replica
+    control = engine_control(RefitConfig(engine="vllm", gen_dp=2), [object(), object()])  # one client per replica
     assert isinstance(control, VllmControl) and isinstance(control, EngineControl)
+    # the refit: section is parsed once where it is read: the entry points take only a RefitConfig
+    with pytest.raises(TypeError, match=r"engine_control takes the refit: section as a RefitConfig, parsed once where "
+                                        r"it is read \(RefitConfig.from_dict\(mapping\), load_training_yaml\(path\)\), "
+                                        r"got dict"):
+        engine_control({"engine": "vllm"})
+    with pytest.raises(TypeError, match=r"VllmControl takes the refit: section as a RefitConfig"):
+        VllmControl([object()], {"gen_dp": 1})
+    with pytest.raises(ValueError, match=r"SglangControl drives SGLang engines, but refit.engine is 'vllm': set "
+                                         r"engine: sglang"):
+        SglangControl([object()], RefitConfig(engine="vllm"))
 
 
 def _full(name):
@@ -69,7 +78,7 @@ def _toy_rank(rank, world, port, refit):
                   TensorPiece(ShardSpec(name="n", global_shape=(6,), dtype="bfloat16", box=full_box((6,))),
                               _full("n"))]
         calls = []  # the toy engine's one replica: rank 0 logs its control calls here
-        control = engine_control(asdict(cfg), [calls] if rank == 0 else [])
+        control = engine_control(cfg, [calls] if rank == 0 else [])
         fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank,
                                                                         num_train=num_train, hooks=hooks),
                                rank=rank, num_train=num_train)

@@ -14,6 +14,7 @@ import pytest
 from megatron_refit.endpoint.storage import GatesTraffic, WeightsState
 from megatron_refit.engines.vllm.trainer.clients import LLMClient
 from megatron_refit.errors import StaleWeightsError
+from megatron_refit.config import RefitConfig
 from megatron_refit.engines.vllm.trainer.control import VllmControl
 from megatron_refit.fleet.runner import Runner
 
@@ -163,7 +164,7 @@ class _Client:
 
 
 def _lanes(*clients) -> VllmControl:
-    lanes = VllmControl(list(clients), dict(engine="vllm", gen_dp=len(clients), timeout_s=5.0))
+    lanes = VllmControl(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=5.0))
     runner = Runner()
     lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
     return lanes

@@ -7,6 +7,7 @@ import logging
 import threading
 from types import SimpleNamespace
 
+from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.lanes import ReplicaLanes
 from megatron_refit.fleet.runner import Runner
 
@@ -23,7 +24,7 @@ class _Client:
 
 
 def _lanes(*clients, timeout_s: float = 5.0) -> ReplicaLanes:
-    lanes = ReplicaLanes(list(clients), dict(engine="vllm", gen_dp=len(clients), timeout_s=timeout_s))
+    lanes = ReplicaLanes(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=timeout_s))
     runner = Runner()
     lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
     return lanes

@@ -15,6 +15,7 @@ import torch
 
 from megatron_refit.engines.sglang.messages import LOADER, parse_message
 from megatron_refit.engines.sglang.worker.loader import refit_loader, refit_state
+from megatron_refit.config import RefitConfig
 from megatron_refit.engines.sglang.messages import connect_message, refit_message
 from megatron_refit.engines.sglang.trainer.client import HTTPClient, serialize
 
@@ -200,7 +201,8 @@ class _Fleet:
 def _connected(clients, fleet, rank=0):
     from megatron_refit.engines.sglang.trainer.control import SglangControl
 
-    control = SglangControl(clients, {"timeout_s": 5, "gen_dp": len(clients) or 2})  # rank > 0: no clients
+    # rank > 0: no clients
+    control = SglangControl(clients, RefitConfig(engine="sglang", timeout_s=5, gen_dp=len(clients) or 2))
     def join(hooks):
         assert hooks is (control if rank == 0 else None)  # train rank 0's fleet runs the control's calls
         fleet.hooks = hooks

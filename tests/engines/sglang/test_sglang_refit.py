@@ -371,7 +371,7 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
     cfg = RefitConfig.from_dict({"enabled": True, **section})
     clients = [HTTPClient(replies[g].get(timeout=600), tp=1, timeout=120) for g in range(FLEET_ENGINES)] \
         if rank == 0 else []
-    control = engine_control(section, clients[:2])
+    control = engine_control(cfg, clients[:2])
     pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
     fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
                                                                    forward=forward, hooks=hooks),

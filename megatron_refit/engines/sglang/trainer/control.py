@@ -14,10 +14,9 @@ in full at the next refit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-from megatron_refit.config import RefitConfig, refit_section
+from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.lanes import ReplicaLanes
 
 
@@ -30,9 +29,11 @@ class SglangControl(ReplicaLanes):
 
     engine = "SGLang engine"
 
-    def __init__(self, clients: Sequence, refit: dict | RefitConfig) -> None:
-        cfg = refit if isinstance(refit, RefitConfig) else refit_section({"engine": "sglang", **refit}, "control")
-        super().__init__(clients, replace(cfg, engine="sglang") if cfg.engine != "sglang" else cfg)
+    def __init__(self, clients: Sequence, refit: RefitConfig) -> None:
+        if isinstance(refit, RefitConfig) and refit.engine != "sglang":
+            raise ValueError(f"SglangControl drives SGLang engines, but refit.engine is {refit.engine!r}: set engine: "
+                             "sglang (engine_control(refit, clients) picks the control refit.engine names)")
+        super().__init__(clients, refit)
         self.refit_section = self.cfg.to_wire()
         """What every engine gets at connect (the wire form of :attr:`cfg`)."""
 

@@ -30,7 +30,7 @@ class VllmControl(ReplicaLanes):
 
     engine = "vLLM engine"
 
-    def __init__(self, clients: Sequence, refit: dict | RefitConfig, *, lora: tuple[int, float] = (0, 0.0)):
+    def __init__(self, clients: Sequence, refit: RefitConfig, *, lora: tuple[int, float] = (0, 0.0)):
         super().__init__(clients, refit)
         self.lora = lora
 
