@@ -199,6 +199,24 @@ def test_config_imports_neither_megatron_nor_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_an_engine_process_loads_no_bridge_reader():
+    """What an engine process imports (the engine side, SGLang's loader) takes RefitConfig from
+    megatron_refit.config without its training-YAML and Bridge-layout readers, which load when a
+    trainer asks for them."""
+    code = ("import sys, megatron_refit.engine_side.entry, megatron_refit.engines.sglang.worker.loader\n"
+            "readers = ('megatron_refit.config.training_yaml', 'megatron_refit.config.bridge_model')\n"
+            "print([m for m in readers if m in sys.modules])\n"
+            "from megatron_refit.config import load_training_yaml, split_refit_section, train_layout\n"
+            "print(sorted(m for m in readers if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", str(sorted(["megatron_refit.config.training_yaml",
+                                                             "megatron_refit.config.bridge_model"]))]
+    import megatron_refit.config as config
+
+    with pytest.raises(AttributeError, match="module 'megatron_refit.config' has no attribute 'load_training'"):
+        config.load_training  # noqa: B018 -- a misspelt reader is an AttributeError, not a None
+
+
 ENV_YAML = """
 model:
   tensor_model_parallel_size: 2
