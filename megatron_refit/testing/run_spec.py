@@ -72,12 +72,18 @@ class RunSpec:
     """Versions after which every deployment's experts move (an EPLB rebalance, seeded by the
     version: :func:`~megatron_refit.testing.fused_engine.rebalanced`): its engine ranks leave and
     rejoin with the new map, and the next refit must land in it."""
+    draft: bool = False
+    """The HF engine ranks decode with the model's MTP layers as a speculative draft
+    (:class:`~megatron_refit.engines.hf.draft.MTPDraft`): the trainer's MTP layer lands there."""
     hold_refits: bool = False
     """``overlap``: each background refit starts (reads nothing) only once the next training
     step has changed the weights (the last one once training ends), so every refit provably
     overlaps a step."""
 
     def __post_init__(self) -> None:
+        if self.draft and (self.gen.tp != 1 or self.wide):
+            raise ValueError(f"draft: the HF engine holds an MTP draft (gen TP 1), got gen tp {self.gen.tp}"
+                             f"{' (a wide deployment)' if self.wide else ''}")
         if self.fp8 not in ("", "trainer"):
             raise ValueError(f"fp8 must be '' or 'trainer', got {self.fp8!r}")
         if self.device not in ("cpu", "cuda"):

@@ -31,8 +31,9 @@ from megatron_refit.plan.fp8_layout import scale_name
 class StagedHFStorage(HFStorage):
     """An :class:`HFStorage` that takes refits into a shadow and swaps (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, fp8: bool = False, budget_bytes: int | None = None):
-        super().__init__(model, fp8=fp8)
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False, budget_bytes: int | None = None,
+                 draft: torch.nn.Module | None = None):
+        super().__init__(model, fp8=fp8, draft=draft)
         self.live_buffers = False  # a refit writes the shadow, swapped in after
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"staged swap budget must be a non-negative number of bytes, got {budget_bytes!r}")
@@ -50,10 +51,10 @@ class StagedHFStorage(HFStorage):
         self.swaps = 0
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and persistent buffers by state-dict name, each tensor once
-        (a tied ``lm_head`` is the embedding)."""
+        """The model's (and its draft's) parameters and persistent buffers by state-dict name, each
+        tensor once (a tied ``lm_head`` is the embedding): a swap moves the draft with the model."""
         out, seen = {}, set()
-        for name, t in self.model.state_dict(keep_vars=True).items():
+        for name, t in self.tensors_by_name().items():
             if id(t) not in seen:
                 seen.add(id(t))
                 out[name] = t

@@ -32,15 +32,19 @@ from megatron_refit.plan.spec import ShardSpec, full_box
 class HFStorage(WeightsState):
     """Storage over a transformers causal LM (all pieces whole: gen TP 1)."""
 
-    def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False, draft: torch.nn.Module | None = None):
         self.model = model
+        self.draft = draft
+        """The engine's speculative draft (:class:`~megatron_refit.engines.hf.draft.MTPDraft`, its
+        weights received as the model's under their checkpoint names), or None."""
         # Parameters and persistent buffers (e.g. DeepSeek's router e_score_correction_bias).
         # Buffers transformers keeps in float32 whatever the model dtype (as from_pretrained
         # does; from_config does not) stay float32, as the trainer sends them.
         keep_fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or []
-        for name, buf in model.named_buffers():
-            if any(key in name.split(".") for key in keep_fp32):
-                buf.data = buf.data.float()
+        for module in (model, draft) if draft is not None else (model,):
+            for name, buf in module.named_buffers():
+                if any(key in name.split(".") for key in keep_fp32):
+                    buf.data = buf.data.float()
         self._views = self._live_views()
         self.live_buffers = not fp8
         """Where a refit writes (:meth:`buffer`) is what the engine serves after :meth:`finalize`
@@ -61,7 +65,7 @@ class HFStorage(WeightsState):
         """Checkpoint name -> the model's storage for it, from the model as it is now (or from
         ``params``, tensors under the model's state-dict names)."""
         views: dict[str, torch.Tensor] = {}
-        params = self.model.state_dict(keep_vars=True) if params is None else params
+        params = self.tensors_by_name() if params is None else params
         config = self.model.config
         tied = getattr(config, "tie_word_embeddings", False)
         for model_name, param in params.items():
@@ -90,6 +94,14 @@ class HFStorage(WeightsState):
                 views[name] = param.data
         return views
 
+    def tensors_by_name(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and persistent buffers by state-dict name, and the draft's (its
+        names are the checkpoint's, ``model.layers.<N>.*``, past the model's layers)."""
+        out = self.model.state_dict(keep_vars=True)
+        if self.draft is not None:
+            out.update(self.draft.state_dict(keep_vars=True))
+        return out
+
     def refresh_targets(self) -> bool:
         """Before every refit (the receiver calls it): follow parameters the model re-allocated
         since ``prepare()`` (``model.to(...)``, offload / reload), so bytes land in the live
@@ -110,14 +122,20 @@ class HFStorage(WeightsState):
 
     @classmethod
     def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, fp8: bool = False,
-                    device: str | torch.device = "cpu", **kwargs) -> HFStorage:
-        """A receiver over a fresh model of ``hf_config``; ``kwargs`` go to the class (e.g. a
-        staged receiver's ``budget_bytes``)."""
+                    device: str | torch.device = "cpu", draft: bool = False, **kwargs) -> HFStorage:
+        """A receiver over a fresh model of ``hf_config``; ``draft``: with its MTP layers as a
+        speculative draft (:class:`~megatron_refit.engines.hf.draft.MTPDraft`); ``kwargs`` go to
+        the class (e.g. a staged receiver's ``budget_bytes``)."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
         model.eval()
-        return cls(model, fp8=fp8, **kwargs)
+        mtp = None
+        if draft:
+            from megatron_refit.engines.hf.draft import MTPDraft
+
+            mtp = MTPDraft(model, hf_config).to(device=device, dtype=dtype).eval()
+        return cls(model, fp8=fp8, draft=mtp, **kwargs)
 
     def target_specs(self) -> list[ShardSpec]:
         out = []

@@ -1,0 +1,56 @@
+"""The HF engine's speculative draft: a DeepSeek-V3-style model's multi-token-prediction (MTP)
+layers, the weights an engine decoding with ``deepseek_mtp`` (vLLM) or NextN (SGLang) drafts with.
+
+transformers builds the main model only (it drops ``model.layers.<N>.*`` of a checkpoint, ``N =
+num_hidden_layers``), so :class:`MTPDraft` holds the MTP layers beside it under their checkpoint
+names, as Megatron-Bridge exports them: per MTP layer ``i`` at index ``N + i`` a full decoder layer
+of the model's own class (MoE where the model's later layers are), its ``enorm`` (the next token's
+embedding) and ``hnorm`` (the main model's hidden state) RMSNorms, ``eh_proj`` (``[hidden, 2 x
+hidden]``, their concatenation projected back) and ``shared_head.norm``. The embedding and the
+output head are the main model's (the checkpoint's per-layer copies are the same tensors): the
+refit sends them once, to the main model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MTP_LAYERS_FIELD = "num_nextn_predict_layers"
+"""The HF config field that counts a model's MTP layers (DeepSeek-V3, GLM-4.5, MiMo)."""
+
+
+def mtp_layers(hf_config) -> int:
+    """How many MTP layers ``hf_config`` declares (0: none)."""
+    return int(getattr(hf_config, MTP_LAYERS_FIELD, 0) or 0)
+
+
+class MTPDraft(torch.nn.Module):
+    """The MTP layers of ``model`` (a transformers causal LM of ``hf_config``), as
+    ``self.model.layers[str(N + i)]``: their ``state_dict`` names are the checkpoint's."""
+
+    def __init__(self, model: torch.nn.Module, hf_config):
+        super().__init__()
+        count = mtp_layers(hf_config)
+        if count < 1:
+            raise ValueError(f"an MTP draft needs the model's MTP layers: {type(hf_config).__name__}."
+                             f"{MTP_LAYERS_FIELD} is {getattr(hf_config, MTP_LAYERS_FIELD, None)!r}")
+        decoder = getattr(getattr(model, "model", None), "layers", None)
+        if not decoder:
+            raise ValueError(f"an MTP draft is built beside a decoder model (model.model.layers); "
+                             f"{type(model).__name__} has none")
+        layer_class, norm_class = type(decoder[-1]), type(model.model.norm)
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        first = hf_config.num_hidden_layers
+        layers = {}
+        for index in range(first, first + count):
+            layer = layer_class(hf_config, index)
+            layer.enorm = norm_class(hidden, eps=eps)
+            layer.hnorm = norm_class(hidden, eps=eps)
+            layer.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+            layer.shared_head = torch.nn.Module()
+            layer.shared_head.norm = norm_class(hidden, eps=eps)
+            layers[str(index)] = layer
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleDict(layers)
+        self.first = first
+        """The first MTP layer's index (the main model's ``num_hidden_layers``)."""

@@ -1,0 +1,54 @@
+"""#67: the trainer's MTP layer refitted into the engine's speculative draft, bit for bit: a tiny
+DeepSeek-V3 with one MTP layer, Megatron TP2 with sequence parallelism and PP2 under the
+recipe's pipeline layout (the MTP layer on the last stage, before the loss), bf16, into an HF
+engine that holds the MTP layer as its draft (:class:`~megatron_refit.engines.hf.draft.MTPDraft`).
+Every refit lands the draft with the main model (each against Bridge's ``export_hf_weights``), no
+parameter is skipped, and the draft's weights move between refits as the trainer's do; an engine
+with a draft whose trainer has no MTP layer is refused at start by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_refit.families import is_mtp_param
+from megatron_refit.plan.layout import TrainLayout
+from megatron_refit.testing.evaluate import evaluate
+from megatron_refit.testing.harness import RunSpec, run
+
+pytestmark = pytest.mark.slow
+
+DSV3_LAYOUT = [["embedding", "decoder", "decoder"], ["decoder", "mtp", "loss"]]
+"""The recipe's list form: three decoder layers over two stages, the MTP layer on the last."""
+MTP = {"num_nextn_predict_layers": 1}
+LAYERS = 3
+
+
+def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact():
+    spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, pp=2, sequence_parallel=True,
+                                                                          layout=DSV3_LAYOUT, mtp_layers=1),
+                   draft=True, dtype="bfloat16", lr=1e-3, refits=2, bucket_bytes=64 << 10, timeout_s=120.0)
+    results = run(spec)
+    result = evaluate(spec, results)
+    train = [r for r in results if r["role"] == "train"]
+    exports = [next(t["refits"][i]["export"] for t in train if t["refits"][i]["export"] is not None)
+               for i in range(spec.refits)]
+    mtp = sorted(n for n in exports[0] if is_mtp_param(n, LAYERS))
+    assert len(mtp) > 20 and "model.layers.3.eh_proj.weight" in mtp  # a full decoder layer and its MTP parts
+    assert result["skipped"] == [] and result["summary"]["num_skipped_params"] == 0  # nothing skipped by name
+    assert all(r["skipped_params"] == 0 for r in result["refits"])
+    assert result["bit_exact"] is True and all(r["bit_exact"] for r in result["refits"])  # the draft's names too
+    gen = next(r for r in results if r["role"] == "gen")
+    for i, export in enumerate(exports):
+        weights = gen["refits"][i]["weights"]
+        assert set(mtp) <= set(weights)
+        assert all(weights[n].equal(export[n]) for n in mtp), f"refit {i + 1}: the draft is not the trainer's MTP layer"
+    moved = [n for n in mtp if not exports[0][n].equal(exports[1][n])]
+    assert moved, "the trainer's MTP layer did not train between the refits: the test could not see a stale draft"
+
+
+def test_an_engine_with_a_draft_and_a_trainer_without_mtp_is_refused_at_start():
+    spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(), draft=True, refits=1, timeout_s=60.0)
+    with pytest.raises(Exception, match=r"model.layers.3.* is not produced by the trainer: it is in model.layers.3, "
+                                        r"past the trainer's last decoder layer \(model.layers.2\), so the engine "
+                                        r"holds an MTP layer"):
+        run(spec)
