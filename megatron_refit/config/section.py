@@ -74,6 +74,16 @@ class RefitConfig:
     a moved map bit-exact once the deployment's ranks rejoin with it (a new incarnation, planned
     in full); vLLM's and SGLang's workers do not report their live map at a refit yet and refuse it
     by name (#64)."""
+    gen_draft: bool = False
+    """The engine decodes speculatively with the model's MTP layers as its draft (vLLM
+    ``--speculative-config '{"method": "deepseek_mtp", ...}'``, SGLang ``--speculative-algorithm
+    EAGLE`` with the NextN draft): the trainer's MTP layers (Bridge ``mtp_num_layers``) are required
+    on the engine ranks and refitted with the main model in every version; a plan where no engine
+    rank holds them fails by name at start instead of leaving the draft the first version's. The
+    HF engine holds a draft (``HFStorage.from_config(draft=True)``); vLLM's worker and SGLang's
+    loader do not receive into theirs yet (#67), so with them it fails at start. Off: MTP layers no
+    engine rank holds are skipped by name and counted (``refit/skipped_params``); the dry run
+    counts the draft's parameters (``draft_params``) when on."""
     host: str = "127.0.0.1"
     """Rendezvous host of the refit process group (train rank 0's node under SLURM)."""
     port: int = 29600

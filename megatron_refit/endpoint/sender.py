@@ -97,10 +97,13 @@ class Refitter(Endpoint):
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, check_finite: bool = False,
                  delta: str = "off", replica_size: int | None = None, plans: dict | None = None,
-                 stall_s: float = 0.0):
+                 stall_s: float = 0.0, draft: bool = False):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
                          plans=plans, stall_s=stall_s)
+        self.draft = draft
+        """``refit.gen_draft``: the engine's speculative draft holds the MTP layers, so this rank's
+        MTP pieces are not optional (every rank's plan refuses them unheld, by name)."""
         self._delta = DeltaSender(delta)
         """The copies of what this rank last sent, for delta refits (``refit.delta``)."""
         self.check_finite = check_finite
@@ -122,6 +125,8 @@ class Refitter(Endpoint):
         return [(p.follows, name) for name, p in self.pieces.items() if p.follows in self.pieces]
 
     def _local_optional(self) -> tuple[str, ...]:
+        if self.draft:
+            return ()
         return tuple(sorted(name for name, p in self.pieces.items() if p.optional))
 
     def delta_base(self) -> int:

@@ -20,7 +20,8 @@ class TrainerMember(Member):
 
     def __init__(self, group, pieces: list, adapters: list, cfg: RefitConfig, *, num_train: int,
                  on_report: Callable[[dict], None] | None = None, plans: dict | None = None):
-        kw = dict(endpoint_kw(cfg, num_train, on_report), plans=plans, check_finite=cfg.check_finite)
+        kw = dict(endpoint_kw(cfg, num_train, on_report), plans=plans, check_finite=cfg.check_finite,
+                  draft=cfg.gen_draft)
         self.group = group
         self.full = Refitter(group, pieces + adapters, **kw)
         self.plan = self.full.prepare()

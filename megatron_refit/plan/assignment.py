@@ -18,7 +18,7 @@ from operator import attrgetter, itemgetter
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.box_groups import BoxGroup, Builder
 from megatron_refit.plan.buckets import Transfer
-from megatron_refit.plan.checks import check_target, check_tiling, gc_paused, index_specs
+from megatron_refit.plan.checks import check_target, check_tiling, gc_paused, index_specs, unproduced_hint
 from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.spec import Box, ShardSpec, intersect, relative
 
@@ -81,7 +81,7 @@ class Assignment:
                 continue
             train = train_meta.get(name)
             if train is None:
-                raise PlanError(f"HF name {name} is not produced by the trainer")
+                raise PlanError(f"HF name {name} is not produced by the trainer{unproduced_hint(name, train_meta)}")
             if train.global_shape != shape or train.dtype != dtype:
                 check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)

@@ -8,17 +8,23 @@ rule named the parameter.
 
 from __future__ import annotations
 
+import re
+
 from megatron_refit import families
 
 EXPERT_RE = families.expert_re()
 """A routed expert's parameter; group ``expert``: its index."""
+MTP_PROJECTION = re.compile(r"(?:^|\.)eh_proj\.weight$")
+"""An MTP layer's projection of [the next token's embedding, the hidden state] back to the hidden
+size: a plain ``nn.Linear`` in the engines' drafts (vLLM's ``DeepSeekMTP``, SGLang's NextN), whole
+on every engine rank."""
 
 
 def _classify(name: str, ndim: int) -> tuple[families.ModelFamily | None, str]:
     found = families.classify(name)
     if found is not None:
         return found
-    if ndim <= 1:
+    if ndim <= 1 or MTP_PROJECTION.search(name):
         return None, "replicated"
     raise ValueError(f"no vLLM sharding rule for parameter {name!r} ({ndim} dims)")
 
@@ -32,10 +38,10 @@ def is_quantized_role(name: str) -> bool:
     """True if trainer-side FP8 quantizes 2-D weight ``name`` in its family (``ValueError``
     for an unknown name)."""
     family, role = _classify(name, 2)
-    return role in family.quantized_roles
+    return family is not None and role in family.quantized_roles
 
 
 def is_adapted(name: str) -> bool:
     """True if LoRA adapts 2-D weight ``name`` in its family (``ValueError`` for an unknown name)."""
     family, role = _classify(name, 2)
-    return role in family.adapted_roles
+    return family is not None and role in family.adapted_roles

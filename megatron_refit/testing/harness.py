@@ -81,7 +81,7 @@ def refit_config(spec: RunSpec, port: int):
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
                        on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
                        overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving, fanout=spec.fanout,
-                       serving_tolerance=spec.serving_tolerance)
+                       serving_tolerance=spec.serving_tolerance, gen_draft=spec.draft)
 
 
 def hf_config_for(spec: RunSpec):
@@ -354,8 +354,8 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
 
         if spec.swap == "staged":
             return StagedHFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
-                                                budget_bytes=spec.swap_budget_bytes)
-        return HFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device)
+                                                budget_bytes=spec.swap_budget_bytes, draft=spec.draft)
+        return HFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device, draft=spec.draft)
     from megatron_refit.engines.fused.layout import FusedLayoutStorage
 
     from megatron_refit.plan.deployment import moe_layers

@@ -72,6 +72,7 @@ class DryRun:
     """Bytes of each train rank's local pieces (the most a ``refit.overlap`` snapshot copies)."""
     skipped: tuple[str, ...] = ()
     """The trainer's MTP parameters, which no engine rank holds (skipped by name, as the refit does)."""
+    draft: tuple[str, ...] = ()  # refit.gen_draft: the MTP parameters the engine's draft holds (sent)
     skipped_elements: int = 0
     """Their elements."""
     prepare: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
@@ -169,7 +170,8 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
                   num_params=sum(math.prod(shape) for shape, _ in params.values()), plan_seconds=plan_seconds,
                   plan_cpu_seconds=plan_cpu_seconds, enumerate_seconds=enumerate_seconds, cache_path=path,
                   train_local_bytes=local, skipped=tuple(skipped), prepare=prepare, eplb=eplb,
-                  skipped_elements=sum(math.prod(params[n][0]) for n in skipped if n in params))
+                  skipped_elements=sum(math.prod(params[n][0]) for n in skipped if n in params),
+                  draft=tuple(n for n in params if refit.gen_draft and is_mtp_param(n, preset["num_hidden_layers"])))
 
 
 def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig,
@@ -205,7 +207,7 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
     for rank_specs in {id(specs): specs for specs in train_specs.values()}.values():
         for s in rank_specs:
             params.setdefault(s.name, (s.global_shape, s.dtype))
-    skipped = sorted(name for name in params if is_mtp_param(name, preset["num_hidden_layers"]))
+    skipped = [] if refit.gen_draft else sorted(n for n in params if is_mtp_param(n, preset["num_hidden_layers"]))
     skip = set(skipped)
     held = {name: value for name, value in params.items() if name not in skip}
     model = ModelShape(num_attention_heads=preset["num_attention_heads"],
@@ -232,13 +234,11 @@ def _quantized(train_specs: dict, skip: set[str] | frozenset[str] = frozenset())
     """Train ranks' specs as trainer-side FP8 sends them (DP replicas share one list); the skipped
     (MTP) parameters pass unchanged, as the trainer's optional pieces do."""
     done: dict[int, list] = {}
-    out = {}
-    for rank, specs in train_specs.items():
+    for specs in train_specs.values():
         if id(specs) not in done:
             done[id(specs)] = [q for s in specs for q in (
                 fp8_specs(s) if s.name not in skip and is_quantized(s.name, s.global_shape) else (s,))]
-        out[rank] = done[id(specs)]
-    return out
+    return {rank: done[id(specs)] for rank, specs in train_specs.items()}
 
 
 def fanout_bytes(run: DryRun) -> dict:
@@ -266,9 +266,8 @@ def chunk_json(layout: TrainLayout, num_layers: int) -> dict[str, list[int]]:
 
 def chunk_text(chunks: dict[tuple[int, int], range]) -> str:
     """Decoder layers per pipeline rank, its virtual stages' ranges joined (``pp0 0-8,18-26 | …``)."""
-    ranks = sorted({rank for rank, _ in chunks})
     text = []
-    for rank in ranks:
+    for rank in sorted({rank for rank, _ in chunks}):
         parts = [f"{r.start}-{r.stop - 1}" if len(r) else "-" for (p, _), r in sorted(chunks.items()) if p == rank]
         text.append(f"pp{rank} {','.join(parts)}")
     return " | ".join(text)
@@ -295,7 +294,7 @@ def summary_lines(run: DryRun) -> list[str]:
         f"{run.bytes_total() / (run.gen.dp * run.held_bytes):.2f}x each byte once per replica)",
         f"per gen rank  max {max(gen_bytes.values()) / gb:.2f} GB, min {min(gen_bytes.values()) / gb:.2f} GB",
         f"per train rk  max {max(train_bytes) / gb:.2f} GB, min {min(train_bytes) / gb:.2f} GB",
-        f"skipped       {len(run.skipped)} MTP parameters (no engine rank holds them: they are not sent)",
+        f"skipped       {len(run.skipped)} MTP parameters (held by no engine rank: not sent); draft {len(run.draft)}",
         f"enumeration   {run.enumerate_seconds:.1f} s ({'cached' if run.enumerate_seconds == 0 else 'ran'}: "
         f"{run.cache_path})",
         f"plan          {run.plan_seconds:.2f} s wall, {run.plan_cpu_seconds:.2f} s CPU, "
@@ -386,6 +385,7 @@ def main(argv=None) -> int:
             "train": run.train.describe_keys(),
             "chunk_layers": chunk_json(run.train, run.preset["num_hidden_layers"]),
             "skipped_params": len(run.skipped),
+            "draft_params": len(run.draft),
             "num_params_skipped": run.skipped_elements,
             "bytes_per_gen_rank_max": run.gen_bytes_max(),
             "bytes_total": run.bytes_total(),

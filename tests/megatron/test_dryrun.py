@@ -333,3 +333,25 @@ def test_dry_run_refuses_fp8_where_engine_shards_leave_the_128_grid(tmp_path):
     code, result, _ = _dry_run(_fp8_copy(tmp_path, "qwen3-30b-a3b"))
     assert code == 2 and result["ok"] is False
     assert "down_proj.weight: shard boundary 96 in dim 1 (size 768) is not a multiple of 128" in result["error"]
+
+
+def test_dry_run_counts_the_engines_mtp_draft(tmp_path):
+    """#67: ``refit.gen_draft: true`` (the engine decodes with its MTP draft) plans the trainer's MTP
+    layer onto the engine ranks: the dry run of DeepSeek-V3's recipe reports the draft's parameters
+    (``draft_params``) and skips none, and each engine rank receives the draft's bytes too."""
+    config = os.path.join(ROOT, "configs", "recipe-deepseek-v3.yaml")
+    text = open(config).read()
+    assert "\n  gen_tp: 32\n" in text
+    drafted = tmp_path / "recipe-deepseek-v3.yaml"
+    drafted.write_text(text.replace("\n  gen_tp: 32\n", "\n  gen_tp: 32\n  gen_draft: true\n"))
+    os.symlink(os.path.join(ROOT, "configs", "cache"), tmp_path / "cache")  # the same trainer: its enumeration
+    code, off, out = _dry_run(config, "--no-prepare")
+    assert code == 0, out
+    code, on, out = _dry_run(str(drafted), "--no-prepare")
+    assert code == 0, out
+    assert off["skipped_params"] > 0 and off["draft_params"] == 0
+    assert on["skipped_params"] == 0 and on["draft_params"] == off["skipped_params"]
+    assert on["num_params_skipped"] == 0
+    # the MTP layer's bytes: bf16, but for its router's float32 e_score_correction_bias (256 experts)
+    assert on["bytes_held_per_replica"] - off["bytes_held_per_replica"] == 2 * off["num_params_skipped"] + 2 * 256
+    assert f"skipped       0 MTP parameters (held by no engine rank: not sent); draft {on['draft_params']}" in out

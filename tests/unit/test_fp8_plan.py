@@ -116,15 +116,20 @@ def test_fp8_pieces_are_released_and_requantized():
     assert not torch.equal(_bits(weight.tensor()), _bits(q1))
 
 
-def test_an_optional_mtp_piece_passes_unquantized():
-    """DeepSeek-V3's MTP layer (``eh_proj``: a name no vLLM sharding rule knows) is an optional piece no
-    engine's main model holds: skipped by name, so trainer-side FP8 leaves it as it is."""
+def test_an_mtp_piece_passes_unquantized():
+    """DeepSeek-V3's MTP layer: an optional piece (no engine's main model holds it; skipped by name)
+    passes trainer-side FP8 as it is, and its ``eh_proj`` is whole and unquantized in the engines'
+    drafts (a plain ``nn.Linear`` in vLLM's DeepSeekMTP and SGLang's NextN) where one holds it (#67)."""
     mtp = ShardSpec(name="model.layers.61.eh_proj.weight", global_shape=(256, 512), dtype="bfloat16",
                     box=full_box((256, 512)))
-    with pytest.raises(ValueError, match="no vLLM sharding rule for parameter 'model.layers.61.eh_proj.weight'"):
-        quantize_pieces([TensorPiece(mtp, torch.zeros(mtp.shape))])
+    required = TensorPiece(mtp, torch.zeros(mtp.shape))
+    assert quantize_pieces([required]) == [required]
     piece = TensorPiece(mtp, torch.zeros(mtp.shape), optional="mtp")
     assert quantize_pieces([piece]) == [piece]
+    with pytest.raises(ValueError, match="no vLLM sharding rule for parameter 'model.layers.61.xy_proj.weight'"):
+        spec = ShardSpec(name="model.layers.61.xy_proj.weight", global_shape=(256, 512), dtype="bfloat16",
+                         box=full_box((256, 512)))
+        quantize_pieces([TensorPiece(spec, torch.zeros(spec.shape))])  # a 2-D name no rule knows is refused
 
 
 def test_bf16_trainer_into_fp8_engine_is_refused_with_a_hint():
