@@ -86,13 +86,14 @@ class HoldRefits:
             self.cond.notify_all()
 
 
-BREAKS = ("permute_experts", "scale_expert", "unload_layer", "stale_scale", "stale_tensor")
+BREAKS = ("permute_experts", "scale_expert", "unload_layer", "stale_scale", "stale_tensor", "stale_draft")
 """Ways :func:`break_post_load` breaks an engine's post-load step (the serving check must catch
 each): the first MoE layer's experts 0 and 1 swapped after the load; its expert 0's down
 projection x1.05; the first decoder layer left
 as it was before the refit (not loaded); one FP8 weight dequantized with the last refit's
 ``weight_scale_inv`` (stale); one weight (the first layer's MLP down projection, of expert 0 in a
-MoE layer) put back as it was before the refit after the load (one version stale)."""
+MoE layer) put back as it was before the refit after the load (one version stale); the speculative
+draft's ``eh_proj`` (its MTP layer's, #67) put back the same way: a draft left a version behind."""
 
 
 def break_post_load(storage, how: str, armed: list[bool]) -> None:
@@ -111,6 +112,11 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         raise ValueError(f"break_post_load: stale_tensor needs the first layer's MLP down projection as a live "
                          f"weight the refit writes, got {stale!r}"
                          f"{' (FP8: staged; stale_scale breaks an FP8 engine)' if stale else ''}")
+    draft = next((n for n in names if n.endswith(".eh_proj.weight")), None)
+    if how == "stale_draft" and draft is None:
+        raise ValueError(f"break_post_load: stale_draft needs an engine with an MTP draft (an eh_proj weight the "
+                         f"refit writes), got none among {len(names)} targets")
+    kept = {"stale_tensor": stale, "stale_draft": draft}.get(how)
     layer = "model.layers.0."
     before: dict = {}
     scales: dict = {}
@@ -118,8 +124,8 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
     def snapshot(state, version):  # before the refit writes: the layer (or one weight) as it is
         if state == "updating" and armed[0] and how == "unload_layer":
             before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
-        if state == "updating" and armed[0] and how == "stale_tensor":
-            before[stale] = storage.buffer(stale).detach().clone()
+        if state == "updating" and armed[0] and kept is not None:
+            before[kept] = storage.buffer(kept).detach().clone()
         set_state(state, version)
 
     def broken():
@@ -139,7 +145,7 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
         elif how == "unload_layer":
             for name, old in before.items():
                 params[name].data.copy_(old)
-        elif how == "stale_tensor":
+        elif kept is not None:
             for name, old in before.items():
                 storage.buffer(name).data.copy_(old)
 

@@ -4,13 +4,15 @@ recipe's pipeline layout (the MTP layer on the last stage, before the loss), bf1
 engine that holds the MTP layer as its draft (:class:`~megatron_refit.engines.hf.draft.MTPDraft`).
 Every refit lands the draft with the main model (each against Bridge's ``export_hf_weights``), no
 parameter is skipped, and the draft's weights move between refits as the trainer's do; an engine
-with a draft whose trainer has no MTP layer is refused at start by name."""
+with a draft whose trainer has no MTP layer is refused at start by name; a draft its engine leaves a
+version behind after the load is caught by the serving check on that replica alone."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_refit.families import is_mtp_param
+from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.testing.evaluate import evaluate
 from megatron_refit.testing.harness import RunSpec, run
@@ -52,3 +54,25 @@ def test_an_engine_with_a_draft_and_a_trainer_without_mtp_is_refused_at_start():
                                         r"past the trainer's last decoder layer \(model.layers.2\), so the engine "
                                         r"holds an MTP layer"):
         run(spec)
+
+
+def test_a_draft_left_a_version_behind_is_caught_on_its_replica():
+    """The HF engine's post-load step puts its draft's ``eh_proj`` back as it was before refit 2
+    (``stale_draft``): the serving check's read-back of the live weights names it on that replica
+    alone, and the next (full) refit lands the draft again."""
+    spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, sequence_parallel=True, mtp_layers=1),
+                   gen=GenLayout(tp=1, dp=2), draft=True, dtype="bfloat16", lr=1e-3, refits=3,
+                   bucket_bytes=64 << 10, verify_serving="on", breaks=((1, 2, "stale_draft"),), timeout_s=120.0)
+    results = run(spec)
+    refits = evaluate(spec, results)["refits"]
+    assert [r["bit_exact"] for r in refits] == [True, False, True]  # the stale draft is real
+    export = next(t["refits"][1]["export"] for t in results if t["role"] == "train" and t["refits"][1]["export"])
+    off = {g["gen_index"]: sorted(n for n, t in g["refits"][1]["weights"].items() if not t.equal(export[n]))
+           for g in results if g["role"] == "gen"}
+    assert off == {0: [], 1: ["model.layers.3.eh_proj.weight"]}  # the draft alone, on replica 1 alone
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[], [1], []]
+    why = refits[1]["failed_replicas"][1]
+    # named by the read-back of the live weights (the bucket that carried eh_proj): the main model's
+    # log-probs cannot see the draft, which the engine does not score with
+    assert why.startswith("ServingMismatchError: refit 2: engine replica 1 does not serve the trainer's model: its "
+                          "weights, read back after its post-load step, no longer hold the bytes"), why
