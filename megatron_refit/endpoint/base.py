@@ -112,14 +112,14 @@ class Endpoint:
         rank uses the same plan."""
         self.version: int | None = None
         self.probe_due = False
-        """``refit.verify_serving``, in band: the train side sets it before a refit whose replica
-        scores the probe over the group after it; the engine side learns it in the handshake."""
+        """``refit.verify_serving``, in band: this refit's replica scores the probe over the group
+        after it (agreed in the handshake: the train side shows it, the engine side learns it)."""
         self._digesters: dict[int, Digester] | None = None
         """Per peer: the digest constants of this rank's buckets with it under this plan (see
         :meth:`_pair_digesters`)."""
         self.placement: Placement = DIRECT
-        """``refit.fanout``: where this refit's bytes come from and go (the train side sets it
-        before a refit; the engine side learns it in the handshake)."""
+        """``refit.fanout``: where this refit's bytes come from and go (agreed in the handshake:
+        train rank 0 shows it, every rank keeps it)."""
         self.shown_base = -1
         """The delta base this rank showed in the last handshake."""
 
@@ -216,8 +216,8 @@ class Endpoint:
         copies of what it last sent, the engine's weights."""
         return -1
 
-    def _agree_on_version(self, version: int | None,
-                          preflight: Callable[[], None] | None = None) -> tuple[int, set[int]]:
+    def _agree_on_version(self, version: int | None, preflight: Callable[[], None] | None = None,
+                          told: tuple[bool, Placement] = (False, DIRECT)) -> tuple[int, set[int]]:
         """The per-refit handshake, before any byte moves: every rank shows its version, the
         plan it uses, whether its own checks (``preflight``, e.g. a receiver re-resolving
         its engine's parameters) passed, and the version a delta would start from. A rank whose
@@ -244,8 +244,8 @@ class Endpoint:
             error = exc
         shown = (ANY_VERSION if version is None else version) if error is None else -1
         base = self.delta_base() if self.delta != "off" and error is None else -1
-        probe = int(self.probe_due) if self.role == "train" else 0
-        placement = self.placement.values() if self.role == "train" else [0] * PLACEMENT_VALUES
+        probe = int(told[0]) if self.role == "train" else 0  # the train side's ``told``: this refit's
+        placement = told[1].values() if self.role == "train" else [0] * PLACEMENT_VALUES
         rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *placement])
         self.probe_due = bool(rows[0][4])
         self.placement = Placement.from_values(rows[0][5:5 + PLACEMENT_VALUES])  # train rank 0's (they agree)

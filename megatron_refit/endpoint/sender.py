@@ -32,6 +32,7 @@ from megatron_refit.endpoint.finite import check_finite
 from megatron_refit.endpoint.stages import SendDigests, Sources, release
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.plan.checks import ITEMSIZE
+from megatron_refit.plan.fanout import DIRECT, Placement
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
 
@@ -136,12 +137,14 @@ class Refitter(Endpoint):
         """The next refit sends every byte, never a delta (its receiver may not hold what it wrote)."""
         self._delta.base = -1
 
-    def refit(self, version: int) -> RefitReport:
-        """Send this rank's buckets of refit ``version`` (collective over the group); the report
-        names the ranks that could not apply it (``failed_ranks``): what to make of that is the
-        fleet's (``refit.on_replica_failure``)."""
+    def refit(self, version: int, *, probe: bool = False, placement: Placement = DIRECT) -> RefitReport:
+        """Send this rank's buckets of refit ``version`` (collective over the group; ``probe``: its
+        replica scores the serving probe over the group after it, ``placement``: where its bytes go
+        under ``refit.fanout``, both told to the engine ranks in the handshake); the report names the
+        ranks that could not apply it (``failed_ranks``): what to make of that is the fleet's
+        (``refit.on_replica_failure``)."""
         start = time.perf_counter()
-        delta_to = self._handshake(version)
+        delta_to = self._handshake(version, (probe, placement))
         if self.placement.relayed:
             return self._refit_relayed(version, start)
         report = RefitReport(version=version, role="train", rank=self.group.rank,
@@ -222,7 +225,7 @@ class Refitter(Endpoint):
         self._emit(report)
         return report
 
-    def _handshake(self, version: int) -> set[int]:
+    def _handshake(self, version: int, told: tuple[bool, Placement]) -> set[int]:
         """The version handshake (with the NaN / Inf preflight under ``check_finite``): the peers
         this refit sends deltas to. Pieces read by the preflight are released if it fails."""
         preflight = None
@@ -230,7 +233,7 @@ class Refitter(Endpoint):
             def preflight():
                 check_finite(self.pieces, version=version, rank=self.group.rank)
         try:
-            return self._agree_on_version(version, preflight)[1]
+            return self._agree_on_version(version, preflight, told)[1]
         except BaseException:
             for piece in self.pieces.values():
                 release(piece)

@@ -65,9 +65,10 @@ class FanoutRouter:
     def placements(self, control_group, members: dict, full: bool) -> dict[int, Placement]:
         """Every train rank (collective over the train ranks' group): this refit's placements, train
         rank 0's; every member not named gets its refit from the train ranks. ``refit.fanout:
-        off``: none, without a collective (the same config on every train rank)."""
+        off``: every member's from the train ranks, without a collective (the same config on every
+        train rank)."""
         if self.mode == "off":
-            return {}
+            return dict.fromkeys(members, DIRECT)
         decided = self.decide(members, full) if control_group.rank == 0 else None
         shown = control_group.all_gather_object(decided, "fleet")[0]
         placements = {row[0]: Placement.from_values(row[1:]) for row in shown}

@@ -12,6 +12,7 @@ from megatron_refit.endpoint.sender import Refitter
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.group.inband import exchange_in_band, verdict_in_band
 from megatron_refit.group.member import Member, endpoint_kw
+from megatron_refit.plan.fanout import DIRECT, Placement
 
 
 class TrainerMember(Member):
@@ -30,10 +31,11 @@ class TrainerMember(Member):
             self.adapters = Refitter(group, adapters, **kw)
             self.adapters.prepare()
 
-    def refit(self, version: int, *, full: bool = False, probe=None,
+    def refit(self, version: int, *, full: bool = False, probe=None, placement: Placement = DIRECT,
               judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
         """Send this rank's pieces of refit ``version`` (collective over the refit group: every
         train and engine rank calls it with the same ``version`` and ``full``), then, with a
+        ``placement`` (``refit.fanout``: where this refit's bytes go), and with a
         ``probe`` (``refit.verify_serving``, in band), on train rank 0: the engine's answer to it
         once every rank applied the refit, and train rank 0's verdict on it (``judge(answer)``:
         :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which the engine ranks hear
@@ -42,9 +44,7 @@ class TrainerMember(Member):
         Returns the report, the verdict (None: not asked, or not train rank 0; a failed one as its
         :class:`~megatron_refit.errors.ServingMismatchError`, once told) and the seconds from the
         answer's request to the verdict told."""
-        endpoint = self._endpoint(full)
-        endpoint.probe_due = probe is not None
-        report = endpoint.refit(version)
+        report = self._endpoint(full).refit(version, probe=probe is not None, placement=placement)
         self._advance(version)
         self._resend = False
         verdict, t0 = None, time.perf_counter()
@@ -58,12 +58,6 @@ class TrainerMember(Member):
                 failed = str(verdict) if isinstance(verdict, ServingMismatchError) else None
                 verdict_in_band(self.group, self.full.num_train, failed=failed)
         return report, verdict, time.perf_counter() - t0
-
-    def set_placement(self, placement) -> None:
-        """``refit.fanout``: where the next refit's bytes go (a :class:`~megatron_refit.plan.fanout.Placement`)."""
-        for endpoint in (self.full, self.adapters):
-            if endpoint is not None:
-                endpoint.placement = placement
 
     def force_full(self, *, adapters: bool) -> None:
         """The replica failed this refit: its next one is full (no delta; with ``adapters``, the

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
 from megatron_refit.group.store import unprepared
+from megatron_refit.plan.fanout import DIRECT, Placement
 from megatron_refit.errors import RefitTransportError, ReplicaFailedError, ServingMismatchError
 
 
@@ -99,10 +100,11 @@ class ReplicaOutcome:
 
 
 def refit_replica(member, replica: int, version: int, full: bool, hooks: ReplicaHooks | None,
-                  probing: Probing | None, rank: int) -> ReplicaOutcome:
+                  probing: Probing | None, rank: int, placement: Placement = DIRECT) -> ReplicaOutcome:
     """Replica ``replica``'s part of refit ``version`` on train rank ``rank`` (``member``: its
-    :class:`~megatron_refit.fleet.member.TrainerMember`): its engine's calls around its group's
-    refit, then its serving check where ``probing`` says so. Never raises: the outcome says."""
+    :class:`~megatron_refit.fleet.member.TrainerMember`; ``placement``: where its bytes go, under
+    ``refit.fanout``): its engine's calls around its group's refit, then its serving check where
+    ``probing`` says so. Never raises: the outcome says."""
     out = ReplicaOutcome()
     probe = probing.probe if probing is not None and probing.due.get(replica) else None
     try:
@@ -114,14 +116,14 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
                 return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference,
                                             probe, stale_of(answer))
 
-            out.report, verdict, answer_s = member.refit(version, full=full, probe=probe,
+            out.report, verdict, answer_s = member.refit(version, full=full, probe=probe, placement=placement,
                                                          judge=judge if rank == 0 else None)
             if isinstance(verdict, ServingMismatchError):
                 raise verdict  # told to its engine ranks already: they hold their weights
             if verdict is not None:
                 verdict["seconds"] = answer_s  # the engine scored it inside its refit's group, then heard it
         else:
-            out.report = member.refit(version, full=full)[0]
+            out.report = member.refit(version, full=full, placement=placement)[0]
         if out.report.failed_ranks:  # an engine rank could not apply it (its group drained it: intact)
             why = "; ".join(out.report.failed_replicas.values())
             out.error = ReplicaFailedError(f"refit {version}: engine replica {replica} could not apply it: {why}",

@@ -301,8 +301,7 @@ class TrainerFleet:
         if any(row[:2] != [version, int(full)] for row in rows):
             raise ValueError(f"train ranks disagree on the refit: (version, full) by rank {[row[:2] for row in rows]}")
         replicas = sorted(self.members)
-        for replica, placement in self.router.placements(self.control_group, self.members, full).items():  # owns fanout
-            self.members[replica].set_placement(placement)
+        placements = self.router.placements(self.control_group, self.members, full)  # the router owns fanout
         moved = {"onload": 0.0, "offload": 0.0}  # offloaded parameters: loaded once for every replica
         loaded = self.offloader is not None and self.offloader.offloaded
         if loaded:
@@ -311,8 +310,9 @@ class TrainerFleet:
             moved["onload"] = time.perf_counter() - t0
         try:
             probing = probing or self._plan_serving()  # the reference reads the weights: after their onload
-            futures = {r: self.runner.submit(f"replica-{r}", refit_replica, self.members[r], r, version, full,
-                                             self._hooks, probing, self.control_group.rank) for r in replicas}
+            args = (version, full, self._hooks, probing, self.control_group.rank)
+            futures = {r: self.runner.submit(f"replica-{r}", refit_replica, self.members[r], r, *args, placements[r])
+                       for r in replicas}
             outcomes = {r: futures[r].result() for r in replicas}
         finally:
             if loaded:

@@ -379,3 +379,32 @@ def test_a_transport_registered_by_name_is_what_connect_opens():
     # one replica's group: the train ranks and its gen_tp ranks, in the train ranks' store
     assert opened[0]["rank"] == 1 and opened[0]["world_size"] == 4 and opened[0]["port"] == 7
     assert opened[0]["namespace"] == "megatron_refit/replica/2/a1"
+
+
+PER_REFIT = ("probe_due", "placement", "heartbeat", "on_close", "gate")
+"""What one refit tells its group (its serving probe is due, its fanout placement) and what a
+member or receiver is built with (its heartbeat, its leave announcement, its engine's traffic
+gate): arguments, never attributes another object sets afterwards (#66)."""
+
+
+def _set_from_outside(files: dict) -> list[str]:
+    found = []
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in PER_REFIT and not (
+                        isinstance(t.value, ast.Name) and t.value.id == "self"):
+                    found.append(f"{module}:{node.lineno} sets .{t.attr} on another object")
+    return found
+
+
+def test_no_object_sets_anothers_per_refit_state_or_collaborators():
+    assert not _set_from_outside(_files())
+
+
+def test_the_outside_setter_check_catches_one(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f(endpoint, x):\n    endpoint.placement = x\n    self_ = 1\n")
+    assert _set_from_outside({"m": path}) == ["m:2 sets .placement on another object"]
