@@ -9,8 +9,8 @@ the weight itself, so sending it would save nothing over sending merged weights.
 The engine computes with merged weights: after each refit every adapted weight becomes
 ``base + (alpha / rank) * (B @ A)``, in float32 and cast back — Megatron-Bridge's merge,
 so the result equals Bridge's merged export. :class:`LoraStorage` does that over a
-:class:`~megatron_refit.engines.hf.storage.HFStorage` (gen TP 1) and offers two receiver
-backends over one state: :meth:`full` (base + adapters) and :meth:`adapters`.
+:class:`~megatron_refit.engines.hf.storage.HFStorage` (gen TP 1) and offers a receiver two
+storages over one state: :meth:`full` (base + adapters) and :meth:`adapters`.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ class LoraStorage:
     def _adapter_specs(self) -> list[ShardSpec]:
         return list(self._adapter_boxes.values())
 
-    def full(self) -> _Backend:
-        """Backend of a refit that moves everything: base weights and adapters."""
-        return _Backend(self, list(self._specs.values()) + self._adapter_specs(), full=True)
+    def full(self) -> _RefitView:
+        """The storage a refit that moves everything (base weights and adapters) lands in."""
+        return _RefitView(self, list(self._specs.values()) + self._adapter_specs(), full=True)
 
-    def adapters(self) -> _Backend:
-        """Backend of a refit that moves only the adapters (the base is kept)."""
-        return _Backend(self, self._adapter_specs(), full=False)
+    def adapters(self) -> _RefitView:
+        """The storage a refit that moves only the adapters (the base is kept) lands in."""
+        return _RefitView(self, self._adapter_specs(), full=False)
 
     def drop_base(self) -> None:
         """The engine released its weights (e.g. vLLM sleep level 2): the next refit must be full."""
@@ -97,7 +97,9 @@ class LoraStorage:
             self.hf.buffer(name).copy_(merged.to(base.dtype))
 
 
-class _Backend:
+class _RefitView:
+    """One refit's view of a :class:`LoraStorage` (a storage: what it lands, how it finishes)."""
+
     def __init__(self, lora: LoraStorage, specs: list[ShardSpec], *, full: bool):
         self.lora, self.specs, self.full = lora, specs, full
 
@@ -111,7 +113,7 @@ class _Backend:
         if not self.full and not self.lora.has_base:
             raise RuntimeError("LoRA adapters arrived but this engine holds no base weights (never received, or "
                                "dropped): the trainer must run a full refit")
-        self.lora.merge()  # before the backend's own post-load (e.g. a load_weights backend loads merged weights)
+        self.lora.merge()  # before the engine's own post-load (e.g. a load_weights engine loads merged weights)
         self.lora.hf.finalize()
         self.lora.has_base = True
 
