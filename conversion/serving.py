@@ -53,9 +53,10 @@ class MegatronForward:
         self.scale: list[list[float]] | None = None
         """After a call: per scored token, ``|its logit| + |the largest logit|``
         (:attr:`megatron_refit.plan.probe.Reference.scale`)."""
-        self.routes: list[list[tuple[int, ...]]] | None = None
+        self.routes: list[list[tuple[tuple[int, int], ...]]] | None = None
         """After a call, for a MoE model: per scored token, the (layer, expert) pairs its position was
-        routed to (:attr:`megatron_refit.plan.probe.Reference.routes`); None for a dense model."""
+        routed to (:attr:`megatron_refit.plan.probe.Reference.routes`); None for a dense model. Only
+        a call sets it (:meth:`cover`'s forwards leave it as the last call's)."""
         self._moe_layers: torch.Tensor | None = None
 
     def prepare(self, *, fp8: bool) -> None:
@@ -77,7 +78,7 @@ class MegatronForward:
 
     @torch.no_grad()
     def __call__(self, sequences) -> list[list[float]]:
-        logprobs, seen = self._run(sequences, routes=True)
+        logprobs, seen, self.routes = self._run(sequences, routes=True)
         self.experts = None if seen is None else self._count(seen.any(dim=0))
         self.scale = [[m for _, m in row] for row in logprobs]
         return [[lp for lp, _ in row] for row in logprobs]
@@ -91,7 +92,7 @@ class MegatronForward:
         (collective over the train ranks; the same answer on every one). A dense model: ``base``."""
         from megatron_refit.plan.probe import SWEEP_TOKENS, greedy_cover, sweep
 
-        _, seen = self._run(base)
+        _, seen, _ = self._run(base)
         if seen is None:
             return tuple(base)
         moe = self._moe_layers
@@ -106,7 +107,7 @@ class MegatronForward:
             if not missing - found:
                 break
             chunk = pool[start:start + batch]
-            _, routed = self._run(chunk, scored=False)
+            _, routed, _ = self._run(chunk, scored=False)
             for seq, row in zip(chunk, routed, strict=True):
                 gain = self._flat(row & moe[:, None]) & missing
                 if gain:
@@ -117,13 +118,14 @@ class MegatronForward:
         return tuple(base) + tuple(candidates[i] for i in chosen)
 
     def _run(self, sequences, *, scored: bool = True,
-             routes: bool = False) -> tuple[list[list[float]] | None, torch.Tensor | None]:
+             routes: bool = False) -> tuple[list[list[float]] | None, torch.Tensor | None, list | None]:
         """Each sequence's log-probs (``scored``; else None) and, for a MoE model, the experts its
         tokens were routed to (``[sequences, layers, experts]`` bool,
-        :meth:`conversion.routing.RoutedExperts.per_sequence`); ``routes``: :attr:`routes` too."""
+        :meth:`conversion.routing.RoutedExperts.per_sequence`) and, with ``routes`` (a MoE model), each
+        scored token's routes (:attr:`routes`; else None)."""
         out: list = [None] * len(sequences)
         seen = None
-        self.routes = [None] * len(sequences) if routes and self.routing.moe else None
+        per_token = [None] * len(sequences) if routes and self.routing.moe else None
         if self.routing.moe:
             seen = torch.zeros(len(sequences), self.routing.num_layers, self.routing.num_experts, dtype=torch.bool)
         with self._untouched(), (fp8_rounded_weights(self.model) if self.fp8 else contextlib.nullcontext()):
@@ -136,10 +138,10 @@ class MegatronForward:
                 if seen is not None:
                     routed, self._moe_layers = self.routing.per_sequence(run, len(indices))
                     seen[indices] = routed
-                    if self.routes is not None:
+                    if per_token is not None:
                         for i, row in zip(indices, self.routing.per_token(run, len(indices)), strict=True):
-                            self.routes[i] = row
-        return (out if scored else None), seen
+                            per_token[i] = row
+        return (out if scored else None), seen, per_token
 
     def _count(self, union: torch.Tensor) -> tuple[int, int]:
         """``(experts routed, experts)`` over the MoE layers of ``union`` ``[layers, experts]``."""

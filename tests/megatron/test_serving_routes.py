@@ -31,9 +31,12 @@ def _rank(rank, world, port, layout):
     forward = trainer_forward(built.model, cfg)
     forward.prepare(fp8=False)
     probe = make_probe({"sequences": 3, "length": 13}, cfg.vocab_size)  # 13 tokens: CP2 pads to 16
-    _, seen = forward._run(probe.sequences)  # noqa: SLF001 -- the per-sequence coverage to check against
+    _, seen, _ = forward._run(probe.sequences)  # noqa: SLF001 -- the per-sequence coverage to check against
     forward(probe.sequences)
-    return dict(routes=forward.routes, seen=seen.nonzero().tolist(), lengths=[len(s) - 1 for s in probe.sequences])
+    routes = forward.routes
+    forward.cover(probe.sequences, budget=0, seed=0)  # the serving check's search: leaves the last call's routes
+    assert forward.routes == routes
+    return dict(routes=routes, seen=seen.nonzero().tolist(), lengths=[len(s) - 1 for s in probe.sequences])
 
 
 @pytest.mark.parametrize("name", ["pp2", "cp2"])
