@@ -107,26 +107,25 @@ def gc_paused():
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_PROJECTION = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
+"""An MTP layer's own projection: the decoder layers that have one are MTP layers."""
 
 
-def past_last_layer(name: str, names) -> int | None:
-    """``name``'s decoder layer where it is past the last decoder layer among ``names``: that
-    layer's index; None otherwise (no layer, or one ``names`` reach)."""
-    hit = _LAYER.match(name)
-    layers = [int(m.group(1)) for m in map(_LAYER.match, names) if m]
-    if hit is None or not layers or int(hit.group(1)) <= max(layers):
-        return None
-    return max(layers)
+def mtp_names(names) -> list[str]:
+    """Those of ``names`` in an MTP layer (a decoder layer one of ``names`` gives an ``eh_proj``)."""
+    layers = {m.group(1) for m in map(_MTP_PROJECTION.match, names) if m}
+    return [n for n in names if (m := _LAYER.match(n)) and m.group(1) in layers]
 
 
 def unproduced_hint(name: str, train_names) -> str:
     """What to add to "``name`` is not produced by the trainer" where the engine holds a decoder
     layer past the trainer's last one (``train_names``: every name the trainer produces): an MTP
     layer, the speculative draft of an engine whose trainer has none."""
-    last = past_last_layer(name, train_names)
-    if last is None:
+    hit = _LAYER.match(name)
+    last = max((int(m.group(1)) for m in map(_LAYER.match, train_names) if m), default=None)
+    if hit is None or last is None or int(hit.group(1)) <= last:
         return ""
-    return (f": it is in model.layers.{_LAYER.match(name).group(1)}, past the trainer's last decoder layer "
+    return (f": it is in model.layers.{hit.group(1)}, past the trainer's last decoder layer "
             f"(model.layers.{last}), so the engine holds an MTP layer (its speculative draft: vLLM's deepseek_mtp, "
             f"SGLang's NextN) that the trainer does not train, and the draft would stay the first version's: "
             f"build the trainer with its MTP layers (Bridge's mtp_num_layers) or start the engine without the draft")

@@ -15,7 +15,7 @@ from megatron_refit.errors import PlanError
 from megatron_refit.plan.adjacency import adjacency, next_maps
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
-from megatron_refit.plan.checks import ITEMSIZE, gc_paused, past_last_layer
+from megatron_refit.plan.checks import ITEMSIZE, gc_paused, mtp_names
 from megatron_refit.plan.checks import index_specs
 from megatron_refit.plan.expert_moves import Basis, movable, replan
 from megatron_refit.plan.folded import unfold, unfold_parts
@@ -378,18 +378,17 @@ def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
         skippable = len(plan.unused_train_params) - len(refused)
         raise ValueError(f"the trainer produces {len(refused)} HF parameters that no generation rank holds "
                          f"(the receiver does not know them), e.g. {refused[:5]}; {skippable} MTP parameters "
-                         f"besides, which may be skipped{draft_hint(refused, [t.name for t in plan.transfers])}")
+                         f"besides, which may be skipped{draft_hint(refused)}")
     return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
 
 
-def draft_hint(refused: list[str], held: list[str]) -> str:
-    """What to add where parameters no engine rank holds are decoder layers past every layer an
-    engine rank holds (``held``): the trainer's MTP layers, which ``refit.gen_draft`` requires an
-    engine's speculative draft to hold."""
-    mtp = [n for n in refused if past_last_layer(n, held) is not None]
+def draft_hint(refused: list[str]) -> str:
+    """What to add where parameters no engine rank holds are the trainer's MTP layers (the layers
+    with an ``eh_proj``), which ``refit.gen_draft`` requires an engine's speculative draft to hold."""
+    mtp = mtp_names(refused)
     if not mtp:
         return ""
-    return (f". {len(mtp)} of them are decoder layers past every layer the engine holds: the trainer's MTP layers, "
+    return (f". {len(mtp)} of them are the trainer's MTP layers (the decoder layers with an eh_proj), "
             f"which refit.gen_draft requires the engine's speculative draft to hold. Start the engine with its draft "
             f"(vLLM --speculative-config deepseek_mtp; the HF engine's draft: vLLM's worker and SGLang's loader do "
             f"not receive into their drafts yet, #67), or set gen_draft: false, which skips them by name")

@@ -60,5 +60,5 @@ def test_the_mtp_layer_is_skipped_without_a_draft_and_required_under_gen_draft()
     assert train["error"].startswith("RefitTransportError: refit: the engines did not start: replica 0: joining "
                                      "failed: ValueError: the trainer produces 1 HF parameters"), train
     for side in (train, gen):
-        assert "1 of them are decoder layers past every layer the engine holds: the trainer's MTP layers, which " \
-               "refit.gen_draft requires the engine's speculative draft to hold" in side["error"], side["error"]
+        assert "1 of them are the trainer's MTP layers (the decoder layers with an eh_proj), which refit.gen_draft " \
+               "requires the engine's speculative draft to hold" in side["error"], side["error"]

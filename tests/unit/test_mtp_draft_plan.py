@@ -46,9 +46,9 @@ def test_under_gen_draft_an_unheld_mtp_layer_fails_every_ranks_plan_naming_the_d
     engine rank holds the MTP layer every rank's plan refuses it, saying why, at start."""
     plan = RefitPlan.build({0: MAIN + DRAFT}, {0: MAIN})
     with pytest.raises(ValueError, match=r"the trainer produces 2 HF parameters that no generation rank holds .*; 0 "
-                                         r"MTP parameters besides, which may be skipped\. 2 of them are decoder layers "
-                                         r"past every layer the engine holds: the trainer's MTP layers, which "
-                                         r"refit.gen_draft requires the engine's speculative draft to hold"):
+                                         r"MTP parameters besides, which may be skipped\. 2 of them are the trainer's "
+                                         r"MTP layers \(the decoder layers with an eh_proj\), which refit.gen_draft "
+                                         r"requires the engine's speculative draft to hold"):
         skip_optional(plan, frozenset())
     with pytest.raises(ValueError, match=r"which may be skipped$"):  # a parameter inside the layers: no such hint
         skip_optional(RefitPlan.build({0: MAIN + [_spec("model.layers.1.mlp.down_proj.weight")]}, {0: MAIN}),
