@@ -12,18 +12,22 @@ from collections.abc import Callable
 
 from conversion.serving import trainer_forward
 from megatron_refit.config import RefitConfig
+from megatron_refit.fleet.control import EngineControl
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.group.connect import check_enabled
 from megatron_refit.refit import trainer_refit_from_pieces
 
 
 def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_train: int, offloader=None,
-                  on_report: Callable[[dict], None] | None = None, hooks=None) -> TrainerFleet:
+                  on_report: Callable[[dict], None] | None = None,
+                  control: EngineControl | None = None) -> TrainerFleet:
     """Enumerate this train rank's HF-named local shards (Bridge conversion tasks, no gather),
     join the refit group and build the plan. ``model``: the Megatron model chunks, their
     parameters on the device (call this before offloading them; pass the ``offloader`` so
     each refit loads them back); LoRA adapters (Bridge PEFT) on it are found and synced per
-    ``cfg.lora_sync``."""
+    ``cfg.lora_sync``. ``control``: the engine's control plane over its clients, which the fleet
+    drives on train rank 0 (:func:`~megatron_refit.engines.control.engine_control`; None: the
+    engine needs no calls from the trainer)."""
     check_enabled(cfg, num_train)
     pieces, adapters = local_pieces(bridge, model, hf_config)
     device = next(p for chunk in model for p in chunk.parameters()).device
@@ -31,7 +35,7 @@ def trainer_refit(cfg: RefitConfig, bridge, model, hf_config, *, rank: int, num_
     # decide (refit.verify_serving), from the one config
     forward = trainer_forward(model, hf_config, lora=bool(adapters))
     return trainer_refit_from_pieces(cfg, pieces, adapters, rank=rank, num_train=num_train, device=device,
-                                     offloader=offloader, on_report=on_report, forward=forward, hooks=hooks)
+                                     offloader=offloader, on_report=on_report, forward=forward, control=control)
 
 
 def local_pieces(bridge, model, hf_config) -> tuple[list, list]:

@@ -32,14 +32,14 @@ it (``overlap_busy: wait``) or is skipped on every train rank (``skip``; the ite
 own iteration, and one that failed raises there, its version named. Ctrl-C does not wait: the
 sending thread is a daemon, and the engines see the trainer's ranks go (their next wait fails).
 
-The engine's control (:func:`megatron_refit.engines.control.engine_control` for ``refit.engine``)
-connects the fleet and closes it; each refit is the fleet's own ``refit``. With ``engines``
-(control clients, one per engine replica: vLLM's ``HTTPClient`` / ``LLMClient``, SGLang's
-``EngineClient`` / ``HTTPClient``), train rank 0 also drives the engines: at connect, then around
-each replica's part of every refit (the control is the fleet's hooks; vLLM:
-``init_weight_transfer_engine``, then per refit start / update / finish, shutdown; SGLang:
-connect, then per refit pause / update / resume, close); without, the fleet's calls run alone
-(an engine that runs its own receive loop, the HF engine).
+Each refit is the fleet's own ``refit``. With ``engines`` (control clients, one per engine
+replica: vLLM's ``HTTPClient`` / ``LLMClient``, SGLang's ``EngineClient`` / ``HTTPClient``), the
+fleet is built with the engine's control (:func:`megatron_refit.engines.control.engine_control`
+for ``refit.engine``) and train rank 0 drives the engines through it: at connect, around each
+replica's part of every refit (vLLM: ``init_weight_transfer_engine``, then per refit start /
+update / finish, shutdown; SGLang: connect, then per refit pause / update / resume, close) and
+at close; without, the fleet's calls run alone (an engine that runs its own receive loop, the HF
+engine).
 
 Each refit's group metrics (one flat dict, ``refit/total_s``, ``refit/gbps``, ``refit/bytes``
 …) go to the training run's own TensorBoard and Weights & Biases writers (Bridge's
@@ -121,7 +121,8 @@ class RefitCallback(Callback):
         self.engines = list(engines or [])
         """Control clients, one per engine replica (used on train rank 0)."""
         self.control = engine_control(cfg, self.engines)
-        """The engine's control (:class:`~megatron_refit.engines.control.EngineControl`)."""
+        """The engine's control (:class:`~megatron_refit.engines.control.EngineControl`; None without
+        clients), which the fleet drives on train rank 0."""
         self.rank = 0
         self.fleet = None
         """The :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank (after ``on_train_start``)."""
@@ -147,11 +148,8 @@ class RefitCallback(Callback):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank = rank
 
-        def join(hooks):
-            return trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
-                                 offloader=self.offloader, on_report=self.on_report, hooks=hooks)
-
-        self.fleet = self.control.connect(join, rank=rank, num_train=world)
+        self.fleet = trainer_refit(self.cfg, self.bridge, context.model, self.hf_config, rank=rank, num_train=world,
+                                   offloader=self.offloader, on_report=self.on_report, control=self.control)
         if self.initial_refit:
             force_param_sync(context.model, context.optimizer)
             step = context.state.train_state.step
@@ -171,7 +169,7 @@ class RefitCallback(Callback):
         force_param_sync(context.model, context.optimizer)
         if self.fleet.background is None:
             self._log_finished(context, [self.fleet.refit(iteration)])
-        elif not self.fleet.start_refit(iteration):  # the engine control's calls: attached to the fleet
+        elif not self.fleet.start_refit(iteration):  # the engine control's calls: the fleet's
             self.skipped_busy.append(iteration)
 
     def _log_finished(self, context, reports: list[RefitReport]) -> None:
@@ -187,4 +185,4 @@ class RefitCallback(Callback):
                     fleet.background.wait()
                     self._log_finished(context, fleet.finished())
             finally:
-                self.control.close(fleet, rank=self.rank)
+                fleet.close()  # train rank 0 tells the engines first

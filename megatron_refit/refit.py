@@ -30,6 +30,7 @@ import torch
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.endpoint.sender import check_pieces
+from megatron_refit.fleet.control import EngineControl
 from megatron_refit.fleet.member import TrainerMember
 from megatron_refit.fleet.trainer_fleet import TrainerFleet
 from megatron_refit.group.connect import check_enabled, check_lora_sync, connect
@@ -43,13 +44,14 @@ CONTROL_TIMEOUTS = 3
 def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *, rank: int, num_train: int,
                               device: str | torch.device = "cpu", offloader=None,
                               on_report: Callable[[dict], None] | None = None, forward=None,
-                              hooks=None) -> TrainerFleet:
+                              control: EngineControl | None = None) -> TrainerFleet:
     """:func:`conversion.refit.trainer_refit` for pieces at hand (:class:`~megatron_refit.endpoint.sender.HasPiece`:
     Bridge's local shards, or :class:`~megatron_refit.endpoint.sender.TensorPiece`). ``forward``: the trainer
     model's forward over the serving probe (:class:`~megatron_refit.fleet.serving.TrainerForward`,
-    ``refit.verify_serving``; None: the trainer has none, its refits are not checked). ``hooks``:
-    train rank 0's engine control (what :meth:`~megatron_refit.engines.control.EngineControl.connect`
-    passes its ``join``), whose calls run around each replica's part of every refit."""
+    ``refit.verify_serving``; None: the trainer has none, its refits are not checked). ``control``:
+    the engine's control plane over its clients (:func:`~megatron_refit.engines.control.engine_control`),
+    which the fleet drives on train rank 0: each replica's connect, its calls around each replica's
+    part of every refit, and the engines' close."""
     check_enabled(cfg, num_train)
     if not 0 <= rank < num_train:
         raise ValueError(f"train rank {rank} outside 0..{num_train - 1}")
@@ -88,7 +90,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
 
     return TrainerFleet(cfg, control_group, connect=join, member=member, offloader=offloader, on_report=on_report,
                         background=_background(cfg, snapshot, rank=rank, num_train=num_train), forward=forward,
-                        hooks=hooks)
+                        control=control)
 
 
 def _background(cfg: RefitConfig, snapshot, *, rank: int, num_train: int):

@@ -162,9 +162,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
     section = {"enabled": True, "engine": "sglang", "mode": "colocated", "gen_tp": 1, "port": free_port()}
     refit_cfg = RefitConfig.from_dict(section)
     control = SglangControl([client], refit_cfg)
-    fleet = control.connect(lambda hooks: trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0,
-                                                        num_train=1, hooks=hooks),
-                           rank=0, num_train=1)
+    fleet = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1, control=control)
     reports = []
     for version in range(1, REFITS + 1):
         train_steps(built, optimizer)
@@ -172,7 +170,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
         report = fleet.refit(version)
         reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
         client.call("check", save_export(built, workdir, version))
-    control.close(fleet, rank=0)
+    fleet.close()
     client.call("done", reports)
 
 

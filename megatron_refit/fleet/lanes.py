@@ -1,24 +1,24 @@
-"""Train rank 0's control calls to each engine replica, one lane per replica: the base of every
-engine control with a control plane (vLLM's weight-transfer calls, SGLang's update sessions).
+"""Train rank 0's control calls to each engine replica, one lane per replica: the
+:class:`~megatron_refit.fleet.control.EngineControl` of every engine with a control plane (vLLM's
+weight-transfer calls, SGLang's update sessions).
 
 An engine with a control plane takes calls from train rank 0 around every refit: before the bytes
 move (pause, ``update_weights``) and after (``finish_weight_update`` / resume); once when it joins
 (``init_weight_transfer_engine`` / connect) and when it leaves. With many replicas, one replica's
-trouble must stay with it, so every replica's client gets a lane of the fleet's runner
-(:class:`~megatron_refit.fleet.runner.Runner`: one named thread running its calls in order, apart
-from the other replicas'). :class:`ReplicaLanes` is the fleet's
-:class:`~megatron_refit.fleet.replica.ReplicaHooks` (attached at connect): the fleet calls
+trouble must stay with it, so every replica's client gets a lane of this control's own runner
+(:class:`~megatron_refit.fleet.runner.Runner`: one named thread, ``control-<r>-<n>``, running its
+calls in order, apart from the other replicas'; joined on :meth:`~ReplicaLanes.close`). The fleet,
+built with this control on train rank 0, is its only caller: it calls :meth:`~ReplicaLanes.connect`
+as each replica starts or joins (the future it gets back tells it a connect that failed),
 :meth:`~ReplicaLanes.start` in the replica's own refit lane before its bytes move and
 :meth:`~ReplicaLanes.land` once its group carried the refit, so a replica whose engine cannot make
 the version live fails alone, named in the report like any other failed replica, and only
 replicas that landed the version resume serving. A replica that failed stays paused (its weights
 are no complete version) until a refit lands on it; one the fleet drops is forgotten with its
-lane, without waiting for it.
+lane, without waiting for it. Nothing here calls the fleet back.
 
 Subclasses say what each call is (:meth:`connect_call`, :meth:`receive_call`, :meth:`land_call`,
-:meth:`close_call`). The fleet holds every thread; this class only submits to it, under one lock,
-so a replica added by the training thread and one the fleet drops in a background refit are
-ordered.
+:meth:`close_call`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -36,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig, typed_section
 from megatron_refit.errors import EngineLoadError
+from megatron_refit.fleet.runner import Runner
 from megatron_refit.fleet.serving import ServingUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -103,19 +103,19 @@ class ReplicaLanes:
         if clients and len(clients) != self.cfg.gen_dp:
             raise ValueError(f"{type(self).__name__}: {len(clients)} engine clients for refit.gen_dp={self.cfg.gen_dp} "
                              "replicas: pass one client per starting replica (engines that start later join through "
-                             "add)")
+                             "the fleet's add)")
         self.timeout_s = self.cfg.timeout_s
         self._clients: dict[int, _Client] = {r: self._new(r, c) for r, c in enumerate(clients)}
         self._lock = threading.Lock()
-        self.fleet = None
-        self.num_train: int | None = None
+        self._runner = Runner()
+        """The lanes of this control's calls (one per replica's client), joined on :meth:`close`."""
 
     @staticmethod
     def _new(replica: int, client) -> _Client:
         return _Client(client, f"control-{replica}-{next(_LANE_IDS)}")
 
     # -- what each call is (the engine's) --------------------------------------------------------
-    def connect_call(self, replica: int) -> Callable[[Any], Any]:
+    def connect_call(self, replica: int, num_train: int) -> Callable[[Any], Any]:
         raise NotImplementedError
 
     def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
@@ -128,34 +128,27 @@ class ReplicaLanes:
         """What a replica's engine is told when the trainer closes (None: nothing)."""
         return None
 
-    # -- EngineControl -----------------------------------------------------------------------------
-    def connect(self, join: Callable[[Any], Any], *, rank: int, num_train: int) -> Any:
-        """Every train rank: the fleet ``join(hooks)`` returns (built with this control as its hooks
-        on train rank 0), then (train rank 0) each replica's connect
-        call in its lane, while the fleet's starting replicas join. A replica whose connect call
-        fails is aborted at once (the train ranks stop waiting for it) and fails joining, named.
-        Returns once the starting replicas joined or failed (the fleet raises if none joined)."""
-        self.num_train = num_train
-        fleet = join(self if rank == 0 else None)
-        if rank == 0:
-            self.fleet = fleet
-            with self._lock:
-                for replica, entry in self._clients.items():
-                    future = self._submit(entry, self.connect_call(replica))
-                    future.add_done_callback(lambda f, r=replica: self._connected(r, f))
-        fleet.await_start()
-        return fleet
+    # -- EngineControl: the fleet's calls ----------------------------------------------------------
+    def connect(self, replica: int, *, num_train: int, client: Any = None) -> Future:
+        """Replica ``replica``'s connect call, started in its lane (``client``: a new client for it;
+        a restarted replica's old lane is retired, not waited for: its engine is gone)."""
+        with self._lock:
+            if client is not None:
+                old = self._clients.pop(replica, None)
+                if old is not None:
+                    self._runner.retire(old.lane)
+                self._clients[replica] = self._new(replica, client)
+            entry = self._clients.get(replica)
+            if entry is None:
+                raise ValueError(f"{type(self).__name__}.connect: no client for {self.engine} replica {replica}")
+            return self._submit(entry, self.connect_call(replica, num_train))
 
-    def _connected(self, replica: int, future: Future) -> None:
-        exc = None if future.cancelled() else future.exception()
-        if exc is not None and self.fleet is not None:
-            self.fleet.abort_join(replica, f"the {self.engine}'s connect call failed: {type(exc).__name__}: {exc}")
-
-    def close(self, fleet, *, rank: int) -> None:
-        """Every train rank: (train rank 0) every replica's engine is told, each in its lane, all at
-        once, waited for up to :data:`CLOSE_WAIT_S` (an engine that hangs is not waited for
-        longer: it is told, its lane ends with the call); then the fleet closes."""
-        call = self.close_call() if rank == 0 and self.fleet is not None else None
+    def close(self, *, tell: bool = True, wait_s: float = 0.0) -> list[str]:
+        """(``tell``) every replica's engine is told, each in its lane, all at once, waited for up
+        to :data:`CLOSE_WAIT_S` (an engine that hangs is not waited for longer: it is told, its
+        lane ends with the call); then the lanes end, waited for ``wait_s`` in all. Returns the
+        lanes still in a call (each a daemon thread that ends with it)."""
+        call = self.close_call() if tell else None
         if call is not None:
             with self._lock:
                 futures = {r: self._submit(e, call) for r, e in self._clients.items()}
@@ -164,42 +157,10 @@ class ReplicaLanes:
                 reason = _outcome(future, 0.0)
                 if reason:
                     logger.warning("refit: telling %s replica %d to close failed: %s", self.engine, replica, reason)
-        fleet.close()
+        return self._runner.close(wait_s)
 
-    def add(self, client, *, replica: int | None = None) -> int:
-        """Train rank 0, between refits: a new engine replica (``client``: its control client)
-        joins under index ``replica`` (default: one past every index so far; the index of a
-        replica that died, to restart it). Its connect call starts in a lane of its own; returns
-        (the index) once its join is announced, so the train ranks take it in at their next refit."""
-        if self.fleet is None:
-            raise ValueError(f"{type(self).__name__}.add: only train rank 0, after connect, takes in engines")
-        with self._lock:
-            if replica is None:
-                replica = max([*self._clients, *self.fleet.members, -1]) + 1
-            if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
-                raise ValueError(f"replica must be a non-negative int, got {replica!r}")
-            before = self.fleet.announced(replica)
-            old = self._clients.pop(replica, None)
-            if old is not None:  # a restart under its index: the old lane's engine is gone
-                self.fleet.retire_lane(old.lane)
-            entry = self._clients[replica] = self._new(replica, client)
-            connecting = self._submit(entry, self.connect_call(replica))
-        deadline = time.monotonic() + self.timeout_s
-        while self.fleet.announced(replica) == before:
-            if connecting.done():  # it failed before it announced: nothing will take it in
-                self.forget(replica)
-                connecting.result()
-                raise RuntimeError(f"{self.engine} replica {replica}: its connect call returned before it joined")
-            if time.monotonic() > deadline:
-                self.forget(replica)
-                raise EngineLoadError(f"{self.engine} replica {replica} did not announce its join within "
-                                      f"refit.timeout_s={self.timeout_s:g} s")
-            time.sleep(0.02)
-        return replica
-
-    # -- the fleet's hooks -------------------------------------------------------------------------
     def _submit(self, entry: _Client, call: Callable[[Any], Any]) -> Future:
-        return self.fleet.run_in_lane(entry.lane, call, entry.client)
+        return self._runner.submit(entry.lane, call, entry.client)
 
     def _entry(self, replica: int) -> _Client | None:
         with self._lock:
@@ -284,30 +245,13 @@ class ReplicaLanes:
         go, without waiting for its calls (its engine may hang)."""
         with self._lock:
             entry = self._clients.pop(replica, None)
-        if entry is not None and self.fleet is not None:
-            self.fleet.retire_lane(entry.lane)
+        if entry is not None:
+            self._runner.retire(entry.lane)
 
     @property
     def replicas(self) -> list[int]:
         with self._lock:
             return sorted(self._clients)
-
-    @property
-    def clients(self) -> list:
-        """The current replicas' clients, by replica index."""
-        with self._lock:
-            return [self._clients[r].client for r in sorted(self._clients)]
-
-    def all(self, call: Callable[[int, Any], Any], what: str) -> None:
-        """``call(replica, client)`` in every lane at once; raises the first replica's error, named,
-        once every call returned (or ``timeout_s`` passed)."""
-        with self._lock:
-            futures = {r: self._submit(e, lambda client, r=r: call(r, client)) for r, e in self._clients.items()}
-        wait(list(futures.values()), timeout=self.timeout_s)
-        for replica, future in sorted(futures.items()):
-            reason = _outcome(future, 0.0)
-            if reason:
-                raise RuntimeError(f"{self.engine} replica {replica}: its {what} call failed: {reason}")
 
 
 def _outcome(future: Future, timeout_s: float) -> str:

@@ -7,12 +7,10 @@ import time
 from collections.abc import Callable
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import Refitter
 from megatron_refit.errors import ServingMismatchError
 from megatron_refit.group.inband import exchange_in_band, verdict_in_band
 from megatron_refit.group.member import Member, endpoint_kw
-from megatron_refit.plan.fanout import DIRECT, Placement
 
 
 class TrainerMember(Member):
@@ -31,33 +29,35 @@ class TrainerMember(Member):
             self.adapters = Refitter(group, adapters, **kw)
             self.adapters.prepare()
 
-    def refit(self, version: int, *, full: bool = False, probe=None, placement: Placement = DIRECT,
-              judge: Callable[[object], dict] | None = None) -> tuple[RefitReport, object, float]:
-        """Send this rank's pieces of refit ``version`` (collective over the refit group: every
-        train and engine rank calls it with the same ``version`` and ``full``), then, with a
-        ``placement`` (``refit.fanout``: where this refit's bytes go), and with a
-        ``probe`` (``refit.verify_serving``, in band), on train rank 0: the engine's answer to it
-        once every rank applied the refit, and train rank 0's verdict on it (``judge(answer)``:
-        :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which the engine ranks hear
-        before the call returns: one that fails holds its weights. The other train ranks take no
-        part in the probe (:mod:`~megatron_refit.group.inband`).
-        Returns the report, the verdict (None: not asked, or not train rank 0; a failed one as its
-        :class:`~megatron_refit.errors.ServingMismatchError`, once told) and the seconds from the
-        answer's request to the verdict told."""
-        report = self._endpoint(full).refit(version, probe=probe is not None, placement=placement)
+    def sent(self, version: int) -> None:
+        """Refit ``version`` went through :meth:`endpoint` (its report is the endpoint's): the next
+        refit advances past it, and moves adapters only again under LoRA adapter sync.
+
+        The fleet calls the endpoint's ``refit`` itself (one frame less between a replica's lane and
+        the wire: :func:`~megatron_refit.fleet.replica.refit_replica`), collective over the refit
+        group: every train and engine rank calls it with the same ``version`` and ``full``."""
         self._advance(version)
         self._resend = False
-        verdict, t0 = None, time.perf_counter()
-        if probe is not None and report.summary["refit/ok"] and self.group.rank == 0:
-            answer = exchange_in_band(self.group, self.full.num_train, probe=probe)
-            try:
-                verdict = judge(answer) if judge is not None else None
-            except ServingMismatchError as exc:
-                verdict = exc
-            finally:  # told whatever judge did (an error of its own is this replica's outcome, untold)
-                failed = str(verdict) if isinstance(verdict, ServingMismatchError) else None
-                verdict_in_band(self.group, self.full.num_train, failed=failed)
-        return report, verdict, time.perf_counter() - t0
+
+    def verdict_in_band(self, probe, judge: Callable[[object], dict] | None) -> tuple[object, float]:
+        """Train rank 0, once every rank applied a refit sent with ``probe`` (``refit.verify_serving``,
+        in band): the engine's answer to it, and train rank 0's verdict on it (``judge(answer)``:
+        :meth:`~megatron_refit.fleet.serving.ServingCheck.verdict`), which the engine ranks hear
+        before the call returns: one that fails holds its weights. The other train ranks take no
+        part in the probe (:mod:`~megatron_refit.group.inband`). Returns the verdict (None: not
+        asked; a failed one as its :class:`~megatron_refit.errors.ServingMismatchError`, once told)
+        and the seconds from the answer's request to the verdict told."""
+        t0 = time.perf_counter()
+        answer = exchange_in_band(self.group, self.full.num_train, probe=probe)
+        verdict = None
+        try:
+            verdict = judge(answer) if judge is not None else None
+        except ServingMismatchError as exc:
+            verdict = exc
+        finally:  # told whatever judge did (an error of its own is this replica's outcome, untold)
+            failed = str(verdict) if isinstance(verdict, ServingMismatchError) else None
+            verdict_in_band(self.group, self.full.num_train, failed=failed)
+        return verdict, time.perf_counter() - t0
 
     def force_full(self, *, adapters: bool) -> None:
         """The replica failed this refit: its next one is full (no delta; with ``adapters``, the

@@ -7,11 +7,11 @@ replica's from every train rank and applies the one failure policy."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from megatron_refit.endpoint.report import RefitReport
+from megatron_refit.fleet.control import EngineControl
 from megatron_refit.fleet.serving import ServingCheck, ServingUnavailableError, served_or_raise, stale_of
 from megatron_refit.group.store import unprepared
 from megatron_refit.plan.fanout import DIRECT, Placement
@@ -19,38 +19,6 @@ from megatron_refit.errors import RefitTransportError, ReplicaFailedError, Servi
 
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaHooks(Protocol):
-    """Train rank 0's calls to one replica's engine around its part of a refit (an engine with a
-    control plane: :class:`~megatron_refit.fleet.lanes.ReplicaLanes`). All run in the
-    replica's own refit thread; an error from any fails that replica alone."""
-
-    staged: bool
-    """``swap: staged``: each engine rank notes whether it prepared the version beside the live
-    model (:func:`~megatron_refit.group.store.note_swap`)."""
-
-    def start(self, replica: int, version: int, full: bool) -> None:
-        """Before the replica's bytes move (its engine's receiving call, not waited for)."""
-
-    def land(self, replica: int, version: int, *, gate: bool = False) -> None:
-        """Once its group carried the refit: the engine makes the version live (or raises);
-        ``gate``: its serving check follows, and an engine that can keeps traffic off the
-        version until :meth:`release`."""
-
-    def release(self, replica: int, *, passed: bool) -> None:
-        """The verdict on a version :meth:`land` gated: traffic goes on (``passed``) or the
-        engine holds."""
-
-    def score(self, replica: int, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Once the version is live: the engine's per-token log-probs of ``sequences`` through its
-        serving path (:class:`~megatron_refit.fleet.serving.ServingUnavailableError` if it has none)."""
-
-    def hold(self, replica: int) -> None:
-        """It failed its serving check: stop it serving what it serves, where its engine can."""
-
-    def forget(self, replica: int) -> None:
-        """The fleet dropped it (it left, or its group broke): its client and calls go."""
 
 
 @dataclass
@@ -99,7 +67,7 @@ class ReplicaOutcome:
         return f"{type(self.error).__name__}: {self.error}"[:1000]
 
 
-def refit_replica(member, replica: int, version: int, full: bool, hooks: ReplicaHooks | None,
+def refit_replica(member, replica: int, version: int, full: bool, control: EngineControl | None,
                   probing: Probing | None, rank: int, placement: Placement = DIRECT) -> ReplicaOutcome:
     """Replica ``replica``'s part of refit ``version`` on train rank ``rank`` (``member``: its
     :class:`~megatron_refit.fleet.member.TrainerMember`; ``placement``: where its bytes go, under
@@ -108,54 +76,55 @@ def refit_replica(member, replica: int, version: int, full: bool, hooks: Replica
     out = ReplicaOutcome()
     probe = probing.probe if probing is not None and probing.due.get(replica) else None
     try:
-        if hooks is not None:
-            hooks.start(replica, version, member.is_full(full))
+        if control is not None:
+            control.start(replica, version, member.is_full(full))
         verdict = None
-        if probe is not None and probing.in_band:  # the verdict is told to the engine ranks in band
-            def judge(answer):
+        in_band = probe is not None and probing.in_band  # the engine ranks answer over the group, told in the handshake
+        # the endpoint's refit is called here, not through the member: its sends are 5 frames below the lane
+        out.report = member.endpoint(full).refit(version, probe=in_band, placement=placement)
+        member.sent(version)
+        if in_band and rank == 0 and out.report.summary["refit/ok"]:
+            def judge(answer):  # the verdict is told to the engine ranks in band
                 return probing.check.verdict(replica, version, lambda: served_or_raise(answer), probing.reference,
                                             probe, stale_of(answer))
 
-            out.report, verdict, answer_s = member.refit(version, full=full, probe=probe, placement=placement,
-                                                         judge=judge if rank == 0 else None)
+            verdict, answer_s = member.verdict_in_band(probe, judge)
             if isinstance(verdict, ServingMismatchError):
                 raise verdict  # told to its engine ranks already: they hold their weights
             if verdict is not None:
                 verdict["seconds"] = answer_s  # the engine scored it inside its refit's group, then heard it
-        else:
-            out.report = member.refit(version, full=full, placement=placement)[0]
         if out.report.failed_ranks:  # an engine rank could not apply it (its group drained it: intact)
             why = "; ".join(out.report.failed_replicas.values())
             out.error = ReplicaFailedError(f"refit {version}: engine replica {replica} could not apply it: {why}",
                                            report=out.report)
             return out
         gate = probe is not None and rank == 0 and not probing.in_band  # scored before it takes traffic
-        if hooks is not None:
-            hooks.land(replica, version, gate=gate)  # its error fails this replica alone (its group is intact)
-            if rank == 0 and hooks.staged:
+        if control is not None:
+            control.land(replica, version, gate=gate)  # its error fails this replica alone (its group is intact)
+            if rank == 0 and control.staged:
                 out.unprepared = _unprepared(member, replica, version)
         if probe is not None and rank == 0:
             if probing.in_band:
                 out.serving = verdict
             else:
                 def score():
-                    if hooks is None:
+                    if control is None:
                         raise ServingUnavailableError("train rank 0 holds no control client of this engine to ask it")
-                    return hooks.score(replica, probe.sequences)
+                    return control.score(replica, probe.sequences)
                 out.serving = probing.check.verdict(replica, version, score, probing.reference, probe)
-                if hooks is not None:
-                    hooks.release(replica, passed=True)
+                if control is not None:
+                    control.release(replica, passed=True)
     except ServingMismatchError as exc:
         out.error, out.serving = exc, dict(max_dlogprob=exc.max_dlogprob, seconds=0.0, mismatch=True)
-        if hooks is not None:
-            hooks.hold(replica)
-            hooks.release(replica, passed=False)
+        if control is not None:
+            control.hold(replica)
+            control.release(replica, passed=False)
     except Exception as exc:  # noqa: BLE001 -- one replica's failure is its outcome, not raised here
         out.error = exc
         if isinstance(exc, ReplicaFailedError) and exc.report is not None:
             out.report = exc.report
-        if hooks is not None:  # a gated version that failed to land or to be judged takes no traffic
-            hooks.release(replica, passed=False)
+        if control is not None:  # a gated version that failed to land or to be judged takes no traffic
+            control.release(replica, passed=False)
     return out
 
 

@@ -3,9 +3,11 @@
 A train rank holds one refit group per engine replica (the train ranks and that replica's
 ``replica_size`` engine ranks, under a namespace of its incarnation in the train ranks' store) and the
 train ranks' own control group (no engine rank in it). :class:`TrainerFleet` runs everything on
-its :class:`~megatron_refit.fleet.runner.Runner`: each replica's join and its part of every refit
-in that replica's lane (every replica at once), the engine control's calls in theirs (train rank
-0), the refits of ``refit.overlap`` in the background lane, the heartbeat watch. The train ranks
+its :class:`~megatron_refit.fleet.runner.Runner`: each replica's join (:mod:`~megatron_refit.fleet.joins`)
+and its part of every refit in that replica's lane (every replica at once), the refits of
+``refit.overlap`` in the background lane, the heartbeat watch. On train rank 0 it is the one caller
+of the engine's control (:class:`~megatron_refit.fleet.control.EngineControl`, given to its
+constructor), whose calls run in lanes of the control's own. The train ranks
 agree on each replica's outcome over the control group and apply the one failure policy
 (:mod:`~megatron_refit.fleet.policy`): a replica whose engine failed but whose group is intact
 stays a member (its next refit, a full one, brings it back); one whose group broke (it died, it
@@ -23,39 +25,38 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from megatron_refit.config import RefitConfig
+from megatron_refit.endpoint.report import RefitReport, merge_reports
 from megatron_refit.errors import RefitTransportError
+from megatron_refit.fleet.control import EngineControl
 from megatron_refit.fleet.fanout import FanoutRouter
+from megatron_refit.fleet.joins import Joins
 from megatron_refit.fleet.member import TrainerMember
-from megatron_refit.group.member import close_quietly
-from megatron_refit.fleet.watchdog import Watchdog
-from megatron_refit.fleet.membership import Changes, Membership, join_status, resolve
 from megatron_refit.fleet.policy import check_landed, failed_replicas
-from megatron_refit.fleet.replica import Probing, ReplicaHooks, refit_replica
+from megatron_refit.fleet.replica import Probing, refit_replica
 from megatron_refit.fleet.runner import Runner, abort_at_exit
 from megatron_refit.fleet.serving import ServingCheck
-from megatron_refit.group.store import (JOINS, LEAVES, SWAP_KEYS, Announcements, abort_join,
-                                        await_announced)
-from megatron_refit.endpoint.report import RefitReport, merge_reports
+from megatron_refit.fleet.watchdog import Watchdog
+from megatron_refit.group.member import close_quietly
+from megatron_refit.group.store import SWAP_KEYS
 from megatron_refit.registry import engine_named
 
 logger = logging.getLogger(__name__)
-
-JOIN_POLL_S = 0.05
-"""How often the train ranks compare how their joins went, while one is still under way."""
 
 
 class TrainerFleet:
     """Train side of a refit to every engine replica (one per train rank): see the module
     docstring. ``connect(replica, incarnation)`` opens that replica's group (this rank's end);
-    ``member(group)`` builds its prepared :class:`~megatron_refit.fleet.member.TrainerMember`."""
+    ``member(group)`` builds its prepared :class:`~megatron_refit.fleet.member.TrainerMember`.
+    ``control``: the engine's control plane (:class:`~megatron_refit.fleet.control.EngineControl`),
+    which train rank 0 drives (every other train rank passes it or None and leaves it alone); None:
+    the engines need no calls from the trainer."""
 
     def __init__(self, cfg: RefitConfig, control_group, *, connect: Callable, member: Callable, offloader=None,
                  on_report: Callable[[dict], None] | None = None, background: Callable | None = None,
-                 forward=None, hooks: ReplicaHooks | None = None):
+                 forward=None, control: EngineControl | None = None):
         self.cfg = cfg
         self.control_group = control_group
         """The train ranks' own group: versions and outcomes, never an engine rank."""
-        self._connect, self._member = connect, member
         self.offloader = offloader
         self.on_report = on_report
         self.runner = Runner()
@@ -65,15 +66,15 @@ class TrainerFleet:
         """``refit.overlap: on``: the :class:`~megatron_refit.fleet.overlap.BackgroundRefit`
         (``background(runner)`` builds it over this fleet's runner)."""
         self.members: dict[int, TrainerMember] = {}
-        self._joining: dict[int, Future] = {}
         self._lock = threading.RLock()
         """Membership changes: the training thread's and a background refit's, in one order."""
-        self._membership_lock = threading.Lock()
-        """Train rank 0's :class:`Membership`: also read by the starting replicas' joins, in their lanes."""
         self._closing = threading.Event()
-        self._hooks = hooks
-        """Train rank 0: the engine control whose calls run around each replica's part of every
-        refit (:class:`~megatron_refit.fleet.lanes.ReplicaLanes`); None: the engines need none."""
+        if control is not None and not isinstance(control, EngineControl):
+            raise TypeError(f"TrainerFleet: control must be an EngineControl, got {type(control).__name__}")
+        self.control = control if control_group.rank == 0 else None
+        """Train rank 0: the engine control whose calls run when a replica joins, around each
+        replica's part of every refit and at close (the fleet is its one caller); None: the engines
+        need none, or another train rank."""
         self._probing: dict[int, Probing] = {}
         """Overlap: per version, what its refit checks (decided, and the reference taken, at its start)."""
         self._joined: dict[int, dict] = {}
@@ -83,11 +84,6 @@ class TrainerFleet:
         for the next one (which then takes no collective in the training thread)."""
         self._started = False
         self._start_failures: dict[int, str] = {}
-        self.membership = Membership() if control_group.rank == 0 else None
-        """Train rank 0: the incarnations it decides membership from."""
-        self._announcements = Announcements(control_group.store) if control_group.rank == 0 else None
-        if self.membership is not None:
-            self.membership.starting(range(cfg.gen_dp))
         self.router = FanoutRouter(cfg.fanout, delta=cfg.delta, bucket_bytes=cfg.bucket_bytes,
                                    replica_size=cfg.replica_size)
         """``refit.fanout``: each refit's placements (which replica forwards to which)."""
@@ -95,56 +91,59 @@ class TrainerFleet:
         """Every replica group's abort on this rank, and the heartbeats that tell a stalled replica."""
         if self.watchdog.enabled:
             self.runner.submit("watchdog", self.watchdog.run, self._closing)
+        self.joins = Joins(cfg, control_group, self.runner, self.watchdog, self._closing, connect=connect,
+                           member=member)
+        """The joins under way, and train rank 0's reading of the announcements."""
         self._closed = False
         self._keep_at_exit = abort_at_exit(self, "the training process is exiting without closing the refit "
                                                  "(Ctrl-C, an error)")
         for replica in range(cfg.gen_dp):  # the replicas the job starts with, each in its lane
-            self._start_join(replica, None)
+            self.joins.start(replica)
+        if self.control is not None:  # their engines' connect calls (they announce, then join)
+            for replica in self.control.replicas:
+                self._connect_engine(replica)
 
     # -- membership ----------------------------------------------------------------------------
-    def abort_join(self, replica: int, reason: str) -> None:
-        """Train rank 0: replica ``replica``'s engine will not join (``reason``): every train rank's
-        join of it stops waiting now."""
-        abort_join(self.control_group.store, replica, reason)
+    def _connect_engine(self, replica: int, client=None) -> Future | None:
+        """Train rank 0: replica ``replica``'s connect call (``client``: a new one); a call that
+        fails aborts its join on every train rank at once."""
+        future = self.control.connect(replica, num_train=self.control_group.world_size, client=client)
 
-    def announced(self, replica: int) -> str | None:
-        """Train rank 0: the latest incarnation replica ``replica`` announced joining with
-        (``None``: none yet); a caller waits for it to change after starting a new engine."""
-        if self._announcements is None:
-            raise ValueError("TrainerFleet.announced: only train rank 0 reads the announcements")
-        key = f"{JOINS}/{replica}"
-        return self.control_group.store.get(key).decode() if self.control_group.store.check([key]) else None
+        def connected(done: Future) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if exc is not None:
+                self.joins.abort(replica, f"the {self.control.engine}'s connect call failed: "
+                                          f"{type(exc).__name__}: {exc}")
 
-    def run_in_lane(self, lane: str, call: Callable, *args) -> Future:
-        """``call(*args)`` in the runner's lane ``lane``: the engine control's calls to one replica."""
-        return self.runner.submit(lane, call, *args)
+        if future is not None:
+            future.add_done_callback(connected)
+        return future
 
-    def retire_lane(self, lane: str) -> None:
-        """End lane ``lane``, not waited for (its engine may hang)."""
-        self.runner.retire(lane)
-
-    def _start_join(self, replica: int, incarnation: str | None) -> None:
-        self._joining[replica] = self.runner.submit(f"replica-{replica}", self._join, replica, incarnation)
-
-    def _join(self, replica: int, incarnation: str | None) -> TrainerMember:
-        """In replica ``replica``'s lane: wait for its engine's announcement (a starting replica),
-        open its group and prepare the plan with its engine ranks."""
-        if incarnation is None:
-            incarnation = await_announced(self.control_group.store, replica, self.cfg.timeout_s, self._closing)
-            if self.membership is not None:
-                with self._membership_lock:
-                    self.membership.bound(replica, incarnation)
-        group = self._connect(replica, incarnation)
-        self.watchdog.watch(replica, incarnation, group.abort)  # a stall in prepare ends it too
+    def add(self, client, *, replica: int | None = None) -> int:
+        """Train rank 0, between refits: a new engine replica (``client``: its control client)
+        joins under index ``replica`` (default: one past every index so far; the index of a
+        replica that died, to restart it). Its connect call starts in a control lane of its own;
+        returns (the index) once its join is announced, so the train ranks take it in at their next
+        refit (``EngineLoadError`` where it did not announce within ``refit.timeout_s``)."""
+        if self.control is None:
+            raise ValueError(f"TrainerFleet.add: only train rank 0 of a fleet built with an engine control takes in "
+                             f"engines; this is train rank {self.control_group.rank}")
+        if replica is not None and (not isinstance(replica, int) or isinstance(replica, bool) or replica < 0):
+            raise ValueError(f"replica must be a non-negative int, got {replica!r}")
+        with self._lock:
+            if replica is None:
+                replica = max([*self.control.replicas, *self.members, -1]) + 1
+            before = self.joins.announced(replica)
+            connecting = self._connect_engine(replica, client)
         try:
-            return self._member(group)
+            self.joins.await_announcement(replica, before, connecting, self.control.engine)
         except BaseException:
-            self.watchdog.unwatch(replica)
-            group.close()
+            self.control.forget(replica)
             raise
+        return replica
 
     def await_start(self) -> None:
-        """Every train rank, once (the first refit, ``plan``, an engine control's connect): the
+        """Every train rank, once (the first refit, ``plan``, an engine's ``trainer_init``): the
         replicas the job starts with, joined or failed (each named in the first refit's report);
         ``RefitTransportError`` naming why if none joined."""
         if self._started:
@@ -159,51 +158,27 @@ class TrainerFleet:
         self._start_failures = failures
 
     def _resolve_joins(self) -> dict[int, str]:
-        """Every train rank (collective over the control group): wait for the joins under way,
-        then take in those every train rank completed; the failed ones' reasons."""
-        failures: dict[int, str] = {}
-        while self._joining:
-            mine = {r: join_status(f) for r, f in self._joining.items()}
-            joined, failed, pending = resolve(self.control_group.all_gather_object(mine, "fleet"), self._joining)
-            for replica in joined:
-                self.members[replica] = self._joining.pop(replica).result()
-                logger.info("refit: engine replica %d joined", replica)
-            for replica, why in failed.items():
-                future = self._joining.pop(replica)
-                self.watchdog.unwatch(replica)
-                if future.done() and future.exception() is None:  # done here, not on another rank
-                    close_quietly(future.result(), replica)
-                self.runner.retire(f"replica-{replica}")
-                self._forget(replica)
-                failures[replica] = f"joining failed: {why}"[:1000]
-            if not pending:
-                break
-            time.sleep(JOIN_POLL_S)
+        """Every train rank (collective): the joins under way resolved; those that joined are
+        members; the failed ones' reasons (a failed replica's client stays: it is told at close,
+        and a restart under its index replaces it)."""
+        joined, failures = self.joins.resolve()
+        for replica, member in sorted(joined.items()):
+            self.members[replica] = member
+            logger.info("refit: engine replica %d joined", replica)
         return failures
 
     def _update_membership(self, failures: dict) -> None:
         """Every train rank, at the start of a refit: the same joins and leaves, from rank 0."""
         with self._lock:
-            news = None
-            if self._announcements is not None:  # rank 0 decides; the others follow
-                with self._membership_lock:
-                    news = self.membership.decide(self._announcements.read(JOINS),
-                                                  self._announcements.read(LEAVES)).as_wire()
-            changes = Changes.from_wire(self.control_group.all_gather_object(news, "fleet")[0])
+            changes = self.joins.changes()
             for replica in changes.leaves:
                 logger.info("refit: engine replica %d left", replica)
                 self._drop(replica)
             for replica, incarnation in changes.joins:
                 if replica in self.members:  # restarted under its index: its old group is gone
                     self._drop(replica)
-                self._start_join(replica, incarnation)
+                self.joins.start(replica, incarnation)
             failures.update(self._resolve_joins())
-
-    def _forget(self, replica: int) -> None:
-        """Train rank 0: replica ``replica`` failed to join or its group broke; a new announcement starts it again."""
-        if self.membership is not None:
-            with self._membership_lock:
-                self.membership.forget(replica)
 
     def _drop(self, replica: int) -> None:
         """Replica ``replica`` left, or its group broke: its group, lanes and client go."""
@@ -211,8 +186,8 @@ class TrainerFleet:
         self.router.forget(replica)
         self.watchdog.unwatch(replica)
         self.serving.forget(replica)
-        if self._hooks is not None:
-            self._hooks.forget(replica)
+        if self.control is not None:
+            self.control.forget(replica)
         self.runner.retire(f"replica-{replica}")
         close_quietly(member, replica)
 
@@ -310,7 +285,7 @@ class TrainerFleet:
             moved["onload"] = time.perf_counter() - t0
         try:
             probing = probing or self._plan_serving()  # the reference reads the weights: after their onload
-            args = (version, full, self._hooks, probing, self.control_group.rank)
+            args = (version, full, self.control, probing, self.control_group.rank)
             futures = {r: self.runner.submit(f"replica-{r}", refit_replica, self.members[r], r, *args, placements[r])
                        for r in replicas}
             outcomes = {r: futures[r].result() for r in replicas}
@@ -341,7 +316,7 @@ class TrainerFleet:
                 logger.warning("refit %d: engine replica %d's group broke; it is dropped until it rejoins",
                                version, replica)
                 self._drop(replica)
-                self._forget(replica)
+                self.joins.forget(replica)
         found = gathered[0][2]  # train rank 0's serving verdicts
         for replica, verdict in found.items():  # its engine thinks it landed the version: the trainer forgets it did
             if verdict.get("mismatch") and replica in self.members:
@@ -378,11 +353,16 @@ class TrainerFleet:
         for group in (self.control_group, self.background.skip_group if self.background is not None else None):
             if group is not None:
                 group.abort(reason)
+        deadline = time.monotonic() + wait_s
         self.runner.close(wait_s)
+        if self.control is not None:  # no engine is told: its lanes get what is left of wait_s
+            self.control.close(tell=False, wait_s=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Release every replica's group, the control group and every thread (after the refit in
-        flight, under ``refit.overlap``, ended; its error is raised after the groups are released)."""
+        flight, under ``refit.overlap``, ended; its error is raised after the groups are released).
+        Train rank 0 tells every engine first, through the control (at most its bound: 10 s for
+        :class:`~megatron_refit.fleet.lanes.ReplicaLanes`)."""
         if self._closed:
             return
         self._closed = True
@@ -394,6 +374,8 @@ class TrainerFleet:
                 self.background.close()
             except Exception as exc:  # noqa: BLE001 -- release the groups first
                 error = exc
+        if self.control is not None:
+            self.control.close()
         with self._lock:
             for replica in sorted(self.members):
                 self._drop(replica)

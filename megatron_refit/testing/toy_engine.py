@@ -2,10 +2,9 @@
 
 1. Storage: an object with ``target_specs()`` / ``buffer(name)`` / ``finalize()``
    (:class:`megatron_refit.endpoint.storage.Storage`); here whole tensors in a dict.
-2. Optionally a control (:class:`megatron_refit.engines.control.EngineControl`): train rank 0's
-   calls to the engine's control plane at connect and close, and around each replica's part of
-   every refit (the fleet's hooks, :class:`megatron_refit.fleet.replica.ReplicaHooks`); here it
-   logs them.
+2. Optionally a control (:class:`megatron_refit.fleet.control.EngineControl`): the calls train
+   rank 0's fleet makes to the engine's control plane when a replica connects, around each
+   replica's part of every refit, and at close; here it logs them.
 3. One registration line: ``register_engine(Engine(name=...))``. From then on
    ``refit: {engine: toy}`` is a valid config and ``engine_control`` finds the control.
 """
@@ -38,25 +37,25 @@ class ToyStorage:
 
 
 class ToyControl:
-    """Logs each control call of train rank 0 (``clients``: lists to append to, one per replica):
-    connect and close, and, as the fleet's hooks, each replica's start and land of every refit."""
+    """Logs each control call of train rank 0's fleet (``clients``: lists to append to, one per
+    replica): connect, each replica's start and land of every refit, and close."""
 
     staged = False  # refit.swap: staged is not for this engine (it notes nothing)
+    engine = "toy engine"
 
     def __init__(self, clients: list, refit):
         self.clients = clients
         self.cfg = refit  # the trainer's RefitConfig
 
-    def _log(self, rank: int, call: str) -> None:
-        if rank == 0:
-            for log in self.clients:
-                log.append(call)
+    @property
+    def replicas(self) -> list[int]:
+        return list(range(len(self.clients)))
 
-    def connect(self, join, *, rank: int, num_train: int):
-        self._log(rank, f"connect {self.cfg.engine} {num_train}")
-        fleet = join(self if rank == 0 else None)  # train rank 0's fleet calls the hooks below
-        fleet.await_start()
-        return fleet
+    def connect(self, replica: int, *, num_train: int, client=None) -> None:
+        if client is not None:
+            raise ValueError("the toy engine takes no replica while the trainer runs")
+        self.clients[replica].append(f"connect {self.cfg.engine} {num_train}")
+        return None  # its engine ranks join by themselves: nothing to wait for
 
     def start(self, replica: int, version: int, full: bool) -> None:
         self.clients[replica].append(f"start {version}")  # before its bytes move
@@ -76,9 +75,11 @@ class ToyControl:
     def forget(self, replica: int) -> None:
         pass
 
-    def close(self, fleet, *, rank: int) -> None:
-        self._log(rank, "close")
-        fleet.close()
+    def close(self, *, tell: bool = True, wait_s: float = 0.0) -> list[str]:
+        if tell:
+            for log in self.clients:
+                log.append("close")
+        return []  # it runs no thread
 
 
 register_engine(Engine(name="toy", layout="full", staged_needs=None, writes="writes whole tensors into a dict",

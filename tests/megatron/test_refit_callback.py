@@ -13,6 +13,7 @@ and the callback must finish it before reading (the test shows it was pending).
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -24,6 +25,38 @@ from megatron_refit.testing.launch import free_ports, run_spawned
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 4
+
+def _record_first_send(into: dict) -> None:
+    """This process: the stacks at its first bucket's send (in ``ProcessGroupTransport._post``,
+    below ``isend``), of the thread that sends it (a replica's lane) and of the training thread,
+    as ``(file, function)`` from the outermost."""
+    import sys
+    import threading
+    import traceback
+
+    from megatron_refit.transport.process_group import ProcessGroupTransport
+
+    original, training = ProcessGroupTransport._post, threading.main_thread().ident
+
+    def _post(self, op, buffer, peer, tag, what):
+        if "lane" not in into and what.startswith("send"):
+            lane = traceback.extract_stack(sys._getframe(1))
+            if any(f.name == "run_buckets" for f in lane):  # a bucket, not the handshake's or a digest
+                into["lane"] = [(f.filename, f.name) for f in lane]
+                into["training"] = [(f.filename, f.name)
+                                    for f in traceback.extract_stack(sys._current_frames()[training])]
+        return original(self, op, buffer, peer, tag, what)
+
+    ProcessGroupTransport._post = _post
+
+
+def _ours(stack) -> list[str]:
+    """The frames of a recorded stack that are this project's code (not Python's, Bridge's or the test's)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [f"{os.path.relpath(file, root)}:{name}" for file, name in stack
+            if file.startswith(os.path.join(root, "megatron_refit") + os.sep)
+            or file.startswith(os.path.join(root, "conversion") + os.sep)]
+
 
 def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None):
 
@@ -42,6 +75,8 @@ def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None
     cfg = hf_config("qwen3")
     built = build_model(cfg, layout, dtype=torch.bfloat16)
     built, optimizer = distributed_optimizer(built, lr=1e-2, overlap=overlap)
+    stacks: dict = {}
+    _record_first_send(stacks)
     engines = [_EngineClient()] if refit.engine == "sglang" else None  # one per replica (gen_dp 1)
     callback = RefitCallback.from_config(refit, built.bridge, engines=engines)
     manager = CallbackManager()
@@ -81,7 +116,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None
     manager.fire("on_train_end", context())
     return dict(role="train", steps=out, skipped=callback.skipped, closed=callback.fleet is None,
                 start=start if rank == 0 else None, scalars=writer.scalars if writer else None,
-                engine_calls=[e.calls for e in engines] if engines else None)
+                engine_calls=[e.calls for e in engines] if engines else None, stacks=stacks)
 
 
 class _EngineClient:
@@ -183,6 +218,20 @@ def test_callback_refits_from_ddp_and_distributed_optimizer_at_tp2_skipping_an_i
     train rank 0 drives every replica's control client around each refit."""
     train = _run(tp=2, skipped=(3,), engine="sglang")  # the HF receiver stands for the engine (gen_tp 1)
     assert all(s["pending"] == 0 for t in train for s in t["steps"])  # without overlap: gathered in step()
+    _check_depth(train[0]["stacks"])
+
+
+def _check_depth(stacks: dict) -> None:
+    """The refit path's depth in our frames (docs/architecture.md, "The refit path"), printed:
+    on the thread that sends (a replica's lane of the fleet's runner) at most 6 from the lane's
+    loop to ``isend``; on the training thread, the callback hands the refit to the lanes in 3."""
+    lane, training = _ours(stacks["lane"]), _ours(stacks["training"])
+    training = training[next(i for i, f in enumerate(training) if "refit_callback.py" in f):]  # from the callback
+    print("the training thread at the first bucket's send:", *training, sep="\n  ")
+    print("the replica's lane, which sends it:", *lane, sep="\n  ")
+    assert lane[-1].endswith("process_group.py:isend") and lane[-2].endswith("sender.py:_post"), lane
+    assert lane[0].endswith("runner.py:_loop") and len(lane) <= 6, lane
+    assert [f.rsplit(":", 1)[1] for f in training] == ["on_train_start", "refit", "_refit"], training
 
 
 def test_callback_every_2nd_step_finishes_an_overlapped_param_gather_before_reading():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.config import RefitConfig
-from megatron_refit.engines.control import EngineControl, NoControl, engine_control
+from megatron_refit.engines.control import EngineControl, engine_control
 from megatron_refit.registry import Engine, engine_named, engine_names, register_engine
 from megatron_refit.testing.launch import run_spawned
 
@@ -33,8 +33,8 @@ def test_the_old_backend_key_is_refused_naming_engine():
 
 
 def test_engine_control_by_name():
-    assert isinstance(engine_control(RefitConfig(engine="vllm")), NoControl)
-    assert isinstance(engine_control(RefitConfig(engine="sglang"), []), NoControl)  # train ranks other than 0
+    assert engine_control(RefitConfig(engine="vllm")) is None
+    assert engine_control(RefitConfig(engine="sglang"), []) is None  # train ranks other than 0
     with pytest.raises(ValueError, match="control clients were given for refit.engine 'hf'"):
         engine_control(RefitConfig(engine="hf"), [object()])
     from megatron_refit.engines.sglang.trainer.control import SglangControl
@@ -79,12 +79,10 @@ def _toy_rank(rank, world, port, refit):
                               _full("n"))]
         calls = []  # the toy engine's one replica: rank 0 logs its control calls here
         control = engine_control(cfg, [calls] if rank == 0 else [])
-        fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank,
-                                                                        num_train=num_train, hooks=hooks),
-                               rank=rank, num_train=num_train)
+        fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=num_train, control=control)
         for version in (1, 2):
             fleet.refit(version)
-        control.close(fleet, rank=rank)
+        fleet.close()
         return calls
     from megatron_refit.testing.toy_engine import ToyStorage
 

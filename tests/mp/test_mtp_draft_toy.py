@@ -35,11 +35,10 @@ def _rank(rank, world, port, draft):
                                   torch.ones(shape), optional="mtp" if n == MTP else None)
                       for n, (shape, dtype) in SHAPES.items()]
             control = engine_control(cfg, [[]])
-            fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=0, num_train=1,
-                                                                            hooks=hooks), rank=0, num_train=1)
+            fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=0, num_train=1, control=control)
             report = fleet.refit(1)
             skipped = list(fleet.plan.skipped_params)
-            control.close(fleet, rank=0)
+            fleet.close()
             return dict(skipped=skipped, metric=report.summary["refit/skipped_params"])
         storage = ToyStorage({MAIN: SHAPES[MAIN]})  # an engine without a draft
         member = engine_refit(cfg, storage, gen_index=0, num_train=1)

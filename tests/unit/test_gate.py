@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +15,6 @@ from megatron_refit.engines.vllm.trainer.clients import LLMClient
 from megatron_refit.errors import StaleWeightsError
 from megatron_refit.config import RefitConfig
 from megatron_refit.engines.vllm.trainer.control import VllmControl
-from megatron_refit.fleet.runner import Runner
 
 
 class _Engine(WeightsState):
@@ -164,10 +162,7 @@ class _Client:
 
 
 def _lanes(*clients) -> VllmControl:
-    lanes = VllmControl(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=5.0))
-    runner = Runner()
-    lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
-    return lanes
+    return VllmControl(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=5.0))
 
 
 def test_lanes_gate_a_checked_version_before_it_lands_and_end_the_gate_with_the_verdict():
@@ -187,4 +182,4 @@ def test_lanes_gate_a_checked_version_before_it_lands_and_end_the_gate_with_the_
     lanes.land(0, 8)  # unchecked: no gate
     assert gated.calls[3:] == [("gate", 15.0), ("finish", "6"), "hold", ("gate", 15.0), ("finish", "7"), "hold",
                                ("finish", "8")]
-    assert lanes.fleet.runner.close() == []
+    assert lanes.close(tell=False, wait_s=5) == []

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from types import SimpleNamespace
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.fleet.lanes import ReplicaLanes
-from megatron_refit.fleet.runner import Runner
 
 
 class _Client:
@@ -24,10 +22,12 @@ class _Client:
 
 
 def _lanes(*clients, timeout_s: float = 5.0) -> ReplicaLanes:
-    lanes = ReplicaLanes(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=timeout_s))
-    runner = Runner()
-    lanes.fleet = SimpleNamespace(runner=runner, run_in_lane=runner.submit, retire_lane=runner.retire)
-    return lanes
+    return ReplicaLanes(list(clients), RefitConfig(engine="vllm", gen_dp=len(clients), timeout_s=timeout_s))
+
+
+def _lanes_ended(lanes: ReplicaLanes, wait_s: float = 5.0) -> bool:
+    """The lanes' threads ended within ``wait_s`` (the control's close, no engine told)."""
+    return lanes.close(tell=False, wait_s=wait_s) == []
 
 
 def test_hold_returns_once_the_replica_is_held():
@@ -35,7 +35,7 @@ def test_hold_returns_once_the_replica_is_held():
     lanes = _lanes(_Client(), slow)
     lanes.hold(1)
     assert slow.held.is_set()  # paused before the refit's failure is reported
-    assert lanes.fleet.runner.close() == []
+    assert _lanes_ended(lanes)
 
 
 def test_a_hold_that_fails_is_logged_and_the_failure_still_reported(caplog):
@@ -44,7 +44,7 @@ def test_a_hold_that_fails_is_logged_and_the_failure_still_reported(caplog):
         lanes.hold(0)  # does not raise: the replica's own failure is what the refit reports
     assert "engine replica 0 failed its serving check and could not be held: ConnectionError: server gone" \
         in caplog.text
-    assert lanes.fleet.runner.close() == []
+    assert _lanes_ended(lanes)
 
 
 def test_a_hold_that_does_not_return_is_waited_for_timeout_s_at_most(caplog):
@@ -53,4 +53,4 @@ def test_a_hold_that_does_not_return_is_waited_for_timeout_s_at_most(caplog):
     with caplog.at_level(logging.ERROR, logger="megatron_refit.fleet.lanes"):
         lanes.hold(0)
     assert "did not return within refit.timeout_s=0.2 s" in caplog.text and not stuck.held.is_set()
-    lanes.fleet.runner.close(wait_s=0.1)
+    lanes.close(tell=False, wait_s=0.1)

@@ -147,87 +147,60 @@ class _Client:
 
 
 class _Fleet:
-    """The train ranks' side as :class:`TrainerFleet` runs it on rank 0: its runner, the hooks the
-    control builds it with (``join(hooks)``), each member replica's engine calls around its part (``broken``: replicas
-    whose group breaks: no landing, dropped and forgotten)."""
+    """What :class:`TrainerFleet` does with its control on train rank 0 (its one caller): each
+    starting replica's connect (a failed one recorded as the fleet aborts its join), each member
+    replica's engine calls around its part of a refit (``broken``: replicas whose group breaks:
+    no landing, dropped and forgotten), the control's close."""
 
-    def __init__(self, started: threading.Event, members=(0, 1), broken=()):
-        from megatron_refit.fleet.runner import Runner
-
-        self.runner = Runner()
-        self.started, self.members, self.broken = started, dict.fromkeys(members), set(broken)
+    def __init__(self, control, started: threading.Event, members=(0, 1), broken=()):
+        self.control, self.started = control, started
+        self.members, self.broken = dict.fromkeys(members), set(broken)
         self.landed: dict = {}
-        self.joins: dict = {}
         self.aborted: dict = {}
-        self.hooks = None
-
-    def await_start(self):
-        pass
-
-    def abort_join(self, replica, reason):
-        self.aborted[replica] = reason
+        for replica in control.replicas:
+            future = control.connect(replica, num_train=2)
+            future.add_done_callback(lambda f, r=replica: f.exception() is not None and self.aborted.update(
+                {r: f"the {control.engine}'s connect call failed: {type(f.exception()).__name__}: {f.exception()}"}))
 
     def refit(self, version, *, full=False):
-        if self.hooks is None:  # a train rank other than 0
-            return f"report {version}"
         for replica in self.members:
-            self.hooks.start(replica, version, full)
+            self.control.start(replica, version, full)
         assert self.started.wait(5), "the engines' calls must run while the trainer refits"
         for replica in list(self.members):
             if replica in self.broken:
                 del self.members[replica]
-                self.hooks.forget(replica)
+                self.control.forget(replica)
                 continue
             try:
-                self.hooks.land(replica, version)
+                self.control.land(replica, version)
                 self.landed[replica] = "ok"
             except Exception as exc:  # noqa: BLE001 -- what the fleet records as the replica's failure
                 self.landed[replica] = str(exc)
         return f"report {version}"
 
-    def announced(self, replica):
-        return self.joins.get(replica)
 
-    def run_in_lane(self, lane, call, *args):
-        return self.runner.submit(lane, call, *args)
-
-    def retire_lane(self, lane):
-        self.runner.retire(lane)
-
-    def close(self):
-        assert self.runner.close() == []
-
-
-def _connected(clients, fleet, rank=0):
+def _control(clients):
     from megatron_refit.engines.sglang.trainer.control import SglangControl
 
-    # rank > 0: no clients
-    control = SglangControl(clients, RefitConfig(engine="sglang", timeout_s=5, gen_dp=len(clients) or 2))
-    def join(hooks):
-        assert hooks is (control if rank == 0 else None)  # train rank 0's fleet runs the control's calls
-        fleet.hooks = hooks
-        return fleet
+    return SglangControl(clients, RefitConfig(engine="sglang", timeout_s=5, gen_dp=len(clients) or 2))
 
-    assert control.connect(join, rank=rank, num_train=2) is fleet
-    return control
+
+def _closed(control) -> None:
+    assert control.close(wait_s=5) == []  # every engine told, every lane ended
 
 
 def test_sglang_control_drives_every_replica_and_resumes_only_those_that_landed():
     calls: list = []
     started = threading.Event()
     clients = [_Client(calls, started, replica=r) for r in range(2)]
-    fleet = _Fleet(started)
-    control = _connected(clients, fleet)
+    control = _control(clients)
+    fleet = _Fleet(control, started)
     assert fleet.refit(3) == "report 3"
     assert sorted(c for c in calls if c[0] != "connect") == [("refit", 3, 0), ("refit", 3, 1), ("resume", 3, 0),
                                                              ("resume", 3, 1)]
     assert sorted(c for c in calls if c[0] == "connect") == [("connect", 0), ("connect", 1)]
     calls.clear()
-    other = _Fleet(started)
-    _connected([], other, rank=1)
-    assert other.refit(4) == "report 4"  # other train ranks send only
-    assert calls == [] and other.hooks is None
-    control.close(fleet, rank=0)
+    _closed(control)
     assert sorted(calls) == [("close", 0), ("close", 1)]
 
 
@@ -236,8 +209,8 @@ def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
     started = threading.Event()
     clients = [_Client(calls, started, replica=0), _Client(calls, started, fail="refit", replica=1),
                _Client(calls, started, fail="resume", replica=2), _Client(calls, started, replica=3)]
-    fleet = _Fleet(started, members=(0, 1, 2, 3), broken=(3,))
-    control = _connected(clients, fleet)
+    control = _control(clients)
+    fleet = _Fleet(control, started, members=(0, 1, 2, 3), broken=(3,))
     fleet.refit(6)
     assert fleet.landed[0] == "ok"
     assert fleet.landed[1] == ("SGLang engine replica 1: receiving version 6 failed: RuntimeError: "
@@ -246,65 +219,75 @@ def test_sglang_control_a_failed_replica_stays_paused_and_is_named_alone():
         fleet.landed[2]
     assert ("resume", 6, 0) in calls and ("resume", 6, 1) not in calls and ("resume", 6, 3) not in calls
     assert control.replicas == [0, 1, 2]  # replica 3's group broke: its lane is gone, not waited for
-    control.close(fleet, rank=0)
+    _closed(control)
 
 
-def test_sglang_control_an_engine_refusing_connect_aborts_its_join_at_once():
+def test_sglang_control_an_engine_refusing_connect_fails_its_connect_future_at_once():
     calls: list = []
     started = threading.Event()
-    fleet = _Fleet(started)
-    control = _connected([_Client(calls, started), _Client(calls, started, fail="connect", replica=1)], fleet)
+    control = _control([_Client(calls, started), _Client(calls, started, fail="connect", replica=1)])
+    fleet = _Fleet(control, started)
     deadline = time.monotonic() + 5
     while 1 not in fleet.aborted and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fleet.aborted == {1: "the SGLang engine's connect call failed: RuntimeError: the engine refused: "
                                 "gen_tp mismatch"}
-    control.close(fleet, rank=0)
+    _closed(control)
 
 
 def test_sglang_control_a_joining_replica_connects_in_its_lane_then_takes_the_next_refit():
     calls: list = []
     started = threading.Event()
-    fleet = _Fleet(started, members=(0,))
-    control = _connected([_Client(calls, started, replica=0)], fleet)
+    control = _control([_Client(calls, started, replica=0)])
+    fleet = _Fleet(control, started, members=(0,))
     joiner = _Client(calls, started, replica=5)
-    joiner.connected.clear()
-    # the join is announced once its connect call ran (engine_refit announces, then waits for the train ranks)
-    original = joiner.connect
-
-    def connect(refit, *, num_train, replica=0):
-        fleet.joins[replica] = "incarnation"
-        original(refit, num_train=num_train, replica=replica)
-
-    joiner.connect = connect
-    assert control.add(joiner, replica=5) == 5
+    joiner.connected.clear()  # SGLang's connect returns once the train ranks took it in
+    connecting = control.connect(5, num_train=2, client=joiner)
+    assert control.replicas == [0, 5] and not connecting.done()
     fleet.members[5] = None  # the train ranks took it in at the start of the refit
     joiner.connected.set()
     fleet.refit(7)
     assert calls.index(("connect", 5)) < calls.index(("refit", 7, 5)) < calls.index(("resume", 7, 5))
-    assert fleet.landed == {0: "ok", 5: "ok"}
-    with pytest.raises(ValueError, match="replica must be a non-negative int, got -1"):
-        control.add(_Client(calls, started), replica=-1)
-    control.close(fleet, rank=0)
+    assert fleet.landed == {0: "ok", 5: "ok"} and connecting.result(5) is None
+    _closed(control)
 
 
-def test_sglang_control_a_replica_that_never_announces_is_refused_in_its_timeout():
+def test_a_replica_added_while_the_trainer_runs_is_awaited_until_it_announces_or_its_timeout():
+    """TrainerFleet.add's wait (megatron_refit.fleet.joins.Joins.await_announcement) over a real
+    store: the announcement ends it; a connect call that ended first, or silence past
+    refit.timeout_s, raises, named."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
     from megatron_refit.errors import EngineLoadError
+    from megatron_refit.fleet.joins import Joins
+    from megatron_refit.fleet.runner import Runner
+    from megatron_refit.group.store import JOINS
+    from megatron_refit.testing.ports import free_port
 
-    calls: list = []
-    started = threading.Event()
-    fleet = _Fleet(started, members=(0,))
-    control = _connected([_Client(calls, started)], fleet)
-    control.timeout_s = 0.3
-    silent = _Client(calls, started)
-    silent.connected.clear()  # blocks, never announces
-    with pytest.raises(EngineLoadError, match="replica 1 did not announce its join within refit.timeout_s=0.3 s"):
-        control.add(silent)
-    assert control.replicas == [0]
-    silent.connected.set()
-    control.close(fleet, rank=0)
-    with pytest.raises(ValueError, match="SglangControl.add: only train rank 0, after connect, takes in engines"):
-        _connected([], _Fleet(started), rank=1).add(silent)
+    store = TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=5))
+    runner = Runner()
+    joins = Joins(RefitConfig(engine="sglang", timeout_s=0.3, gen_dp=1), SimpleNamespace(rank=0, store=store),
+                  runner, SimpleNamespace(), threading.Event(), connect=None, member=None)
+    assert joins.announced(1) is None
+    pending = Future()
+    threading.Timer(0.05, lambda: store.set(f"{JOINS}/1", "incarnation-a")).start()
+    joins.await_announcement(1, None, pending, "SGLang engine")
+    assert joins.announced(1) == "incarnation-a"
+    with pytest.raises(EngineLoadError, match="SGLang engine replica 2 did not announce its join within "
+                                              "refit.timeout_s=0.3 s"):
+        joins.await_announcement(2, None, pending, "SGLang engine")
+    ended = Future()
+    ended.set_exception(RuntimeError("init_info refused"))
+    with pytest.raises(RuntimeError, match="init_info refused"):
+        joins.await_announcement(2, None, ended, "SGLang engine")
+    ended = Future()
+    ended.set_result(None)
+    with pytest.raises(RuntimeError, match="SGLang engine replica 2: its connect call returned before it joined"):
+        joins.await_announcement(2, None, ended, "SGLang engine")
+    assert runner.close() == []
 
 
 def test_engine_sglang_plans_the_engine_layout_and_writes_in_place():

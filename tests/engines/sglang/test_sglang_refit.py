@@ -373,9 +373,8 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         if rank == 0 else []
     control = engine_control(cfg, clients[:2])
     pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, "qwen3", 1, rank)["weights"]]
-    fleet = control.connect(lambda hooks: trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN,
-                                                                   forward=forward, hooks=hooks),
-                            rank=rank, num_train=NUM_TRAIN)
+    fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN, forward=forward,
+                                      control=control)
 
     def ask(gen, op, arg=None):
         requests[gen].put((op, arg))
@@ -392,7 +391,7 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         if rank == 0 and version == BROKEN_AT:
             ask(0, "break_next")
         if rank == 0 and version == 3:
-            item["joined"] = control.add(clients[2])
+            item["joined"] = fleet.add(clients[2])
         report = fleet.refit(version)
         item.update(failed=report.failed_replicas, replicas_ok=report.summary["refit/replicas_ok"],
                     members=sorted(fleet.members),
@@ -401,7 +400,7 @@ def _fleet_train(rank, requests, replies, sglang_ports, port, bridge_dir, workdi
         if rank == 0:
             item["checks"] = [ask(g, "check", _step(version)) for g in range(3 if version >= 3 else 2)]
         out.append(item)
-    control.close(fleet, rank=rank)
+    fleet.close()
     if rank == 0:
         for g in range(FLEET_ENGINES):
             requests[g].put(("stop", None))

@@ -6,7 +6,7 @@ its connect (the workers join the refit group), per refit its update session (pa
 ``update_weights_from_tensor`` with the ``refit`` message, which returns once its workers
 received) while its bytes move, and its resume (tagged with the version) once its group carried
 the refit, and its close. A replica that failed stays paused (its weights are no complete
-version); its next refit that lands resumes it. :meth:`~megatron_refit.fleet.lanes.ReplicaLanes.add`
+version); its next refit that lands resumes it. :meth:`~megatron_refit.fleet.trainer_fleet.TrainerFleet.add`
 takes in a new engine (or a restarted one) while the trainer runs: it gets the current version
 in full at the next refit.
 """
@@ -37,8 +37,8 @@ class SglangControl(ReplicaLanes):
         self.refit_section = self.cfg.to_wire()
         """What every engine gets at connect (the wire form of :attr:`cfg`)."""
 
-    def connect_call(self, replica: int) -> Callable[[Any], Any]:
-        return lambda client: client.connect(self.refit_section, num_train=self.num_train, replica=replica)
+    def connect_call(self, replica: int, num_train: int) -> Callable[[Any], Any]:
+        return lambda client: client.connect(self.refit_section, num_train=num_train, replica=replica)
 
     def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
         return lambda client: client.refit(version, full=full)

@@ -34,8 +34,8 @@ class VllmControl(ReplicaLanes):
         super().__init__(clients, refit)
         self.lora = lora
 
-    def connect_call(self, replica: int) -> Callable[[Any], Any]:
-        info = {**init_payload(self.cfg, num_train=self.num_train, lora_rank=self.lora[0], lora_alpha=self.lora[1]),
+    def connect_call(self, replica: int, num_train: int) -> Callable[[Any], Any]:
+        info = {**init_payload(self.cfg, num_train=num_train, lora_rank=self.lora[0], lora_alpha=self.lora[1]),
                 "replica": replica}
         return lambda client: client.init_weight_transfer_engine(info)
 

@@ -5,7 +5,7 @@ source=...)`` and ``send_weights()`` are called on **every** train rank; rank 0 
 engines' control plane through ``client`` (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``), one engine per replica,
 through :class:`~megatron_refit.engines.vllm.trainer.control.VllmControl` (each replica's calls in
-its lane of the fleet's runner). Unlike vLLM's own backends, where rank 0 is the only sender,
+its own lane), which the fleet drives. Unlike vLLM's own backends, where rank 0 is the only sender,
 every train rank here sends its own local shards straight to the engine ranks that need them;
 each engine's blocking ``update_weights`` call runs in its lane while all train ranks send, as
 vLLM's NCCL backend does.
@@ -35,7 +35,6 @@ from megatron_refit.config import RefitConfig, check_int, refit_section
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.endpoint.sender import check_pieces
 from megatron_refit.engines.vllm import BACKEND
-from megatron_refit.engines.control import NoControl
 from megatron_refit.engines.vllm.trainer.clients import ReplicaClients
 from megatron_refit.engines.vllm.trainer.control import VllmControl
 from megatron_refit.refit import trainer_refit_from_pieces
@@ -146,14 +145,12 @@ class MegatronRefitTrainerEngine(_EngineBase):
 
     init_info_cls = MegatronRefitTrainerInitInfo
 
-    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, fleet, control) -> None:
+    def __init__(self, *, client, source: LocalShardSource, is_sender: bool, rank: int, fleet) -> None:
         # what vLLM's base __init__ sets, set here so that the class works without vLLM too
         self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
         self.fleet = fleet
-        """The :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank."""
-        self.control = control
-        """Train rank 0: the :class:`~megatron_refit.engines.vllm.trainer.control.VllmControl` over
-        the engines' clients; the other ranks: the trainer's calls alone."""
+        """The :class:`~megatron_refit.fleet.trainer_fleet.TrainerFleet` of this rank (on rank 0 it
+        drives the engines through a :class:`~megatron_refit.engines.vllm.trainer.control.VllmControl`)."""
         self.version: int | None = None
 
     @classmethod
@@ -167,7 +164,7 @@ class MegatronRefitTrainerEngine(_EngineBase):
                              f"(e.g. conversion.refit.local_shard_source(bridge, model, hf_config)), got "
                              f"{type(source).__name__}")
         cfg = init_info.config
-        control = NoControl()
+        control = None
         if init_info.is_sender:
             clients = client.clients if isinstance(client, ReplicaClients) else [client]
             if len(clients) != cfg.gen_dp:
@@ -177,14 +174,11 @@ class MegatronRefitTrainerEngine(_EngineBase):
                                  "not driven replica by replica: run one engine per replica)")
             control = VllmControl(clients, cfg, lora=(source.lora_rank, source.lora_alpha))
 
-        def join(hooks):
-            return trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
-                                             num_train=init_info.num_train, device=source.device,
-                                             forward=source.forward, hooks=hooks)
-
-        fleet = control.connect(join, rank=init_info.rank, num_train=init_info.num_train)
-        return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, fleet=fleet,
-                   control=control)
+        fleet = trainer_refit_from_pieces(cfg, source.weights, source.adapters, rank=init_info.rank,
+                                          num_train=init_info.num_train, device=source.device,
+                                          forward=source.forward, control=control)
+        fleet.await_start()  # every engine joined (or failed, named; none joined: raises)
+        return cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank, fleet=fleet)
 
     def send_weights(self, version: int | None = None, *, full: bool = False) -> RefitReport:
         """One refit: every train rank sends its pieces; rank 0 drives each engine's
@@ -205,9 +199,9 @@ class MegatronRefitTrainerEngine(_EngineBase):
         Its ``init_weight_transfer_engine`` runs now, against the running trainer, and the next
         ``send_weights`` sends it the current version in full, deltas afterwards; returns the
         replica's index."""
-        if not isinstance(self.control, VllmControl):
+        if not self.is_sender:
             raise ValueError(f"add_engine: only train rank 0 takes in engines; this is train rank {self.rank}")
-        return self.control.add(client, replica=replica)
+        return self.fleet.add(client, replica=replica)
 
     def shutdown(self) -> None:
         """Release the refit group; rank 0 also releases each engine's side
@@ -215,4 +209,4 @@ class MegatronRefitTrainerEngine(_EngineBase):
         if self.fleet is None:
             return
         fleet, self.fleet = self.fleet, None
-        self.control.close(fleet, rank=self.rank)
+        fleet.close()
