@@ -253,6 +253,12 @@ class ReplicaLanes:
         with self._lock:
             return sorted(self._clients)
 
+    @property
+    def clients(self) -> list:
+        """The current replicas' clients, by replica index."""
+        with self._lock:
+            return [self._clients[r].client for r in sorted(self._clients)]
+
 
 def _outcome(future: Future, timeout_s: float) -> str:
     """What went wrong with an engine call (``""``: it returned), waiting up to ``timeout_s``."""

@@ -163,9 +163,8 @@ def test_weight_transfer_vllm_control_gives_each_engine_its_replica(server):
 
     url, seen = server
     control = VllmControl([HTTPClient(url), HTTPClient(url)], RefitConfig(engine="vllm", gen_dp=2), lora=(4, 8.0))
-    control.num_train = 3
     for replica, client in enumerate(control.clients):
-        control.connect_call(replica)(client)
+        control.connect_call(replica, 3)(client)
     infos = [body["init_info"] for _, body in seen]
     assert [i["replica"] for i in infos] == [0, 1]
     assert all(i["num_train"] == 3 and (i["lora_rank"], i["lora_alpha"]) == (4, 8.0) for i in infos)
