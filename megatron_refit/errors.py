@@ -98,7 +98,7 @@ class ServingMismatchError(RuntimeError):
 
 class SpawnError(RuntimeError):
     """A spawned rank failed, died, or the group ran past its timeout
-    (:func:`megatron_refit.testing.launch.run_spawned`)."""
+    (:func:`megatron_refit.local.launch.run_spawned`)."""
 
     @property
     def innermost(self) -> tuple[str, str] | None:

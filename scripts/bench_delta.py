@@ -38,7 +38,7 @@ def delta_rank(group, spec, cfg, shards, reps: int) -> dict:
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
     from megatron_refit.plan.spec import ShardSpec
-    from megatron_refit.testing.harness import make_gen_backend
+    from megatron_refit.local.harness import make_gen_backend
 
     T = spec.num_train
     kw = dict(num_train=T, num_gen=spec.num_gen, bucket_bytes=spec.bucket_bytes)

@@ -153,7 +153,7 @@ def _rank(rank, world, port, mode, dim, layers, reps, mbps, kill):
 
 
 def _arm(mode: str, args, *, kill: bool = False) -> tuple[list, list]:
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     world = NUM_TRAIN + args.replicas
     out = run_spawned(_rank, world, mode, args.dim, args.layers, args.reps, args.mbps, kill, timeout_s=600,

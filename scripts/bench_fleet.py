@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         print(f"error: need --replicas >= 2, an even --dim, --layers, --reps and --rounds >= 1, got {vars(args)}",
               file=sys.stderr)
         return 2
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     kills, joins = _schedule(args.reps, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:

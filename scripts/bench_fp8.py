@@ -23,7 +23,7 @@ from bench_refit import _timed, check_args, layout_parser  # noqa: E402
 
 from megatron_refit.plan.gen_layout import GenLayout  # noqa: E402
 from megatron_refit.tools.cli import reports_user_errors  # noqa: E402
-from megatron_refit.testing.harness import RunSpec, check_layout  # noqa: E402
+from megatron_refit.local.harness import RunSpec, check_layout  # noqa: E402
 from megatron_refit.plan.layout import TrainLayout  # noqa: E402
 
 # Qwen3-shaped, ~150M parameters, every TP2 shard edge on the 128 grid; a small vocabulary
@@ -35,7 +35,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter
     from megatron_refit.endpoint.fp8_pieces import quantize_pieces
-    from megatron_refit.testing.harness import hf_config_for, make_gen_backend
+    from megatron_refit.local.harness import hf_config_for, make_gen_backend
     from megatron_refit.transport import ProcessGroupTransport
 
     torch.set_num_threads(1)  # 4+ processes share the cores: intra-op threads would oversubscribe them
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     check_args(args)
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = RunSpec(model="qwen3", overrides=dict(FP8_BENCH_SHAPE, layers=args.layers),

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
 
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     (port,) = free_ports(1)
     out = run_spawned(_rank, 2 * args.pairs, args.mb, args.messages, args.reps, timeout_s=900, port=port)

@@ -122,7 +122,7 @@ def _rank(rank, world, port, args, arm, megatron_port):
 
 
 def run_arm(args, arm: str) -> dict:
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     port, megatron_port = free_ports(2)
     with tempfile.TemporaryDirectory() as cwd:  # Bridge writes nothing we keep

@@ -30,7 +30,7 @@ import torch
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import reports_user_errors
-from megatron_refit.testing.harness import RunSpec, check_layout
+from megatron_refit.local.harness import RunSpec, check_layout
 
 # Qwen3-shaped, ~215M parameters: sized for 2 cores / 24 GB.
 BENCH_SHAPE = dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=64, ffn=3072, vocab=32000)
@@ -68,7 +68,7 @@ def _timed(fn, group) -> float:
 def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False):
     from megatron_refit.endpoint.receiver import Receiver
     from megatron_refit.endpoint.sender import Refitter, TensorPiece
-    from megatron_refit.testing.harness import hf_config_for, make_gen_backend
+    from megatron_refit.local.harness import hf_config_for, make_gen_backend
     from megatron_refit.plan.spec import ShardSpec, full_box
     from megatron_refit.transport import ProcessGroupTransport
 
@@ -137,7 +137,7 @@ def bench_rank(rank, world, port, spec: RunSpec, reps: int, verify: str = "sampl
         else:
             peers.receive(v)
 
-    from megatron_refit.testing.progress import Bar
+    from megatron_refit.local.progress import Bar
 
     times = {"ours": [], "gather_broadcast": [], "floor": [], "ours_unverified": [], "pairs_on": [],
              "pairs_off": []}
@@ -204,7 +204,7 @@ def _driver_cpu(group, run_ours, *, first_version: int, reps: int) -> float:
 def run_bench(spec: RunSpec, reps: int, verify: str = "sampled", with_delta: bool = False) -> dict:
     from dataclasses import replace
 
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port, collect=False)

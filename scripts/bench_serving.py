@@ -20,7 +20,7 @@ Megatron train TP2 (real optimizer steps between refits) into two Hugging Face e
   (in place: the whole refit; ``staged``: the swap's pause, measured in a second run under
   ``refit.swap: staged``), and their ratio ``gate_over_blocked``;
 - ``caught_broken``: a second run whose replica 1 keeps its first decoder layer from before the
-  refit at version 3 (:func:`megatron_refit.testing.faults.break_post_load`): the check names
+  refit at version 3 (:func:`megatron_refit.local.faults.break_post_load`): the check names
   replica 1 at version 3 and no other, and the next refit serves right again.
 
 - ``moe``: the same check on a MoE model as users train one: Qwen3-MoE with 64 experts top-8,
@@ -53,9 +53,9 @@ from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.probe import default_tolerance, relative_tolerance
 from megatron_refit.tools.cli import reports_user_errors
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing.serving_power import power_rank, summary
 
 LARGER = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)

@@ -30,7 +30,7 @@ import torch
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import reports_user_errors
-from megatron_refit.testing.harness import RunSpec, check_layout
+from megatron_refit.local.harness import RunSpec, check_layout
 
 SHAPE = dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn=1536, vocab=4096)
 """About 30M parameters: a refit takes long enough on this CPU to generate during it."""
@@ -41,7 +41,7 @@ def _train(rank, spec: RunSpec, cfg, refit_cfg):
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import train_step
     from conversion.refit import trainer_refit
-    from megatron_refit.testing.harness import tokens_for
+    from megatron_refit.local.harness import tokens_for
 
     init_gloo(rank, spec.num_train, spec.megatron_port)
     init_model_parallel(spec.train)
@@ -91,7 +91,7 @@ def _hold_swap_for_a_pass(backend, passes: list, bound_s: float = 30.0) -> None:
 
 def _gen(spec: RunSpec, cfg, refit_cfg, hold_swap: bool):
     from megatron_refit.engine_side.entry import engine_refit
-    from megatron_refit.testing.harness import make_gen_backend
+    from megatron_refit.local.harness import make_gen_backend
 
     backend = make_gen_backend(spec, cfg, 0)
     member = engine_refit(refit_cfg, backend, gen_index=0, num_train=spec.num_train)
@@ -138,7 +138,7 @@ def _gen(spec: RunSpec, cfg, refit_cfg, hold_swap: bool):
 
 
 def swap_rank(rank, world, port, spec: RunSpec, hold_swap: bool = False):
-    from megatron_refit.testing.harness import hf_config_for, refit_config
+    from megatron_refit.local.harness import hf_config_for, refit_config
 
     torch.manual_seed(0)
     cfg = hf_config_for(spec)
@@ -152,7 +152,7 @@ def run_swap(spec: RunSpec, *, hold_swap: bool = False) -> dict:
     of the whole window; it lengthens the transfers it measures, so the bench leaves it off."""
     from dataclasses import replace
 
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from megatron_refit.testing.launch import free_ports
+    from megatron_refit.local.launch import free_ports
     from megatron_refit.testing.vllm_server import VllmServer
     with tempfile.TemporaryDirectory(prefix="bench_vllm_swap_") as workdir:
         model, model_mb = saved_model(workdir, args.hidden, args.layers)

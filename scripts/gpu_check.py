@@ -31,8 +31,8 @@ import torch
 
 from bench_refit import BENCH_SHAPE  # scripts/: the benchmark's model shape
 from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
 from megatron_refit.plan.layout import TrainLayout
 
 
@@ -152,7 +152,7 @@ def _nccl_rank(rank, world, port):
 
 
 def check_nccl_one_gpu() -> dict:
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     try:
         return dict(accepted=True, result=run_spawned(_nccl_rank, 2, timeout_s=90))

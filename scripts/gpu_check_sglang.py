@@ -155,7 +155,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
     from megatron_refit.config import RefitConfig
     from conversion.refit import trainer_refit
     from megatron_refit.engines.sglang.trainer.control import SglangControl
-    from megatron_refit.testing.launch import free_port
+    from megatron_refit.local.launch import free_port
 
     client = _ControllerClient(port)
     built, optimizer, cfg = train_model(model)

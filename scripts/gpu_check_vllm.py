@@ -161,7 +161,7 @@ class _ControllerClient(ControllerConnection):
 
 
 def trainer(model: str, workdir: str, port: int) -> None:
-    from megatron_refit.testing.launch import free_port
+    from megatron_refit.local.launch import free_port
     from conversion.refit import local_shard_source
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 

@@ -100,7 +100,7 @@ def train_model(model: str):
 
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.testing.launch import free_port
+    from megatron_refit.local.launch import free_port
 
     torch.cuda.set_device(0)
     init_gloo(0, 1, free_port())

@@ -78,7 +78,7 @@ def policy_loss(logits, sequences, prompt_len, old_logprobs, adv, clip=0.2) -> t
 
 
 def _rank(rank, world, port, args):
-    from megatron_refit.testing.harness import hf_config_for
+    from megatron_refit.local.harness import hf_config_for
 
     cfg = hf_config_for(args.spec)
     if rank < args.spec.num_train:
@@ -92,7 +92,7 @@ def _train(rank, args, cfg):
     from conversion.refit_callback import RefitCallback
     from conversion.testing.train_step import forward_logits, train_step
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
-    from megatron_refit.testing.progress import Bar
+    from megatron_refit.local.progress import Bar
 
     spec, num_train = args.spec, args.spec.num_train
     init_gloo(rank, num_train, args.megatron_port)
@@ -172,7 +172,7 @@ def _from_config(path: str, port: int, overrides: list[str]):
 
     from megatron_refit.config import load_training_yaml, train_layout
     from megatron_refit.plan.gen_layout import GenLayout
-    from megatron_refit.testing.harness import RunSpec
+    from megatron_refit.local.harness import RunSpec
 
     bridge_config, refit = load_training_yaml(path, overrides)
     if not refit.enabled:
@@ -210,8 +210,8 @@ def main(argv=None) -> int:
         from megatron_refit.tools.plots import require_matplotlib
 
         require_matplotlib()
-    from megatron_refit.testing.harness import check_layout
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    from megatron_refit.local.harness import check_layout
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     args.megatron_port, refit_port = free_ports(2)
     args.spec, args.refit = _from_config(args.config, refit_port, args.set)

@@ -31,7 +31,7 @@ run_lane() {
   done
 }
 # Each lane gets its share of the cores: torch in every test process and rank uses that many
-# threads (REFIT_CORES, megatron_refit/testing/launch.py; OMP_NUM_THREADS); more would spin on
+# threads (REFIT_CORES, megatron_refit/local/launch.py; OMP_NUM_THREADS); more would spin on
 # cores the other lane is using (a one-rank bf16 test ran 3.3x its time alone).
 share=$(( $(nproc) / lanes )); [ "$share" -ge 1 ] || share=1
 export REFIT_CORES=${REFIT_CORES:-$share} OMP_NUM_THREADS=${OMP_NUM_THREADS:-$share}

@@ -157,7 +157,7 @@ def build_model(
     bridge, provider = make_provider(hf_config, layout, dtype=dtype, pad_vocab=pad_vocab, meta=meta)
     torch.manual_seed(seed)
     # Megatron prints each rank's parameter count: dropped in a quiet spawned rank
-    # (megatron_refit.testing.launch sets REFIT_QUIET_LOGS=1 there)
+    # (megatron_refit.local.launch sets REFIT_QUIET_LOGS=1 there)
     quiet = os.environ.get("REFIT_QUIET_LOGS") == "1"
     chatter = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
     from conversion.cpu_shim import cuda_to_host

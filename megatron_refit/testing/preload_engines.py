@@ -11,7 +11,7 @@ starts a thread, a process or a device: the engines do that in the rank, as befo
 
 import importlib.util
 
-from megatron_refit.testing.launch import quiet_imports
+from megatron_refit.local.launch import quiet_imports
 
 VLLM = (
     "vllm.config",

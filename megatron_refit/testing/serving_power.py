@@ -1,7 +1,7 @@
 """What the serving check (``refit.verify_serving``) sees at bf16: clean refits and broken engines
 on a 64-expert top-8 MoE, in a nearly flat and in a peaked model state (#50 item 2).
 
-:func:`power_rank` (one spawned rank, :func:`~megatron_refit.testing.launch.run_spawned`) builds
+:func:`power_rank` (one spawned rank, :func:`~megatron_refit.local.launch.run_spawned`) builds
 Qwen3-MoE through Megatron-Bridge in bf16 for each state of :data:`STATES`, trains it (Adam), then
 runs 20 refits at lr 1e-6 into an HF engine in bf16, each checked by
 :class:`~megatron_refit.fleet.serving.ServingCheck` with its defaults (the first calibrates the

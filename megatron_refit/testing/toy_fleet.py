@@ -81,7 +81,7 @@ def _config(port: int):
 def _train(rank: int, port: int, t0: float) -> None:
     """Refit a new version every ``TOY_STEP_S`` until stopped (a signal, an error)."""
     from megatron_refit.refit import trainer_refit_from_pieces
-    from megatron_refit.testing.faults import slowed
+    from megatron_refit.local.faults import slowed
 
     cfg = _config(port)
     pieces = train_pieces(rank)

@@ -112,7 +112,7 @@ class VllmServer:
         """Start the server and ``run_spawned(fn, world_size, url, server_pid, *args)`` at once (the
         train ranks build their model while it starts); the server's log tail printed if they fail;
         the server stopped either way. Returns the ranks' results."""
-        from megatron_refit.testing.launch import run_spawned
+        from megatron_refit.local.launch import run_spawned
 
         self.start()
         try:

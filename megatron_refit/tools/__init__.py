@@ -1,7 +1,8 @@
 """Tooling around the runtime: the demo, the dry run and its enumeration cache, the cost
-model, charts, the command-line helpers. The runtime (``megatron_refit`` outside this package
-and :mod:`megatron_refit.testing`) imports none of it; ``python -m megatron_refit.demo`` /
-``.dryrun`` / ``.costmodel`` are the command-line entry points."""
+model, charts, the command-line helpers. The runtime (``megatron_refit`` outside this package,
+:mod:`megatron_refit.local` and :mod:`megatron_refit.testing`) imports none of it, and it imports
+nothing of :mod:`megatron_refit.testing` (the demo runs :mod:`megatron_refit.local`);
+``python -m megatron_refit.demo`` / ``.dryrun`` / ``.costmodel`` are the command-line entry points."""
 
 import importlib.util
 import sys

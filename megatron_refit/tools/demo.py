@@ -19,9 +19,9 @@ from megatron_refit.families import FAMILIES, PRESETS
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.tools.cli import USER_ERRORS, plain
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, hf_config_for, run
-from megatron_refit.testing.launch import SpawnError
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, hf_config_for, run
+from megatron_refit.local.launch import SpawnError
 
 MODELS = [name for family in FAMILIES for name in family.demo]
 MOE_MODELS = tuple(name for name in MODELS if PRESETS[name].get("num_experts") or PRESETS[name].get("n_routed_experts"))

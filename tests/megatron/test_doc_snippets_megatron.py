@@ -3,7 +3,7 @@ tests/unit/test_doc_snippets.py, which owns the reading of the docs). Checked in
 from the tier's forkserver, which has Bridge imported already (this process would import it
 for this test alone: about 20 s of CPU)."""
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from tests.unit.test_doc_snippets import MEGATRON_SIDE, doc_import_problems
 
 

@@ -26,7 +26,7 @@ from megatron_refit.plan.gen_layout import (
     gen_target_classes,
     gen_target_specs,
 )
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.refit_plan import RefitPlan
 from megatron_refit.testing.reference_senders import SenderPlan, gen_classes

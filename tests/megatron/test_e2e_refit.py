@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
 from megatron_refit.plan.layout import TrainLayout
 
 pytestmark = pytest.mark.slow

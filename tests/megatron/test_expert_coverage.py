@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 pytestmark = pytest.mark.slow
 

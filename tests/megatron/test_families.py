@@ -18,9 +18,9 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
 from megatron_refit.plan.roles import param_role
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.engines.fused.layout import expected_storage, fused_layout
 from megatron_refit.plan.spec import intersect

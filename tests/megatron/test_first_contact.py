@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 
 def _warn_rank(rank, world, port):
-    from megatron_refit.testing.launch import quiet
+    from megatron_refit.local.launch import quiet
 
     warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "backends.py", 34,
                            module="megatron.core.models.backends")
@@ -45,7 +45,7 @@ def test_a_bad_layout_is_one_error_line(capfd):
 
 
 def test_spawn_error_innermost_reads_the_rank_traceback():
-    from megatron_refit.testing.launch import SpawnError
+    from megatron_refit.local.launch import SpawnError
 
     err = SpawnError("rank 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
                      "megatron_refit.plan.refit_plan.PlanError: gen rank 2 holds nothing\n")

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.plan.spec import intersect
 from megatron_refit.testing import workers
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
 from megatron_refit.plan.layout import TrainLayout
 
 RANK = 4

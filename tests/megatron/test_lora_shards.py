@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing import workers
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ import pytest
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
 
 pytestmark = pytest.mark.slow
 

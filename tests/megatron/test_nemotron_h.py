@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.plan.layout import TrainLayout
 
 NEMOTRON_MAPPINGS = {  # Megatron name -> (Bridge mapping type, HF checkpoint name)

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from megatron_refit import families
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.spec import intersect
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing import workers
 
 LAYOUTS = [dict(tp=2, dp=1), dict(tp=2, ep=2, dp=1)]

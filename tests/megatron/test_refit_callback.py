@@ -19,8 +19,8 @@ import types
 import pytest
 import torch
 
-from megatron_refit.testing.harness import TRAIN_YAML
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.harness import TRAIN_YAML
+from megatron_refit.local.launch import free_ports, run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def _train(rank, world, refit, tp, overlap, skipped, port, wait_for_replica=None
     from conversion.testing.megatron_optim import distributed_optimizer
     from conversion.refit_callback import RefitCallback
     from conversion.testing.train_step import train_step
-    from megatron_refit.testing.harness import tokens_for
+    from megatron_refit.local.harness import tokens_for
     from megatron_refit.plan.layout import TrainLayout
     from megatron.bridge.training.callbacks import CallbackContext, CallbackManager  # after conversion's TE shim
 

@@ -30,7 +30,7 @@ import math
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing.serving_power import power_rank, summary
 
 pytestmark = pytest.mark.slow

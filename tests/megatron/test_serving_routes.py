@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 pytestmark = pytest.mark.slow
 

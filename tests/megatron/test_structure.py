@@ -30,14 +30,16 @@ LAYERS = (
     ("megatron_refit.engines",),
     ("conversion",),
     ("conversion.testing",),
+    ("megatron_refit.local",),
     ("megatron_refit.testing",),
     ("megatron_refit.tools", *sorted(ENTRY_POINTS)),
 )
 """Bottom to top: a module imports modules of its own layer or of layers below, never above.
 A module belongs to the layer of the longest prefix that names it (``megatron_refit.registry``,
 the engines by name, is layer 0: every layer may ask it). The
-runtime is everything below ``conversion.testing``: it never imports test builders, test
-support (``megatron_refit.testing``) or tools."""
+runtime is everything below ``conversion.testing``: it never imports test builders, local runs
+(``megatron_refit.local``: the demo's), test support (``megatron_refit.testing``) or tools; the
+tools (the demo) import no test support either (:func:`test_the_tools_import_no_test_support`)."""
 
 
 def _module(path: Path) -> str:
@@ -207,9 +209,26 @@ def test_the_dry_run_imports_no_test_support():
 
 def test_the_dry_run_check_catches_a_chain_to_test_support():
     graph = {"megatron_refit.tools.dryrun": {"megatron_refit.tools.cli"},
-             "megatron_refit.tools.cli": {"megatron_refit.testing.launch"}}
+             "megatron_refit.tools.cli": {"megatron_refit.testing.storages"}}
     assert _dry_run_reaches_testing(graph) == ["megatron_refit.tools.dryrun -> megatron_refit.tools.cli -> "
-                                               "megatron_refit.testing.launch"]
+                                               "megatron_refit.testing.storages"]
+
+
+def _tools_reach_test_support(graph) -> list[str]:
+    return _chains(graph, lambda m: m.startswith("megatron_refit.tools") or m in ENTRY_POINTS,
+                   lambda m: m == "megatron_refit.testing" or m.startswith("megatron_refit.testing."))
+
+
+def test_the_tools_import_no_test_support():
+    """No chain of imports, lazy ones included, from a tool (the demo, its end-to-end run in
+    ``megatron_refit.local``) to ``megatron_refit.testing``: what ships runs without the tests'
+    support."""
+    graph = _graph()
+    assert "megatron_refit.tools.demo" in graph and "megatron_refit.local.harness" in graph["megatron_refit.tools.demo"]
+    assert not _tools_reach_test_support(graph)
+    assert _tools_reach_test_support({"megatron_refit.tools.demo": {"megatron_refit.local.harness"},
+                                      "megatron_refit.local.harness": {"megatron_refit.testing.storages"}}) == [
+        "megatron_refit.tools.demo -> megatron_refit.local.harness -> megatron_refit.testing.storages"]
 
 
 def test_the_engine_side_imports_nothing_of_the_train_side():
@@ -318,7 +337,7 @@ def test_transport_registry():
 def test_a_registered_transport_serves_a_refit_group():
     """``open_transport`` with the built-in gloo transport: a one-rank group that exchanges
     a control message with itself."""
-    from megatron_refit.testing.launch import free_ports
+    from megatron_refit.local.launch import free_ports
     from megatron_refit.transport import ProcessGroupTransport, open_transport
 
     (port,) = free_ports(1)

@@ -21,7 +21,7 @@ SHAPE = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, vo
 def _spec(swap, budget=None):
     from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.testing.harness import RunSpec
+    from megatron_refit.local.harness import RunSpec
 
     return RunSpec(model="qwen3", overrides=SHAPE, train=TrainLayout(tp=2), gen=GenLayout(tp=1, dp=1), refits=5,
                    swap=swap, bucket_bytes=1 << 20, swap_budget_bytes=budget)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_refit.plan.fp8_layout import is_quantized, scale_name
 from megatron_refit.endpoint.fp8 import quantize_blockwise
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing import workers
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 
 def _import_report(rank, world_size, port):

@@ -19,9 +19,9 @@ import torch
 
 from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import TRAIN_YAML, RunSpec, run
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import TRAIN_YAML, RunSpec, run
+from megatron_refit.local.launch import free_ports, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, SHAPES, exact, set_version, storage, train_pieces
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def _overlap_rank(rank, world, port, scenario, versions):
     from megatron_refit.errors import RefitTransportError
     from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.refit import trainer_refit_from_pieces
-    from megatron_refit.testing.faults import slowed
+    from megatron_refit.local.faults import slowed
 
     cfg = RefitConfig(enabled=True, engine="vllm", gen_tp=1, gen_dp=2, port=port, bucket_mb=4096 / (1 << 20),
                       timeout_s=TIMEOUT_S, overlap="on", delta="on",
@@ -268,7 +268,7 @@ def _pretrain_overlap_train(rank, num_train, yaml_path, megatron_port):
     from conversion.presets import hf_config
     from conversion.testing.tiny_pretrain import run_tiny_pretrain
     from megatron_refit.config import load_training_yaml
-    from megatron_refit.testing.faults import HoldRefits
+    from megatron_refit.local.faults import HoldRefits
 
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -315,7 +315,7 @@ def _pretrain_overlap_gen(refit, gen_index, num_train):
     from conversion.presets import hf_config
     from megatron_refit.engines.hf.storage import HFStorage
     from megatron_refit.engine_side.entry import engine_refit
-    from megatron_refit.testing.harness import _failing
+    from megatron_refit.local.harness import _failing
 
     backend = HFStorage.from_config(hf_config("qwen3"), dtype=torch.bfloat16)
     armed = _failing(backend)

@@ -17,8 +17,8 @@ from megatron_refit.plan.gen_layout import GenLayout
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.probe import (BULK, BULK_MIN_TOKENS, Probe, Reference, bulk, compare, default_tolerance,
                                       greedy_cover, make_probe, mean_difference, sweep)
-from megatron_refit.testing.evaluate import evaluate
-from megatron_refit.testing.harness import RunSpec, run
+from megatron_refit.local.evaluate import evaluate
+from megatron_refit.local.harness import RunSpec, run
 
 
 class _Forward:
@@ -450,7 +450,7 @@ def test_reference_log_probs_over_a_vocabulary_split_on_tp_with_a_rank_of_paddin
     """The reference's log-probs over Megatron's vocab-parallel logits, one all-gather over TP:
     the HF vocabulary's log-softmax on every rank, also where a TP rank's slice holds only
     Megatron's padding rows (its largest logit -inf: no NaN, which no replica could match)."""
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     for ranks in run_spawned(_vocab_parallel_rank, 2):
         for vocab, (finite, logprob_error, magnitude_error) in ranks.items():

@@ -215,7 +215,7 @@ def _source_rank(rank, world, port):
 
 @pytest.mark.slow
 def test_weight_transfer_source_from_a_bridge_model_holds_its_local_shards_and_lora_adapters():
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     out = run_spawned(_source_rank, 1, timeout_s=180)[0]
     assert out["plain"] == out["expected"] and out["plain"]
@@ -262,7 +262,7 @@ def _refused_rank(rank, world, port):
 def test_weight_transfer_an_engine_refusing_init_reaches_every_train_rank_in_seconds():
     """The engine's error reaches every train rank within seconds, not after refit.timeout_s
     (60 s here): train rank 0 raises the engine's own error, the others name it."""
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     out = run_spawned(_refused_rank, 2, timeout_s=120)
     assert all(r["seconds"] < 15 for r in out), out

@@ -11,7 +11,7 @@ from megatron_refit.endpoint.delta import (AUTO_REMEASURE, AUTO_RETRY, BITMASK, 
                                            encode_cost_per_byte, pack_bits, sizes, unpack_bits)
 from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.plan.spec import ShardSpec, box_along, full_box
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 # -- encodings ---------------------------------------------------------------------------
 
@@ -342,7 +342,7 @@ E2E = [  # (id, RunSpec fields)
 def _spec(fields):
     from megatron_refit.plan.gen_layout import GenLayout
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.testing.harness import RunSpec
+    from megatron_refit.local.harness import RunSpec
 
     fields = dict(fields)
     train = TrainLayout(**fields.pop("train", dict(tp=2)))
@@ -356,8 +356,8 @@ def _spec(fields):
 def test_delta_refit_end_to_end_is_bit_exact_and_small(fields):
     """bf16 training with fp32 main params at lr 1e-6: after the first refit only the
     changed elements travel, and the engine's weights equal Bridge's export bit for bit."""
-    from megatron_refit.testing.evaluate import evaluate
-    from megatron_refit.testing.harness import run
+    from megatron_refit.local.evaluate import evaluate
+    from megatron_refit.local.harness import run
 
     spec = _spec(fields)
     result = evaluate(spec, run(spec))
@@ -371,8 +371,8 @@ def test_delta_refit_end_to_end_is_bit_exact_and_small(fields):
 
 @pytest.mark.slow
 def test_lora_delta_sends_changed_adapter_elements_only():
-    from megatron_refit.testing.evaluate import evaluate
-    from megatron_refit.testing.harness import run
+    from megatron_refit.local.evaluate import evaluate
+    from megatron_refit.local.harness import run
 
     spec = _spec(dict(model="qwen3", gen=dict(tp=1, dp=1), lora_rank=4, refits=4))
     result = evaluate(spec, run(spec))

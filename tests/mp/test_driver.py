@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.sender import TensorPiece
-from megatron_refit.testing.launch import SpawnError, run_spawned
+from megatron_refit.local.launch import SpawnError, run_spawned
 from megatron_refit.plan.spec import ShardSpec, box_along, full_box
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 from megatron_refit.config import RefitConfig
 from megatron_refit.engines.control import EngineControl, engine_control
 from megatron_refit.registry import Engine, engine_named, engine_names, register_engine
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 SHAPES = {"w": ((8, 6), "float32"), "n": ((6,), "bfloat16")}
 

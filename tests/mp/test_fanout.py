@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_refit.testing.launch import preload_env, run_spawned
+from megatron_refit.local.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]

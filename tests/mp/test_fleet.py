@@ -16,7 +16,7 @@ from megatron_refit.endpoint.report import SUMMARY_KEYS
 from megatron_refit.group.beats import BEATS_PER_STALL
 from megatron_refit.fleet.serving import SERVING_KEYS
 from megatron_refit.group.store import SWAP_KEYS
-from megatron_refit.testing.launch import preload_env, run_spawned
+from megatron_refit.local.launch import preload_env, run_spawned
 from megatron_refit.testing.toy_fleet import NUM_TRAIN, exact, set_version, storage, train_pieces
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]

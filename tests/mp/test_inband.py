@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_refit.plan.probe import Probe
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 
-from megatron_refit.testing import ports
+from megatron_refit.local import ports
 
 
 def _choose(path: str, count: int, out) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.testing.toy_group import exact as holds_version
 from megatron_refit.testing.toy_group import NUM_GEN, NUM_TRAIN, gen_storage, stall_after, train_pieces
 
@@ -169,7 +169,7 @@ def test_a_world_size_mismatch_is_named_at_connect():
 def test_the_store_listens_only_on_the_configured_address():
     import datetime
 
-    from megatron_refit.testing.launch import free_port
+    from megatron_refit.local.launch import free_port
     from megatron_refit.transport.rendezvous import open_store
 
     port = free_port()

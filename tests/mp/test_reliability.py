@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_refit.plan.spec import ShardSpec
-from megatron_refit.testing.launch import SpawnError, run_spawned
+from megatron_refit.local.launch import SpawnError, run_spawned
 from megatron_refit.testing.toy_group import exact as holds_version
 from megatron_refit.testing.toy_group import NAMES, NUM_GEN, NUM_TRAIN, FaultyPiece, die_after, gen_storage, \
     train_pieces

@@ -10,7 +10,7 @@ import torch
 
 from megatron_refit.endpoint.sender import TensorPiece
 from megatron_refit.endpoint.direct import adjacent_pieces
-from megatron_refit.testing.launch import run_spawned
+from megatron_refit.local.launch import run_spawned
 from megatron_refit.plan.refit_plan import RefitPlan
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.spec import ShardSpec, box_along, full_box

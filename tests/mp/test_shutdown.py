@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_refit.testing.launch import free_port
+from megatron_refit.local.launch import free_port
 from megatron_refit.testing.zygote import Zygote, tail
 
 ROOT = Path(__file__).resolve().parents[2]

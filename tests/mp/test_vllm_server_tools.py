@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_refit.testing.vllm_server import launch_args, process_alive, wait_healthy
-from megatron_refit.testing.launch import free_port
+from megatron_refit.local.launch import free_port
 
 
 def test_vllm_server_tools_wait_stops_once_the_server_process_ended():

@@ -1,9 +1,9 @@
-"""megatron_refit.testing.faults.break_post_load refuses a break it could not make real."""
+"""megatron_refit.local.faults.break_post_load refuses a break it could not make real."""
 
 import pytest
 
 from megatron_refit.plan.spec import ShardSpec, full_box
-from megatron_refit.testing.faults import break_post_load
+from megatron_refit.local.faults import break_post_load
 
 
 class _Storage:

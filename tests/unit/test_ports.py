@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from megatron_refit.testing import ports
+from megatron_refit.local import ports
 
 
 def test_a_reserved_port_is_skipped_until_its_reservation_ends(tmp_path, monkeypatch):

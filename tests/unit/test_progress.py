@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_refit.testing.progress import Bar, on_terminal
+from megatron_refit.local.progress import Bar, on_terminal
 from megatron_refit.endpoint.report import RefitReport
 
 

@@ -265,7 +265,7 @@ def test_a_replica_added_while_the_trainer_runs_is_awaited_until_it_announces_or
     from megatron_refit.fleet.joins import Joins
     from megatron_refit.fleet.runner import Runner
     from megatron_refit.group.store import JOINS
-    from megatron_refit.testing.ports import free_port
+    from megatron_refit.local.ports import free_port
 
     store = TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=5))
     runner = Runner()

@@ -61,7 +61,7 @@ def test_unknown_model_preset():
 
 
 def test_cuda_harness_runs_colocated_only():
-    from megatron_refit.testing.harness import RunSpec
+    from megatron_refit.local.harness import RunSpec
 
     with pytest.raises(ValueError, match="device 'cuda' runs colocated at train PP 1"):
         RunSpec(device="cuda")

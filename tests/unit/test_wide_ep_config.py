@@ -139,7 +139,7 @@ def test_an_engine_that_declares_the_keys_is_not_refused():
     """What an engine receives into is its declaration (``Engine.wide_ep``): the harness's ``fused``
     engine takes every key, a refit of it starts; the same keys with ``vllm`` are refused by name."""
     from megatron_refit.group.connect import check_enabled
-    from megatron_refit.testing.fused_engine import NAME
+    from megatron_refit.local.fused_engine import NAME
 
     section = {**WIDE, "gen_tp": 2, "gen_attention_dp": 2, "gen_redundant_experts": 4, "gen_eplb": True}
     check_enabled(RefitConfig.from_dict({**section, "engine": NAME}), 2)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.fp8 import fp8_checkpoint
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 # find_spec, not importorskip: the spawned ranks import this module too, and the train
 # ranks do not need SGLang's imports

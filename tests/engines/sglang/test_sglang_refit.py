@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 # find_spec, not importorskip: the spawned ranks import this module too, and importing
 # sglang costs ~5 s of CPU that the train ranks do not need
@@ -274,7 +274,7 @@ def _fleet_gen(rank, requests, replies, sglang_ports, port, bridge_dir, workdir)
     from bridge_shards import load, model_config
 
     from megatron_refit.engines.sglang.worker.loader import refit_member, refit_state
-    from megatron_refit.testing.faults import fail_next_refit
+    from megatron_refit.local.faults import fail_next_refit
 
     from .engine_standins import scheduler_updater, serve_http
     from .sglang_cpu import build_model, init_sglang, prefill_logprobs, write_model_dir

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs SGLang (make setup-sglang: .venv-sglang)", allow_module_level=True)

@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     from conversion.testing.build import build_model, destroy_model_parallel, init_gloo, init_model_parallel
     from conversion.lora import apply_lora
     from conversion.testing.train_step import train_step
-    from megatron_refit.testing.harness import tokens_for
+    from megatron_refit.local.harness import tokens_for
     from conversion.refit import local_pieces
     from conversion.serving import trainer_forward
     from megatron_refit.plan.layout import TrainLayout
@@ -92,7 +92,7 @@ def load(out_dir: str, name: str, version: int, rank: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_refit.testing.launch import PRELOAD_ENV, run_spawned
+    from megatron_refit.local.launch import PRELOAD_ENV, run_spawned
 
     # the ranks fork from a forkserver that imported Megatron once (the engine suite that starts
     # this script names its own environment's modules, which this one lacks)

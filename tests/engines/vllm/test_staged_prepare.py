@@ -236,7 +236,7 @@ def test_staged_prepare_never_writes_the_serving_model_and_swaps_in_what_vllms_o
     in place), after a reload of vLLM's own (its loader wrappers left behind): the serving model
     is not written while it prepares; after the swap every parameter and buffer equals, bit for
     bit, what vLLM's ``load_weights`` + post-load make of the same weights on a second instance."""
-    from megatron_refit.testing.launch import run_spawned
+    from megatron_refit.local.launch import run_spawned
 
     out = run_spawned(_shadow_rank, 1, str(tmp_path), timeout_s=180)[0]
     assert out["untouched"] == [], out["untouched"]  # biases included

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_refit.endpoint.fp8 import fp8_checkpoint
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 

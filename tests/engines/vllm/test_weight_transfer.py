@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
@@ -192,7 +192,7 @@ class _Engine:
 
     def fail_next(self) -> None:
         """The engine's storage raises while the next refit's second bucket lands (once)."""
-        from megatron_refit.testing.faults import fail_next_refit
+        from megatron_refit.local.faults import fail_next_refit
 
         fail_next_refit(self.worker.weight_transfer_engine.member.full.storage)
 

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 

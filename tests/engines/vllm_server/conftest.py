@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports, run_spawned
+from megatron_refit.local.launch import free_ports, run_spawned
 from megatron_refit.testing.vllm_server import ROOT, VllmServer, process_alive, server_python, wait_healthy
 from tests.engines.vllm_server import session, swap_session
 

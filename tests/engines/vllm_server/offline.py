@@ -128,7 +128,7 @@ def _rank(rank: int, world: int, port: int, save_dir: str, checkpoint: str, refi
 def main() -> int:
     import multiprocessing as mp
 
-    from megatron_refit.testing.launch import free_ports
+    from megatron_refit.local.launch import free_ports
 
     save_dir, checkpoint = sys.argv[1:3]
     port, refit_port = free_ports(2)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_refit.engines.vllm.trainer.clients import HTTPClient
-from megatron_refit.testing.faults import slow_next_refit
+from megatron_refit.local.faults import slow_next_refit
 from megatron_refit.testing.vllm_server import (VllmServer, complete, is_paused, process_alive, timed_client,
                                              wait_healthy, weight_version)
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megatron_refit.testing.faults import slow_next_refit
+from megatron_refit.local.faults import slow_next_refit
 from megatron_refit.testing.vllm_server import (GenerateLoad, generate, is_paused, process_alive, timed_client,
                                              wait_healthy, weight_version)
 from tests.engines.vllm_server.session import TRAIN_TP, _connect, _error, _trainer

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports
+from megatron_refit.local.launch import free_ports
 from megatron_refit.testing.vllm_server import ROOT, VllmServer
 from tests.engines.vllm_server import session as s
 

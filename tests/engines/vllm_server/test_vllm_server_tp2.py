@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from megatron_refit.testing.launch import free_ports
+from megatron_refit.local.launch import free_ports
 from megatron_refit.testing.vllm_server import ROOT, VllmServer, server_env, server_python
 from tests.engines.vllm_server import session as s
 

@@ -1,4 +1,4 @@
-"""What a harness run did, checked: every refit of :func:`~megatron_refit.testing.harness.run` against
+"""What a harness run did, checked: every refit of :func:`~megatron_refit.local.harness.run` against
 Bridge's export (bit for bit) and the trainer's logits, summarised in the demo's JSON shape."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from megatron_refit.endpoint.fp8 import fp8_checkpoint
 from megatron_refit.engines.hf.checkpoint import model_shape
-from megatron_refit.testing.harness import RunSpec, hf_config_for, make_gen_backend
+from megatron_refit.local.harness import RunSpec, hf_config_for, make_gen_backend
 
 
 def evaluate(spec: RunSpec, results: list[dict]) -> dict:

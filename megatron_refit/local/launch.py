@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_refit.errors import SpawnError  # noqa: F401 -- raised here; its callers take it here too
-from megatron_refit.testing.ports import free_port, free_ports  # noqa: F401 -- this module's callers take them here
+from megatron_refit.local.ports import free_port, free_ports  # noqa: F401 -- this module's callers take them here
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -112,7 +112,7 @@ def _entry(fn, rank, world_size, port, args, results, env):
 
 PRELOAD_ENV = "REFIT_SPAWN_PRELOAD"
 """Comma-separated modules: when set, ranks fork from a forkserver that imported them once
-(see :mod:`megatron_refit.testing.preload`); unset, every rank is a fresh interpreter."""
+(the tests' :mod:`megatron_refit.testing.preload`); unset, every rank is a fresh interpreter."""
 
 
 def preload_env(*modules: str) -> dict[str, str]:

@@ -19,8 +19,8 @@ import torch
 
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.plan.fp8_layout import fp8_param_table
-from megatron_refit.testing.run_spec import RunSpec
-from megatron_refit.testing.traffic import Traffic
+from megatron_refit.local.run_spec import RunSpec
+from megatron_refit.local.traffic import Traffic
 
 SEQ, BATCH = 8, 2
 
@@ -67,7 +67,7 @@ def refit_config(spec: RunSpec, port: int):
 
     deployment = dict(engine="hf" if spec.gen.tp == 1 else "vllm")
     if spec.wide:
-        from megatron_refit.testing.fused_engine import NAME
+        from megatron_refit.local.fused_engine import NAME
 
         placement = spec.gen.placement
         deployment = dict(engine=NAME, gen_attention_dp=spec.gen.attention_dp,
@@ -103,8 +103,8 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
     from conversion.refit import trainer_refit
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
     from conversion.testing.train_step import train_step
-    from megatron_refit.testing.faults import HoldRefits
-    from megatron_refit.testing.progress import Bar
+    from megatron_refit.local.faults import HoldRefits
+    from megatron_refit.local.progress import Bar
 
     if spec.device == "cuda" and spec.num_train == 1:  # NCCL, as Megatron trains (see RunSpec's checks)
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{spec.megatron_port}", rank=0,
@@ -166,7 +166,8 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
                 raise RuntimeError("offload left parameters in place")
         if rank == 0 and version - 1 in spec.remap:
             _await_rejoined(fleet, joined, spec.timeout_s)
-        joined = {r: fleet.announced(r) for r in range(spec.gen.dp)} if rank == 0 and version in spec.remap else None
+        remapped = rank == 0 and version in spec.remap
+        joined = {r: fleet.joins.announced(r) for r in range(spec.gen.dp)} if remapped else None
         t0 = time.perf_counter()
         report = fleet.refit(version)
         wall = time.perf_counter() - t0  # what the training loop waited for (the serving check too)
@@ -195,7 +196,7 @@ def _await_rejoined(fleet, joined: dict, timeout_s: float) -> None:
     """Train rank 0, before the refit after a :attr:`RunSpec.remap`: every replica announced a new
     incarnation (its engine ranks rejoined with the moved experts), within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while any(fleet.announced(r) == incarnation for r, incarnation in joined.items()):
+    while any(fleet.joins.announced(r) == incarnation for r, incarnation in joined.items()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the replicas did not rejoin within {timeout_s} s after their experts moved")
         time.sleep(0.02)
@@ -319,7 +320,7 @@ def _serves(backend, cfg) -> bool | str | None:
 
 def _breaking(storage, spec: RunSpec, gen_index: int) -> list[tuple[int, list[bool]]]:
     """:attr:`RunSpec.breaks` of this engine rank's replica: ``(version, armed flag)`` per break."""
-    from megatron_refit.testing.faults import break_post_load
+    from megatron_refit.local.faults import break_post_load
 
     out = []
     for replica, version, how in spec.breaks:
@@ -369,8 +370,8 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:
     """Spawn train + gen ranks for ``spec``; returns every rank's result (rank order).
-    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.testing.launch`)."""
-    from megatron_refit.testing.launch import free_ports, run_spawned
+    ``quiet``: the ranks drop third-party warnings and chatter (see :mod:`megatron_refit.local.launch`)."""
+    from megatron_refit.local.launch import free_ports, run_spawned
 
     megatron_port, refit_port = free_ports(2)
     spec = replace(spec, megatron_port=megatron_port)

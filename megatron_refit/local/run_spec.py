@@ -1,5 +1,5 @@
 """What one end-to-end run does (:class:`RunSpec`), checked before any rank starts: the model, the
-train and generation layouts, and the refit settings under test (:mod:`megatron_refit.testing.harness`
+train and generation layouts, and the refit settings under test (:mod:`megatron_refit.local.harness`
 runs it)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RunSpec:
     """``"cuda"``: train and generation ranks compute on the (one) GPU and share bucket bytes
     by CUDA IPC (colocated only: NCCL refuses two ranks on one GPU)."""
     progress: bool = False
-    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.testing.progress`: terminals only)."""
+    """A progress bar over the refits on train rank 0 (:mod:`megatron_refit.local.progress`: terminals only)."""
     lr: float = 1e-2
     """Learning rate of the step before each refit."""
     delta: str = "off"
@@ -63,14 +63,14 @@ class RunSpec:
     serving_tolerance: float | None = None
     breaks: tuple[tuple[int, int, str], ...] = ()
     """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
-    lands (:func:`~megatron_refit.testing.faults.break_post_load`); the serving check must catch it."""
+    lands (:func:`~megatron_refit.local.faults.break_post_load`); the serving check must catch it."""
     traffic: bool = False
     """HF engine ranks answer one forward pass from a client thread each time a version goes live
-    (:class:`~megatron_refit.testing.traffic.Traffic`): each refit's ``traffic`` lists the versions
+    (:class:`~megatron_refit.local.traffic.Traffic`): each refit's ``traffic`` lists the versions
     those passes were answered with, or ``"refused"``."""
     remap: tuple[int, ...] = ()
     """Versions after which every deployment's experts move (an EPLB rebalance, seeded by the
-    version: :func:`~megatron_refit.testing.fused_engine.rebalanced`): its engine ranks leave and
+    version: :func:`~megatron_refit.local.fused_engine.rebalanced`): its engine ranks leave and
     rejoin with the new map, and the next refit must land in it."""
     draft: bool = False
     """The HF engine ranks decode with the model's MTP layers as a speculative draft
@@ -136,6 +136,6 @@ class RunSpec:
             return self.gen
         from dataclasses import replace
 
-        from megatron_refit.testing.fused_engine import rebalanced
+        from megatron_refit.local.fused_engine import rebalanced
 
         return replace(self.gen, placement=rebalanced(self.gen.placement, moved[-1], layers=moe_layers))
