@@ -17,7 +17,10 @@ from dataclasses import replace
 
 import torch
 
+from megatron_refit.endpoint.storage import WeightsState
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
+from megatron_refit.engines.hf.staged import StagedHFStorage
+from megatron_refit.engines.hf.storage import HFStorage
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.local.run_spec import RunSpec
 from megatron_refit.local.traffic import Traffic
@@ -53,8 +56,8 @@ def rank_main(rank: int, world_size: int, port: int, spec: RunSpec):
         out, side = _train_rank(rank, spec, cfg, refit_cfg)
     else:
         out, side = _gen_rank(rank - spec.num_train, spec, cfg, refit_cfg)
-    if spec.colocated:
-        groups = [m.group for m in side.members.values()] if hasattr(side, "members") else [side.group]
+    if spec.colocated:  # side: the train rank's fleet, or the engine rank's member
+        groups = [m.group for m in side.members.values()] if rank < spec.num_train else [side.group]
         out["bytes_shared"] = sum(group.bytes_shared for group in groups)
     side.close()
     return out
@@ -279,10 +282,10 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue
         item = dict(report=report.as_dict(), serves=_serves(backend, cfg),
-                    pause_s=getattr(backend, "last_pause_s", None),  # a staged swap's hold of the engine
+                    pause_s=backend.last_pause_s if isinstance(backend, StagedHFStorage) else None,  # its hold
                     gate_s=_gate_s(backend), traffic=traffic.take() if traffic else None)
         if spec.collect:
-            weights = backend.state_dict_hf() if hasattr(backend, "state_dict_hf") else backend.storage()
+            weights = backend.state_dict_hf() if isinstance(backend, HFStorage) else backend.storage()
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
@@ -298,9 +301,9 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
 
 def _gate_s(backend) -> float | None:
     """Seconds this refit's version was live before its serving check's verdict (0.0: unchecked)."""
-    seconds = getattr(backend, "last_gate_s", None)
-    if seconds is not None:
-        backend.last_gate_s = 0.0
+    if not isinstance(backend, WeightsState):
+        return None
+    seconds, backend.last_gate_s = backend.last_gate_s, 0.0
     return seconds
 
 
@@ -309,7 +312,7 @@ def _serves(backend, cfg) -> bool | str | None:
     after a failed serving check), or None where it has no forward here."""
     from megatron_refit.errors import StaleWeightsError
 
-    if not hasattr(backend, "logits"):
+    if not isinstance(backend, HFStorage):
         return None
     try:
         backend.logits(tokens_for(0, cfg.vocab_size)[:, :4])
@@ -350,9 +353,6 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
     """Engine rank ``gen_index``'s storage, laid out as refit ``version`` lands (:meth:`RunSpec.gen_at`)."""
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1 and not spec.wide:  # whole HF tensors; a wide deployment is vLLM-shaped
-        from megatron_refit.engines.hf.storage import HFStorage
-        from megatron_refit.engines.hf.staged import StagedHFStorage
-
         if spec.swap == "staged":
             return StagedHFStorage.from_config(cfg, dtype=dtype, fp8=bool(spec.fp8), device=spec.device,
                                                 budget_bytes=spec.swap_budget_bytes, draft=spec.draft)
