@@ -34,9 +34,6 @@ logger = logging.getLogger("megatron_refit")
 
 MAX_DIRECT_IN_FLIGHT = 16
 
-DELTA_TAG = 1 << 29
-"""Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
-
 
 IDLE_TIMEOUTS = 3
 """An engine rank waits this many ``timeout_s`` for the train ranks to begin its group's next
@@ -45,12 +42,6 @@ the train ranks up to one ``timeout_s`` more)."""
 
 ANY_VERSION = -2
 """What an engine rank shows in the handshake when it takes whatever version the train ranks send."""
-
-
-def delta_tag(index: int) -> int:
-    if not 0 <= index < DELTA_TAG:
-        raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
-    return DELTA_TAG + index
 
 
 DECODED = "decoded parts"

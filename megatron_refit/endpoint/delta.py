@@ -42,6 +42,16 @@ _popcount = getattr(np, "bitwise_count", None) or np.array([bin(b).count("1") fo
 """Set bits per byte of a uint8 array: numpy's (2.0 on) or a table's."""
 
 
+DELTA_TAG = 1 << 29
+"""Delta refits: ``DELTA_TAG + bucket index`` tags the header (encoding, size) before a bucket."""
+
+
+def delta_tag(index: int) -> int:
+    if not 0 <= index < DELTA_TAG:
+        raise ValueError(f"bucket index {index} outside the message tags (0 .. {DELTA_TAG - 1})")
+    return DELTA_TAG + index
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"refit.delta: {mode!r} is not one of {list(MODES)}")

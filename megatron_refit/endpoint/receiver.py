@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint, delta_tag
+from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint
+from megatron_refit.endpoint.delta import delta_tag
 from megatron_refit.endpoint.direct import adjacent_pieces
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
 from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payload, word_size

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.base import DELTA_TAG
+from megatron_refit.endpoint.delta import DELTA_TAG
 from megatron_refit.endpoint.stages import DIGEST_TAG
 from megatron_refit.errors import RefitTransportError
 from megatron_refit.transport.base import Pending, Transport

@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from megatron_refit.endpoint.base import Endpoint, delta_tag
+from megatron_refit.endpoint.base import Endpoint
+from megatron_refit.endpoint.delta import delta_tag
 from megatron_refit.endpoint.bytes import pack_bucket
 from megatron_refit.endpoint.delta import DeltaSender, word_size
 from megatron_refit.endpoint.finite import check_finite

@@ -52,7 +52,7 @@ def _fleet_rank(rank, world, port, scenario, tp, dp, on_failure):
     victim = NUM_TRAIN + FAILED_REPLICA * tp  # the failed replica's first TP rank, as spawned here
     bad_version = 3 if delta == "on" else 2
     if scenario.startswith("corrupt") and rank == 0:
-        from megatron_refit.endpoint.base import DELTA_TAG
+        from megatron_refit.endpoint.delta import DELTA_TAG
 
         def isend(self, buffer, peer, tag, _send=ProcessGroupTransport.isend):
             # one delta bucket's payload on the wire to the victim (its header and digests untouched)
