@@ -129,3 +129,15 @@ def unproduced_hint(name: str, train_names) -> str:
             f"(model.layers.{last}), so the engine holds an MTP layer (its speculative draft: vLLM's deepseek_mtp, "
             f"SGLang's NextN) that the trainer does not train, and the draft would stay the first version's: "
             f"build the trainer with its MTP layers (Bridge's mtp_num_layers) or start the engine without the draft")
+
+
+def draft_hint(refused: list[str]) -> str:
+    """What to add where parameters no engine rank holds are the trainer's MTP layers (the layers
+    with an ``eh_proj``), which ``refit.gen_draft`` requires an engine's speculative draft to hold."""
+    mtp = mtp_names(refused)
+    if not mtp:
+        return ""
+    return (f". {len(mtp)} of them are the trainer's MTP layers (the decoder layers with an eh_proj), "
+            f"which refit.gen_draft requires the engine's speculative draft to hold. Start the engine with its draft "
+            f"(vLLM --speculative-config deepseek_mtp; the HF engine's draft: vLLM's worker and SGLang's loader do "
+            f"not receive into their drafts yet, #67), or set gen_draft: false, which skips them by name")

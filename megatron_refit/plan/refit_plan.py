@@ -15,8 +15,7 @@ from megatron_refit.errors import PlanError
 from megatron_refit.plan.adjacency import adjacency, next_maps
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.buckets import Bucket, Transfer, bucketize
-from megatron_refit.plan.checks import ITEMSIZE, gc_paused, mtp_names
-from megatron_refit.plan.checks import index_specs
+from megatron_refit.plan.checks import ITEMSIZE, draft_hint, gc_paused, index_specs
 from megatron_refit.plan.expert_moves import Basis, movable, replan
 from megatron_refit.plan.folded import unfold, unfold_parts
 from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
@@ -380,15 +379,3 @@ def skip_optional(plan: RefitPlan, optional: frozenset[str]) -> RefitPlan:
                          f"(the receiver does not know them), e.g. {refused[:5]}; {skippable} MTP parameters "
                          f"besides, which may be skipped{draft_hint(refused)}")
     return dataclasses.replace(plan, skipped_params=tuple(sorted(plan.unused_train_params)))
-
-
-def draft_hint(refused: list[str]) -> str:
-    """What to add where parameters no engine rank holds are the trainer's MTP layers (the layers
-    with an ``eh_proj``), which ``refit.gen_draft`` requires an engine's speculative draft to hold."""
-    mtp = mtp_names(refused)
-    if not mtp:
-        return ""
-    return (f". {len(mtp)} of them are the trainer's MTP layers (the decoder layers with an eh_proj), "
-            f"which refit.gen_draft requires the engine's speculative draft to hold. Start the engine with its draft "
-            f"(vLLM --speculative-config deepseek_mtp; the HF engine's draft: vLLM's worker and SGLang's loader do "
-            f"not receive into their drafts yet, #67), or set gen_draft: false, which skips them by name")

@@ -17,7 +17,8 @@ from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction,
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
 from megatron_refit.tools.cli import plain
-from megatron_refit.tools.dryrun import DryRun, build, gen_text
+from megatron_refit.tools.dryrun import DryRun, build
+from megatron_refit.tools.dryrun_layouts import gen_text
 
 PUBLISHED: dict[str, list[tuple[str, str, float, float]]] = {
     "qwen3-4b": [("NeMo-RL refit, earlier version (H100)", "not stated", 0.07, 0.07)],

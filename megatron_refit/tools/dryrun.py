@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from conversion.derive import derive_all_ranks, load_specs
 from megatron_refit.config import RefitConfig, load_training_yaml, train_layout
-from megatron_refit.config.deployment import Deployment, deployment_layout, refused_key
+from megatron_refit.config.deployment import Deployment, deployment_layout
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
@@ -47,6 +47,7 @@ from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_targets
 from megatron_refit.plan.layout import TrainLayout
 from megatron_refit.plan.pieces import pack, pack_targets
 from megatron_refit.tools.cli import plain
+from megatron_refit.tools.dryrun_layouts import chunk_json, chunk_text, gen_json, gen_text, mtp_text
 from megatron_refit.tools.enumeration_cache import cache_key, ensure_cache
 from megatron_refit.tools.eplb_replan import time_eplb
 from megatron_refit.tools.prepare_rank import peak_rss_mb, time_ranks
@@ -258,25 +259,6 @@ def fanout_bytes(run: DryRun) -> dict:
     return run.fanout
 
 
-def chunk_json(layout: TrainLayout, num_layers: int) -> dict[str, list[int]]:
-    """``{"pp<rank>.vp<stage>": [first, last + 1]}``: the decoder layers of every model chunk, as
-    Megatron builds them (the JSON summary's ``chunk_layers``)."""
-    return {f"pp{rank}.vp{vp}": [r.start, r.stop] for (rank, vp), r in sorted(layout.chunk_layers(num_layers).items())}
-
-
-def chunk_text(chunks: dict[tuple[int, int], range]) -> str:
-    """Decoder layers per pipeline rank, its virtual stages' ranges joined (``pp0 0-8,18-26 | …``)."""
-    text = []
-    for rank in sorted({rank for rank, _ in chunks}):
-        parts = [f"{r.start}-{r.stop - 1}" if len(r) else "-" for (p, _), r in sorted(chunks.items()) if p == rank]
-        text.append(f"pp{rank} {','.join(parts)}")
-    return " | ".join(text)
-
-
-def mtp_text(stages: dict[tuple[int, int], int]) -> str:
-    return "".join(f"; MTP x{n} on pp{rank} vp{vp}" for (rank, vp), n in sorted(stages.items()))
-
-
 def summary_lines(run: DryRun) -> list[str]:
     gen_bytes = run.senders.gen_bytes()
     train_bytes = run.senders.train_bytes
@@ -316,36 +298,6 @@ def summary_lines(run: DryRun) -> list[str]:
     if not run.refit.enabled:
         lines.append("note          refit.enabled is false: a training run with this config would not refit")
     return lines
-
-
-def gen_text(run: DryRun) -> str:
-    """The engine layout: TP x DP replicas, or deployments of D data-parallel ranks x T, their EP
-    size, expert placement (after the engine's fallback, which is named) and redundant experts."""
-    gen, requested = run.gen, run.refit.gen_expert_placement
-    if gen.attention_dp == 1 and gen.placement is None:
-        return (f"{run.refit.engine} TP{gen.tp}xDP{gen.dp}{' (expert parallel)' if gen.expert_parallel else ''} "
-                f"= {gen.world_size} ranks")
-    text = f"deployment {run.deployment.describe(run.refit.engine)}"
-    if run.deployment.fallback:
-        text += f"; gen_expert_placement {requested} -> {run.deployment.strategy}: {run.deployment.fallback}"
-    if not gen.expert_parallel and gen.attention_dp > 1:
-        text += f"; routed experts MoE-TP over the deployment's {gen.deployment_size} ranks"
-    key = refused_key(run.refit)
-    if key is not None:
-        text += f"; engine {run.refit.engine} refuses it at a refit: refit.{key}={getattr(run.refit, key)!r}"
-    return text
-
-
-def gen_json(run: DryRun) -> dict:
-    """The engine deployment of the JSON summary (``expert_parallel_size``: vLLM's EP size, 1 without
-    expert parallelism; ``placement``: the strategy planned, after the engine's fallback)."""
-    gen = run.gen
-    return {"engine": run.refit.engine, "tp": gen.tp, "attention_dp": gen.attention_dp, "replicas": gen.dp,
-            "world_size": gen.world_size, "expert_parallel_size": gen.deployment_size if gen.expert_parallel else 1,
-            "placement": run.deployment.strategy if gen.expert_parallel else None,
-            "placement_fallback": run.deployment.fallback,
-            "redundant_experts": gen.placement.num_redundant if gen.placement is not None else 0,
-            "eplb": run.refit.gen_eplb, "refused_key": refused_key(run.refit)}
 
 
 def main(argv=None) -> int:
