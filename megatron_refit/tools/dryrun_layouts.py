@@ -1,15 +1,11 @@
 """What a dry run prints of its layouts: each model chunk's decoder layers (text and JSON) and the
-engine's layout (text and JSON), for :mod:`megatron_refit.tools.dryrun` and the cost model."""
+engine's layout (text and JSON), for :mod:`megatron_refit.tools.dryrun` and the cost model
+(``run``: a :class:`~megatron_refit.tools.dryrun.DryRun`, which imports this module)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megatron_refit.config.deployment import refused_key
 from megatron_refit.plan.layout import TrainLayout
-
-if TYPE_CHECKING:
-    from megatron_refit.tools.dryrun import DryRun
 
 
 def chunk_json(layout: TrainLayout, num_layers: int) -> dict[str, list[int]]:
@@ -31,7 +27,7 @@ def mtp_text(stages: dict[tuple[int, int], int]) -> str:
     return "".join(f"; MTP x{n} on pp{rank} vp{vp}" for (rank, vp), n in sorted(stages.items()))
 
 
-def gen_text(run: DryRun) -> str:
+def gen_text(run) -> str:
     """The engine layout: TP x DP replicas, or deployments of D data-parallel ranks x T, their EP
     size, expert placement (after the engine's fallback, which is named) and redundant experts."""
     gen, requested = run.gen, run.refit.gen_expert_placement
@@ -49,7 +45,7 @@ def gen_text(run: DryRun) -> str:
     return text
 
 
-def gen_json(run: DryRun) -> dict:
+def gen_json(run) -> dict:
     """The engine deployment of the JSON summary (``expert_parallel_size``: vLLM's EP size, 1 without
     expert parallelism; ``placement``: the strategy planned, after the engine's fallback)."""
     gen = run.gen
