@@ -24,6 +24,9 @@ class EngineControl(Protocol):
     """Train rank 0's calls to the engine replicas' control plane, each about one replica; an
     error from one fails that replica alone."""
 
+    engine: str
+    """How errors name its engine (``"vLLM engine"``: "the vLLM engine's connect call failed: …")."""
+
     staged: bool
     """``swap: staged``: each engine rank notes whether it prepared the version beside the live
     model (:func:`~megatron_refit.group.store.note_swap`)."""
