@@ -73,7 +73,7 @@ def trainer_refit_from_pieces(cfg: RefitConfig, pieces: list, adapters: list, *,
                              "dtype and merged on the engine; quantize after merging there instead")
         from megatron_refit.endpoint.fp8_pieces import quantize_pieces
 
-        pieces = quantize_pieces(pieces)
+        pieces = quantize_pieces(pieces, draft=cfg.gen_draft)  # an engine's draft takes the MTP layers in FP8
     device = torch.device(device)
     # a replica that stalls holds each train rank's thread for it up to refit.timeout_s, at
     # different times on different train ranks: the train ranks' own group waits longer

@@ -70,9 +70,6 @@ def check_values(cfg) -> None:
         raise ValueError(f"refit.swap_budget_mb must be >= 0 or null, got {cfg.swap_budget_mb!r}")
     if cfg.port > 65535:
         raise ValueError(f"refit.port must be at most 65535, got {cfg.port}")
-    if cfg.gen_draft and cfg.trainer_quantize_fp8:
-        raise ValueError("refit.gen_draft with trainer_quantize_fp8: the trainer does not quantize its MTP layers "
-                         "yet, so the draft would get bf16 where the engine's FP8 draft expects FP8 (#67); set one")
     engine.check(gen_tp=cfg.gen_tp, engine_load=cfg.engine_load, swap=cfg.swap)
     check_deployment(cfg)
 

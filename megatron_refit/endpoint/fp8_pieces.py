@@ -58,7 +58,7 @@ class Fp8Piece:
     follows: str | None = None
     """Its own buffer: it follows no piece."""
     optional: str | None = None
-    """An optional piece is not quantized (:func:`quantize_pieces`)."""
+    """Its weight's (an MTP layer's, quantized for an engine's draft: :func:`quantize_pieces`)."""
 
     def tensor(self) -> torch.Tensor:
         return self.source.part(self.index)
@@ -67,9 +67,11 @@ class Fp8Piece:
         self.source.drop(self.index)
 
 
-def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
+def quantize_pieces(pieces: list, *, pow2_scales: bool = False, draft: bool = False) -> list:
     """``pieces`` with every quantized weight replaced by its FP8 weight and scale pieces. An optional
-    piece (an MTP layer's, which no engine's main model holds: skipped by name) passes unchanged.
+    piece (an MTP layer's, which no engine's main model holds: skipped by name) passes unchanged,
+    unless ``draft`` (``refit.gen_draft``: the engine's speculative draft holds the MTP layers, in
+    FP8 where its main model is: their weights are quantized by the same roles, ``eh_proj`` not).
 
     Raises ``ValueError`` (naming parameter, dim and boundary) for a piece whose box edge is
     not on the 128-element block grid.
@@ -77,7 +79,7 @@ def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
     out = []
     for piece in pieces:
         spec = piece.spec
-        if piece.optional or not is_quantized(spec.name, spec.global_shape):
+        if (piece.optional and not draft) or not is_quantized(spec.name, spec.global_shape):
             out.append(piece)
             continue
         if spec.dtype == "float8_e4m3fn":
@@ -85,5 +87,6 @@ def quantize_pieces(pieces: list, *, pow2_scales: bool = False) -> list:
                              "not trainer-side quantization")
         weight, scale = fp8_specs(spec)
         source = _Quantized(piece, pow2_scales)
-        out += [Fp8Piece(weight, source, 0), Fp8Piece(scale, source, 1)]
+        out += [Fp8Piece(weight, source, 0, optional=piece.optional),
+                Fp8Piece(scale, source, 1, optional=piece.optional)]
     return out

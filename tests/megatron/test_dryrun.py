@@ -355,3 +355,14 @@ def test_dry_run_counts_the_engines_mtp_draft(tmp_path):
     # the MTP layer's bytes: bf16, but for its router's float32 e_score_correction_bias (256 experts)
     assert on["bytes_held_per_replica"] - off["bytes_held_per_replica"] == 2 * off["num_params_skipped"] + 2 * 256
     assert f"skipped       0 MTP parameters (held by no engine rank: not sent); draft {on['draft_params']}" in out
+    # trainer-side FP8 too (into engine TP8: TP32 cuts the MLPs off the 128 grid): the draft's linear
+    # weights go as FP8 data and scale tiles, like the main model's
+    fp8, bf16 = (tmp_path / f"recipe-deepseek-v3-tp8{tag}.yaml" for tag in ("-fp8", ""))
+    bf16.write_text(drafted.read_text().replace("\n  gen_tp: 32\n", "\n  gen_tp: 8\n"))
+    fp8.write_text(bf16.read_text().replace("\n  gen_draft: true\n",
+                                            "\n  gen_draft: true\n  trainer_quantize_fp8: true\n"))
+    runs = [_dry_run(str(path), "--no-prepare") for path in (bf16, fp8)]
+    assert all(code == 0 for code, _, _ in runs), [out for _, _, out in runs]
+    (_, plain, _), (_, quantized, _) = runs
+    assert quantized["skipped_params"] == 0 and quantized["draft_params"] == plain["draft_params"] > 0
+    assert quantized["bytes_held_per_replica"] < 0.6 * plain["bytes_held_per_replica"]

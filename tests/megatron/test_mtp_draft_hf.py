@@ -10,6 +10,7 @@ version behind after the load is caught by the serving check on that replica alo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.gen_layout import GenLayout
@@ -46,6 +47,34 @@ def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact():
         assert all(weights[n].equal(export[n]) for n in mtp), f"refit {i + 1}: the draft is not the trainer's MTP layer"
     moved = [n for n in mtp if not exports[0][n].equal(exports[1][n])]
     assert moved, "the trainer's MTP layer did not train between the refits: the test could not see a stale draft"
+
+
+FP8_GRID = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=32,
+                qk_rope_head_dim=32, v_head_dim=32, head_dim=32, q_lora_rank=128, kv_lora_rank=128,
+                intermediate_size=256, moe_intermediate_size=256)
+"""The tiny DeepSeek-V3 with every shard of a quantized weight on the 128 grid at train TP2 (its MLA
+up projections, attention output, dense, shared and routed MLPs)."""
+
+
+def test_the_draft_takes_the_trainers_fp8_with_the_main_model():
+    """``trainer_quantize_fp8`` with ``gen_draft``: the MTP layer's linear weights arrive as FP8 data
+    and ``weight_scale_inv`` tiles, quantized by the main model's roles, and its ``eh_proj`` in bf16
+    (a plain linear in vLLM's and SGLang's drafts), bit for bit against Bridge's export quantized the
+    same way, at every refit."""
+    spec = RunSpec(model="deepseek-v3", overrides={**MTP, **FP8_GRID},
+                   train=TrainLayout(tp=2, pp=2, sequence_parallel=True, layout=DSV3_LAYOUT, mtp_layers=1),
+                   draft=True, fp8="trainer", dtype="bfloat16", lr=1e-3, refits=2, bucket_bytes=256 << 10,
+                   timeout_s=180.0)
+    results = run(spec)
+    result = evaluate(spec, results)
+    assert result["skipped"] == [] and result["summary"]["num_skipped_params"] == 0
+    assert result["bit_exact"] is True and all(r["bit_exact"] for r in result["refits"])
+    weights = next(r for r in results if r["role"] == "gen")["refits"][-1]["weights"]
+    quantized = "model.layers.3.mlp.experts.0.down_proj.weight"  # the MTP layer's own decoder layer
+    assert weights[quantized].dtype == torch.float8_e4m3fn and f"{quantized}_scale_inv" in weights
+    assert weights["model.layers.3.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert weights["model.layers.3.eh_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.3.eh_proj.weight_scale_inv" not in weights
 
 
 def test_an_engine_with_a_draft_and_a_trainer_without_mtp_is_refused_at_start():

@@ -62,3 +62,13 @@ def test_a_piece_that_declares_too_little_is_refused_by_name():
                                                    [], rank=0, num_train=1)):
         with pytest.raises(ValueError, match=r"a refit piece of type Bare does not declare"):
             hand()
+
+
+def test_an_mtp_piece_is_quantized_only_for_an_engines_draft():
+    """``quantize_pieces``: an optional (MTP) piece passes unchanged where no engine holds it, and
+    is quantized by its role, keeping ``optional``, where the engine's draft takes it (``refit.gen_draft``)."""
+    mtp = TensorPiece(SPEC, torch.ones(256, 256, dtype=torch.bfloat16), optional="mtp")
+    assert quantize_pieces([mtp]) == [mtp]
+    weight, scale = quantize_pieces([mtp], draft=True)
+    assert (weight.spec.dtype, scale.spec.name) == ("float8_e4m3fn", f"{SPEC.name}_scale_inv")
+    assert weight.optional == scale.optional == "mtp" and weight.tensor().dtype == torch.float8_e4m3fn
