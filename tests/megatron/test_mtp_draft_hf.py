@@ -26,12 +26,19 @@ MTP = {"num_nextn_predict_layers": 1}
 LAYERS = 3
 
 
-def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact():
+@pytest.mark.parametrize("delta", ["off", "on"])
+def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact(delta):
+    """``delta: on``: after the first refit only the elements that changed move, the draft's with the
+    main model's (its copies kept like theirs), still bit for bit."""
     spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, pp=2, sequence_parallel=True,
                                                                           layout=DSV3_LAYOUT, mtp_layers=1),
-                   draft=True, dtype="bfloat16", lr=1e-3, refits=2, bucket_bytes=64 << 10, timeout_s=120.0)
+                   draft=True, dtype="bfloat16", lr=1e-3, refits=2 if delta == "off" else 3, delta=delta,
+                   bucket_bytes=64 << 10, timeout_s=120.0)
     results = run(spec)
     result = evaluate(spec, results)
+    if delta == "on":  # refits 2 and 3 sent deltas: less than the full bytes, the draft's included
+        assert [r["delta"] for r in result["refits"]] == [False, True, True]
+        assert all(r["bytes_sent"] < r["bytes_full"] for r in result["refits"][1:])
     train = [r for r in results if r["role"] == "train"]
     exports = [next(t["refits"][i]["export"] for t in train if t["refits"][i]["export"] is not None)
                for i in range(spec.refits)]
