@@ -79,7 +79,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.fleet.serving import ServingCheck
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.plan.calibration import expert_shift, limits, shares
+    from megatron_refit.plan.calibration import expert_scale, expert_shift, limits, shares
     from megatron_refit.plan.probe import bulk, compare
 
     init_gloo(rank, world, port)
@@ -121,11 +121,12 @@ def power_rank(rank, world, port, states=tuple(STATES)):
                 return dict(max_dlogprob=exc.max_dlogprob, message=str(exc), bulk=math.inf if share is None else share,
                             rounding_passes=rounding, expert_moved=moved(served, reference) if finite else None)
 
-        def moved(served, reference):  # the largest move of one expert's tokens since the last passed check
+        def moved(served, reference):  # the largest move of one expert's tokens since the last passed check,
+            # in the expert limit's terms (over its token count's expert_scale), as the verdict reports it
             last = check.profiles[0].last if 0 in check.profiles else ()
             values = shares(served, reference, tolerance=check.tolerance, relative=check.relative)
             found = expert_shift(values, last, [r for row in reference.routes for r in row]) if last else None
-            return None if found is None else found[0]
+            return None if found is None else found[0] / expert_scale(found[2])
 
         clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
         for version in range(1, CLEAN_REFITS + 1):

@@ -13,8 +13,8 @@ from megatron_refit.errors import ServingMismatchError
 from megatron_refit.fleet.serving import ServingCheck
 from megatron_refit.plan import calibration
 from megatron_refit.plan.calibration import (EXPERT_MIN_TOKENS, MIN_BULK, MIN_EXPERT, MIN_SHARE, Profile, due,
-                                             expert_shift, judge, limits, measure, passed, quantile, remeasured,
-                                             shares, tail, tail_size)
+                                             expert_scale, expert_shift, judge, limits, measure, passed, quantile,
+                                             remeasured, shares, tail, tail_size)
 from megatron_refit.plan.probe import BULK, Probe, Reference
 
 TOKENS = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),) * 5  # 50 scored tokens: the bulk is judged, the tail is 2 of them
@@ -89,21 +89,29 @@ def test_expert_shift_is_the_largest_median_move_of_one_experts_tokens_since_the
         expert_shift(now, last[:-1], routes)
 
 
+def test_an_expert_with_more_tokens_is_held_tighter_down_to_half_the_limit():
+    assert expert_scale(8) == 1.0 and expert_scale(18) == pytest.approx(2 / 3) and expert_scale(32) == 0.5
+    assert expert_scale(200) == 0.5  # an update's shared move of one expert's tokens does not shrink
+    # the expert that moved most for its count: 0.02 over 32 tokens (0.04 in the limit's terms) before 0.03 over 8
+    routes = [((0, 1),)] * 8 + [((0, 2),)] * 32
+    assert expert_shift([0.03] * 8 + [0.02] * 32, [0.0] * 40, routes) == (pytest.approx(0.02), (0, 2), 32)
+
+
 def test_judge_names_the_expert_whose_tokens_moved_together_since_the_last_passed_check():
     routes = [((0, 3),)] * 10 + [((0, 1),)] * 40
     profile = passed(_profile(0.05, 0.03, version=1), [0.0] * 50, version=4)  # expert limit 1 x 0.03
     bound = limits(profile)
-    judge([0.029] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01,
-          routes=routes)  # within 0.03
+    judge([0.026] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01,
+          routes=routes)  # within 0.0268: 0.03 x sqrt(8 / 10) for its 10 tokens
     with pytest.raises(ServingMismatchError) as caught:
         judge([0.05] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01,
               routes=routes)  # tail 0.05 and bulk 0.0 within theirs: expert 3 alone moved
     assert str(caught.value).startswith(
         "refit 5: engine replica 2 does not serve the trainer's model: one expert's tokens are off its calibrated "
         "noise: the 10 probe tokens the trainer routes to expert 3 of layer 0 moved by a median of 0.05 of their "
-        "tolerance (0.02 + 0.1 x their logits' magnitude) since its check at version 4, beyond 0.03 (the larger of "
-        "0.15x the tail 0.05 and 1x the 80% quantile 0.03 this replica showed clean at version 1; the largest "
-        "difference 0.01)"), str(caught.value)
+        "tolerance (0.02 + 0.1 x their logits' magnitude) since its check at version 4, beyond 0.0268: 0.894x for "
+        "its 10 tokens the larger of 0.15x the tail 0.05 and 1x the 80% quantile 0.03 this replica showed clean at "
+        "version 1; the largest difference 0.01)"), str(caught.value)
     judge([0.05] * 10 + [0.0] * 40, bound, tolerance=0.02, relative=0.1, replica=2, version=5, worst=0.01)  # no routes
     judge([0.05] * 10 + [0.0] * 40, limits(_profile(0.05, 0.03)), tolerance=0.02, relative=0.1, replica=2, version=5,
           worst=0.01, routes=routes)  # no baseline kept (a profile from before): nothing to measure a move from
@@ -168,13 +176,14 @@ def test_a_replicas_expert_tokens_are_judged_from_its_last_passed_check_on_the_s
 
     check.verdict(0, 1, lambda: served(0.0), reference, probe)  # calibrates: tail 0.05, expert limit 0.0075
     second = check.verdict(0, 2, lambda: served(0.0006), reference, probe)  # a median move of 0.005
-    assert second["calibrated"] and second["expert_moved"] == pytest.approx(0.005)
+    # reported against the limit in its terms: the move over sqrt(8 / 10), expert 3's factor for its 10 tokens
+    assert second["calibrated"] and second["expert_moved"] == pytest.approx(0.005 / math.sqrt(0.8))
     assert second["expert_limit"] == pytest.approx(0.0075)
     assert check.profiles[0].last_version == 2 and check.profiles[0].version == 1
     assert check.verdict(0, 3, lambda: served(0.0012), reference, probe)["calibrated"]  # +0.005 from version 2
     with pytest.raises(ServingMismatchError, match=r"the 10 probe tokens the trainer routes to expert 3 of layer 0 "
                                                    r"moved by a median of 0.01 of their tolerance .* since its check "
-                                                   r"at version 3, beyond 0.0075"):
+                                                   r"at version 3, beyond 0.00671: 0.894x for its 10 tokens"):
         check.verdict(0, 4, lambda: served(0.0024), reference, probe)
     assert check.profiles[0].last_version == 3  # a failure keeps the baseline
     assert check.verdict(0, 5, lambda: served(0.0018), reference, probe)["calibrated"]
