@@ -463,9 +463,11 @@ def test_reference_log_probs_over_a_vocabulary_split_on_tp_with_a_rank_of_paddin
 def test_verify_serving_read_back_catches_swapped_and_scaled_experts_at_bf16_64_experts_top8():
     """bf16, Qwen3-MoE 64 experts top-8 at an RL learning rate: replica 1's post-load step swaps
     two experts (version 2), then scales one expert's down projection by 1.05 (version 3). The
-    log-probs do not see either at bf16 (within each token's tolerance and the bulk's: the
-    guide's "What it cannot catch"); the HF engine's read-back of its live weights catches both,
-    on that replica alone, and the next (full) refit serves again."""
+    log-probs do not see the x1.05 at bf16 (within each token's tolerance, the bulk's and the
+    per-expert limit: the guide's "What it cannot catch"); the swap the per-expert limit, scaled for
+    its experts' tokens, may see (on 1 thread it does: a median move of 0.01 of the tolerance
+    against 0.009), else the HF engine's read-back of its live weights catches it; either fails
+    that replica alone, and the next (full) refit serves again."""
     spec = RunSpec(model="qwen3-moe", overrides=dict(experts=64, num_experts_per_tok=8, vocab=2048),
                    gen=GenLayout(tp=1, dp=2), refits=4, bucket_bytes=1 << 20, dtype="bfloat16", lr=1e-6,
                    verify_serving="on", breaks=((BROKEN, 2, "permute_experts"), (BROKEN, 3, "scale_expert")))
@@ -474,11 +476,13 @@ def test_verify_serving_read_back_catches_swapped_and_scaled_experts_at_bf16_64_
     assert [sorted(r["failed_replicas"]) for r in refits] == [[], [BROKEN], [BROKEN], []]
     for r in refits[1:3]:
         why = r["failed_replicas"][BROKEN]
-        assert why.startswith(f"ServingMismatchError: refit {r['version']}: engine replica {BROKEN} does not serve "
-                              "the trainer's model: its weights, read back after its post-load step, no longer hold "
-                              "the bytes"), why
-        assert "model.layers.0.mlp.experts.0.down_proj.weight" in why, why  # among its bucket's parameters
-        assert r["serving"][f"max_dlogprob/replica_{BROKEN}"] < 0.02  # the log-probs: within the clean noise
+        prefix = (f"ServingMismatchError: refit {r['version']}: engine replica {BROKEN} does not serve the trainer's "
+                  "model: ")
+        by_expert = r["version"] == 2 and why.startswith(prefix + "one expert's tokens are off its calibrated noise")
+        assert by_expert or why.startswith(prefix + "its weights, read back after its post-load step, no longer hold "
+                                                    "the bytes"), why
+        assert by_expert or "model.layers.0.mlp.experts.0.down_proj.weight" in why, why  # among its bucket's
+        assert r["serving"][f"max_dlogprob/replica_{BROKEN}"] < 0.02  # every token within the clean noise
     assert refits[3]["serves"] == {0: True, BROKEN: True}
 
 
