@@ -178,6 +178,12 @@ def expert_scale(count: int) -> float:
     return max(EXPERT_TIGHTEST, math.sqrt(EXPERT_MIN_TOKENS / count))
 
 
+def scaled_move(shift: tuple[float, tuple[int, int], int] | None) -> float | None:
+    """An :func:`expert_shift`'s move in the expert limit's terms: its median over :func:`expert_scale`
+    of its token count (None for none)."""
+    return None if shift is None else shift[0] / expert_scale(shift[2])
+
+
 def expert_shift(values: list[float], last: Sequence[float],
                  routes: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, tuple[int, int], int] | None:
     """The (layer, expert) whose tokens moved most since ``last`` (the same probe's shares at an
@@ -194,7 +200,7 @@ def expert_shift(values: list[float], last: Sequence[float],
             tokens.setdefault(tuple(pair), []).append(i)
     found = [(statistics.median(values[i] - last[i] for i in index), pair, len(index))
              for pair, index in tokens.items() if len(index) >= EXPERT_MIN_TOKENS]
-    return max(found, key=lambda f: (f[0] / expert_scale(f[2]), f[1]), default=None)
+    return max(found, key=lambda f: (scaled_move(f), f[1]), default=None)
 
 
 def judge(values: list[float], bound: Limits, *, tolerance: float, relative: float, replica: int,
@@ -222,12 +228,13 @@ def judge(values: list[float], bound: Limits, *, tolerance: float, relative: flo
                 f"has not landed version {version}; its next refit is a full one",
                 replica=replica, version=version, max_dlogprob=worst, first=None)
     shift = None if routes is None or not p.last else expert_shift(values, p.last, routes)
-    if shift is not None and shift[0] > bound.expert * expert_scale(shift[2]):
-        moved, (layer, expert), count = shift
+    moved = scaled_move(shift)
+    if moved is not None and moved > bound.expert:
+        median, (layer, expert), count = shift
         raise ServingMismatchError(
             f"refit {version}: engine replica {replica} does not serve the trainer's model: one expert's tokens are "
             f"off its calibrated noise: the {count} probe tokens the trainer routes to expert {expert} of layer "
-            f"{layer} moved by a median of {moved:.3g} of their tolerance ({tolerance:g} + {relative:g} x their "
+            f"{layer} moved by a median of {median:.3g} of their tolerance ({tolerance:g} + {relative:g} x their "
             f"logits' magnitude) since its check at version {p.last_version}, beyond "
             f"{bound.expert * expert_scale(count):.3g}: {expert_scale(count):.3g}x for its {count} tokens the larger "
             f"of {EXPERT_MARGIN:g}x the tail {p.tail:.3g} and {EXPERT_BULK:g}x the {QUANTILE:.0%} quantile "
@@ -236,7 +243,7 @@ def judge(values: list[float], bound: Limits, *, tolerance: float, relative: flo
             f"together, as a post-load fault confined to a few experts does (two experts swapped, one expert's "
             f"weights wrong). It has not landed version {version}; its next refit is a full one",
             replica=replica, version=version, max_dlogprob=worst, first=None)
-    return None if shift is None else shift[0] / expert_scale(shift[2])
+    return moved
 
 
 def remeasured(profile: Profile, new: Profile) -> Profile:

@@ -79,7 +79,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
     from megatron_refit.errors import ServingMismatchError
     from megatron_refit.fleet.serving import ServingCheck
     from megatron_refit.plan.layout import TrainLayout
-    from megatron_refit.plan.calibration import expert_scale, expert_shift, limits, shares
+    from megatron_refit.plan.calibration import expert_shift, limits, scaled_move, shares
     from megatron_refit.plan.probe import bulk, compare
 
     init_gloo(rank, world, port)
@@ -126,7 +126,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             last = check.profiles[0].last if 0 in check.profiles else ()
             values = shares(served, reference, tolerance=check.tolerance, relative=check.relative)
             found = expert_shift(values, last, [r for row in reference.routes for r in row]) if last else None
-            return None if found is None else found[0] / expert_scale(found[2])
+            return scaled_move(found)
 
         clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
         for version in range(1, CLEAN_REFITS + 1):
