@@ -80,8 +80,9 @@ class RefitConfig:
     EAGLE`` with the NextN draft): the trainer's MTP layers (Bridge ``mtp_num_layers``) are required
     on the engine ranks and refitted with the main model in every version; a plan where no engine
     rank holds them fails by name at start instead of leaving the draft the first version's. The
-    HF engine holds a draft (``HFStorage.from_config(draft=True)``); vLLM's worker and SGLang's
-    loader do not receive into theirs yet (#67), so with them it fails at start. With
+    HF engine holds a draft (``HFStorage.from_config(draft=True)``); vLLM's worker receives into
+    its ``DeepSeekMTP`` draft in vLLM's draft session (``start_draft_weight_update``: every refit is
+    one); SGLang's loader does not receive into its draft yet (#67), so with it it fails at start. With
     ``trainer_quantize_fp8`` the MTP layers' weights are quantized by the main model's roles
     (``eh_proj``, a plain linear in the engines' drafts, stays bf16). Off: MTP layers no
     engine rank holds are skipped by name and counted (``refit/skipped_params``); the dry run

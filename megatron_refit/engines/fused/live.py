@@ -53,20 +53,29 @@ class LiveModelStorage(FusedLayoutStorage):
     when a parameter no longer has the checkpoint layout this receiver writes."""
 
     def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], model_shape: ModelShape, tp: int,
-                 post_load: Callable[[], None] | None = None, slots=None):
+                 post_load: Callable[[], None] | None = None, slots=None,
+                 pending: Callable[[str], bool] | None = None):
         shapes, placements = fused_layout(pieces, model_shape, tp, slots)
         self.model = model
         self._shapes = shapes
         self._post_load = post_load
+        self._pending = pending
+        """Names the engine hands over after construction (vLLM's draft: its first draft
+        session): meta placeholders until then; a refit that starts without them is refused."""
         self.holds_sent_bytes = False
         """An engine's post-load step may transform its parameters in place (quantize, repack):
         no delta refits unless the caller knows they stay as written and sets this True."""
         self.rebinds = 0
         """How often :meth:`refresh_targets` found the engine's storage moved and re-resolved it."""
-        super().__init__(self._live_storage(when="at construction"), pieces, placements, slots)
+        super().__init__(self._live_storage(when="at construction", placeholders=True), pieces, placements, slots)
 
-    def _live_storage(self, when: str) -> dict[str, torch.Tensor]:
-        storage = resolve_names(self._shapes, dict(self.model.named_parameters()))
+    def _live_storage(self, when: str, placeholders: bool = False) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        if placeholders and self._pending is not None:
+            params.update({name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                           for name, (shape, dtype) in self._shapes.items()
+                           if self._pending(name) and name not in params})
+        storage = resolve_names(self._shapes, params)
         for name, (shape, dtype) in self._shapes.items():
             have = storage[name]
             if str(have.dtype).removeprefix("torch.") != dtype:
@@ -81,10 +90,11 @@ class LiveModelStorage(FusedLayoutStorage):
 
     @classmethod
     def for_model(cls, model, hf_params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout,
-                  model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None):
+                  model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None,
+                  pending: Callable[[str], bool] | None = None):
         pieces = gen_target_specs(hf_params, layout, model_shape, style="vllm")[gen_index]
         return cls(model, pieces, model_shape, layout.tp, post_load,
-                   slots=expert_slots(hf_params, layout, model_shape, gen_index))
+                   slots=expert_slots(hf_params, layout, model_shape, gen_index), pending=pending)
 
     def refresh_targets(self) -> bool:
         """Before a refit: True (and views re-resolved) if the engine re-allocated any

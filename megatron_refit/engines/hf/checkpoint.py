@@ -28,12 +28,15 @@ def model_shape(hf_config) -> ModelShape:
     )
 
 
-def hf_param_table(hf_config, dtype: torch.dtype | str) -> dict[str, tuple[tuple[int, ...], str]]:
+def hf_param_table(hf_config, dtype: torch.dtype | str, *,
+                   draft: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{checkpoint name: (global shape, dtype)}`` of the model ``hf_config`` describes, with
     every weight in ``dtype`` (a refit copies bytes, it never casts: the trainer sends this
     dtype). Built on the meta device (no memory, no download); names as in a checkpoint,
     routed experts per expert, a tied ``lm_head`` left out, persistent buffers that
-    checkpoints carry (DeepSeek's ``e_score_correction_bias``) included."""
+    checkpoints carry (DeepSeek's ``e_score_correction_bias``) included; ``draft``: the MTP
+    layers an engine's speculative draft holds too (``model.layers.<N + i>.*``:
+    :class:`~megatron_refit.engines.hf.draft.MTPDraft`)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_refit.engines.hf.storage import HFStorage
@@ -42,4 +45,9 @@ def hf_param_table(hf_config, dtype: torch.dtype | str) -> dict[str, tuple[tuple
         dtype = getattr(torch, dtype.removeprefix("torch."))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    return {s.name: (s.global_shape, s.dtype) for s in HFStorage(model).target_specs()}
+        mtp = None
+        if draft:
+            from megatron_refit.engines.hf.draft import MTPDraft
+
+            mtp = MTPDraft(model, hf_config).to(dtype=dtype)
+    return {s.name: (s.global_shape, s.dtype) for s in HFStorage(model, draft=mtp).target_specs()}

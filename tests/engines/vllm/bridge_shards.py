@@ -31,10 +31,13 @@ TRAIN_TP = 2
 LORA_ALPHA = 8
 VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2)),
             "qwen3-moe-e8": ("qwen3-moe", {"experts": 8, "num_experts_per_tok": 2}, dict(tp=2, ep=2)),
-            "qwen3-moe-e64": ("qwen3-moe", {"experts": 64, "num_experts_per_tok": 8}, dict(tp=2, ep=2))}
+            "qwen3-moe-e64": ("qwen3-moe", {"experts": 64, "num_experts_per_tok": 8}, dict(tp=2, ep=2)),
+            "deepseek-v3-mtp": ("deepseek-v3", {"num_nextn_predict_layers": 1},
+                                dict(tp=2, sequence_parallel=True, mtp_layers=1))}
 """Models that are a preset with overrides and their own train layout: one KV head (every
 vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head);
-8 experts top-2 and 64 experts top-8 trained at TP2 x EP2 (the wide expert-parallel tests)."""
+8 experts top-2 and 64 experts top-8 trained at TP2 x EP2 (the wide expert-parallel tests);
+DeepSeek-V3 with one MTP layer at TP2 with sequence parallelism (the engine's draft, #67)."""
 
 
 def model_config(name: str):

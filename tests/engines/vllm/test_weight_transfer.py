@@ -272,6 +272,9 @@ class _QueueClient:
     def start_weight_update(self):
         self.call("start_weight_update")
 
+    def start_draft_weight_update(self):
+        self.call("start_draft_weight_update")
+
     def update_weights(self, update_info):
         self.call("update_weights", update_info=update_info)
 

@@ -63,6 +63,10 @@ class LLMClient:
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        """``refit.gen_draft``: the refit's session also writes vLLM's speculative draft."""
+        self.llm.start_draft_weight_update()
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
@@ -217,10 +221,14 @@ class HTTPClient:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("init_weight_transfer_engine", {"init_info": init_info})
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, route: str = "start_weight_update") -> None:
         if self.swap == "in_place":
             self._post(f"pause?mode={self.pause_mode}&clear_cache=true")  # KV and prefix caches dropped
-        self._post("start_weight_update")
+        self._post(route)
+
+    def start_draft_weight_update(self) -> None:
+        """``refit.gen_draft``: the refit's session also writes vLLM's speculative draft."""
+        self.start_weight_update("start_draft_weight_update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._post("update_weights", {"update_info": update_info})

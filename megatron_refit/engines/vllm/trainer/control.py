@@ -37,10 +37,18 @@ class VllmControl(ReplicaLanes):
     def connect_call(self, replica: int, num_train: int) -> Callable[[Any], Any]:
         info = {**init_payload(self.cfg, num_train=num_train, lora_rank=self.lora[0], lora_alpha=self.lora[1]),
                 "replica": replica}
-        return lambda client: client.init_weight_transfer_engine(info)
+
+        def connect(client) -> None:
+            if self.cfg.gen_draft and not callable(getattr(client, "start_draft_weight_update", None)):
+                raise ValueError(f"refit.gen_draft: replica {replica}'s client {type(client).__name__} has no "
+                                 "start_draft_weight_update (vLLM's draft session, in which the draft lands)")
+            client.init_weight_transfer_engine(info)
+        return connect
 
     def receive_call(self, version: int, full: bool) -> Callable[[Any], Any]:
         update = update_payload(version, full=full)
+        if self.cfg.gen_draft:  # vLLM's draft session: the version lands in the model and its draft at once
+            return lambda client: (client.start_draft_weight_update(), client.update_weights(update))
         return lambda client: (client.start_weight_update(), client.update_weights(update))
 
     def land_call(self, version: int) -> Callable[[Any], Any]:

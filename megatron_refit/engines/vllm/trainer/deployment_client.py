@@ -53,6 +53,9 @@ class DeploymentClient:
     def start_weight_update(self) -> None:
         self._all("start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        self._all("start_draft_weight_update")
+
     def update_weights(self, update_info) -> None:
         self._all("update_weights", update_info)
 

@@ -49,6 +49,8 @@ from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
+from megatron_refit.engines.fused.draft import ModelWithDraft
+from megatron_refit.engines.vllm.worker.draft import begin_session, check_draft_config, vllm_draft
 from megatron_refit.engines.vllm.worker.expert_maps import check_expert_maps
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
@@ -126,7 +128,9 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     init_info_cls = MegatronRefitInitInfo
     update_info_cls = MegatronRefitUpdateInfo
-    supports_draft_weight_update = False  # targets are the main model's parameters
+    supports_draft_weight_update = True
+    """Under ``refit.gen_draft`` every refit is a draft session: the version lands in the main
+    model and its MTP draft at once (:mod:`~megatron_refit.engines.vllm.worker.draft`)."""
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -156,6 +160,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         """``swap: staged``: the last swap's ``prepared`` (bool), ``prepare_s``, ``swap_s`` (under
         the pause), ``staging_bytes`` and, when it loaded under the pause, ``why``."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_refit_staging")
+        self._with_draft: ModelWithDraft | None = None  # refit.gen_draft: the model and vLLM's draft
+        self._draft_target: tuple | None = None  # in a draft session: vLLM's draft and its model config
 
     # -- phase 1 --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MegatronRefitInitInfo) -> None:
@@ -164,9 +170,12 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                                "shutdown_weight_transfer_engine first")
         cfg = init_info.config
         refuse_wide_ep(cfg)  # what vLLM's side does not receive into (EPLB's moving experts), before any check
+        mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
+        if cfg.gen_draft:  # a draft this engine cannot receive into, before any group is joined
+            check_draft_config(cfg, self.vllm_config, mode or "in_place", lora=bool(init_info.lora_rank))
         self.gen_index = self._gen_index(init_info)
         hf_config = self.model_config.hf_config
-        params = hf_param_table(hf_config, self.model_config.dtype)
+        params = hf_param_table(hf_config, self.model_config.dtype, draft=cfg.gen_draft)
         if cfg.trainer_quantize_fp8:
             params = fp8_param_table(params)
         shape = model_shape(hf_config)
@@ -176,14 +185,17 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if placement is not None:  # a wide deployment: vLLM's own expert map is the one planned
             check_expert_maps(self.model, placement, rank)
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
-        mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
+        target = self.model
+        if cfg.gen_draft:  # the draft's parameters are vLLM's to hand over, at each draft session
+            target = self._with_draft = vllm_draft(self.model, hf_config.num_hidden_layers)
         storage, why = None, ""
         if mode in (None, "in_place"):
             try:
-                storage = LiveModelStorage.for_model(self.model, params, layout, shape, gen_index=rank)
+                storage = LiveModelStorage.for_model(target, params, layout, shape, gen_index=rank,
+                                                     pending=None if target is self.model else target.is_draft)
                 mode = "in_place"
             except RepackedParameterError as exc:
-                if mode == "in_place":  # asked for: refused by name, before any byte moves
+                if mode == "in_place" or cfg.gen_draft:  # asked for: refused by name, before any byte moves
                     raise
                 mode, why = "load_weights", f" ({exc})"
         if mode == "load_weights":
@@ -218,8 +230,17 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise RuntimeError(f"megatron_refit: {what} before init_weight_transfer_engine")
 
     # -- phases 2 to 4 --------------------------------------------------------------------
+    def set_weight_update_target(self, model: torch.nn.Module, model_config) -> None:
+        """vLLM hands its draft over for a draft session; the refit keeps writing the main model
+        (``self.model``) and writes the draft beside it (:meth:`start_weight_update`)."""
+        self._draft_target = (model, model_config)
+
+    def reset_weight_update_target(self) -> None:
+        self._draft_target = None
+
     def start_weight_update(self) -> None:
         self._check_initialised("start_weight_update")
+        begin_session(self._with_draft, self._draft_target)
         if self._staging is not None:
             if not self._staging.done():
                 raise RuntimeError("megatron_refit: start_weight_update while the last update's staging still runs; "
@@ -329,6 +350,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
                 process_weights_after_loading(self.model, self.model_config, self.device)
+                if self._draft_target is not None:  # the draft's own, as vLLM runs it at load
+                    process_weights_after_loading(*self._draft_target, self.device)
         except BaseException:
             self.state, self._received = "stale", None
             raise

@@ -1,0 +1,212 @@
+"""#67: the trainer's MTP layer into vLLM 0.33's real ``DeepSeekMTP`` draft, on CPU over gloo.
+
+The engine is vLLM's speculative decoding with the model's own MTP layer
+(``SpeculativeConfig(method="deepseek_mtp")``, which vLLM names ``mtp``): vLLM's real ``Worker``
+holds our weight-transfer engine (as in test_weight_transfer.py) and its model runner holds the
+draft as vLLM's proposer loads it (``DeepSeekMTP`` built from the speculative config's draft model
+config, the target's embedding and LM head shared into it by the proposer's own
+``_maybe_share_embeddings`` / ``_maybe_share_lm_head``). The trainer's client refits through
+vLLM's draft session (``start_draft_weight_update``), in which the worker hands the draft to the
+engine.
+
+Train TP2 ranks with sequence parallelism (Bridge's real local shards of a tiny DeepSeek-V3 with one
+MTP layer, made in ``.venv``) send through vLLM's trainer contract into engine TP2. After every
+refit each engine rank's main model must equal vLLM's own ``load_weights`` of Bridge's export, its
+draft must equal vLLM's own ``DeepSeekMTP.load_weights`` of the same export (bit for bit), the draft
+must have moved between the versions, and the bytes sent are the minimal ones (the embedding and
+the LM head once). A plain ``start_weight_update`` under ``refit.gen_draft`` is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_refit.local.launch import free_ports, run_spawned
+
+pytest.importorskip("vllm")
+
+from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
+                                                     _pieces, _QueueClient, _Runner, _vllm_config, serve_calls)
+
+TP = 2
+MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP
+FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
+
+
+def _with_draft(vcfg):
+    """``vcfg`` with vLLM's speculative config of the model's MTP layer as its draft."""
+    from vllm.config import SpeculativeConfig
+
+    vcfg.speculative_config = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=1,
+                                                target_model_config=vcfg.model_config,
+                                                target_parallel_config=vcfg.parallel_config)
+    return vcfg
+
+
+def _draft(vcfg, target, loader_weights=None):
+    """vLLM's draft as its proposer loads it: ``DeepSeekMTP`` of the draft model config (dummy
+    weights, or ``loader_weights`` through its own ``load_weights``), the target's embedding and
+    LM head shared into it by the proposer's own code."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    draft_config = vcfg.speculative_config.draft_model_config
+    with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
+        draft = initialize_model(vllm_config=vcfg, model_config=draft_config)
+    if loader_weights is None:
+        get_model_loader(vcfg.load_config).load_weights(draft, draft_config)
+    else:
+        draft.load_weights(loader_weights)
+    proposer = EagleProposer.__new__(EagleProposer)  # its sharing steps only (no device, no runner)
+    proposer.model, proposer.vllm_config, proposer.use_local_argmax_reduction = draft, vcfg, False
+    proposer._maybe_share_embeddings(target)
+    proposer._maybe_share_lm_head(target)
+    return draft
+
+
+class _DraftRunner(_Runner):
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights)
+        self.draft = _draft(self.vcfg, self.model)
+
+    def get_draft_model(self):
+        return self.draft
+
+
+def _own(draft) -> dict[str, torch.Tensor]:
+    """The draft's own parameters (not the target's shared embedding and LM head)."""
+    return {n: p.data for n, p in draft.named_parameters()
+            if n.startswith(f"model.layers.{FIRST_MTP}.") and ".shared_head.head." not in n}
+
+
+class _DraftEngine(_Engine):
+    def __init__(self, case, tp_rank, workdir, bridge_dir):
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.worker.gpu_worker import Worker
+
+        load_general_plugins()
+        self.case, self.bridge_name, self.bridge_dir, self.moe = case, MODEL, bridge_dir, True
+        self.vcfg = _with_draft(_vllm_config(MODEL, TP, os.path.join(workdir, case), engine=True))
+        self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
+                             is_driver_worker=tp_rank == 0)
+        self.worker.device = torch.device("cpu")
+        self.worker.model_runner = _DraftRunner(self.vcfg, True)
+        self.worker.load_model()
+        self.before = {n: t.clone() for n, t in _own(self.worker.get_draft_model()).items()}
+
+    def check(self, version: int) -> dict:
+        """The main model as test_weight_transfer checks it, and the draft against vLLM's own
+        ``DeepSeekMTP.load_weights`` of Bridge's export (beside the main model's reference)."""
+        from vllm.config import set_current_vllm_config
+
+        from bridge_shards import load
+
+        out = super().check(version)
+        export = load(self.bridge_dir, self.bridge_name, version, 0)["export"]
+        with set_current_vllm_config(self.vcfg):
+            ref = _draft(self.vcfg, self.model, iter(export.items()))
+        mine, theirs = _own(self.worker.get_draft_model()), _own(ref)
+        out.update(draft_names=sorted(mine) == sorted(theirs) and len(mine) > 0, draft_params=len(mine),
+                   draft_diff=sorted(n for n in mine if not torch.equal(mine[n], theirs[n])),
+                   draft_moved=sorted(n for n in mine if not torch.equal(mine[n], self.before[n])),
+                   shared_head=all(layer.shared_head.head is self.model.lm_head
+                                   for layer in self.worker.get_draft_model().model.layers.values()))
+        self.before = {n: t.clone() for n, t in mine.items()}
+        return out
+
+
+def _serve(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
+    sys.path.insert(0, str(HERE))
+    gen = rank - NUM_TRAIN
+    _init_vllm(TP, gen, vllm_port, _vllm_config(MODEL, TP, os.path.join(workdir, "x"), False))
+    serve_calls(requests[gen], replies[gen], lambda case: _DraftEngine(case, gen, workdir, bridge_dir))
+
+
+def _train(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
+    sys.path.insert(0, str(HERE))
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from bridge_shards import load
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
+
+    load_general_plugins()
+    gens = list(range(world - NUM_TRAIN))
+    client = _QueueClient(requests, replies, gens, "draft")
+    if rank == 0:
+        client.call("case")
+    weights = _pieces(load(bridge_dir, MODEL, 1, rank)["weights"])
+    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=True, port=refit_port, bucket_mb=0.25, timeout_s=120)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
+        source=LocalShardSource(weights))
+    out = []
+    for version in VERSIONS:
+        if version > 1:
+            for piece, (_, t) in zip(weights, load(bridge_dir, MODEL, version, rank)["weights"]):
+                piece.data = t
+        report = engine.send_weights()
+        out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0 else None))
+    plain = None
+    if rank == 0:  # outside vLLM's draft session the engine refuses a refit that would leave the draft behind
+        try:
+            client.start_weight_update()
+        except RuntimeError as exc:
+            plain = str(exc)
+    engine.shutdown()
+    if rank == 0:
+        for g in gens:
+            requests[g].put((-1, "stop", {}))
+    return dict(refits=out, plain=plain)
+
+
+def _rank(rank, world, port, *args):
+    return (_train if rank < NUM_TRAIN else _serve)(rank, world, port, *args)
+
+
+@pytest.fixture(scope="module")
+def refitted(tmp_path_factory):
+    bridge = tmp_path_factory.mktemp("bridge")
+    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    proc = subprocess.run([python, str(HERE / "bridge_shards.py"), str(bridge), MODEL], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    requests = [ctx.Queue() for _ in range(TP)]
+    replies = [ctx.Queue() for _ in range(TP)]
+    vllm_port, refit_port = free_ports(2)
+    return run_spawned(_rank, NUM_TRAIN + TP, requests, replies, vllm_port, refit_port,
+                       str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=600,
+                       env={"VLLM_TARGET_DEVICE": "cpu"})
+
+
+@pytest.mark.slow
+def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refitted):
+    train = [out["refits"] for out in refitted[:NUM_TRAIN]]
+    for version, items in zip(VERSIONS, zip(*train)):
+        checks = items[0]["checks"]
+        assert len(checks) == TP
+        for check in checks:
+            assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
+            assert check["draft_names"] and check["draft_diff"] == [], (version, check["draft_diff"][:5])
+            if version > 1:  # version 2's step moved every draft parameter (version 1's norms are the dummy's ones)
+                assert len(check["draft_moved"]) == check["draft_params"] == 18, (version, check["draft_moved"])
+            assert check["shared_head"]  # the draft's LM head is still the target's, written once
+            assert check["state"] == "ready" and check["weights_version"] == version
+        reports = [item["report"] for item in items]
+        assert sum(r["bytes_sent"] for r in reports) == reports[0]["bytes_minimal"] > 0
+        assert reports[0]["summary"]["refit/skipped_params"] == 0  # the MTP layer is held: sent, not skipped
+
+
+@pytest.mark.slow
+def test_a_refit_that_would_leave_the_draft_behind_is_refused_by_name(refitted):
+    assert "refit.gen_draft is on: refit through vLLM's start_draft_weight_update" in refitted[0]["plain"]
