@@ -158,7 +158,7 @@ EXPECTED_PARAMS = {  # published totals, by preset
     "qwen3-4b": (4.0e9, 4.1e9),
     "qwen3-30b-a3b": (30.4e9, 30.6e9),
     "qwen3-235b-a22b": (235.0e9, 235.2e9),
-    "deepseek-v3-671b": (671.0e9 + 11e9, 686.0e9),  # 671B and its MTP layer (11.7B, skipped: no engine holds it)
+    "deepseek-v3-671b": (671.0e9 + 11e9, 686.0e9),  # 671B and its MTP layer (11.7B: the engines' draft, or skipped)
     "kimi-k2": (1.02e12, 1.04e12),  # "1T total"
     "llama3-70b": (70.5e9, 70.6e9),
     "nemotron-3-nano-30b-a3b": (31.5e9, 31.7e9),  # "31.6B total" (23 Mamba, 23 MoE, 6 attention layers)
@@ -184,14 +184,18 @@ def test_dry_run_of_shipped_config(config):
     assert result["chunk_layers"] == chunk_json(layout, preset["num_hidden_layers"])  # Megatron's: the test below
     low, high = EXPECTED_PARAMS[refit.model]
     assert low < result["num_params"] < high
-    # the trainer's MTP layer (DeepSeek-V3's recipe trains one) is skipped by name, counted
-    assert (result["skipped_params"] > 0) == bool(layout.mtp_layers)
+    # the trainer's MTP layer (DeepSeek-V3's recipe trains one) goes into the engines' draft, or is
+    # skipped by name, counted, where the engines decode without one
+    assert (result["skipped_params"] > 0) == bool(layout.mtp_layers and not refit.gen_draft)
+    assert (result["draft_params"] > 0) == bool(layout.mtp_layers and refit.gen_draft)
     held = result["num_params"] - result["num_params_skipped"]
     # Every gen replica holds every parameter once (bf16; FP8 weights at 1 byte, their scale tiles
     # and the bf16 embeddings, norms and routers beside), plus what vLLM replicates over its TP
     # ranks (norms, router, KV heads when gen TP > KV heads): at most a few percent.
     minimal = refit.gen_dp * 2 * held
     bounds = (0.5, 0.56) if refit.trainer_quantize_fp8 else (1.0, 1.05)
+    if refit.gen_draft:  # the draft's eh_proj ([7168, 14336], a plain nn.Linear in vLLM's DeepSeekMTP) on every rank
+        bounds = (bounds[0], bounds[1] + 0.01)
     held_total = refit.gen_dp * result["bytes_held_per_replica"]  # each byte once per replica
     assert bounds[0] * minimal <= held_total <= bounds[1] * minimal
     if refit.gen_attention_dp == 1:
@@ -336,18 +340,19 @@ def test_dry_run_refuses_fp8_where_engine_shards_leave_the_128_grid(tmp_path):
 
 
 def test_dry_run_counts_the_engines_mtp_draft(tmp_path):
-    """#67: ``refit.gen_draft: true`` (the engine decodes with its MTP draft) plans the trainer's MTP
-    layer onto the engine ranks: the dry run of DeepSeek-V3's recipe reports the draft's parameters
-    (``draft_params``) and skips none, and each engine rank receives the draft's bytes too."""
-    config = os.path.join(ROOT, "configs", "recipe-deepseek-v3.yaml")
-    text = open(config).read()
-    assert "\n  gen_tp: 32\n" in text
-    drafted = tmp_path / "recipe-deepseek-v3.yaml"
-    drafted.write_text(text.replace("\n  gen_tp: 32\n", "\n  gen_tp: 32\n  gen_draft: true\n"))
+    """#67: ``refit.gen_draft: true`` (the engine decodes with its MTP draft, as the recipe's config
+    says) plans the trainer's MTP layer onto the engine ranks: the dry run of DeepSeek-V3's recipe
+    reports the draft's parameters (``draft_params``) and skips none, and each engine rank receives the
+    draft's bytes too; without the draft the same layer is skipped by name."""
+    drafted = os.path.join(ROOT, "configs", "recipe-deepseek-v3.yaml")
+    text = open(drafted).read()
+    assert "\n  gen_tp: 32\n" in text and "\n  gen_draft: true\n" in text
+    config = tmp_path / "recipe-deepseek-v3-no-draft.yaml"
+    config.write_text(text.replace("\n  gen_draft: true\n", "\n"))
     os.symlink(os.path.join(ROOT, "configs", "cache"), tmp_path / "cache")  # the same trainer: its enumeration
-    code, off, out = _dry_run(config, "--no-prepare")
+    code, off, out = _dry_run(str(config), "--no-prepare")
     assert code == 0, out
-    code, on, out = _dry_run(str(drafted), "--no-prepare")
+    code, on, out = _dry_run(drafted, "--no-prepare")
     assert code == 0, out
     assert off["skipped_params"] > 0 and off["draft_params"] == 0
     assert on["skipped_params"] == 0 and on["draft_params"] == off["skipped_params"]
@@ -358,7 +363,7 @@ def test_dry_run_counts_the_engines_mtp_draft(tmp_path):
     # trainer-side FP8 too (into engine TP8: TP32 cuts the MLPs off the 128 grid): the draft's linear
     # weights go as FP8 data and scale tiles, like the main model's
     fp8, bf16 = (tmp_path / f"recipe-deepseek-v3-tp8{tag}.yaml" for tag in ("-fp8", ""))
-    bf16.write_text(drafted.read_text().replace("\n  gen_tp: 32\n", "\n  gen_tp: 8\n"))
+    bf16.write_text(text.replace("\n  gen_tp: 32\n", "\n  gen_tp: 8\n"))
     fp8.write_text(bf16.read_text().replace("\n  gen_draft: true\n",
                                             "\n  gen_draft: true\n  trainer_quantize_fp8: true\n"))
     runs = [_dry_run(str(path), "--no-prepare") for path in (bf16, fp8)]
