@@ -13,8 +13,11 @@ Train TP2 ranks with sequence parallelism (Bridge's real local shards of a tiny 
 MTP layer, made in ``.venv``) send through vLLM's trainer contract into engine TP2. After every
 refit each engine rank's main model must equal vLLM's own ``load_weights`` of Bridge's export, its
 draft must equal vLLM's own ``DeepSeekMTP.load_weights`` of the same export (bit for bit), the draft
-must have moved between the versions, and the bytes sent are the minimal ones (the embedding and
-the LM head once). A plain ``start_weight_update`` under ``refit.gen_draft`` is refused by name.
+must have moved between the versions, vLLM's post-load step ran on both models, and the bytes sent
+are the minimal ones (the embedding and the LM head once). A plain ``start_weight_update`` under
+``refit.gen_draft`` is refused by name. Without ``gen_draft`` (a draft the trainer does not train,
+as an external EAGLE head is) the same engine's draft is left untouched, its post-load step
+included, and the trainer's MTP layer is skipped by name.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from megatron_refit.local.launch import free_ports, run_spawned
 pytest.importorskip("vllm")
 
 from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
-                                                     _pieces, _QueueClient, _Runner, _vllm_config, serve_calls)
+                                                     _QueueClient, _Runner, _vllm_config, serve_calls)
 
 TP = 2
 MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP
 FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
+CASES = {"draft": True, "untouched": False}
+"""Case -> ``refit.gen_draft``: the same engine (a DeepSeekMTP draft) refitted with it and without."""
 
 
 def _with_draft(vcfg):
@@ -100,6 +105,16 @@ class _DraftEngine(_Engine):
         self.worker.model_runner = _DraftRunner(self.vcfg, True)
         self.worker.load_model()
         self.before = {n: t.clone() for n, t in _own(self.worker.get_draft_model()).items()}
+        self.post_loaded: list[str] = []
+        """The classes vLLM's post-load step ran on, since the last check."""
+
+    def _no_moe_post_load(self, call, **kwargs):
+        from unittest import mock
+
+        with mock.patch("vllm.model_executor.model_loader.utils.process_weights_after_loading") as post:
+            out = call(**kwargs)
+        self.post_loaded += [type(c.args[0]).__name__ for c in post.call_args_list]
+        return out
 
     def check(self, version: int) -> dict:
         """The main model as test_weight_transfer checks it, and the draft against vLLM's own
@@ -117,33 +132,48 @@ class _DraftEngine(_Engine):
                    draft_diff=sorted(n for n in mine if not torch.equal(mine[n], theirs[n])),
                    draft_moved=sorted(n for n in mine if not torch.equal(mine[n], self.before[n])),
                    shared_head=all(layer.shared_head.head is self.model.lm_head
-                                   for layer in self.worker.get_draft_model().model.layers.values()))
-        self.before = {n: t.clone() for n, t in mine.items()}
+                                   for layer in self.worker.get_draft_model().model.layers.values()),
+                   post_loaded=self.post_loaded)
+        self.before, self.post_loaded = {n: t.clone() for n, t in mine.items()}, []
         return out
 
 
-def _serve(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
+def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
     sys.path.insert(0, str(HERE))
     gen = rank - NUM_TRAIN
     _init_vllm(TP, gen, vllm_port, _vllm_config(MODEL, TP, os.path.join(workdir, "x"), False))
     serve_calls(requests[gen], replies[gen], lambda case: _DraftEngine(case, gen, workdir, bridge_dir))
 
 
-def _train(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
+def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
     sys.path.insert(0, str(HERE))
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.plugins import load_general_plugins
-
-    from bridge_shards import load
-    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
 
     load_general_plugins()
     gens = list(range(world - NUM_TRAIN))
-    client = _QueueClient(requests, replies, gens, "draft")
+    out = {case: _refits(rank, requests, replies, gens, case, port, bridge_dir)
+           for case, port in zip(CASES, refit_ports)}
+    if rank == 0:
+        for g in gens:
+            requests[g].put((-1, "stop", {}))
+    return out
+
+
+def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from bridge_shards import load
+    from megatron_refit.endpoint.sender import TensorPiece
+    from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
+    from megatron_refit.families import is_mtp_param
+
+    client = _QueueClient(requests, replies, gens, case)
     if rank == 0:
         client.call("case")
-    weights = _pieces(load(bridge_dir, MODEL, 1, rank)["weights"])
-    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=True, port=refit_port, bucket_mb=0.25, timeout_s=120)
+    # the MTP layer's pieces are optional, as Bridge's local shards mark them (an engine may hold no draft)
+    weights = [TensorPiece(spec, t, optional="mtp" if is_mtp_param(spec.name, FIRST_MTP) else None)
+               for spec, t in load(bridge_dir, MODEL, 1, rank)["weights"]]
+    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=CASES[case], port=port, bucket_mb=0.25, timeout_s=120)
     engine = WeightTransferTrainerFactory.trainer_init(
         MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
         source=LocalShardSource(weights))
@@ -154,17 +184,14 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_port, workdir,
                 piece.data = t
         report = engine.send_weights()
         out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0 else None))
-    plain = None
-    if rank == 0:  # outside vLLM's draft session the engine refuses a refit that would leave the draft behind
+    wrong = None
+    if rank == 0:  # the other session than the config's: refused before any byte moves
         try:
-            client.start_weight_update()
+            client.start_weight_update() if CASES[case] else client.start_draft_weight_update()
         except RuntimeError as exc:
-            plain = str(exc)
+            wrong = str(exc)
     engine.shutdown()
-    if rank == 0:
-        for g in gens:
-            requests[g].put((-1, "stop", {}))
-    return dict(refits=out, plain=plain)
+    return dict(refits=out, wrong=wrong)
 
 
 def _rank(rank, world, port, *args):
@@ -183,15 +210,15 @@ def refitted(tmp_path_factory):
     ctx = mp.get_context("spawn")
     requests = [ctx.Queue() for _ in range(TP)]
     replies = [ctx.Queue() for _ in range(TP)]
-    vllm_port, refit_port = free_ports(2)
-    return run_spawned(_rank, NUM_TRAIN + TP, requests, replies, vllm_port, refit_port,
+    vllm_port, *refit_ports = free_ports(1 + len(CASES))
+    return run_spawned(_rank, NUM_TRAIN + TP, requests, replies, vllm_port, refit_ports,
                        str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=600,
                        env={"VLLM_TARGET_DEVICE": "cpu"})
 
 
 @pytest.mark.slow
 def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refitted):
-    train = [out["refits"] for out in refitted[:NUM_TRAIN]]
+    train = [out["draft"]["refits"] for out in refitted[:NUM_TRAIN]]
     for version, items in zip(VERSIONS, zip(*train)):
         checks = items[0]["checks"]
         assert len(checks) == TP
@@ -201,6 +228,7 @@ def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refi
             if version > 1:  # version 2's step moved every draft parameter (version 1's norms are the dummy's ones)
                 assert len(check["draft_moved"]) == check["draft_params"] == 18, (version, check["draft_moved"])
             assert check["shared_head"]  # the draft's LM head is still the target's, written once
+            assert sorted(check["post_loaded"]) == ["DeepSeekMTP", "DeepseekV3ForCausalLM"]
             assert check["state"] == "ready" and check["weights_version"] == version
         reports = [item["report"] for item in items]
         assert sum(r["bytes_sent"] for r in reports) == reports[0]["bytes_minimal"] > 0
@@ -208,5 +236,18 @@ def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refi
 
 
 @pytest.mark.slow
-def test_a_refit_that_would_leave_the_draft_behind_is_refused_by_name(refitted):
-    assert "refit.gen_draft is on: refit through vLLM's start_draft_weight_update" in refitted[0]["plain"]
+def test_a_draft_the_trainer_does_not_refit_is_left_untouched_its_post_load_included(refitted):
+    train = [out["untouched"]["refits"] for out in refitted[:NUM_TRAIN]]
+    for version, items in zip(VERSIONS, zip(*train)):
+        for check in items[0]["checks"]:
+            assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
+            assert check["draft_moved"] == [] and check["draft_params"] == 18  # its load's weights, as they were
+            assert check["post_loaded"] == ["DeepseekV3ForCausalLM"]
+        summary = items[0]["report"]["summary"]
+        assert summary["refit/skipped_params"] > 0  # the trainer's MTP layer: skipped by name, counted
+
+
+@pytest.mark.slow
+def test_a_refit_in_the_other_session_than_the_config_says_is_refused_by_name(refitted):
+    assert "refit.gen_draft is on: refit through vLLM's start_draft_weight_update" in refitted[0]["draft"]["wrong"]
+    assert "start_draft_weight_update, but refit.gen_draft is off" in refitted[0]["untouched"]["wrong"]
