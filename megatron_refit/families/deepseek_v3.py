@@ -3,6 +3,8 @@ with ``e_score_correction_bias``. Built on CPU by :mod:`conversion.testing.deeps
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_refit.families.base import ModelFamily
 from megatron_refit.families.hf_decoder import ENGINE_EXPERTS, ENGINE_FUSED, EXPERTS, ROLES, TINY, VOCAB
 
@@ -15,6 +17,14 @@ _MLA_ROLES = (
 _MLA_FUSED = (
     (r"(?P<p>.*\.self_attn)\.(?P<m>q_a_proj|kv_a_proj_with_mqa)\.(?P<t>weight)", "{p}.fused_qkv_a_proj.{t}",
      ("q_a_proj", "kv_a_proj_with_mqa")),
+)
+
+# SGLang's DeepseekV2AttentionMLA keeps the same fused tensor (q_a rows, then kv_a's) as
+# ``fused_qkv_a_proj_with_mqa``; beside every family's spellings (the defaults).
+_DEFAULT_ALIASES = next(f.default for f in dataclasses.fields(ModelFamily) if f.name == "engine_aliases")
+_MLA_ALIASES = (
+    (".self_attn.fused_qkv_a_proj.weight", (".self_attn.fused_qkv_a_proj.weight",
+                                            ".self_attn.fused_qkv_a_proj_with_mqa.weight")),
 )
 
 
@@ -64,6 +74,7 @@ FAMILY = ModelFamily(
     expert_prefix=EXPERTS,
     engine_experts=ENGINE_EXPERTS,
     engine_fused=ENGINE_FUSED[:1] + _MLA_FUSED + ENGINE_FUSED[1:],
+    engine_aliases=_DEFAULT_ALIASES + _MLA_ALIASES,
     vocab=VOCAB,
     build="conversion.testing.deepseek_v3_build",
     layout_checks=lambda cfg: _mla_checks(cfg) if getattr(cfg, "kv_lora_rank", None) else [],

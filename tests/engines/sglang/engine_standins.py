@@ -34,36 +34,52 @@ class _Scheduler:
         self.weight_versions.append(new_version)
 
 
-def scheduler_updater(model: torch.nn.Module, model_dir: str):
+def scheduler_updater(model: torch.nn.Module, model_dir: str, draft: torch.nn.Module | None = None):
     """The scheduler's weight-update manager over a TP worker whose model runner holds
-    ``model`` and SGLang's ``WeightUpdater`` (no KV cache to flush: no requests here)."""
+    ``model`` and SGLang's ``WeightUpdater`` (no KV cache to flush: no requests here);
+    ``draft``: a speculative draft worker too, whose one runner holds ``draft`` (SGLang's
+    ``BaseSpecWorker.weight_update_runners``: ``("draft", runner)``)."""
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import TpModelWorker
 
     class Runner:
-        def __init__(self):
-            self.model, self.weight_updater = model, weight_updater(model, model_dir)
+        def __init__(self, runner_model):
+            self.model, self.weight_updater = runner_model, weight_updater(runner_model, model_dir)
 
     class Worker:
         deserialize_own_rank = TpModelWorker.deserialize_own_rank  # SGLang's: this rank's payload
 
         def __init__(self):
-            self.model_runner = Runner()
+            self.model_runner = Runner(model)
 
         def weight_update_runners(self):
             return [("target", self.model_runner)]
 
-    return SchedulerWeightUpdaterManager(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=None,
-                                         flush_cache=lambda empty_cache=True: True,
+    class DraftWorker:
+        def __init__(self):
+            self.draft_runner = Runner(draft)
+
+        def weight_update_runners(self):
+            return [("draft", self.draft_runner)]
+
+    return SchedulerWeightUpdaterManager(tp_worker=Worker(), draft_worker=None if draft is None else DraftWorker(),
+                                         memory_saver_adapter=None, flush_cache=lambda empty_cache=True: True,
                                          is_fully_idle=lambda ignore_waiting=False: True, scheduler=_Scheduler())
 
 
 class _TokenizerManager:
     """Records the tokenizer manager's calls a refit makes (the scheduler-side pause has no
-    requests to act on here)."""
+    requests to act on here); its ``update_weights_from_tensor`` hands the request to the
+    scheduler's manager (``manager``) as SGLang's tokenizer manager does, and answers
+    ``(success, message)``."""
 
-    def __init__(self, calls: list):
-        self.calls = calls
+    def __init__(self, calls: list, manager=None):
+        self.calls, self.manager = calls, manager
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        self.calls.append("update")
+        out = self.manager.update_weights_from_tensor(obj)
+        return out.success, out.message
 
     async def pause_generation(self, obj):
         self.calls.append(f"pause:{obj.mode}")
@@ -76,13 +92,17 @@ class _TokenizerManager:
 
 
 class RankEngine:
-    """``sglang.Engine``'s weight-update methods over one TP worker's real scheduler manager."""
+    """``sglang.Engine``'s weight-update methods (and its ``server_args.tp_size``, ``loop`` and
+    ``tokenizer_manager``) over one TP worker's real scheduler manager."""
 
     def __init__(self, manager, tp: int):
+        from types import SimpleNamespace
+
         self.manager, self.tp = manager, tp
+        self.server_args = SimpleNamespace(tp_size=tp)
         self.calls: list[str] = []
         self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = _TokenizerManager(self.calls)
+        self.tokenizer_manager = _TokenizerManager(self.calls, manager)
 
     def _answer(self, out) -> tuple[bool, str]:
         return out.success, out.message

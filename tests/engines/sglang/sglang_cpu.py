@@ -22,12 +22,14 @@ from megatron_refit.engines.sglang.messages import LOADER
 
 
 def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str, *, attention_dp: int = 1, ep_size: int = 1,
-                dp_lm_head: bool = True) -> None:
+                dp_lm_head: bool = True, speculative_algorithm: str | None = None) -> None:
     """This process as rank ``tp_rank`` of an SGLang engine at TP ``tp`` on CPU: its world
     and model-parallel groups over gloo (rendezvous on ``port``) and the published server
     args (``device="cpu"``, float32, dummy weights, :data:`LOADER` as custom weight loader).
     ``attention_dp > 1``: ``--dp attention_dp --enable-dp-attention`` (and ``--enable-dp-lm-head``
-    unless ``dp_lm_head`` is false), attention TP ``tp // attention_dp``; ``ep_size``: ``--ep-size``."""
+    unless ``dp_lm_head`` is false), attention TP ``tp // attention_dp``; ``ep_size``: ``--ep-size``;
+    ``speculative_algorithm``: ``--speculative-algorithm`` (``NEXTN``: the model's MTP layer as its draft,
+    :func:`build_draft`)."""
     # TP >= 2 would build PyNccl ("Expected a cuda device"): no NCCL library, no PyNccl
     os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(model_dir, "no-libnccl.so")
     from sglang.srt.distributed import parallel_state
@@ -48,7 +50,7 @@ def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str, *, attention_d
         if attention_dp > 1 else {}
     server_args = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, ep_size=ep_size, dtype="float32",
                              load_format="dummy", skip_tokenizer_init=True, custom_weight_loader=[LOADER],
-                             **dp_attention)
+                             speculative_algorithm=speculative_algorithm, **dp_attention)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
@@ -92,6 +94,32 @@ def build_model(model_dir: str, *, expert_location: bool = False) -> torch.nn.Mo
         set_global_expert_location_metadata(metadata, allow_overwrite=True)
     loader = get_model_loader(LoadConfig(load_format="dummy"), model_config)
     return loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+
+
+def build_draft(model_dir: str, target: torch.nn.Module) -> torch.nn.Module:
+    """SGLang's speculative draft for ``model_dir`` on this TP rank, as SGLang's EAGLE worker makes
+    it: built from the draft model config SGLang derives from the model's own checkpoint
+    (``ModelConfig(is_draft_model=True)``: a DeepSeek-V3 becomes ``DeepseekV3ForCausalLMNextN``) by
+    the dummy loader, then ``target``'s embedding and LM head shared into it by SGLang's own
+    ``resolve_draft_embed_and_head`` and the draft's ``set_embed_and_head`` (its
+    ``torch.cuda.synchronize`` skipped: there is no CUDA device here)."""
+    from unittest import mock
+
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+    from sglang.srt.speculative.pp_draft_embedding import resolve_draft_embed_and_head
+
+    model_config = ModelConfig(model_dir, dtype="float32", is_draft_model=True)
+    load_config = LoadConfig(load_format="dummy")
+    draft = get_model_loader(load_config, model_config).load_model(model_config=model_config,
+                                                                   device_config=DeviceConfig("cpu"))
+    embed, head = resolve_draft_embed_and_head(target_model=target, draft_model=draft, model_path=model_dir,
+                                               revision=None, load_config=load_config)
+    with mock.patch("torch.cuda.synchronize"):
+        draft.set_embed_and_head(embed, head)
+    return draft
 
 
 def weight_updater(model: torch.nn.Module, model_dir: str):

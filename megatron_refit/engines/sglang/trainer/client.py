@@ -12,6 +12,11 @@ group, from every train rank's local shards to the TP workers that need them.
 - :class:`~megatron_refit.engines.sglang.trainer.control.SglangControl` drives them (one per replica)
   around every train rank's own side of the refit.
 
+Every session selects SGLang's runners (``selector``): under ``refit.gen_draft`` (the connect
+message's section says so) ``all``, so that the messages also reach the speculative draft's runner
+and the draft lands with the main model; otherwise ``target``, so that a draft the trainer does not
+train (an external EAGLE head) is never handed to the loader.
+
 Around each refit the engine is paused (``retract``: running requests go back to the queue
 and are recomputed with the new weights) and its cache flushed; after a failed refit it stays
 paused (its weights are no complete version) and the next complete refit resumes it. Imports
@@ -107,6 +112,13 @@ GENERATE = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "retur
 """What the serving probe asks SGLang's ``generate``: every prompt token's log-prob."""
 
 
+def session_selector(refit: dict) -> str:
+    """The runners a refit's sessions select (``begin_weight_update`` and every
+    ``update_weights_from_tensor``): ``all`` (the target's and the speculative draft's) under
+    ``refit.gen_draft``, else ``target``."""
+    return "all" if refit.get("gen_draft", False) else "target"
+
+
 def _check_attention_dp(attention_dp) -> int:
     if not isinstance(attention_dp, int) or isinstance(attention_dp, bool) or attention_dp < 1:
         raise ValueError(f"attention_dp must be a positive int (the engine's --dp with --enable-dp-attention), got "
@@ -135,23 +147,33 @@ class EngineClient:
         self.engine = engine
         self.pause_mode = _check_pause_mode(pause_mode)
         self.attention_dp = _check_attention_dp(attention_dp)
+        self.selector = "target"
+        """The runners this replica's sessions select (:func:`session_selector`, set at connect)."""
 
     def _session(self, named_tensors, *, flush_cache: bool) -> None:
-        _checked("begin_weight_update", self.engine.begin_weight_update())
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        _checked("begin_weight_update", self.engine.begin_weight_update(selector=self.selector))
         try:
-            with torch_reductions():  # the Engine pickles the message here, one copy per TP rank
-                out = self.engine.update_weights_from_tensor(named_tensors, load_format=LOADER,
-                                                             flush_cache=flush_cache)
-            _checked("update_weights_from_tensor", out)
+            with torch_reductions():  # pickled as the Engine does, one copy per TP rank
+                payloads = [MultiprocessingSerializer.serialize(named_tensors)
+                            for _ in range(self.engine.server_args.tp_size)]
+            # Engine.update_weights_from_tensor has no selector in 0.5.23 (it selects all runners):
+            # its tokenizer manager's call, with the session's
+            req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=LOADER,
+                                                  flush_cache=flush_cache, selector=self.selector)
+            _checked("update_weights_from_tensor", self._tokenizer_call("update_weights_from_tensor", req, None))
         finally:
             _checked("end_weight_update", self.engine.end_weight_update())
 
-    def _tokenizer_call(self, method: str, req) -> None:
+    def _tokenizer_call(self, method: str, *args):
         # sglang.Engine has no pause / continue / weight-version methods in 0.5.23: its
         # tokenizer manager's, as the HTTP routes call them
-        self.engine.loop.run_until_complete(getattr(self.engine.tokenizer_manager, method)(req))
+        return self.engine.loop.run_until_complete(getattr(self.engine.tokenizer_manager, method)(*args))
 
     def connect(self, refit: dict, *, num_train: int, replica: int = 0) -> None:
+        self.selector = session_selector(refit)
         self._session(connect_message(refit, num_train=num_train, replica=replica), flush_cache=False)
 
     def refit(self, version: int, *, full: bool = False) -> None:
@@ -197,6 +219,8 @@ class HTTPClient:
         self.timeout = timeout
         self.pause_mode = _check_pause_mode(pause_mode)
         self.api_key = api_key
+        self.selector = "target"
+        """The runners this server's sessions select (:func:`session_selector`, set at connect)."""
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         """POST ``body`` as JSON; the JSON answer (None if there is none)."""
@@ -221,14 +245,16 @@ class HTTPClient:
 
     def _session(self, named_tensors, *, flush_cache: bool) -> None:
         payload = serialize(named_tensors)
-        self._post("begin_weight_update", {"selector": "all"})
+        self._post("begin_weight_update", {"selector": self.selector})
         try:
             self._post("update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp,
-                                                      "load_format": LOADER, "flush_cache": flush_cache})
+                                                      "load_format": LOADER, "flush_cache": flush_cache,
+                                                      "selector": self.selector})
         finally:
             self._post("end_weight_update", {})
 
     def connect(self, refit: dict, *, num_train: int, replica: int = 0) -> None:
+        self.selector = session_selector(refit)
         self._session(connect_message(refit, num_train=num_train, replica=replica), flush_cache=False)
 
     def refit(self, version: int, *, full: bool = False) -> None:

@@ -10,6 +10,9 @@ refit group and builds the plan (an :class:`~megatron_refit.engines.fused.live.L
 fused parameters: ``qkv_proj``, ``gate_up_proj``, ``w13_weight`` / ``w2_weight``, padded
 vocabulary rows), ``refit`` receives one version in place over the refit group (NCCL or
 gloo: no weight byte passes through SGLang's control plane), ``close`` leaves the group.
+Under ``refit.gen_draft`` the same messages reach the speculative draft's runner after the
+target's, and the draft lands with the main model in every refit
+(:mod:`~megatron_refit.engines.sglang.worker.draft`).
 
 SGLang's distributed path (``update_weights_from_distributed``) broadcasts every full tensor
 from trainer rank 0 to every TP rank; here each TP rank receives exactly its own pieces from
@@ -21,6 +24,7 @@ at ``connect``, inside the worker).
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.engines.sglang.messages import parse_message
+from megatron_refit.engines.sglang.worker.draft import draft_of
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,13 @@ _MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 not on it (the model is SGLang's). The member holds the model, so an entry ends at ``close``."""
 _ERRORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Each model's last loader call's error (None: it succeeded)."""
+_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""``refit.gen_draft``: each connected model's :class:`~megatron_refit.engines.fused.draft.ModelWithDraft`
+(the model and SGLang's draft, handed over by the draft runner's ``connect``), until ``close``."""
+_TARGETS: weakref.WeakSet = weakref.WeakSet()
+"""The models the loader took for targets (the first it met that share no embedding with another)."""
+_DRAFT_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each speculative draft's model the loader met: a weak reference to its target."""
 
 
 def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0,
@@ -47,11 +59,21 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     parameters, SGLang's post-load hook after every refit. In a DP-attention deployment
     (``gen_attention_dp > 1``) each FusedMoE layer's slots are first held to the plan's
     (:func:`~megatron_refit.engines.sglang.worker.expert_location.check_expert_location`). ``refit``: the
-    ``refit:`` section; its ``engine`` must be ``sglang`` (the default here)."""
+    ``refit:`` section; its ``engine`` must be ``sglang`` (the default here). Under ``gen_draft``
+    the plan covers SGLang's speculative draft too, which its runner hands over through the loader
+    (:func:`refit_loader`)."""
+    return _connect(model, refit, num_train=num_train, replica=replica, tp_rank=tp_rank)[0]
+
+
+def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: int = 0, tp_rank: int | None = None):
+    """:func:`engine_refit_for`'s member, and under ``refit.gen_draft`` the model's
+    :class:`~megatron_refit.engines.fused.draft.ModelWithDraft` (else None)."""
     from megatron_refit.config import refit_section
     from megatron_refit.config.deployment import refuse_wide_ep
     from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
     from megatron_refit.engines.fused.live import LiveModelStorage
+    from megatron_refit.engines.sglang.worker.draft import (DraftModelStorage, check_draft_server, draft_post_load,
+                                                            sglang_draft)
     from megatron_refit.engines.sglang.worker.expert_location import check_expert_location
     from megatron_refit.engines.sglang.worker.rank import engine_rank
     from megatron_refit.engine_side.entry import engine_refit
@@ -68,6 +90,10 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
         raise ValueError(f"tp_rank={tp_rank} names a TP rank of an engine without DP attention; refit.gen_attention_dp="
                          f"{cfg.gen_attention_dp}: the rank comes from SGLang's parallel state (leave tp_rank unset)")
     hf_config = model.config
+    if cfg.gen_draft:  # an engine without the model's MTP draft, before any group is joined
+        from sglang.srt.runtime_context import get_spec
+
+        check_draft_server(cfg, get_spec().speculative_algorithm, getattr(hf_config, "num_nextn_predict_layers", 0))
     shape = model_shape(hf_config)
     if tp_rank is None:
         from sglang.srt.runtime_context import get_parallel
@@ -79,7 +105,7 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     # the dtype the model computes in: its first floating-point parameter wider than a byte
     # (an FP8 engine's embedding and norms, not its quantized weights)
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
-    params = hf_param_table(hf_config, dtype)
+    params = hf_param_table(_checkpoint_config(hf_config), dtype, draft=cfg.gen_draft)
     if cfg.trainer_quantize_fp8:
         from megatron_refit.plan.fp8_layout import fp8_param_table
 
@@ -90,10 +116,34 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         check_expert_location(model, placement, rank, get_global_expert_location_metadata())
-    storage = LiveModelStorage.for_model(model, params, layout, shape, gen_index=rank,
-                                         post_load=sglang_post_load(model))
-    return engine_refit(cfg, storage, gen_index=gen_index, num_train=num_train,
-                        device=next(model.parameters()).device)
+    with_draft = None
+    if cfg.gen_draft:  # the draft's parameters are placeholders until its runner hands it over
+        with_draft = sglang_draft(model, hf_config.num_hidden_layers)
+        storage = DraftModelStorage.for_model(with_draft, params, layout, shape, gen_index=rank,
+                                              post_load=draft_post_load(with_draft, sglang_post_load),
+                                              pending=with_draft.is_draft)
+    else:
+        storage = LiveModelStorage.for_model(model, params, layout, shape, gen_index=rank,
+                                             post_load=sglang_post_load(model))
+    member = engine_refit(cfg, storage, gen_index=gen_index, num_train=num_train,
+                          device=next(model.parameters()).device)
+    return member, with_draft
+
+
+def _checkpoint_config(hf_config):
+    """``hf_config`` as the checkpoint has it, for the parameter table (which transformers builds on
+    the meta device): SGLang's DeepSeek attention renames a YaRN rope type to its own
+    ``deepseek_yarn`` in the model's config, in place, a name transformers does not know; then a
+    copy with ``yarn`` back (no weight depends on it)."""
+    def renamed(config) -> list[dict]:
+        return [rope for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None))
+                if isinstance(rope, dict) and rope.get("rope_type") == "deepseek_yarn"]
+    if not renamed(hf_config):
+        return hf_config
+    config = copy.deepcopy(hf_config)
+    for rope in renamed(config):
+        rope["rope_type"] = "yarn"
+    return config
 
 
 def sglang_post_load(model) -> Callable[[], None]:
@@ -119,8 +169,16 @@ def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Te
     other TP workers in the call's closing barrier. A failure is logged and kept for
     :func:`refit_state` (``None`` after a call that succeeded); the weights' state
     is the receiver's (``stale`` once bytes moved, ``ready`` at the old version when it refused
-    before), and every train rank's ``refit`` raises: the trainer is the source of truth."""
+    before), and every train rank's ``refit`` raises: the trainer is the source of truth.
+
+    SGLang's speculative draft (the model of the draft worker's runner, which SGLang calls after
+    the target's with the same message: :func:`_target_of`) is written by its target's refit under
+    ``refit.gen_draft`` (its ``connect`` hands it over) and left untouched otherwise."""
     _ERRORS[model] = None
+    target = _target_of(model)
+    if target is not None:
+        _draft_call(model, target, named_tensors)
+        return
     for name, _ in named_tensors:
         op = "?"
         try:
@@ -128,8 +186,11 @@ def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Te
             if op == "connect":
                 if _MEMBERS.get(model) is not None:
                     raise RuntimeError("this engine is connected to a refit group already; close it first")
-                _MEMBERS[model] = engine_refit_for(model, args["refit"], num_train=args["num_train"],
-                                                   replica=args.get("replica", 0))
+                member, with_draft = _connect(model, args["refit"], num_train=args["num_train"],
+                                              replica=args.get("replica", 0))
+                _MEMBERS[model] = member
+                if with_draft is not None:
+                    _DRAFTS[model] = with_draft
             else:
                 member = _MEMBERS.get(model)
                 if member is None:
@@ -139,10 +200,59 @@ def refit_loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Te
                     member.receive(args["version"], full=args.get("full", False))
                 else:
                     del _MEMBERS[model]
+                    _DRAFTS.pop(model, None)
                     member.close()
         except Exception as exc:  # noqa: BLE001 -- see the docstring: raising would end the engine
             log.exception("megatron_refit %s failed", op)
             _ERRORS[model] = f"{type(exc).__name__}: {exc}"
+            return
+
+
+def _target_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The target whose speculative draft ``model`` is (None: ``model`` is a target), decided the
+    first time the loader meets ``model``: a model that holds the embedding or the LM head of one
+    the loader took for a target is its draft (SGLang's EAGLE worker shares them into the draft,
+    and calls the loader with the target's runner first)."""
+    if model in _TARGETS:
+        return None
+    ref = _DRAFT_OF.get(model)
+    target = None if ref is None else ref()
+    if target is None:
+        target = draft_of(model, list(_TARGETS))
+        if target is None:
+            _TARGETS.add(model)
+        else:
+            _DRAFT_OF[model] = weakref.ref(target)
+    return target
+
+
+def _draft_call(draft: torch.nn.Module, target: torch.nn.Module, named_tensors) -> None:
+    """The control messages on SGLang's draft runner: under ``refit.gen_draft`` its ``connect``
+    hands the draft over to its target's plan; its ``refit`` and ``close`` have nothing more to do
+    (the target's wrote the draft, and left the group). Without ``gen_draft`` (or before its target
+    connected) the draft is left untouched. Never raises (as :func:`refit_loader`)."""
+    with_draft = _DRAFTS.get(target)
+    for name, _ in named_tensors:
+        op = "?"
+        try:
+            op, _ = parse_message(name)
+            if with_draft is None:
+                log.debug("megatron_refit %s: SGLang's draft %s left untouched (refit.gen_draft is off, or its "
+                          "target is not connected)", op, type(draft).__name__)
+            elif op == "connect":
+                if with_draft.draft is not None and with_draft.draft is not draft:
+                    raise ValueError(f"refit.gen_draft: a second SGLang draft runner's model ({type(draft).__name__}) "
+                                     "for one target: one draft model per step (SGLang's multi-layer EAGLE) is not "
+                                     "planned; the first runner's draft stays handed over")
+                with_draft.hand_over(draft)
+                log.info("megatron_refit connect: SGLang's draft %s handed over: every refit writes it with the "
+                         "main model", type(draft).__name__)
+            else:
+                log.debug("megatron_refit %s on SGLang's draft runner: nothing more to do (the target's %s "
+                          "covered the draft)", op, op)
+        except Exception as exc:  # noqa: BLE001 -- as refit_loader: raising would end the engine
+            log.exception("megatron_refit %s on SGLang's draft failed", op)
+            _ERRORS[draft] = f"{type(exc).__name__}: {exc}"
             return
 
 
