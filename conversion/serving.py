@@ -58,8 +58,16 @@ class MegatronForward:
         routed to (:attr:`megatron_refit.plan.probe.Reference.routes`); None for a dense model. Only
         a call sets it (:meth:`cover`'s forwards leave it as the last call's)."""
         self._moe_layers: torch.Tensor | None = None
+        self.score_draft = False
+        """``refit.gen_draft``: each call also scores the probe through the first MTP layer
+        (:meth:`prepare`)."""
+        self.draft: list[list[float]] | None = None
+        """After a call with :attr:`score_draft`: per sequence, the first MTP layer's ``log p(token
+        t + 2 | tokens <= t + 1)`` for t >= 0 (what the engine's speculative draft proposes from)."""
+        self.draft_scale: list[list[float]] | None = None
+        """Their logits' magnitudes, as :attr:`scale` is the model's."""
 
-    def prepare(self, *, fp8: bool) -> None:
+    def prepare(self, *, fp8: bool, draft: bool = False) -> None:
         """Before the first check: compute with FP8-rounded linear weights (``fp8``: the trainer
         quantizes what it sends); ``ValueError`` where the reference cannot run: FP8 that cannot
         match the engine's blocks, MTP layers on a stage of their own (a layout's ``mtp`` stage
@@ -68,7 +76,12 @@ class MegatronForward:
         if getattr(self.config, "mtp_standalone", False):
             raise ValueError("refit.verify_serving: pipeline_model_parallel_layout puts the MTP layers on a stage "
                              "before the loss's (a standalone MTP stage), which the reference forward does not run")
-        self.fp8 = fp8
+        if draft and (not self.config.mtp_num_layers or self.config.context_parallel_size > 1):
+            raise ValueError(f"refit.verify_serving with gen_draft: the reference scores the engine's draft through "
+                             f"the trainer's first MTP layer, which needs mtp_num_layers >= 1 and no context "
+                             f"parallelism; got mtp_num_layers={self.config.mtp_num_layers}, "
+                             f"context_parallel_size={self.config.context_parallel_size}")
+        self.fp8, self.score_draft = fp8, draft
         if fp8:
             kv_channels = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
             if kv_channels % 128:
@@ -124,6 +137,7 @@ class MegatronForward:
         :meth:`conversion.routing.RoutedExperts.per_sequence`) and, with ``routes`` (a MoE model), each
         scored token's routes (:attr:`routes`; else None)."""
         out: list = [None] * len(sequences)
+        drafted: list = [None] * len(sequences)
         seen = None
         per_token = [None] * len(sequences) if routes and self.routing.moe else None
         if self.routing.moe:
@@ -132,15 +146,20 @@ class MegatronForward:
             for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
                 with self.routing.capture() if self.routing.moe else contextlib.nullcontext():
-                    logprobs, run = self._logprobs(tokens, scored=scored)
+                    logprobs, run, draft = self._logprobs(tokens, scored=scored)
                 for i, row in zip(indices, logprobs.tolist() if scored else [None] * len(indices), strict=True):
                     out[i] = row
+                for i, row in zip(indices, draft.tolist() if draft is not None else [], strict=False):
+                    drafted[i] = row
                 if seen is not None:
                     routed, self._moe_layers = self.routing.per_sequence(run, len(indices))
                     seen[indices] = routed
                     if per_token is not None:
                         for i, row in zip(indices, self.routing.per_token(run, len(indices)), strict=True):
                             per_token[i] = row
+        if scored and self.score_draft:
+            self.draft = [[lp for lp, _ in row] for row in drafted]
+            self.draft_scale = [[m for _, m in row] for row in drafted]
         return (out if scored else None), seen, per_token
 
     def _count(self, union: torch.Tensor) -> tuple[int, int]:
@@ -155,23 +174,33 @@ class MegatronForward:
     def _logprobs(self, tokens: torch.Tensor, *, scored: bool = True):
         """``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1 and the magnitude of its logits
         (:func:`_vocab_parallel_logprobs`), [batch, seq - 1, 2] (float32), on every rank
-        (``scored``; else None: the forward alone), and this rank's
-        :class:`~conversion.forward.PipelinePass`."""
+        (``scored``; else None: the forward alone), this rank's
+        :class:`~conversion.forward.PipelinePass` and, under :attr:`score_draft`, the first MTP
+        layer's log-probs of the token after the next, [batch, seq - 2, 2] (else None)."""
         from megatron.core import parallel_state as ps
 
-        run = pipeline_forward(self.model, tokens)
+        draft = self.score_draft and scored
+        with mtp_logits() if draft else contextlib.nullcontext() as captured:
+            run = pipeline_forward(self.model, tokens)
         if not scored:
-            return None, run
+            return None, run, None
         device = run.next_tokens.device
         result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, 2, dtype=torch.float32, device=device)
+        drafted = torch.empty(tokens.shape[0], max(0, tokens.shape[1] - 2), 2, dtype=torch.float32, device=device)
         if last_rank_holds_output(self.model):
             with cpu_forward():
                 local = _vocab_parallel_logprobs(run.output, run.next_tokens, self.vocab_size)
+                if draft:  # MTP layer 1 at position t: the token after the next
+                    logits = captured[0].transpose(0, 1)
+                    after = torch.nn.functional.pad(tokens[:, 2:], (0, logits.shape[1] - tokens.shape[1] + 2))
+                    drafted.copy_(_vocab_parallel_logprobs(logits, after.to(device), self.vocab_size)[
+                        :, : drafted.shape[1]])
             result.copy_(gather_sequence(local, run)[:, :-1])  # every CP rank the whole probe
         if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage gets the last stage's answer
-            torch.distributed.broadcast(result, ps.get_pipeline_model_parallel_last_rank(),
-                                        group=ps.get_pipeline_model_parallel_group())
-        return result.cpu(), run
+            for answer in (result, drafted) if draft else (result,):
+                torch.distributed.broadcast(answer, ps.get_pipeline_model_parallel_last_rank(),
+                                            group=ps.get_pipeline_model_parallel_group())
+        return result.cpu(), run, drafted.cpu() if draft else None
 
     @contextlib.contextmanager
     def _untouched(self):
@@ -199,6 +228,29 @@ class MegatronForward:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
             tracker.set_states(tracker_states)
+
+
+@contextlib.contextmanager
+def mtp_logits():
+    """While it is open, the last stage's forward also keeps the first MTP layer's logits
+    (``[seq, batch, vocab / tp]``, what Megatron's ``process_mtp_loss`` computes its loss from) in
+    the list it yields: Megatron's own function is wrapped (and put back after), its output unchanged."""
+    from megatron.core.models.gpt import gpt_model
+
+    captured: list = []
+    original = gpt_model.process_mtp_loss
+
+    def keeping(hidden_states, *args, output_layer, output_weight, runtime_gather_output, config, **kwargs):
+        first = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)[1]
+        captured.append(output_layer(first, weight=output_weight, runtime_gather_output=runtime_gather_output)[0])
+        return original(hidden_states, *args, output_layer=output_layer, output_weight=output_weight,
+                        runtime_gather_output=runtime_gather_output, config=config, **kwargs)
+
+    gpt_model.process_mtp_loss = keeping
+    try:
+        yield captured
+    finally:
+        gpt_model.process_mtp_loss = original
 
 
 @contextlib.contextmanager

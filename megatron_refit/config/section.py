@@ -82,7 +82,9 @@ class RefitConfig:
     rank holds them fails by name at start instead of leaving the draft the first version's. The
     HF engine holds a draft (``HFStorage.from_config(draft=True)``); vLLM's worker receives into
     its ``DeepSeekMTP`` draft in vLLM's draft session (``start_draft_weight_update``: every refit is
-    one); SGLang's loader does not receive into its draft yet (#67), so with it it fails at start. With
+    one); SGLang's loader into its NextN draft (the sessions select ``all`` runners, the draft's
+    runner hands it over at connect). Where the engine scores its draft (the HF engine), the
+    serving check holds the draft's log-probs to the trainer's MTP layer's too. With
     ``trainer_quantize_fp8`` the MTP layers' weights are quantized by the main model's roles
     (``eh_proj``, a plain linear in the engines' drafts, stays bf16). Off: MTP layers no
     engine rank holds are skipped by name and counted (``refit/skipped_params``); the dry run

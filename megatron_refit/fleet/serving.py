@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_refit.config import RefitConfig
 from megatron_refit.errors import ServingMismatchError
+from megatron_refit.fleet.draft_check import DraftCheck, DraftScores
 from megatron_refit.plan import calibration
 from megatron_refit.plan.probe import (BULK_MIN_TOKENS, DEFAULT_COVER_TOKENS, Probe, Reference, bulk, compare,
                                       default_tolerance, make_probe, mean_difference, relative_tolerance)
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
                 "refit/serving_mean_dlogprob", "refit/serving_bulk", "refit/serving_s", "refit/serving_reference_s",
-                "refit/serving_experts_covered", "refit/serving_experts_total", "refit/serving_calibrated")
+                "refit/serving_experts_covered", "refit/serving_experts_total", "refit/serving_calibrated",
+                "refit/serving_draft_checked", "refit/serving_draft_max_dlogprob")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
 log-prob|, the largest of their mean |Δ| over the probe's tokens and of their bulk (the 90 %
@@ -44,8 +46,10 @@ trainer's reference plus the slowest replica's answer) and the reference's alone
 model the (layer, expert) pairs the probe routes to under the trainer's router at the last
 reference, of all of them (0 of 0: a dense model, or no reference yet), the replicas judged
 against their calibrated noise (:mod:`~megatron_refit.plan.calibration`; the others against the
-rounding bound: a replica's first check, or every check under ``refit.verify: off``); each replica's
-difference also under ``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
+rounding bound: a replica's first check, or every check under ``refit.verify: off``), under
+``refit.gen_draft`` the replicas whose speculative draft was scored and its largest |Δ log-prob|
+(:mod:`~megatron_refit.fleet.draft_check`); each replica's difference also under
+``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
 
 
 @runtime_checkable
@@ -103,9 +107,12 @@ class ServingCheck:
                                  "local_shard_source) or pass forward=conversion.serving.trainer_forward(...); "
                                  "or set verify_serving: off")
             self._turn_off("the trainer refits bare pieces: no forward to compare with")
+        self.draft = cfg.gen_draft
+        """The engines decode with the trainer's MTP layer as their draft: the reference scores it too."""
+        self.drafts = DraftCheck()
         if self.every is not None:
-            try:
-                forward.prepare(fp8=cfg.trainer_quantize_fp8)
+            try:  # the draft only where there is one: a forward without MTP layers needs no such argument
+                forward.prepare(fp8=cfg.trainer_quantize_fp8, **({"draft": True} if self.draft else {}))
             except ValueError as exc:
                 if not self.auto:
                     raise
@@ -189,7 +196,9 @@ class ServingCheck:
                                experts[0], experts[1], self.cover_tokens)
                 self._said_uncovered = True
         self.experts = experts
-        answer = Reference(reference, self.forward.scale, self.forward.routes)
+        answer = Reference(reference, self.forward.scale, self.forward.routes,
+                           draft=self.forward.draft if self.draft else None,
+                           draft_scale=self.forward.draft_scale if self.draft else None)
         return self.probe, answer, time.perf_counter() - t0
 
     def verdict(self, replica: int, version: int, score: Callable[[], Any], reference: Reference, probe: Probe,
@@ -213,7 +222,8 @@ class ServingCheck:
             raise ServingMismatchError(f"refit {version}: engine replica {replica} failed to serve the probe ({why})",
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
-        moved = None
+        served, draft = (served.logprobs, served.draft) if isinstance(served, DraftScores) else (served, None)
+        moved, drafted = None, None
         profile = self.profiles.get(replica)
         bound = None if profile is None else calibration.limits(profile)
         paths = served.paths if isinstance(served, PathScores) else (("", served),)
@@ -238,6 +248,9 @@ class ServingCheck:
                     raise ServingMismatchError(f"{exc} (through its {', '.join(failing)})", replica=replica,
                                                version=version, max_dlogprob=exc.max_dlogprob,
                                                first=exc.first) from exc
+            if reference.draft is not None:
+                drafted = self.drafts.judge(draft, reference, probe, tolerance=self.tolerance, relative=self.relative,
+                                            floor=self.floor, replica=replica, version=version)
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
@@ -259,7 +272,7 @@ class ServingCheck:
         return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
                     calibrated=bound is not None, tail=calibration.tail(values),
                     tail_limit=None if bound is None else bound.tail, expert_moved=moved,
-                    expert_limit=None if bound is None else bound.expert)
+                    expert_limit=None if bound is None else bound.expert, draft_dlogprob=drafted)
 
     def _compare(self, label: str, served: Any, reference: Reference, probe: Probe, replica: int, version: int, *,
                  calibrated: bool) -> float:
@@ -323,7 +336,10 @@ class ServingCheck:
                    "refit/serving_reference_s": reference_s, "refit/serving_experts_covered": self.experts[0],
                    "refit/serving_experts_total": self.experts[1],
                    "refit/serving_calibrated": sum(bool(v.get("calibrated")) for v in found.values()
-                                                   if "max_dlogprob" in v)}
+                                                   if "max_dlogprob" in v),
+                   "refit/serving_draft_checked": sum(v.get("draft_dlogprob") is not None for v in found.values()),
+                   "refit/serving_draft_max_dlogprob": max((v.get("draft_dlogprob") or 0.0 for v in found.values()),
+                                                           default=0.0)}
         metrics.update({f"refit/serving_max_dlogprob/replica_{r}": d for r, d in sorted(checked.items())})
         return metrics
 
@@ -369,4 +385,6 @@ def served_or_raise(answer: Any) -> Any:
         raise ServingUnavailableError(f"its engine answered: {answer['unable']}")
     if isinstance(answer, dict) and "error" in answer:
         raise RuntimeError(f"scoring the serving probe failed on the engine: {answer['error']}")
+    if isinstance(answer, dict) and "draft" in answer:
+        return DraftScores(answer["logprobs"], answer["draft"])
     return answer

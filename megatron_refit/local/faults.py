@@ -86,14 +86,17 @@ class HoldRefits:
             self.cond.notify_all()
 
 
-BREAKS = ("permute_experts", "scale_expert", "unload_layer", "stale_scale", "stale_tensor", "stale_draft")
+BREAKS = ("permute_experts", "scale_expert", "unload_layer", "stale_scale", "stale_tensor", "stale_draft",
+          "unload_draft")
 """Ways :func:`break_post_load` breaks an engine's post-load step (the serving check must catch
 each): the first MoE layer's experts 0 and 1 swapped after the load; its expert 0's down
 projection x1.05; the first decoder layer left
 as it was before the refit (not loaded); one FP8 weight dequantized with the last refit's
 ``weight_scale_inv`` (stale); one weight (the first layer's MLP down projection, of expert 0 in a
 MoE layer) put back as it was before the refit after the load (one version stale); the speculative
-draft's ``eh_proj`` (its MTP layer's, #67) put back the same way: a draft left a version behind."""
+draft's ``eh_proj`` (its MTP layer's, #67) put back the same way: a draft left a version behind; the
+draft's whole MTP layer left as it was before the refit (an engine whose load skips its draft, as
+vLLM's RFC #48296 met: at the first refit, the draft serves what the engine started with)."""
 
 
 def break_post_load(storage, how: str, armed: list[bool]) -> None:
@@ -113,17 +116,18 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
                          f"weight the refit writes, got {stale!r}"
                          f"{' (FP8: staged; stale_scale breaks an FP8 engine)' if stale else ''}")
     draft = next((n for n in names if n.endswith(".eh_proj.weight")), None)
-    if how == "stale_draft" and draft is None:
-        raise ValueError(f"break_post_load: stale_draft needs an engine with an MTP draft (an eh_proj weight the "
+    if how in ("stale_draft", "unload_draft") and draft is None:
+        raise ValueError(f"break_post_load: {how} needs an engine with an MTP draft (an eh_proj weight the "
                          f"refit writes), got none among {len(names)} targets")
     kept = {"stale_tensor": stale, "stale_draft": draft}.get(how)
-    layer = "model.layers.0."
+    layer = f"model.layers.{storage.draft.first}." if how == "unload_draft" else "model.layers.0."
     before: dict = {}
     scales: dict = {}
 
     def snapshot(state, version):  # before the refit writes: the layer (or one weight) as it is
-        if state == "updating" and armed[0] and how == "unload_layer":
-            before.update({n: t.detach().clone() for n, t in storage.model.state_dict().items() if layer in n})
+        if state == "updating" and armed[0] and how in ("unload_layer", "unload_draft"):
+            model = storage.draft if how == "unload_draft" else storage.model
+            before.update({n: t.detach().clone() for n, t in model.state_dict().items() if n.startswith(layer)})
         if state == "updating" and armed[0] and kept is not None:
             before[kept] = storage.buffer(kept).detach().clone()
         set_state(state, version)
@@ -142,7 +146,8 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
                 params[name].data[[0, 1]] = params[name].data[[1, 0]].clone()
         elif how == "scale_expert":
             params[f"{layer}mlp.experts.down_proj"].data[0] *= 1.05
-        elif how == "unload_layer":
+        elif how in ("unload_layer", "unload_draft"):
+            params = dict((storage.draft if how == "unload_draft" else storage.model).state_dict(keep_vars=True))
             for name, old in before.items():
                 params[name].data.copy_(old)
         elif kept is not None:

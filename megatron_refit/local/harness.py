@@ -84,7 +84,7 @@ def refit_config(spec: RunSpec, port: int):
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
                        on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
                        overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving, fanout=spec.fanout,
-                       serving_tolerance=spec.serving_tolerance, gen_draft=spec.draft)
+                       serving_tolerance=spec.serving_tolerance, gen_draft=spec.draft, verify=spec.verify)
 
 
 def hf_config_for(spec: RunSpec):

@@ -61,6 +61,9 @@ class RunSpec:
     verify_serving: str | int = "off"
     """``refit.verify_serving``: replicas score the probe after a version lands (the HF engine in band)."""
     serving_tolerance: float | None = None
+    verify: str = "sampled"
+    """``refit.verify``: ``off`` also turns the HF engine's read-back of its live weights off, so that
+    the serving check's log-probs alone judge the engine (and its draft)."""
     breaks: tuple[tuple[int, int, str], ...] = ()
     """``(replica, version, how)``: that replica's post-load step breaks the model while ``version``
     lands (:func:`~megatron_refit.local.faults.break_post_load`); the serving check must catch it."""

@@ -139,5 +139,5 @@ def draft_hint(refused: list[str]) -> str:
         return ""
     return (f". {len(mtp)} of them are the trainer's MTP layers (the decoder layers with an eh_proj), "
             f"which refit.gen_draft requires the engine's speculative draft to hold. Start the engine with its draft "
-            f"(vLLM --speculative-config deepseek_mtp, the HF engine's draft; SGLang's loader does not receive into "
-            f"its draft yet, #67), or set gen_draft: false, which skips them by name")
+            f"(vLLM --speculative-config deepseek_mtp, SGLang --speculative-algorithm EAGLE with its NextN draft, the "
+            f"HF engine's draft), or set gen_draft: false, which skips them by name")

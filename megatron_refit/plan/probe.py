@@ -71,6 +71,12 @@ class Reference:
     routes: list[list[tuple[tuple[int, int], ...]]] | None = None
     """Of a MoE model: per sequence, per scored token, the ``(layer, expert)`` pairs the trainer's
     router sends its position to (what the calibrated check groups tokens by); None: not known."""
+    draft: list[list[float]] | None = None
+    """``refit.gen_draft``: per sequence, the trainer's first MTP layer's log-prob of each token
+    from the third on (``log p(token t + 2 | tokens <= t + 1)``: what the engine's draft proposes
+    from); None: the draft is not checked."""
+    draft_scale: list[list[float]] | None = None
+    """Their logits' magnitudes (as :attr:`scale` is the model's)."""
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,27 @@ def test_a_draft_left_a_version_behind_is_caught_on_its_replica():
     # log-probs cannot see the draft, which the engine does not score with
     assert why.startswith("ServingMismatchError: refit 2: engine replica 1 does not serve the trainer's model: its "
                           "weights, read back after its post-load step, no longer hold the bytes"), why
+
+
+def test_the_drafts_log_probs_are_the_trainers_mtp_layers_and_a_draft_never_loaded_fails_its_replica():
+    """Proof of serving covers the draft: the HF engine scores the probe through its draft too (the
+    first MTP layer's log-prob of the token after the next) and the verdict holds it to the
+    trainer's own MTP layer's, here with the read-back of the live weights off (``refit.verify:
+    off``), so the log-probs alone judge. Clean: every replica's draft is checked, within bf16
+    rounding; replica 1's engine skips its draft at refit 1 (``unload_draft``: the draft serves what
+    the engine started with, as an engine whose load leaves its MTP head out does) and fails by name,
+    and the next refit lands it."""
+    spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, sequence_parallel=True, mtp_layers=1),
+                   gen=GenLayout(tp=1, dp=2), draft=True, dtype="bfloat16", lr=1e-3, refits=3, verify="off",
+                   bucket_bytes=64 << 10, verify_serving="on", breaks=((1, 1, "unload_draft"),), timeout_s=120.0)
+    results = run(spec)
+    refits = evaluate(spec, results)["refits"]
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[1], [], []]
+    why = refits[0]["failed_replicas"][1]
+    assert why.startswith("ServingMismatchError: refit 1: engine replica 1 does not serve the trainer's model"), why
+    assert "[in its speculative draft: the MTP layer's log-prob of the token after the next" in why, why
+    summaries = [t["refits"] for t in results if t["role"] == "train"][0]
+    checked = [r["report"]["summary"]["refit/serving_draft_checked"] for r in summaries]
+    worst = [r["report"]["summary"]["refit/serving_draft_max_dlogprob"] for r in summaries]
+    assert checked == [1, 2, 2], checked  # refit 1: the failed replica's draft is not counted as checked
+    assert all(0.0 < w < 0.02 for w in worst), worst  # bf16: the draft computes what the trainer's MTP layer does

@@ -168,12 +168,15 @@ class HFStorage(WeightsState):
         return self.step(tokens)[0]
 
     @torch.no_grad()
-    def score(self, sequences) -> list[list[float]]:
+    def score(self, sequences) -> list[list[float]] | dict:
         """The serving probe (``refit.verify_serving``) through this engine's forward: each
         sequence's ``log p(token t | tokens < t)`` for every token after the first (a float32
         log-softmax over the vocabulary). One batch per sequence length, all under one hold of
-        :attr:`serving`: the whole probe is scored by one version, also while a staged swap waits."""
+        :attr:`serving`: the whole probe is scored by one version, also while a staged swap waits.
+        With a draft, ``{"logprobs": those, "draft": its}``: what the draft proposes from
+        (:meth:`~megatron_refit.engines.hf.draft.MTPDraft.logprobs`, ``log p(token t + 2)``)."""
         out: list = [None] * len(sequences)
+        drafted: list = [None] * len(sequences)
         with self.serving:
             for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
@@ -181,7 +184,12 @@ class HFStorage(WeightsState):
                 for i, row in zip(indices, logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist(),
                                   strict=True):
                     out[i] = row
-        return out
+                if self.draft is not None:
+                    device = next(self.model.parameters()).device
+                    for i, row in zip(indices, self.draft.logprobs(self.model, tokens.to(device)).tolist(),
+                                      strict=True):
+                        drafted[i] = row
+        return out if self.draft is None else {"logprobs": out, "draft": drafted}
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
