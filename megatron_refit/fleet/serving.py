@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 SERVING_KEYS = ("refit/serving_checked", "refit/serving_unchecked", "refit/serving_max_dlogprob",
                 "refit/serving_mean_dlogprob", "refit/serving_bulk", "refit/serving_s", "refit/serving_reference_s",
                 "refit/serving_experts_covered", "refit/serving_experts_total", "refit/serving_calibrated",
-                "refit/serving_draft_checked", "refit/serving_draft_max_dlogprob")
+                "refit/serving_draft_checked", "refit/serving_draft_max_dlogprob", "refit/serving_draft_drift")
 """The fleet summary's serving metrics: replicas checked, replicas ``auto`` could not check (the
 check is off for a named reason, or the replica's engine cannot score), their largest |Δ
 log-prob|, the largest of their mean |Δ| over the probe's tokens and of their bulk (the 90 %
@@ -47,8 +47,8 @@ model the (layer, expert) pairs the probe routes to under the trainer's router a
 reference, of all of them (0 of 0: a dense model, or no reference yet), the replicas judged
 against their calibrated noise (:mod:`~megatron_refit.plan.calibration`; the others against the
 rounding bound: a replica's first check, or every check under ``refit.verify: off``), under
-``refit.gen_draft`` the replicas whose speculative draft was scored and its largest |Δ log-prob|
-(:mod:`~megatron_refit.fleet.draft_check`); each replica's difference also under
+``refit.gen_draft`` the replicas whose speculative draft was scored, its largest |Δ log-prob| and
+its largest drift from its clean noise (:mod:`~megatron_refit.fleet.draft_check`); each replica's difference also under
 ``refit/serving_max_dlogprob/replica_<r>`` when it was checked."""
 
 
@@ -223,7 +223,7 @@ class ServingCheck:
                                        replica=replica, version=version, max_dlogprob=math.inf, first=None) from exc
         seconds = time.perf_counter() - t0
         served, draft = (served.logprobs, served.draft) if isinstance(served, DraftScores) else (served, None)
-        moved, drafted = None, None
+        moved, drafted = None, (None, None)
         profile = self.profiles.get(replica)
         bound = None if profile is None else calibration.limits(profile)
         paths = served.paths if isinstance(served, PathScores) else (("", served),)
@@ -248,9 +248,6 @@ class ServingCheck:
                     raise ServingMismatchError(f"{exc} (through its {', '.join(failing)})", replica=replica,
                                                version=version, max_dlogprob=exc.max_dlogprob,
                                                first=exc.first) from exc
-            if reference.draft is not None:
-                drafted = self.drafts.judge(draft, reference, probe, tolerance=self.tolerance, relative=self.relative,
-                                            floor=self.floor, replica=replica, version=version)
             if stale:
                 raise ServingMismatchError(
                     f"refit {version}: engine replica {replica} does not serve the trainer's model: its weights, "
@@ -259,6 +256,9 @@ class ServingCheck:
                     f"stale or changed after the load; its log-probs are within {worst:.3g} of the trainer's). It "
                     f"has not landed version {version}; its next refit is a full one",
                     replica=replica, version=version, max_dlogprob=worst, first=None)
+            if reference.draft is not None:
+                drafted = self.drafts.judge(draft, reference, probe, tolerance=self.tolerance, relative=self.relative,
+                                            floor=self.floor, replica=replica, version=version) or (None, None)
         except ServingMismatchError as exc:
             exc.seconds = seconds
             raise
@@ -272,7 +272,8 @@ class ServingCheck:
         return dict(max_dlogprob=worst, mean_dlogprob=mean_difference(served, reference), seconds=seconds, bulk=share,
                     calibrated=bound is not None, tail=calibration.tail(values),
                     tail_limit=None if bound is None else bound.tail, expert_moved=moved,
-                    expert_limit=None if bound is None else bound.expert, draft_dlogprob=drafted)
+                    expert_limit=None if bound is None else bound.expert, draft_dlogprob=drafted[0],
+                    draft_drift=drafted[1])
 
     def _compare(self, label: str, served: Any, reference: Reference, probe: Probe, replica: int, version: int, *,
                  calibrated: bool) -> float:
@@ -339,7 +340,8 @@ class ServingCheck:
                                                    if "max_dlogprob" in v),
                    "refit/serving_draft_checked": sum(v.get("draft_dlogprob") is not None for v in found.values()),
                    "refit/serving_draft_max_dlogprob": max((v.get("draft_dlogprob") or 0.0 for v in found.values()),
-                                                           default=0.0)}
+                                                           default=0.0),
+                   "refit/serving_draft_drift": max((v.get("draft_drift") or 0.0 for v in found.values()), default=0.0)}
         metrics.update({f"refit/serving_max_dlogprob/replica_{r}": d for r, d in sorted(checked.items())})
         return metrics
 
@@ -348,6 +350,7 @@ class ServingCheck:
         self.verified.discard(replica)
         self.unable.discard(replica)
         self.profiles.pop(replica, None)
+        self.drafts.forget(replica)
 
 
 @dataclass(frozen=True)

@@ -136,3 +136,22 @@ def test_the_drafts_log_probs_are_the_trainers_mtp_layers_and_a_draft_never_load
     worst = [r["report"]["summary"]["refit/serving_draft_max_dlogprob"] for r in summaries]
     assert checked == [1, 2, 2], checked  # refit 1: the failed replica's draft is not counted as checked
     assert all(0.0 < w < 0.02 for w in worst), worst  # bf16: the draft computes what the trainer's MTP layer does
+
+
+def test_a_draft_one_step_behind_stays_within_the_bound_and_is_reported_as_drift():
+    """Replica 1's engine puts its draft's ``eh_proj`` back as it was before refit 2 (``stale_draft``,
+    read-back off): its log-probs move far less than the rounding bound allows, so it does not fail,
+    but beyond :data:`~megatron_refit.fleet.draft_check.DRIFT_MARGIN` times the draft's clean noise
+    (its first check's): ``refit/serving_draft_drift`` says so (and a WARNING); clean checks stay near 1."""
+    from megatron_refit.fleet.draft_check import DRIFT_MARGIN
+
+    spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, sequence_parallel=True, mtp_layers=1),
+                   gen=GenLayout(tp=1, dp=2), draft=True, dtype="bfloat16", lr=1e-3, refits=3, verify="off",
+                   bucket_bytes=64 << 10, verify_serving="on", breaks=((1, 2, "stale_draft"),), timeout_s=120.0)
+    results = run(spec)
+    refits = evaluate(spec, results)["refits"]
+    assert [sorted(r["failed_replicas"]) for r in refits] == [[], [], []]
+    summaries = [r["report"]["summary"] for r in [t["refits"] for t in results if t["role"] == "train"][0]]
+    drift = [s["refit/serving_draft_drift"] for s in summaries]
+    assert drift[0] == 0.0 and drift[1] > 4 * DRIFT_MARGIN and drift[2] < DRIFT_MARGIN, drift
+    assert all(s["refit/serving_draft_checked"] == 2 for s in summaries)

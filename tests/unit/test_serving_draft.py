@@ -80,3 +80,20 @@ def test_a_draft_answer_of_another_shape_fails_and_none_is_unchecked_said_once(c
     assert check.record(dict(enumerate(found)), {}, 0.0, [0, 1])["refit/serving_draft_checked"] == 0
     said = [r for r in caplog.records if "gives the model's log-probs only" in r.getMessage()]
     assert len(said) == 1 and "engine replica 0 " in said[0].getMessage()
+
+
+def test_a_draft_drifting_from_its_clean_noise_is_reported_not_failed(caplog):
+    check = _check()
+    first = check.verdict(0, 1, lambda: served_or_raise(_answer(0.0)), REFERENCE, Probe(TOKENS))
+    assert first["draft_drift"] is None  # its calibration check: its clean tail (0, at least the floor)
+    same = check.verdict(0, 2, lambda: served_or_raise(_answer(0.0)), REFERENCE, Probe(TOKENS))
+    assert same["draft_drift"] == 0.0
+    with caplog.at_level(logging.WARNING):
+        moved = check.verdict(0, 3, lambda: served_or_raise(_answer(0.05)), REFERENCE, Probe(TOKENS))
+    # one token 0.05 / 0.12 of its bound: the tail (the 2 largest of 12) 0.208, over the floor 0.005
+    assert moved["draft_drift"] == pytest.approx(0.05 / 0.12 / 2 / 0.005)
+    assert check.record({0: moved}, {}, 0.0, [0])["refit/serving_draft_drift"] == pytest.approx(41.67, rel=1e-3)
+    assert any("engine replica 0's speculative draft drifted from the trainer's MTP layer" in r.getMessage()
+               for r in caplog.records)
+    check.forget(0)  # whoever joins as replica 0 is measured clean again
+    assert check.verdict(0, 4, lambda: served_or_raise(_answer(0.05)), REFERENCE, Probe(TOKENS))["draft_drift"] is None
