@@ -105,6 +105,27 @@ def _finalize_grads(built: BuiltModel) -> None:
                 torch.distributed.all_reduce(param.grad, group=tp)
                 if not ("q_layernorm" in name or "k_layernorm" in name):
                     param.grad /= tp.size()
+    _sync_shared_embedding(built)
+
+
+def _sync_shared_embedding(built: BuiltModel) -> None:
+    """As Megatron's ``_allreduce_word_embedding_grads``: a word embedding held on two pipeline
+    stages (tied to the output layer, or the MTP layers' on the last stage) has its gradients summed
+    over the embedding group, so both copies take one update."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    group = ps.get_embedding_group(check_initialized=False)
+    if group is None or group.size() <= 1 or torch.distributed.get_rank() not in \
+            torch.distributed.get_process_group_ranks(group):
+        return
+    chunk = built.model[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else built.model[-1]
+    if not (get_attr_wrapped_model(chunk, "share_embeddings_and_output_weights")
+            or getattr(get_model_config(chunk), "mtp_num_layers", 0)):
+        return
+    weight = get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight")()
+    if weight is not None and weight.grad is not None:
+        torch.distributed.all_reduce(weight.grad, group=group)
 
 
 @torch.no_grad()

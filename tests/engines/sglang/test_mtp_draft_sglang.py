@@ -9,8 +9,9 @@ SGLang's real weight-update path (the scheduler's ``SchedulerWeightUpdaterManage
 and a draft worker, each runner's ``WeightUpdater`` calling the custom weight loader), driven by the
 trainer's control clients (:mod:`.engine_standins`: over HTTP, and over an ``Engine``'s methods).
 
-Train TP2 ranks with sequence parallelism (Bridge's real local shards of a tiny DeepSeek-V3 with one
-MTP layer, made in ``.venv``) send into engine TP2. Under ``refit.gen_draft`` (selector ``all``),
+Train TP2 x PP2 ranks with sequence parallelism under the recipe's pipeline layout, the MTP layer on
+the last stage (Bridge's real local shards of a tiny DeepSeek-V3 with one MTP layer, made in
+``.venv``) send into engine TP2. Under ``refit.gen_draft`` (selector ``all``),
 after every refit each engine rank's main model must equal SGLang's own ``load_weights`` of Bridge's
 export on a fresh model, its draft's own parameters a fresh NextN draft's ``load_weights`` of the same
 export (bit for bit, parameters and the MLA absorb's ``w_kc`` / ``w_vc`` that both post-load steps
@@ -41,9 +42,9 @@ if importlib.util.find_spec("sglang") is None:
 
 ROOT = Path(__file__).resolve().parents[3]
 BRIDGE_SHARDS = ROOT / "tests" / "engines" / "vllm" / "bridge_shards.py"
-MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP
+MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP and PP2 (4 ranks)
 FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
-NUM_TRAIN = 2
+NUM_TRAIN = 4
 TP = 2
 VERSIONS = (1, 2)
 # (case, gen_draft, how the trainer's client reaches the engine)

@@ -33,11 +33,20 @@ VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2)),
             "qwen3-moe-e8": ("qwen3-moe", {"experts": 8, "num_experts_per_tok": 2}, dict(tp=2, ep=2)),
             "qwen3-moe-e64": ("qwen3-moe", {"experts": 64, "num_experts_per_tok": 8}, dict(tp=2, ep=2)),
             "deepseek-v3-mtp": ("deepseek-v3", {"num_nextn_predict_layers": 1},
-                                dict(tp=2, sequence_parallel=True, mtp_layers=1))}
+                                dict(tp=2, pp=2, sequence_parallel=True, mtp_layers=1,
+                                     layout=[["embedding", "decoder", "decoder"], ["decoder", "mtp", "loss"]]))}
 """Models that are a preset with overrides and their own train layout: one KV head (every
 vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head);
 8 experts top-2 and 64 experts top-8 trained at TP2 x EP2 (the wide expert-parallel tests);
-DeepSeek-V3 with one MTP layer at TP2 with sequence parallelism (the engine's draft, #67)."""
+DeepSeek-V3 with one MTP layer at TP2 with sequence parallelism and PP2 under the recipe's pipeline
+layout, the MTP layer on the last stage (the engine's draft, #67: 4 ranks, made on its own)."""
+
+
+def train_layout(name: str):
+    """The train layout ``name`` (a preset, or a :data:`VARIANTS` entry) is made at."""
+    from megatron_refit.plan.layout import TrainLayout
+
+    return TrainLayout(**VARIANTS[name][2]) if name in VARIANTS else TrainLayout(tp=TRAIN_TP)
 
 
 def model_config(name: str):
@@ -55,13 +64,12 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
     from megatron_refit.local.harness import tokens_for
     from conversion.refit import local_pieces
     from conversion.serving import trainer_forward
-    from megatron_refit.plan.layout import TrainLayout
     from megatron_refit.plan.probe import make_probe
 
     init_gloo(rank, world, port)
     for name in models:
         model_name, _, kind = name.partition("+")
-        layout = TrainLayout(**VARIANTS[model_name][2]) if model_name in VARIANTS else TrainLayout(tp=TRAIN_TP)
+        layout = train_layout(model_name)
         init_model_parallel(layout)
         cfg = model_config(model_name)
         built = build_model(cfg, layout)
@@ -109,7 +117,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lora", type=int, default=4, help="LoRA rank of the '+lora' models")
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    run_spawned(_rank, TRAIN_TP, args.out_dir, args.models, args.versions, args.lora, timeout_s=600,
+    worlds = {train_layout(name.partition("+")[0]).world_size for name in args.models}
+    if len(worlds) != 1:
+        raise ValueError(f"bridge_shards: the models {args.models} are made at train worlds {sorted(worlds)}: make "
+                         "each world's models in a run of their own")
+    run_spawned(_rank, worlds.pop(), args.out_dir, args.models, args.versions, args.lora, timeout_s=600,
                 env={"REFIT_QUIET_LOGS": "1"})
     return 0
 

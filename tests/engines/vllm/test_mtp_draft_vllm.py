@@ -9,8 +9,9 @@ config, the target's embedding and LM head shared into it by the proposer's own
 vLLM's draft session (``start_draft_weight_update``), in which the worker hands the draft to the
 engine.
 
-Train TP2 ranks with sequence parallelism (Bridge's real local shards of a tiny DeepSeek-V3 with one
-MTP layer, made in ``.venv``) send through vLLM's trainer contract into engine TP2. After every
+Train TP2 x PP2 ranks with sequence parallelism under the recipe's pipeline layout, the MTP layer on
+the last stage (Bridge's real local shards of a tiny DeepSeek-V3 with one MTP layer, made in
+``.venv``) send through vLLM's trainer contract into engine TP2. After every
 refit each engine rank's main model must equal vLLM's own ``load_weights`` of Bridge's export, its
 draft must equal vLLM's own ``DeepSeekMTP.load_weights`` of the same export (bit for bit), the draft
 must have moved between the versions, vLLM's post-load step ran on both models, and the bytes sent
@@ -33,11 +34,12 @@ from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
-from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
+from tests.engines.vllm.test_weight_transfer import (HERE, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
                                                      _QueueClient, _Runner, _vllm_config, serve_calls)
 
 TP = 2
-MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP
+MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP and PP2 (4 ranks)
+NUM_TRAIN = 4
 FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
 CASES = {"draft": True, "untouched": False}
 """Case -> ``refit.gen_draft``: the same engine (a DeepSeekMTP draft) refitted with it and without."""
