@@ -200,7 +200,8 @@ def test_verify_serving_cadence_first_refit_to_each_replica_every_nth_and_after_
                        "refit/serving_s": 0.03, "refit/serving_reference_s": 0.02,
                        "refit/serving_experts_covered": 0, "refit/serving_experts_total": 0,
                        "refit/serving_calibrated": 0, "refit/serving_draft_checked": 0,
-                       "refit/serving_draft_max_dlogprob": 0.0, "refit/serving_max_dlogprob/replica_0": 2e-7}
+                       "refit/serving_draft_max_dlogprob": 0.0, "refit/serving_draft_drift": 0.0,
+                       "refit/serving_max_dlogprob/replica_0": 2e-7}
 
 
 class _Routed(_Forward):
