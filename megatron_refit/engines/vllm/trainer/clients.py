@@ -287,6 +287,31 @@ class HTTPClient:
         update resumes it."""
         self._post(f"pause?mode={self.pause_mode}&clear_cache=true")
 
+    def speculation(self) -> dict[str, int]:
+        """The server's speculative decoding so far (``GET /metrics``): the draft tokens it proposed
+        and those the model accepted, summed over its engines (0 and 0 without a draft). Their
+        change between two calls is the acceptance over that interval, e.g. a GRPO step's rollouts
+        (:func:`speculation_counts`)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=self.timeout) as response:
+            return speculation_counts(response.read().decode(errors="replace"))
+
+
+SPECULATION_METRICS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                       "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+"""vLLM's counters of speculative decoding, as its Prometheus exposition names them."""
+
+
+def speculation_counts(text: str) -> dict[str, int]:
+    """``{"draft_tokens", "accepted_tokens"}`` from vLLM's Prometheus text (each counter summed
+    over its label sets: one per engine)."""
+    out = dict.fromkeys(SPECULATION_METRICS, 0)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else line.partition(" ")
+        for key, metric in SPECULATION_METRICS.items():
+            if name == metric:
+                out[key] += int(float(rest.rsplit(" ", 1)[-1]))
+    return out
+
 
 class ReplicaClients:
     """The clients of independent vLLM engines, one per replica (replica ``i`` = ``clients[i]``):
