@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import pytest
 import torch
 
 from megatron_refit.local.launch import free_ports, run_spawned
+from tests.engines.vllm.bridge_shards import make
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs SGLang (make setup-sglang: .venv-sglang)", allow_module_level=True)
@@ -225,7 +225,7 @@ def _gen(rank, sglang_port, refit_ports, bridge_dir, workdir):
 
 def _train(rank, sglang_port, refit_ports, bridge_dir, workdir):
     sys.path.insert(0, str(BRIDGE_SHARDS.parent))
-    from bridge_shards import load
+    from bridge_shards import load, next_version
 
     from megatron_refit.config import RefitConfig
     from megatron_refit.endpoint.sender import TensorPiece
@@ -249,8 +249,7 @@ def _train(rank, sglang_port, refit_ports, bridge_dir, workdir):
         else:
             for version in VERSIONS:
                 if version > 1:  # the next step's weights, in place of the old (as a live model's)
-                    for piece, (_, tensor) in zip(pieces, load(bridge_dir, MODEL, version, rank)["weights"]):
-                        piece.data = tensor
+                    next_version(pieces, bridge_dir, MODEL, version, rank)
                 out["reports"].append(fleet.refit(version).as_dict())
         fleet.close()
         results[case] = out
@@ -267,11 +266,7 @@ def _rank(rank, world, port, *args):
 @pytest.fixture(scope="module")
 def refitted(tmp_path_factory):
     """Every rank's results (train ranks first), from Bridge's shards made in ``.venv``."""
-    bridge = tmp_path_factory.mktemp("bridge")
-    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    proc = subprocess.run([python, str(BRIDGE_SHARDS), str(bridge), MODEL], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    bridge = make(tmp_path_factory.mktemp("bridge"), MODEL)  # in .venv
     sglang_port, *refit_ports = free_ports(1 + len(CASES))
     return run_spawned(_rank, NUM_TRAIN + TP, sglang_port, refit_ports, str(bridge),
                        str(tmp_path_factory.mktemp("sglang-draft")), timeout_s=300)

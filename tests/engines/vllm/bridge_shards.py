@@ -102,6 +102,26 @@ def load(out_dir: str, name: str, version: int, rank: int) -> dict:
     return torch.load(os.path.join(out_dir, f"{name}.v{version}.rank{rank}.pt"), weights_only=False)
 
 
+def make(out_dir, *models: str, timeout_s: float = 600) -> str:
+    """Run this script for ``models`` into ``out_dir`` in the Megatron environment
+    (``$MEGATRON_PYTHON``, else ``.venv``: an engine's own venv cannot build the models);
+    ``out_dir``, or ``RuntimeError`` with its stderr's tail."""
+    import subprocess
+
+    python = os.environ.get("MEGATRON_PYTHON", os.path.join(ROOT, ".venv", "bin", "python"))
+    proc = subprocess.run([python, os.path.abspath(__file__), str(out_dir), *models], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode:
+        raise RuntimeError(f"bridge_shards.py {' '.join(models)} failed:\n{proc.stderr[-4000:]}")
+    return str(out_dir)
+
+
+def next_version(pieces: list, out_dir: str, name: str, version: int, rank: int) -> None:
+    """Each piece's data replaced by ``version``'s (a live model's weights after its step)."""
+    for piece, (_, tensor) in zip(pieces, load(out_dir, name, version, rank)["weights"], strict=True):
+        piece.data = tensor
+
+
 def main(argv=None) -> int:
     from megatron_refit.local.launch import PRELOAD_ENV, run_spawned
 

@@ -24,7 +24,6 @@ included, and the trainer's MTP layer is skipped by name.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -34,7 +33,8 @@ from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
-from tests.engines.vllm.test_weight_transfer import (HERE, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
+from tests.engines.vllm.bridge_shards import make  # noqa: E402
+from tests.engines.vllm.test_weight_transfer import (HERE, VERSIONS, _Engine, _init_vllm,  # noqa: E402
                                                      _QueueClient, _Runner, _vllm_config, serve_calls)
 
 TP = 2
@@ -164,7 +164,7 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
 def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from bridge_shards import load
+    from bridge_shards import load, next_version
     from megatron_refit.endpoint.sender import TensorPiece
     from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
     from megatron_refit.families import is_mtp_param
@@ -182,8 +182,7 @@ def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
     out = []
     for version in VERSIONS:
         if version > 1:
-            for piece, (_, t) in zip(weights, load(bridge_dir, MODEL, version, rank)["weights"]):
-                piece.data = t
+            next_version(weights, bridge_dir, MODEL, version, rank)
         report = engine.send_weights()
         out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0 else None))
     wrong = None
@@ -202,11 +201,7 @@ def _rank(rank, world, port, *args):
 
 @pytest.fixture(scope="module")
 def refitted(tmp_path_factory):
-    bridge = tmp_path_factory.mktemp("bridge")
-    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    proc = subprocess.run([python, str(HERE / "bridge_shards.py"), str(bridge), MODEL], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    bridge = make(tmp_path_factory.mktemp("bridge"), MODEL)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
