@@ -16,9 +16,10 @@ refit each engine rank's main model must equal vLLM's own ``load_weights`` of Br
 draft must equal vLLM's own ``DeepSeekMTP.load_weights`` of the same export (bit for bit), the draft
 must have moved between the versions, vLLM's post-load step ran on both models, and the bytes sent
 are the minimal ones (the embedding and the LM head once). A plain ``start_weight_update`` under
-``refit.gen_draft`` is refused by name. Without ``gen_draft`` (a draft the trainer does not train,
-as an external EAGLE head is) the same engine's draft is left untouched, its post-load step
-included, and the trainer's MTP layer is skipped by name.
+``refit.gen_draft`` is refused by name. Then a new trainer connection to the same engine without
+``gen_draft`` (a draft the trainer does not train, as an external EAGLE head is) leaves the draft
+untouched, its post-load step included, skips the trainer's MTP layer by name, and refuses a draft
+session: the engine forgot the first connection's draft.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 
 NUM_TRAIN = 4
 FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
 CASES = {"draft": True, "untouched": False}
-"""Case -> ``refit.gen_draft``: the same engine (a DeepSeekMTP draft) refitted with it and without."""
+"""Case -> ``refit.gen_draft``: one engine (a DeepSeekMTP draft) refitted with it, then, after that
+trainer connection's shutdown, by a new one without it (the engine forgets the first's draft)."""
+ENGINE = "engine"
+"""The one engine both cases drive (the test's own calls build and check it by this name)."""
 
 
 def _with_draft(vcfg):
@@ -153,6 +157,8 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
 
     load_general_plugins()
     gens = list(range(world - NUM_TRAIN))
+    if rank == 0:
+        _QueueClient(requests, replies, gens, ENGINE).call("case")
     out = {case: _refits(rank, requests, replies, gens, case, port, bridge_dir)
            for case, port in zip(CASES, refit_ports)}
     if rank == 0:
@@ -169,9 +175,7 @@ def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
     from megatron_refit.engines.vllm.trainer.engine import LocalShardSource, MegatronRefitTrainerInitInfo
     from megatron_refit.families import is_mtp_param
 
-    client = _QueueClient(requests, replies, gens, case)
-    if rank == 0:
-        client.call("case")
+    client = _QueueClient(requests, replies, gens, ENGINE)
     # the MTP layer's pieces are optional, as Bridge's local shards mark them (an engine may hold no draft)
     weights = [TensorPiece(spec, t, optional="mtp" if is_mtp_param(spec.name, FIRST_MTP) else None)
                for spec, t in load(bridge_dir, MODEL, 1, rank)["weights"]]
@@ -238,7 +242,7 @@ def test_a_draft_the_trainer_does_not_refit_is_left_untouched_its_post_load_incl
     for version, items in zip(VERSIONS, zip(*train)):
         for check in items[0]["checks"]:
             assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
-            assert check["draft_moved"] == [] and check["draft_params"] == 18  # its load's weights, as they were
+            assert check["draft_moved"] == [] and check["draft_params"] == 18  # as the last refit with it left it
             assert check["post_loaded"] == ["DeepseekV3ForCausalLM"]
         summary = items[0]["report"]["summary"]
         assert summary["refit/skipped_params"] > 0  # the trainer's MTP layer: skipped by name, counted

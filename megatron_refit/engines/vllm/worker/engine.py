@@ -185,6 +185,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if placement is not None:  # a wide deployment: vLLM's own expert map is the one planned
             check_expert_maps(self.model, placement, rank)
         self._staged_swap = cfg.swap == "staged"  # config checked: load_weights mode
+        self._with_draft = None  # a connection before this one may have had a draft
         target = self.model
         if cfg.gen_draft:  # the draft's parameters are vLLM's to hand over, at each draft session
             target = self._with_draft = vllm_draft(self.model, hf_config.num_hidden_layers)
