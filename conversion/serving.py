@@ -186,7 +186,8 @@ class MegatronForward:
             return None, run, None
         device = run.next_tokens.device
         result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, 2, dtype=torch.float32, device=device)
-        drafted = torch.empty(tokens.shape[0], max(0, tokens.shape[1] - 2), 2, dtype=torch.float32, device=device)
+        drafted = torch.empty(tokens.shape[0], max(0, tokens.shape[1] - 2), 2, dtype=torch.float32,
+                              device=device) if draft else None
         if last_rank_holds_output(self.model):
             with cpu_forward():
                 local = _vocab_parallel_logprobs(run.output, run.next_tokens, self.vocab_size)
@@ -200,7 +201,7 @@ class MegatronForward:
             for answer in (result, drafted) if draft else (result,):
                 torch.distributed.broadcast(answer, ps.get_pipeline_model_parallel_last_rank(),
                                             group=ps.get_pipeline_model_parallel_group())
-        return result.cpu(), run, drafted.cpu() if draft else None
+        return result.cpu(), run, None if drafted is None else drafted.cpu()
 
     @contextlib.contextmanager
     def _untouched(self):

@@ -56,13 +56,13 @@ def server_env(tp: int = 1) -> dict[str, str]:
     return env
 
 
-def launch_args(model: str, port: int, *, tp: int = 1, python: str = "python", extra: tuple = ()) -> list[str]:
-    """The launch line (what docs/guide-engines.md shows a user), ``extra`` arguments at its end."""
+def launch_args(model: str, port: int, *, tp: int = 1, python: str = "python") -> list[str]:
+    """The launch line (what docs/guide-engines.md shows a user)."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "256", "--max-num-seqs", "8", "--skip-tokenizer-init", "--disable-uvicorn-access-log",
             "--enable-scale-out",  # /inference/v1/generate: each completion's weight_versions
-            "--weight-transfer-config", json.dumps({"backend": "megatron_refit"}), *extra]
+            "--weight-transfer-config", json.dumps({"backend": "megatron_refit"})]
 
 
 @dataclass
@@ -76,8 +76,6 @@ class VllmServer:
     start_timeout_s: float = 240.0
     env: dict = field(default_factory=dict)
     """Extra environment of the server's processes."""
-    args: tuple = ()
-    """Extra arguments of its launch line (e.g. ``--speculative-config``)."""
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -91,8 +89,7 @@ class VllmServer:
             raise FileNotFoundError(f"no vLLM server environment at {VENV} (make setup-vllm-server builds it)")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(launch_args(self.model, self.port, tp=self.tp, python=str(python),
-                                                        extra=self.args),
+            self.process = subprocess.Popen(launch_args(self.model, self.port, tp=self.tp, python=str(python)),
                                             stdout=log, stderr=subprocess.STDOUT,
                                             env={**server_env(self.tp), **self.env}, start_new_session=True)
         return self

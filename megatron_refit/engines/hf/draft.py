@@ -56,16 +56,16 @@ class MTPDraft(torch.nn.Module):
         """The first MTP layer's index (the main model's ``num_hidden_layers``)."""
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """What the draft proposes from, as the trainer's MTP layer computes it: at each position
-        t, the first MTP layer takes the main model's final hidden state (after its norm) and the
-        next token's embedding, and predicts the token after it: ``log p(tokens[:, t + 2])``,
-        float32 ``[batch, seq - 2]`` on the CPU. ``model``: the main model this draft belongs to
-        (its embedding, rotary embedding and output head)."""
+        t, the first MTP layer takes the main model's final hidden state (after its norm: ``hidden``,
+        ``[batch, seq, hidden]``) and the next token's embedding, and predicts the token after it:
+        ``log p(tokens[:, t + 2])``, float32 ``[batch, seq - 2]`` on the CPU. ``model``: the main
+        model this draft belongs to (its embedding, rotary embedding and output head)."""
         from transformers.masking_utils import create_causal_mask
 
         inner = model.model
-        hidden = inner(tokens).last_hidden_state
+        tokens = tokens.to(hidden.device)
         layer = self.model.layers[str(self.first)]
         x = layer.eh_proj(torch.cat([layer.enorm(inner.embed_tokens(tokens[:, 1:])), layer.hnorm(hidden[:, :-1])], -1))
         positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
@@ -75,4 +75,4 @@ class MTPDraft(torch.nn.Module):
                   position_ids=positions)
         x = x[0] if isinstance(x, tuple) else x
         logits = model.lm_head(layer.shared_head.norm(x)).float()[:, :-1]
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 2:, None].to(x.device)).squeeze(-1).cpu()
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 2:, None]).squeeze(-1).cpu()

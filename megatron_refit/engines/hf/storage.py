@@ -180,14 +180,13 @@ class HFStorage(WeightsState):
         with self.serving:
             for indices in by_length(sequences):
                 tokens = torch.tensor([list(sequences[i]) for i in indices], dtype=torch.long)
-                logprobs = torch.log_softmax(self._forward(tokens)[:, :-1], dim=-1)
+                logits, hidden = self._forward(tokens, hidden=self.draft is not None)
+                logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
                 for i, row in zip(indices, logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist(),
                                   strict=True):
                     out[i] = row
-                if self.draft is not None:
-                    device = next(self.model.parameters()).device
-                    for i, row in zip(indices, self.draft.logprobs(self.model, tokens.to(device)).tolist(),
-                                      strict=True):
+                if self.draft is not None:  # from the same forward's final hidden states
+                    for i, row in zip(indices, self.draft.logprobs(self.model, tokens, hidden).tolist(), strict=True):
                         drafted[i] = row
         return out if self.draft is None else {"logprobs": out, "draft": drafted}
 
@@ -198,11 +197,16 @@ class HFStorage(WeightsState):
         version under its serving check it waits for the verdict: :meth:`wait_gate`)."""
         with self.serving:
             self.wait_gate()  # a version under its serving check takes no traffic before its verdict
-            return self._forward(tokens), self.weights_version
+            return self._forward(tokens)[0], self.weights_version
 
-    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, *, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float32 logits of the received model for ``tokens``, on the CPU (the caller holds
-        :attr:`serving`); refuses unless the last refit completed."""
+        :attr:`serving`), and with ``hidden`` its final hidden states (after the final norm, on
+        the model's device: what an MTP draft takes; the logits then are its output head's of them,
+        as the causal LM's forward computes them); refuses unless the last refit completed."""
         self.require_ready("HF receiver")
-        device = next(self.model.parameters()).device
-        return self.model(tokens.to(device)).logits.float().cpu()
+        tokens = tokens.to(next(self.model.parameters()).device)
+        if not hidden:
+            return self.model(tokens).logits.float().cpu(), None
+        states = self.model.model(tokens).last_hidden_state
+        return self.model.lm_head(states).float().cpu(), states

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -304,12 +305,12 @@ SPECULATION_METRICS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens_total"
 def speculation_counts(text: str) -> dict[str, int]:
     """``{"draft_tokens", "accepted_tokens"}`` from vLLM's Prometheus text (each counter summed
     over its label sets: one per engine)."""
+    names = {metric: key for key, metric in SPECULATION_METRICS.items()}
     out = dict.fromkeys(SPECULATION_METRICS, 0)
-    for line in text.splitlines():
-        name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else line.partition(" ")
-        for key, metric in SPECULATION_METRICS.items():
-            if name == metric:
-                out[key] += int(float(rest.rsplit(" ", 1)[-1]))
+    for line in text.splitlines():  # "<name>{<labels>} <value>" or "<name> <value>"
+        key = names.get(re.split(r"[{ ]", line, maxsplit=1)[0])
+        if key is not None:
+            out[key] += int(float(line.rsplit(" ", 1)[-1]))
     return out
 
 
