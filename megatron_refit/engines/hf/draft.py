@@ -9,6 +9,10 @@ embedding) and ``hnorm`` (the main model's hidden state) RMSNorms, ``eh_proj`` (
 hidden]``, their concatenation projected back) and ``shared_head.norm``. The embedding and the
 output head are the main model's (the checkpoint's per-layer copies are the same tensors): the
 refit sends them once, to the main model.
+
+:func:`acceptance` is the draft's expected acceptance under speculative (rejection) sampling, the
+figure a speculating engine reports as accepted / drafted tokens: the HF engine does not speculate,
+so it computes it from the same forward's distributions (``HFStorage.draft_acceptance``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ MTP_LAYERS_FIELD = "num_nextn_predict_layers"
 def mtp_layers(hf_config) -> int:
     """How many MTP layers ``hf_config`` declares (0: none)."""
     return int(getattr(hf_config, MTP_LAYERS_FIELD, 0) or 0)
+
+
+def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, the chance that one drafted token is accepted: ``target_logits`` and
+    ``draft_logits`` (``[..., vocab]``) give the target's distribution ``p`` and the draft's ``q``
+    for the same token. Speculative sampling at temperature 1 accepts a draft ``x ~ q`` with
+    probability ``min(1, p(x) / q(x))``, in expectation ``sum_x min(p(x), q(x))`` (one minus their
+    total variation distance): the first tensor, float32 ``[...]`` in [0, 1]. The second: greedy
+    decoding's, 1.0 where ``argmax q == argmax p``, else 0.0."""
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    expected = torch.minimum(logp, logq).exp().sum(-1).clamp(max=1.0)  # min of the logs: log of the min
+    greedy = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
+    return expected, greedy
 
 
 class MTPDraft(torch.nn.Module):
@@ -56,12 +74,13 @@ class MTPDraft(torch.nn.Module):
         """The first MTP layer's index (the main model's ``num_hidden_layers``)."""
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """What the draft proposes from, as the trainer's MTP layer computes it: at each position
-        t, the first MTP layer takes the main model's final hidden state (after its norm: ``hidden``,
-        ``[batch, seq, hidden]``) and the next token's embedding, and predicts the token after it:
-        ``log p(tokens[:, t + 2])``, float32 ``[batch, seq - 2]`` on the CPU. ``model``: the main
-        model this draft belongs to (its embedding, rotary embedding and output head)."""
+    def logits(self, model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """What the draft proposes, as the trainer's MTP layer computes it: at each position t, the
+        first MTP layer takes the main model's final hidden state (after its norm: ``hidden``,
+        ``[batch, seq, hidden]``) and the next token's embedding, and predicts the token after it
+        (position t + 2): float32 logits ``[batch, seq - 1, vocab]`` on ``hidden``'s device (the last
+        position's proposal lies past ``tokens``). ``model``: the main model this draft belongs to
+        (its embedding, rotary embedding and output head)."""
         from transformers.masking_utils import create_causal_mask
 
         inner = model.model
@@ -74,5 +93,11 @@ class MTPDraft(torch.nn.Module):
         x = layer(x, attention_mask=mask, position_embeddings=inner.rotary_emb(x, position_ids=positions),
                   position_ids=positions)
         x = x[0] if isinstance(x, tuple) else x
-        logits = model.lm_head(layer.shared_head.norm(x)).float()[:, :-1]
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 2:, None]).squeeze(-1).cpu()
+        return model.lm_head(layer.shared_head.norm(x)).float()
+
+    @torch.no_grad()
+    def logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's log-prob of each token it proposes inside ``tokens`` (:meth:`logits`):
+        ``log p(tokens[:, t + 2])``, float32 ``[batch, seq - 2]`` on the CPU."""
+        logits = self.logits(model, tokens, hidden)[:, :-1]
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 2:, None].to(logits.device)).squeeze(-1).cpu()

@@ -191,6 +191,42 @@ class HFStorage(WeightsState):
         return out if self.draft is None else {"logprobs": out, "draft": drafted}
 
     @torch.no_grad()
+    def draft_acceptance(self, sequences, start: int) -> dict:
+        """How well the draft guesses what this engine's model samples, on ``sequences`` (token
+        lists, or a ``[batch, seq]`` tensor), one forward per sequence length: for each token at a
+        position ``j >= start`` of a sequence, the draft's proposal for it (from the model's final
+        hidden state at ``j - 2`` and the token at ``j - 1``) against the model's distribution for
+        it (at ``j - 1``), scored by :func:`~megatron_refit.engines.hf.draft.acceptance` (neither
+        needs the token at ``j`` itself). Returns ``{"expected"}``: the mean chance that speculative
+        sampling at temperature 1 accepts one drafted token, ``"greedy"``: the share of positions
+        where the draft's argmax is the model's, ``"positions"``: how many positions were averaged,
+        and ``"version"``: the weights' version. Refuses an engine without a draft."""
+        from megatron_refit.engines.hf.draft import acceptance
+
+        if self.draft is None:
+            raise RuntimeError("HF receiver: draft_acceptance needs the engine's speculative draft, and this "
+                               "engine holds none (HFStorage.from_config(draft=True) for a model with MTP layers)")
+        if start < 2 or not len(sequences) or any(len(sequence) <= start for sequence in sequences):
+            raise ValueError(f"draft_acceptance: the draft proposes tokens from position 2 on, and start={start} "
+                             f"must be a position of every sequence, one at least (lengths "
+                             f"{sorted({len(sequence) for sequence in sequences})})")
+        expected = greedy = 0.0
+        count = 0
+        with self.serving:
+            self.wait_gate()  # as step(): a version under its serving check takes no traffic before its verdict
+            for indices in by_length(sequences):
+                tokens = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in indices])
+                logits, hidden = self._forward(tokens, hidden=True)
+                drafted = self.draft.logits(self.model, tokens, hidden).cpu()  # [:, t]: the token at t + 2
+                length = tokens.shape[1]
+                each, agree = acceptance(logits[:, start - 1 : length - 1], drafted[:, start - 2 : length - 2])
+                expected += float(each.sum())
+                greedy += float(agree.sum())
+                count += each.numel()
+            version = self.weights_version
+        return {"expected": expected / count, "greedy": greedy / count, "positions": count, "version": version}
+
+    @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         """One forward pass: the logits and the version of the weights that produced them
         (the pass holds :attr:`serving`, so a swap waits for it and it sees one version; over a
