@@ -8,8 +8,10 @@ Runs, each in its own process with a time limit, and records one JSON line per c
   refit (``refit.overlap``: device snapshot, its own CUDA stream), Bridge's
   ``pretrain()`` with the refit callback; one line per check;
 - ``scripts/gpu_check_vllm.py`` (``.venv-vllm``) and ``scripts/gpu_check_sglang.py``
-  (``.venv-sglang``): the real engines, where their environment exists (a line saying
-  ``skipped`` and why where it does not).
+  (``.venv-sglang``): the real engines, and ``scripts/gpu_check_vllm_draft.py``: vLLM decoding
+  with the model's MTP layer as its speculative draft (``deepseek_mtp``), the draft refitted with
+  the model (#67); each where its environment exists (a line saying ``skipped`` and why where it
+  does not).
 
 Nothing here needs two GPUs. Without a GPU (``torch.cuda.is_available()`` false in
 ``.venv``) it refuses with one line and exit code 2, before running anything.
@@ -30,9 +32,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ("fp8", "colocated", "colocated_speed", "nccl_one_gpu", "overlap", "pretrain_callback")
 """``scripts/gpu_check.py``'s checks."""
-ENGINES = {"vllm": (".venv-vllm", "gpu_check_vllm.py"), "sglang": (".venv-sglang", "gpu_check_sglang.py")}
+ENGINES = {"vllm": (".venv-vllm", "gpu_check_vllm.py"), "vllm_draft": (".venv-vllm", "gpu_check_vllm_draft.py"),
+           "sglang": (".venv-sglang", "gpu_check_sglang.py")}
 CHECKS = (*CORE, *ENGINES)
-LIMIT_S = {"colocated": 300, "pretrain_callback": 240, "vllm": 300, "sglang": 300}
+LIMIT_S = {"colocated": 300, "pretrain_callback": 240, "vllm": 300, "vllm_draft": 300, "sglang": 300}
 """Seconds each check may run (others: :data:`DEFAULT_LIMIT_S`). On an H200 (2026-11-28) fp8 took
 6 s, nccl_one_gpu 9, overlap 39; colocated (four cases, each spawning its ranks) ran past 120 s."""
 DEFAULT_LIMIT_S = 120

@@ -23,6 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
              vocab_size=1024, num_hidden_layers=2)
 MOE_SHAPE = dict(moe_intermediate_size=256)
+MTP_SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512,
+                 qk_nope_head_dim=64, qk_rope_head_dim=64, head_dim=64, v_head_dim=64, intermediate_size=512,
+                 moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                 vocab_size=1024, num_hidden_layers=2, num_nextn_predict_layers=1)
+"""A tiny DeepSeek-V3 with one MTP layer (``model.layers.2``, MoE like the last decoder layer): vLLM's
+MLA takes ``kv_lora_rank`` 512 with ``qk_rope_head_dim`` 64 on every backend."""
 MODELS = ("qwen3", "qwen3-moe")
 PROMPT = [list(range(5, 21)), list(range(100, 116))]
 STEPS_PER_REFIT, REFITS, NEW_TOKENS = 5, 3, 8
@@ -32,6 +38,8 @@ AUTH = b"megatron-refit-gpu-check"
 def tiny_config(model: str):
     from conversion.presets import hf_config
 
+    if model == "deepseek-v3-mtp":
+        return hf_config("deepseek-v3", **MTP_SHAPE)
     return hf_config(model, **SHAPE, **(MOE_SHAPE if "moe" in model else {}))
 
 
@@ -95,7 +103,7 @@ class ControllerConnection:
 
 def train_model(model: str):
     """A Megatron TP1 model through Bridge in bf16 on GPU 0 and its Adam: ``(built, optimizer,
-    hf_config)``."""
+    hf_config)``; a model with MTP layers trains them (Megatron's MTP loss)."""
     import torch
 
     from conversion.testing.build import build_model, init_gloo, init_model_parallel
@@ -104,9 +112,10 @@ def train_model(model: str):
 
     torch.cuda.set_device(0)
     init_gloo(0, 1, free_port())
-    init_model_parallel(TrainLayout())
     cfg = tiny_config(model)
-    built = build_model(cfg, TrainLayout(), dtype=torch.bfloat16)
+    layout = TrainLayout(mtp_layers=getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    init_model_parallel(layout)
+    built = build_model(cfg, layout, dtype=torch.bfloat16)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1234)
@@ -135,12 +144,13 @@ def save_export(built, workdir: str, version: int) -> str:
     return path
 
 
-def main(doc: str, script: str, name: str, controller: Callable, trainer: Callable, argv=None) -> int:
+def main(doc: str, script: str, name: str, controller: Callable, trainer: Callable, argv=None,
+         models: tuple[str, ...] = MODELS) -> int:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "results", f"{name}.json"))
     parser.add_argument("--trainer-python", default=os.path.join(ROOT, ".venv", "bin", "python"),
                         help="Python of the Megatron environment (default: .venv)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(models), choices=models)
     parser.add_argument("--trainer", nargs=3, metavar=("MODEL", "WORKDIR", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trainer:

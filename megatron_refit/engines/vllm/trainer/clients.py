@@ -80,6 +80,22 @@ class LLMClient:
             self._open()
         self.version = weight_version
 
+    def speculation(self) -> dict[str, int]:
+        """This ``LLM``'s speculative decoding so far, as :meth:`HTTPClient.speculation` reads a
+        server's: the draft tokens it proposed and those the model accepted (vLLM's counters, from
+        ``LLM.get_metrics``; 0 and 0 without a draft). ``RuntimeError`` where the ``LLM`` keeps no
+        statistics (built with ``disable_log_stats=True``, the offline default)."""
+        if not getattr(self.llm.llm_engine, "log_stats", False):
+            raise RuntimeError("vLLM LLM: its speculative-decoding counters need statistics: build it with "
+                               "LLM(..., disable_log_stats=False)")
+        names = {metric.removesuffix("_total"): key for key, metric in SPECULATION_METRICS.items()}
+        out = dict.fromkeys(SPECULATION_METRICS, 0)
+        for metric in self.llm.get_metrics():  # one counter per engine
+            key = names.get(metric.name)
+            if key is not None:
+                out[key] += int(metric.value)
+        return out
+
     def gate(self, timeout_s: float = 900.0) -> None:
         """The version about to land is scored before it takes traffic (``refit.verify_serving``):
         from now until :meth:`release` (it passed) or :meth:`hold` (it did not), this ``LLM``'s
