@@ -47,6 +47,9 @@ def engine():
 
     torch.manual_seed(0)
     storage = HFStorage.from_config(hf_config("deepseek-v3", num_nextn_predict_layers=1), draft=True)
+    storage.draft.apply(storage.model._init_weights)  # allocated, not initialised: a refit fills them
+    with torch.no_grad():
+        storage.model.lm_head.weight.mul_(30.0)  # sharper distributions: acceptance differs by position
     storage.set_state("ready", 4)
     return storage
 
