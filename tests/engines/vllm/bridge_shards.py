@@ -34,12 +34,22 @@ VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1}, dict(tp=1, dp=2)),
             "qwen3-moe-e64": ("qwen3-moe", {"experts": 64, "num_experts_per_tok": 8}, dict(tp=2, ep=2)),
             "deepseek-v3-mtp": ("deepseek-v3", {"num_nextn_predict_layers": 1},
                                 dict(tp=2, pp=2, sequence_parallel=True, mtp_layers=1,
-                                     layout=[["embedding", "decoder", "decoder"], ["decoder", "mtp", "loss"]]))}
+                                     layout=[["embedding", "decoder", "decoder"], ["decoder", "mtp", "loss"]])),
+            "deepseek-v3-mtp-fp8": ("deepseek-v3", dict(
+                num_nextn_predict_layers=1, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+                qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, head_dim=32, q_lora_rank=128,
+                kv_lora_rank=128, intermediate_size=256, moe_intermediate_size=256),
+                dict(tp=2, pp=2, sequence_parallel=True, mtp_layers=1,
+                     layout=[["embedding", "decoder", "decoder"], ["decoder", "mtp", "loss"]]))}
 """Models that are a preset with overrides and their own train layout: one KV head (every
 vLLM TP rank then holds a replica of it), trained at TP1 x DP2 (TP2 cannot split one head);
 8 experts top-2 and 64 experts top-8 trained at TP2 x EP2 (the wide expert-parallel tests);
 DeepSeek-V3 with one MTP layer at TP2 with sequence parallelism and PP2 under the recipe's pipeline
-layout, the MTP layer on the last stage (the engine's draft, #67: 4 ranks, made on its own)."""
+layout, the MTP layer on the last stage (the engine's draft, #67: 4 ranks, made on its own), and the
+same with every shard of a quantized weight on the 128-element FP8 grid at train TP2 and engine TP2
+(the FP8 draft)."""
+DTYPES = {"deepseek-v3-mtp-fp8": torch.bfloat16}
+"""Models trained in another dtype than float32 (an FP8 engine serves bf16 beside its FP8 weights)."""
 
 
 def train_layout(name: str):
@@ -72,7 +82,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, models: list[str], ver
         layout = train_layout(model_name)
         init_model_parallel(layout)
         cfg = model_config(model_name)
-        built = build_model(cfg, layout)
+        built = build_model(cfg, layout, dtype=DTYPES.get(model_name, torch.float32))
         if kind == "lora":
             built = replace(built, model=apply_lora(built.model, dim=lora, alpha=LORA_ALPHA))
         params = [p for chunk in built.model for p in chunk.parameters() if p.requires_grad]

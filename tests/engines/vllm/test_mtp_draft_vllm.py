@@ -36,7 +36,7 @@ pytest.importorskip("vllm")
 
 from tests.engines.vllm.bridge_shards import make  # noqa: E402
 from tests.engines.vllm.test_weight_transfer import (HERE, VERSIONS, _Engine, _init_vllm,  # noqa: E402
-                                                     _QueueClient, _Runner, _vllm_config, serve_calls)
+                                                     _QueueClient, _Runner, _vllm_config, same_bytes, serve_calls)
 
 TP = 2
 MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP and PP2 (4 ranks)
@@ -98,13 +98,14 @@ def _own(draft) -> dict[str, torch.Tensor]:
 
 
 class _DraftEngine(_Engine):
-    def __init__(self, case, tp_rank, workdir, bridge_dir):
+    def __init__(self, case, tp_rank, workdir, bridge_dir, model: str = MODEL, quant: dict | None = None):
+        """``quant``: an FP8 engine's ``quantization_config`` (its checkpoint then FP8 too)."""
         from vllm.plugins import load_general_plugins
         from vllm.v1.worker.gpu_worker import Worker
 
         load_general_plugins()
-        self.case, self.bridge_name, self.bridge_dir, self.moe = case, MODEL, bridge_dir, True
-        self.vcfg = _with_draft(_vllm_config(MODEL, TP, os.path.join(workdir, case), engine=True))
+        self.case, self.bridge_name, self.bridge_dir, self.moe, self.quant = case, model, bridge_dir, True, quant
+        self.vcfg = _with_draft(_vllm_config(model, TP, os.path.join(workdir, case), engine=True, quant=quant))
         self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
                              is_driver_worker=tp_rank == 0)
         self.worker.device = torch.device("cpu")
@@ -132,16 +133,22 @@ class _DraftEngine(_Engine):
         out = super().check(version)
         export = load(self.bridge_dir, self.bridge_name, version, 0)["export"]
         with set_current_vllm_config(self.vcfg):
-            ref = _draft(self.vcfg, self.model, iter(export.items()))
+            ref = _draft(self.vcfg, self.model, iter(self.checkpoint(export).items()))
         mine, theirs = _own(self.worker.get_draft_model()), _own(ref)
         out.update(draft_names=sorted(mine) == sorted(theirs) and len(mine) > 0, draft_params=len(mine),
-                   draft_diff=sorted(n for n in mine if not torch.equal(mine[n], theirs[n])),
-                   draft_moved=sorted(n for n in mine if not torch.equal(mine[n], self.before[n])),
+                   draft_diff=sorted(n for n in mine if not same_bytes(mine[n], theirs[n])),
+                   draft_moved=sorted(n for n in mine if not same_bytes(mine[n], self.before[n])),
+                   draft_fp8=sorted(n for n in mine if mine[n].dtype == torch.float8_e4m3fn),
                    shared_head=all(layer.shared_head.head is self.model.lm_head
                                    for layer in self.worker.get_draft_model().model.layers.values()),
                    post_loaded=self.post_loaded)
         self.before, self.post_loaded = {n: t.clone() for n, t in mine.items()}, []
         return out
+
+    def checkpoint(self, export: dict) -> dict:
+        from megatron_refit.endpoint.fp8 import fp8_checkpoint
+
+        return fp8_checkpoint(export) if self.quant else export
 
 
 def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
@@ -167,7 +174,8 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     return out
 
 
-def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
+def _refits(rank, requests, replies, gens, case, port, bridge_dir, model: str = MODEL, **refit_keys) -> dict:
+    """``case``'s refits from train rank ``rank`` (``refit_keys``: more of the ``refit:`` section)."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from bridge_shards import load, next_version
@@ -178,21 +186,22 @@ def _refits(rank, requests, replies, gens, case, port, bridge_dir) -> dict:
     client = _QueueClient(requests, replies, gens, ENGINE)
     # the MTP layer's pieces are optional, as Bridge's local shards mark them (an engine may hold no draft)
     weights = [TensorPiece(spec, t, optional="mtp" if is_mtp_param(spec.name, FIRST_MTP) else None)
-               for spec, t in load(bridge_dir, MODEL, 1, rank)["weights"]]
-    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=CASES[case], port=port, bucket_mb=0.25, timeout_s=120)
+               for spec, t in load(bridge_dir, model, 1, rank)["weights"]]
+    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=CASES.get(case, True), port=port, bucket_mb=0.25, timeout_s=120,
+                 **refit_keys)
     engine = WeightTransferTrainerFactory.trainer_init(
         MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
         source=LocalShardSource(weights))
     out = []
     for version in VERSIONS:
         if version > 1:
-            next_version(weights, bridge_dir, MODEL, version, rank)
+            next_version(weights, bridge_dir, model, version, rank)
         report = engine.send_weights()
         out.append(dict(report=report.as_dict(), checks=client.call("check", version=version) if rank == 0 else None))
     wrong = None
     if rank == 0:  # the other session than the config's: refused before any byte moves
         try:
-            client.start_weight_update() if CASES[case] else client.start_draft_weight_update()
+            client.start_weight_update() if refit["gen_draft"] else client.start_draft_weight_update()
         except RuntimeError as exc:
             wrong = str(exc)
     engine.shutdown()

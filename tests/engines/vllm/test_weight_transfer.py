@@ -88,10 +88,12 @@ class _Runner:
         pass
 
 
-def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int = 1, ep: bool = True):
+def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int = 1, ep: bool = True,
+                 quant: dict | None = None):
     """``dp > 1``: one deployment of ``dp`` data-parallel ranks, with expert parallelism (``ep``) or
     the MoE tensor-parallel over all its ranks, every rank a process of its own (vLLM's
-    ``external_launcher``: ``RANK`` in the environment)."""
+    ``external_launcher``: ``RANK`` in the environment); ``quant``: the checkpoint's
+    ``quantization_config`` (an FP8 engine)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -101,11 +103,11 @@ def _vllm_config(model_name: str, tp: int, workdir: str, engine: bool, dp: int =
     os.makedirs(workdir, exist_ok=True)
     tmp = os.path.join(workdir, f"config.json.{os.getpid()}")  # engine ranks of one case write it at once:
     with open(tmp, "w") as f:  # whole, then in place (a reader never sees it half written)
-        json.dump(model_config(model_name).to_dict(), f)
+        json.dump(dict(model_config(model_name).to_dict(), **({"quantization_config": quant} if quant else {})), f)
     os.replace(tmp, os.path.join(workdir, "config.json"))
     return VllmConfig(
         model_config=ModelConfig(workdir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                                 dtype="float32"),
+                                 dtype="bfloat16" if quant else "float32"),  # vLLM's FP8 takes bf16 / fp16
         parallel_config=ParallelConfig(tensor_parallel_size=tp) if dp == 1 else ParallelConfig(
             tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
             distributed_executor_backend="external_launcher"),
@@ -179,16 +181,20 @@ class _Engine:
             self.vcfg.compilation_config.static_forward_context.clear()
             with set_default_torch_dtype(self.vcfg.model_config.dtype), torch.device("cpu"):
                 ref = initialize_model(vllm_config=self.vcfg)
-            ref.load_weights(iter(export.items()))
+            ref.load_weights(iter(self.checkpoint(export).items()))
             if not self.moe:
                 process_weights_after_loading(ref, self.vcfg.model_config, torch.device("cpu"))
         mine, theirs = dict(self.model.named_parameters()), dict(ref.named_parameters())
         engine = self.worker.weight_transfer_engine
         return dict(names_equal=set(mine) == set(theirs), num_params=len(mine),
                     w13=[tuple(p.shape) for n, p in mine.items() if "w13" in n][:1],
-                    diff=sorted(n for n in mine if n in theirs and not torch.equal(mine[n].data, theirs[n].data)),
+                    diff=sorted(n for n in mine if n in theirs and not same_bytes(mine[n], theirs[n])),
                     state=engine.state, weights_version=engine.weights_version,
                     report=engine.last_report.as_dict(), rebinds=getattr(engine.member.full.storage, "rebinds", None))
+
+    def checkpoint(self, export: dict) -> dict:
+        """The checkpoint vLLM's reference loads for Bridge's ``export`` (an FP8 engine's: quantized)."""
+        return export
 
     def fail_next(self) -> None:
         """The engine's storage raises while the next refit's second bucket lands (once)."""
@@ -202,6 +208,13 @@ class _Engine:
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.data = torch.empty(0) if name == shrink else torch.full_like(param.data, float("nan"))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bytes (dtype, shape and every bit: FP8 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
 
 
 def _serve(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, workdir, bridge_dir, cases):

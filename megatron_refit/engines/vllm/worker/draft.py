@@ -46,7 +46,6 @@ def check_draft_config(cfg, vllm_config, mode: str, *, lora: bool) -> None:
         raise ValueError(f"refit.gen_draft: vLLM's draft is written in place (engine_load in_place, swap in_place); "
                          f"got engine_load resolved to {mode!r}, swap {cfg.swap!r}")
     for key, value, why in (("gen_attention_dp", cfg.gen_attention_dp != 1, "a wide expert-parallel deployment"),
-                            ("trainer_quantize_fp8", cfg.trainer_quantize_fp8, "FP8"),
                             ("lora_sync", lora, "LoRA adapters (vLLM's draft session skips its LoRA reset)")):
         if value:
             raise ValueError(f"refit.gen_draft with refit.{key}: {why} into vLLM's draft is not planned yet")
