@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,16 +35,14 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from gpu_engine_check import (  # noqa: E402
     NEW_TOKENS,
     PROMPT,
-    REFITS,
     ControllerConnection,
     hf_greedy,
     main,
-    save_export,
+    refit_loop,
     serve_trainer,
     summary,
     tiny_config,
     train_model,
-    train_steps,
 )
 
 PROBE = "gpu_check_sglang.probe_loader"
@@ -163,13 +160,7 @@ def trainer(model: str, workdir: str, port: int) -> None:
     refit_cfg = RefitConfig.from_dict(section)
     control = SglangControl([client], refit_cfg)
     fleet = trainer_refit(refit_cfg, built.bridge, built.model, cfg, rank=0, num_train=1, control=control)
-    reports = []
-    for version in range(1, REFITS + 1):
-        train_steps(built, optimizer)
-        t0 = time.perf_counter()
-        report = fleet.refit(version)
-        reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
-        client.call("check", save_export(built, workdir, version))
+    reports = refit_loop(client, built, optimizer, workdir, fleet.refit)
     fleet.close()
     client.call("done", reports)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,17 +45,15 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from gpu_engine_check import (  # noqa: E402
     PROMPT,
-    REFITS,
     NEW_TOKENS,
     ControllerConnection,
     hf_greedy,
     main,
-    save_export,
+    refit_loop,
     serve_trainer,
     summary,
     tiny_config,
     train_model,
-    train_steps,
 )
 
 
@@ -160,25 +157,19 @@ class _ControllerClient(ControllerConnection):
         self.call("shutdown_weight_transfer_engine", ())
 
 
-def trainer(model: str, workdir: str, port: int) -> None:
+def trainer(model: str, workdir: str, port: int, client_class: type = _ControllerClient) -> None:
     from megatron_refit.local.launch import free_port
     from conversion.refit import local_shard_source
     from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
 
-    client = _ControllerClient(port)
-    settings = client.call("settings", ())
+    client = client_class(port)
+    settings = client.call("settings", ())  # the controller's refit: keys (swap, gen_draft)
     built, optimizer, cfg = train_model(model)
-    refit = {"mode": "colocated", "gen_tp": 1, "port": free_port(), "swap": settings["swap"]}
+    refit = {"mode": "colocated", "gen_tp": 1, "port": free_port(), **settings}
     engine = MegatronRefitTrainerEngine.trainer_init(MegatronRefitTrainerInitInfo(refit=refit, num_train=1, rank=0),
                                                      client=client,
                                                      source=local_shard_source(built.bridge, built.model, cfg))
-    reports = []
-    for version in range(1, REFITS + 1):
-        train_steps(built, optimizer)
-        t0 = time.perf_counter()
-        report = engine.send_weights(version)
-        reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
-        client.call("check", save_export(built, workdir, version))
+    reports = refit_loop(client, built, optimizer, workdir, engine.send_weights)
     engine.shutdown()
     client.call("done", reports)
 

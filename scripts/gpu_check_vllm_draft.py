@@ -40,22 +40,18 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from gpu_check_vllm import _check, _ControllerClient  # noqa: E402
+from gpu_check_vllm import trainer as vllm_trainer  # noqa: E402
 from gpu_engine_check import (  # noqa: E402
-    REFITS,
     main,
-    save_export,
     serve_trainer,
     summary,
     tiny_config,
-    train_model,
-    train_steps,
 )
 
 MODEL = "deepseek-v3-mtp"
@@ -181,26 +177,7 @@ class _DraftControllerClient(_ControllerClient):
 
 
 def trainer(model: str, workdir: str, port: int) -> None:
-    from conversion.refit import local_shard_source
-    from megatron_refit.engines.vllm.trainer.engine import MegatronRefitTrainerEngine, MegatronRefitTrainerInitInfo
-    from megatron_refit.local.launch import free_port
-
-    client = _DraftControllerClient(port)
-    settings = client.call("settings", ())
-    built, optimizer, cfg = train_model(model)
-    refit = {"mode": "colocated", "gen_tp": 1, "port": free_port(), **settings}
-    engine = MegatronRefitTrainerEngine.trainer_init(MegatronRefitTrainerInitInfo(refit=refit, num_train=1, rank=0),
-                                                     client=client,
-                                                     source=local_shard_source(built.bridge, built.model, cfg))
-    reports = []
-    for version in range(1, REFITS + 1):
-        train_steps(built, optimizer)
-        t0 = time.perf_counter()
-        report = engine.send_weights(version)
-        reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
-        client.call("check", save_export(built, workdir, version))
-    engine.shutdown()
-    client.call("done", reports)
+    vllm_trainer(model, workdir, port, client_class=_DraftControllerClient)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,19 @@ def train_steps(built, optimizer) -> None:
         train_step(built, optimizer, torch.tensor(PROMPT))
 
 
+def refit_loop(client: ControllerConnection, built, optimizer, workdir: str, send: Callable) -> list[dict]:
+    """:data:`REFITS` times: train, refit (``send(version)``: its report), and ask the controller
+    for its checks of the refit. The reports, with each call's seconds."""
+    reports = []
+    for version in range(1, REFITS + 1):
+        train_steps(built, optimizer)
+        t0 = time.perf_counter()
+        report = send(version)
+        reports.append(dict(call_seconds=time.perf_counter() - t0, report=report.as_dict()))
+        client.call("check", save_export(built, workdir, version))
+    return reports
+
+
 def save_export(built, workdir: str, version: int) -> str:
     """Bridge's export of the trainer's weights, as safetensors for the controller."""
     from safetensors.torch import save_file
