@@ -48,6 +48,10 @@ class _Server:
     def hold(self):
         self._call("hold")
 
+    def speculation(self):
+        self._call("speculation")
+        return {"draft_tokens": 10 * (self.rank + 1), "accepted_tokens": self.rank + 3}
+
 
 def test_every_call_reaches_every_dp_rank_at_once():
     barrier = threading.Barrier(3)
@@ -76,6 +80,15 @@ def test_a_failing_dp_rank_is_named_after_every_call_ended():
                                            r"RuntimeError: engine error on DP rank 1"):
         client.update_weights({"version": 1})
     assert [name for name, _ in servers[0].calls] == ["update"]  # DP rank 0's call ran to its end
+    client.close()
+
+
+def test_the_deployments_draft_acceptance_sums_its_dp_ranks_servers():
+    """#67: each DP rank's server counts the drafts it served; the deployment's are their sum."""
+    servers = [_Server(threading.Barrier(1), r) for r in range(3)]
+    client = DeploymentClient(servers)
+    assert client.speculation() == {"draft_tokens": 60, "accepted_tokens": 12}
+    assert all([name for name, _ in server.calls] == ["speculation"] for server in servers)
     client.close()
 
 

@@ -75,6 +75,12 @@ class DeploymentClient:
     def hold(self) -> None:
         self._all("hold")
 
+    def speculation(self) -> dict[str, int]:
+        """The deployment's speculative decoding so far (each DP rank's server's counters, summed:
+        ``HTTPClient.speculation``), its draft and accepted tokens."""
+        counts = self._all("speculation")
+        return {key: sum(c[key] for c in counts) for key in counts[0]}
+
     def close(self) -> None:
         """Join this client's threads (every call ended when it returned); a later call starts new ones."""
         if self._pool is not None:
