@@ -96,13 +96,14 @@ def build_model(model_dir: str, *, expert_location: bool = False) -> torch.nn.Mo
     return loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
 
 
-def build_draft(model_dir: str, target: torch.nn.Module) -> torch.nn.Module:
+def build_draft(model_dir: str, target: torch.nn.Module, *, dtype: str = "float32") -> torch.nn.Module:
     """SGLang's speculative draft for ``model_dir`` on this TP rank, as SGLang's EAGLE worker makes
     it: built from the draft model config SGLang derives from the model's own checkpoint
     (``ModelConfig(is_draft_model=True)``: a DeepSeek-V3 becomes ``DeepseekV3ForCausalLMNextN``) by
     the dummy loader, then ``target``'s embedding and LM head shared into it by SGLang's own
     ``resolve_draft_embed_and_head`` and the draft's ``set_embed_and_head`` (its
-    ``torch.cuda.synchronize`` skipped: there is no CUDA device here)."""
+    ``torch.cuda.synchronize`` skipped: there is no CUDA device here). ``dtype``: the target's
+    (an FP8 checkpoint's model computes in bfloat16)."""
     from unittest import mock
 
     from sglang.srt.configs.device_config import DeviceConfig
@@ -111,7 +112,7 @@ def build_draft(model_dir: str, target: torch.nn.Module) -> torch.nn.Module:
     from sglang.srt.model_loader.loader import get_model_loader
     from sglang.srt.speculative.pp_draft_embedding import resolve_draft_embed_and_head
 
-    model_config = ModelConfig(model_dir, dtype="float32", is_draft_model=True)
+    model_config = ModelConfig(model_dir, dtype=dtype, is_draft_model=True)
     load_config = LoadConfig(load_format="dummy")
     draft = get_model_loader(load_config, model_config).load_model(model_config=model_config,
                                                                    device_config=DeviceConfig("cpu"))

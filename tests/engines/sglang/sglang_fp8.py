@@ -37,13 +37,36 @@ import os
 import torch
 
 
-def fp8_quant_config(hf_config) -> dict:
-    """``quantization_config`` of a 128×128 block-FP8 checkpoint (DeepSeek-V3's format): the
-    MoE routers listed as not converted (SGLang's Qwen3-MoE builds its router unquantized anyway)."""
-    experts = getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0)
-    routers = [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)] if experts else []
+MLA_DOWN = ("q_a_proj", "kv_a_proj_with_mqa")
+"""MLA's low-rank down projections, which trainer-side FP8 keeps in bf16 (SGLang fuses them into
+``fused_qkv_a_proj_with_mqa``)."""
+
+
+def fp8_quant_config(hf_config, *, nextn_names: bool = True) -> dict:
+    """``quantization_config`` of a 128×128 block-FP8 checkpoint (DeepSeek-V3's format) of what
+    trainer-side FP8 sends: the MoE routers listed as not converted (SGLang's Qwen3-MoE builds its
+    router unquantized anyway), and in an MLA model its down projections (:data:`MLA_DOWN`), of
+    every layer and of the NextN draft's.
+
+    SGLang's ``Fp8Config`` matches a module's prefix against these names on dotted boundaries
+    (``layers/quantization/utils.py`` ``is_layer_skipped`` / ``_module_path_match``), unfusing
+    ``fused_qkv_a_proj_with_mqa`` into its two shards through the DeepSeek model's
+    ``packed_modules_mapping``. The NextN draft's modules are ``model.decoder.*``, and SGLang maps
+    a checkpoint name onto them only for DeepSeek-V3's own MTP index (``DeepseekV3ForCausalLMNextN
+    .hf_to_sglang_mapper``: ``model.layers.61`` -> ``model.decoder``, applied to ``ignored_layers``
+    by ``Fp8Config.apply_weight_name_mapper``): with any other ``num_hidden_layers`` the checkpoint
+    name ``model.layers.<N>.self_attn.q_a_proj`` leaves the draft's FP8, so the draft's are listed
+    under SGLang's spelling too (``nextn_names``; False: the checkpoint's names only, as vLLM takes them)."""
+    experts = (getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0)
+               or getattr(hf_config, "n_routed_experts", 0))
+    skipped = [f"model.layers.{i}.mlp.gate" for i in range(hf_config.num_hidden_layers)] if experts else []
+    if getattr(hf_config, "q_lora_rank", None) is not None:
+        mtp = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+        skipped += [f"model.layers.{i}.self_attn.{m}" for i in range(hf_config.num_hidden_layers + mtp)
+                    for m in MLA_DOWN]
+        skipped += [f"model.decoder.self_attn.{m}" for m in MLA_DOWN] if mtp and nextn_names else []
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-            "modules_to_not_convert": routers}
+            "modules_to_not_convert": skipped}
 
 
 def write_fp8_model_dir(hf_config, model_dir: str) -> str:
@@ -72,3 +95,12 @@ def build_fp8_model(model_dir: str) -> torch.nn.Module:
     if "Fp8LinearMethod" not in quant:
         raise ValueError(f"SGLang built no block-FP8 layers from {model_dir} (quant methods {sorted(quant)})")
     return model
+
+
+def build_fp8_draft(model_dir: str, target: torch.nn.Module) -> torch.nn.Module:
+    """SGLang's speculative draft of the block-FP8 ``model_dir`` beside ``target``
+    (:func:`.sglang_cpu.build_draft` in bfloat16: a DeepSeek-V3's ``DeepseekV3ForCausalLMNextN``,
+    FP8 where its ``Fp8Config`` says)."""
+    from .sglang_cpu import build_draft
+
+    return build_draft(model_dir, target, dtype="bfloat16")

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from megatron_refit.engines.fused.draft import SHARED, ModelWithDraft
-from megatron_refit.engines.fused.live import LiveModelStorage
+from megatron_refit.engines.fused.live import LiveModelStorage, resolve_names
 
 DRAFT_ALGORITHMS = ("EAGLE", "NEXTN")
 """SGLang's speculative algorithms whose draft for a DeepSeek-V3 model is its own MTP layer
@@ -49,8 +51,7 @@ def check_draft_server(cfg, algorithm, mtp_layers) -> None:
     if mtp_layers != 1:
         raise ValueError(f"refit.gen_draft: the model has num_nextn_predict_layers={mtp_layers!r}; SGLang's NextN "
                          "draft holds exactly one MTP layer (model.layers.<num_hidden_layers>)")
-    for key, value, why in (("gen_attention_dp", cfg.gen_attention_dp != 1, "a DP-attention deployment"),
-                            ("trainer_quantize_fp8", cfg.trainer_quantize_fp8, "FP8")):
+    for key, value, why in (("gen_attention_dp", cfg.gen_attention_dp != 1, "a DP-attention deployment"),):
         if value:
             raise ValueError(f"refit.gen_draft with refit.{key}: {why} into SGLang's draft is not planned yet")
 
@@ -88,17 +89,45 @@ class DraftModelStorage(LiveModelStorage):
     """:class:`~megatron_refit.engines.fused.live.LiveModelStorage` over a
     :class:`~megatron_refit.engines.fused.draft.ModelWithDraft`: a refit that starts before SGLang's
     draft runner handed the draft over is refused by name in the refit's handshake (every rank
-    told, before any byte moves)."""
+    told, before any byte moves), and so is one into a draft that holds a parameter in another
+    dtype than the trainer sends (:meth:`check_draft`)."""
 
     model: ModelWithDraft
+    _checked: torch.nn.Module | None = None
+    """The handed-over draft :meth:`check_draft` held to the plan (its parameters were placeholders
+    when the plan was built)."""
 
     def refresh_targets(self) -> bool:
-        if self.model.draft is None:
+        draft = self.model.draft
+        if draft is None:
             raise RuntimeError(
                 "refit.gen_draft: SGLang's draft was never handed over: its runner's connect did not reach "
                 "the loader (begin_weight_update and update_weights_from_tensor with selector 'all', as the "
                 "trainer's clients send under gen_draft) or refused it (that worker's log says why)")
+        if draft is not self._checked:
+            self.check_draft(draft)
+            self._checked = draft
         return super().refresh_targets()
+
+    def check_draft(self, draft: torch.nn.Module) -> None:
+        """``ValueError`` naming the first of the draft's parameters whose dtype is not the one the
+        trainer sends. An FP8 engine quantizes its NextN draft by the checkpoint's FP8 config under
+        SGLang's own module names (``model.decoder.*``; SGLang maps a checkpoint's
+        ``model.layers.<N>`` onto them for DeepSeek-V3's ``N = 61`` only), while trainer-side FP8
+        keeps MLA's low-rank down projections (SGLang's ``fused_qkv_a_proj_with_mqa``) in bf16."""
+        table = {name: spec for name, spec in self._shapes.items() if self.model.is_draft(name)}
+        views = resolve_names(table, dict(self.model.named_parameters()))
+        own = {p.data_ptr(): n for n, p in draft.named_parameters()}
+        for name, (_, dtype) in table.items():
+            have = str(views[name].dtype).removeprefix("torch.")
+            if have != dtype:
+                raise ValueError(
+                    f"refit.gen_draft: SGLang's draft {type(draft).__name__} holds "
+                    f"{own.get(views[name].data_ptr(), name)} ({name}) as {have}, the trainer sends {dtype}: an FP8 "
+                    "engine's draft is quantized by the checkpoint's FP8 config under SGLang's NextN module names "
+                    "(model.decoder.*), and trainer-side FP8 keeps MLA's down projections in bf16: list "
+                    "model.decoder.self_attn.q_a_proj and model.decoder.self_attn.kv_a_proj_with_mqa in its "
+                    "ignored_layers (or modules_to_not_convert)")
 
 
 def draft_post_load(with_draft: ModelWithDraft, post_load) -> Callable[[], None]:
