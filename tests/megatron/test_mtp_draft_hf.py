@@ -26,14 +26,15 @@ MTP = {"num_nextn_predict_layers": 1}
 LAYERS = 3
 
 
-@pytest.mark.parametrize("delta", ["off", "on"])
-def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact(delta):
+@pytest.mark.parametrize("delta,swap", [("off", "in_place"), ("on", "in_place"), ("off", "staged")])
+def test_the_trainers_mtp_layer_lands_in_the_engines_draft_bit_exact(delta, swap):
     """``delta: on``: after the first refit only the elements that changed move, the draft's with the
-    main model's (its copies kept like theirs), still bit for bit."""
+    main model's (its copies kept like theirs), still bit for bit. ``swap: staged``: each version
+    streams into a copy of the model and its draft while they serve, and the swap moves both."""
     spec = RunSpec(model="deepseek-v3", overrides=MTP, train=TrainLayout(tp=2, pp=2, sequence_parallel=True,
                                                                           layout=DSV3_LAYOUT, mtp_layers=1),
                    draft=True, dtype="bfloat16", lr=1e-3, refits=2 if delta == "off" else 3, delta=delta,
-                   bucket_bytes=64 << 10, timeout_s=120.0)
+                   swap=swap, bucket_bytes=64 << 10, timeout_s=120.0)
     results = run(spec)
     result = evaluate(spec, results)
     if delta == "on":  # refits 2 and 3 sent deltas: less than the full bytes, the draft's included
