@@ -22,13 +22,10 @@ import sys
 
 import pytest
 
-from megatron_refit.local.launch import free_ports, run_spawned
-
 pytest.importorskip("vllm")
 
-from tests.engines.vllm.bridge_shards import make  # noqa: E402
-from tests.engines.vllm.test_mtp_draft_vllm import ENGINE, NUM_TRAIN, TP, _DraftEngine, _refits  # noqa: E402
-from tests.engines.vllm.test_weight_transfer import HERE, VERSIONS, _init_vllm, _QueueClient, serve_calls  # noqa: E402
+from tests.engines.vllm.test_mtp_draft_vllm import NUM_TRAIN, TP, _DraftEngine, spawn, train_cases  # noqa: E402
+from tests.engines.vllm.test_weight_transfer import HERE, VERSIONS, _init_vllm, serve_calls  # noqa: E402
 
 MODEL = "deepseek-v3-mtp-fp8"
 QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
@@ -39,7 +36,7 @@ QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_si
 CASE = "fp8"
 
 
-def _serve(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
+def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
 
     from tests.engines.vllm.test_weight_transfer import _vllm_config
@@ -53,19 +50,9 @@ def _serve(rank, world, port, requests, replies, vllm_port, refit_port, workdir,
                 lambda case: _DraftEngine(case, gen, workdir, bridge_dir, model=MODEL, quant=QUANT))
 
 
-def _train(rank, world, port, requests, replies, vllm_port, refit_port, workdir, bridge_dir):
-    sys.path.insert(0, str(HERE))
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    gens = list(range(world - NUM_TRAIN))
-    if rank == 0:
-        _QueueClient(requests, replies, gens, ENGINE).call("case")
-    out = _refits(rank, requests, replies, gens, CASE, refit_port, bridge_dir, model=MODEL, trainer_quantize_fp8=True)
-    if rank == 0:
-        for g in gens:
-            requests[g].put((-1, "stop", {}))
-    return out
+def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
+    return train_cases(rank, world, requests, replies, refit_ports, bridge_dir, {CASE: {"trainer_quantize_fp8": True}},
+                       model=MODEL)
 
 
 def _rank(rank, world, port, *args):
@@ -74,16 +61,8 @@ def _rank(rank, world, port, *args):
 
 @pytest.mark.slow
 def test_the_trainers_fp8_mtp_layer_lands_in_vllms_fp8_deepseek_mtp_draft_bit_exact(tmp_path_factory):
-    import multiprocessing as mp
-
-    bridge = make(tmp_path_factory.mktemp("bridge"), MODEL)
-    ctx = mp.get_context("spawn")
-    requests, replies = [ctx.Queue() for _ in range(TP)], [ctx.Queue() for _ in range(TP)]
-    vllm_port, refit_port = free_ports(2)
-    out = run_spawned(_rank, NUM_TRAIN + TP, requests, replies, vllm_port, refit_port,
-                      str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=600,
-                      env={"VLLM_TARGET_DEVICE": "cpu"})
-    train = [o["refits"] for o in out[:NUM_TRAIN]]
+    out = [rank_out[CASE] for rank_out in spawn(tmp_path_factory, _rank, MODEL, 1)[:NUM_TRAIN]]
+    train = [o["refits"] for o in out]
     for version, items in zip(VERSIONS, zip(*train)):
         checks = items[0]["checks"]
         assert len(checks) == TP

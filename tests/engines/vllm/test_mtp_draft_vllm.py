@@ -42,9 +42,10 @@ TP = 2
 MODEL = "deepseek-v3-mtp"  # made by bridge_shards.py: one MTP layer, train TP2 with SP and PP2 (4 ranks)
 NUM_TRAIN = 4
 FIRST_MTP = 3  # the preset's num_hidden_layers: the MTP layer is model.layers.3
-CASES = {"draft": True, "untouched": False}
-"""Case -> ``refit.gen_draft``: one engine (a DeepSeekMTP draft) refitted with it, then, after that
-trainer connection's shutdown, by a new one without it (the engine forgets the first's draft)."""
+CASES = {"draft": {"gen_draft": True}, "untouched": {"gen_draft": False}}
+"""Case -> its ``refit:`` keys: one engine (a DeepSeekMTP draft) refitted with ``gen_draft``, then,
+after that trainer connection's shutdown, by a new one without it (the engine forgets the first's
+draft)."""
 ENGINE = "engine"
 """The one engine both cases drive (the test's own calls build and check it by this name)."""
 
@@ -59,12 +60,13 @@ def _with_draft(vcfg):
     return vcfg
 
 
-def _draft(vcfg, target, loader_weights=None):
+def _draft(vcfg, target, loader_weights=None, post_load: bool = False):
     """vLLM's draft as its proposer loads it: ``DeepSeekMTP`` of the draft model config (dummy
-    weights, or ``loader_weights`` through its own ``load_weights``), the target's embedding and
-    LM head shared into it by the proposer's own code."""
+    weights, or ``loader_weights`` through its own ``load_weights``; ``post_load``: then vLLM's
+    post-load step, as its loader runs it: not for MoE on CPU), the target's embedding and LM head
+    shared into it by the proposer's own code."""
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.spec_decode.eagle import EagleProposer
 
@@ -75,6 +77,8 @@ def _draft(vcfg, target, loader_weights=None):
         get_model_loader(vcfg.load_config).load_weights(draft, draft_config)
     else:
         draft.load_weights(loader_weights)
+    if post_load:
+        process_weights_after_loading(draft, draft_config, torch.device("cpu"))
     proposer = EagleProposer.__new__(EagleProposer)  # its sharing steps only (no device, no runner)
     proposer.model, proposer.vllm_config, proposer.use_local_argmax_reduction = draft, vcfg, False
     proposer._maybe_share_embeddings(target)
@@ -85,7 +89,7 @@ def _draft(vcfg, target, loader_weights=None):
 class _DraftRunner(_Runner):
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights)
-        self.draft = _draft(self.vcfg, self.model)
+        self.draft = _draft(self.vcfg, self.model, post_load=not self.moe)
 
     def get_draft_model(self):
         return self.draft
@@ -98,18 +102,20 @@ def _own(draft) -> dict[str, torch.Tensor]:
 
 
 class _DraftEngine(_Engine):
-    def __init__(self, case, tp_rank, workdir, bridge_dir, model: str = MODEL, quant: dict | None = None):
-        """``quant``: an FP8 engine's ``quantization_config`` (its checkpoint then FP8 too)."""
+    def __init__(self, case, tp_rank, workdir, bridge_dir, model: str = MODEL, quant: dict | None = None,
+                 moe: bool = True):
+        """``quant``: an FP8 engine's ``quantization_config`` (its checkpoint then FP8 too); ``moe``:
+        vLLM's post-load step is skipped (its MoE one cannot run on CPU) and counted, else run."""
         from vllm.plugins import load_general_plugins
         from vllm.v1.worker.gpu_worker import Worker
 
         load_general_plugins()
-        self.case, self.bridge_name, self.bridge_dir, self.moe, self.quant = case, model, bridge_dir, True, quant
+        self.case, self.bridge_name, self.bridge_dir, self.moe, self.quant = case, model, bridge_dir, moe, quant
         self.vcfg = _with_draft(_vllm_config(model, TP, os.path.join(workdir, case), engine=True, quant=quant))
         self.worker = Worker(self.vcfg, local_rank=tp_rank, rank=tp_rank, distributed_init_method="unused",
                              is_driver_worker=tp_rank == 0)
         self.worker.device = torch.device("cpu")
-        self.worker.model_runner = _DraftRunner(self.vcfg, True)
+        self.worker.model_runner = _DraftRunner(self.vcfg, moe)
         self.worker.load_model()
         self.before = {n: t.clone() for n, t in _own(self.worker.get_draft_model()).items()}
         self.post_loaded: list[str] = []
@@ -118,7 +124,10 @@ class _DraftEngine(_Engine):
     def _no_moe_post_load(self, call, **kwargs):
         from unittest import mock
 
-        with mock.patch("vllm.model_executor.model_loader.utils.process_weights_after_loading") as post:
+        from vllm.model_executor.model_loader import utils
+
+        real = None if self.moe else utils.process_weights_after_loading
+        with mock.patch("vllm.model_executor.model_loader.utils.process_weights_after_loading", wraps=real) as post:
             out = call(**kwargs)
         self.post_loaded += [type(c.args[0]).__name__ for c in post.call_args_list]
         return out
@@ -133,7 +142,7 @@ class _DraftEngine(_Engine):
         out = super().check(version)
         export = load(self.bridge_dir, self.bridge_name, version, 0)["export"]
         with set_current_vllm_config(self.vcfg):
-            ref = _draft(self.vcfg, self.model, iter(self.checkpoint(export).items()))
+            ref = _draft(self.vcfg, self.model, iter(self.checkpoint(export).items()), post_load=not self.moe)
         mine, theirs = _own(self.worker.get_draft_model()), _own(ref)
         out.update(draft_names=sorted(mine) == sorted(theirs) and len(mine) > 0, draft_params=len(mine),
                    draft_diff=sorted(n for n in mine if not same_bytes(mine[n], theirs[n])),
@@ -159,6 +168,13 @@ def _serve(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
 
 
 def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir, bridge_dir):
+    return train_cases(rank, world, requests, replies, refit_ports, bridge_dir, CASES)
+
+
+def train_cases(rank, world, requests, replies, refit_ports, bridge_dir, cases: dict, model: str = MODEL) -> dict:
+    """Train rank ``rank``: the engine ranks build their engine, each of ``cases`` (case -> its
+    ``refit:`` keys) refits it over a trainer connection of its own (``refit_ports`` in order), then
+    the engine ranks stop. Each case's :func:`_refits`."""
     sys.path.insert(0, str(HERE))
     from vllm.plugins import load_general_plugins
 
@@ -166,8 +182,8 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
     gens = list(range(world - NUM_TRAIN))
     if rank == 0:
         _QueueClient(requests, replies, gens, ENGINE).call("case")
-    out = {case: _refits(rank, requests, replies, gens, case, port, bridge_dir)
-           for case, port in zip(CASES, refit_ports)}
+    out = {case: _refits(rank, requests, replies, gens, case, port, bridge_dir, model=model, **keys)
+           for (case, keys), port in zip(cases.items(), refit_ports)}
     if rank == 0:
         for g in gens:
             requests[g].put((-1, "stop", {}))
@@ -187,8 +203,7 @@ def _refits(rank, requests, replies, gens, case, port, bridge_dir, model: str = 
     # the MTP layer's pieces are optional, as Bridge's local shards mark them (an engine may hold no draft)
     weights = [TensorPiece(spec, t, optional="mtp" if is_mtp_param(spec.name, FIRST_MTP) else None)
                for spec, t in load(bridge_dir, model, 1, rank)["weights"]]
-    refit = dict(gen_tp=TP, gen_dp=1, gen_draft=CASES.get(case, True), port=port, bucket_mb=0.25, timeout_s=120,
-                 **refit_keys)
+    refit = dict(dict(gen_tp=TP, gen_dp=1, gen_draft=True, port=port, bucket_mb=0.25, timeout_s=120), **refit_keys)
     engine = WeightTransferTrainerFactory.trainer_init(
         MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
         source=LocalShardSource(weights))
@@ -212,18 +227,24 @@ def _rank(rank, world, port, *args):
     return (_train if rank < NUM_TRAIN else _serve)(rank, world, port, *args)
 
 
-@pytest.fixture(scope="module")
-def refitted(tmp_path_factory):
-    bridge = make(tmp_path_factory.mktemp("bridge"), MODEL)
+def spawn(tmp_path_factory, rank_fn, model: str, connections: int) -> list:
+    """Bridge's shards of ``model``, then :data:`NUM_TRAIN` train ranks and :data:`TP` engine ranks
+    running ``rank_fn(rank, world, port, requests, replies, vllm_port, refit_ports, workdir,
+    bridge_dir)`` (``connections`` refit ports): their results."""
     import multiprocessing as mp
 
+    bridge = make(tmp_path_factory.mktemp("bridge"), model)
     ctx = mp.get_context("spawn")
-    requests = [ctx.Queue() for _ in range(TP)]
-    replies = [ctx.Queue() for _ in range(TP)]
-    vllm_port, *refit_ports = free_ports(1 + len(CASES))
-    return run_spawned(_rank, NUM_TRAIN + TP, requests, replies, vllm_port, refit_ports,
+    requests, replies = [ctx.Queue() for _ in range(TP)], [ctx.Queue() for _ in range(TP)]
+    vllm_port, *refit_ports = free_ports(1 + connections)
+    return run_spawned(rank_fn, NUM_TRAIN + TP, requests, replies, vllm_port, refit_ports,
                        str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=600,
                        env={"VLLM_TARGET_DEVICE": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def refitted(tmp_path_factory):
+    return spawn(tmp_path_factory, _rank, MODEL, len(CASES))
 
 
 @pytest.mark.slow

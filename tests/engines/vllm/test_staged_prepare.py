@@ -39,9 +39,12 @@ class _Storage:
 
     def __init__(self):
         self.loads: list[str] = []
+        self.targets: list = []
+        """Each load's model (None: the live model's own reload)."""
 
-    def load(self, model=None):
+    def load(self, model=None, only=None):
         self.loads.append("live" if model is None else "shadow")
+        self.targets.append(model)
 
 
 @pytest.fixture
@@ -115,6 +118,33 @@ def test_staged_version_whose_preparation_fails_fails_its_update_weights_and_nev
     assert staged._storage.loads == [] and staged.weights_version is None
     staged.start_weight_update()  # the next update starts clean
     assert staged._staging is None and staged._prepared is None
+
+
+def test_a_staged_draft_that_cannot_be_prepared_loads_under_the_pause_with_the_model(staged, monkeypatch):
+    """#67, ``gen_draft``: the model's version is prepared beside it, its draft's is not: the model's
+    is not swapped in alone; both load under the pause (the model's reload, then the draft's)."""
+    from megatron_refit.engines.vllm.worker import engine as worker
+    from megatron_refit.engines.vllm.worker.prepare import NotPreparableError
+
+    swapped = []
+    monkeypatch.setattr(worker, "prepare", lambda *args, **kwargs: types.SimpleNamespace(
+        swap=lambda: swapped.append("model"), nbytes=0, seconds=0.0))
+
+    def not_preparable(*args, **kwargs):
+        raise NotPreparableError("the draft's shadow (injected)")
+
+    monkeypatch.setattr(worker, "prepare_draft", not_preparable)
+    draft = torch.nn.Linear(1, 1)
+    staged._with_draft = types.SimpleNamespace(is_draft=lambda name: name.startswith("model.layers.3."),
+                                               hand_over=lambda model: None)
+    staged.set_weight_update_target(draft, staged.model_config)  # vLLM's draft session
+    staged.start_weight_update()
+    staged.update_weights({"version": 1})
+    staged.update_weights({"version": 1, "complete": True})
+    staged.finish_weight_update()
+    assert swapped == []
+    assert staged._storage.targets == [None, draft]  # the live model's reload, then the draft's
+    assert staged.state == "ready" and staged.last_swap["prepared"] is False
 
 
 def test_staged_complete_call_outside_a_staged_update_is_refused_by_name(staged, monkeypatch):

@@ -649,7 +649,7 @@ def test_weight_transfer_a_version_that_fails_to_go_live_is_never_finished_as_re
             return RefitReport(version=version, role="gen", rank=0)
 
     class FailingLoad:
-        def load(self):
+        def load(self, model=None, only=None):
             raise RuntimeError("load_weights failed (injected)")
 
     engine.member, engine._storage, engine._mode = Received(), FailingLoad(), "load_weights"

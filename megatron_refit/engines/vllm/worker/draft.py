@@ -29,11 +29,14 @@ DRAFT_METHODS = ("mtp",)
 other per-model names are normalised to ``mtp`` by vLLM's ``SpeculativeConfig``)."""
 
 
-def check_draft_config(cfg, vllm_config, mode: str, *, lora: bool) -> None:
+def check_draft_config(cfg, vllm_config, *, lora: bool) -> None:
     """``ValueError`` naming what rules out ``refit.gen_draft`` for this vLLM engine, before any
     byte moves: no speculative draft, a draft that is not the model's MTP layers (an external
     EAGLE model the trainer does not train: start without gen_draft, and the refit leaves it
-    untouched), or a combination this receive path does not plan."""
+    untouched), or a combination this receive path does not plan. Every ``engine_load`` and
+    ``swap`` takes the draft: in place, the draft's parameters are written with the model's; under
+    ``load_weights`` (and ``swap: staged``, which builds on it) vLLM's layerwise reload runs on the
+    draft too, with its MTP pieces (:func:`reload_draft`, :func:`prepare_draft`)."""
     spec = vllm_config.speculative_config
     method = None if spec is None else spec.method
     if method not in DRAFT_METHODS:
@@ -42,9 +45,6 @@ def check_draft_config(cfg, vllm_config, mode: str, *, lora: bool) -> None:
             "(the model's own MTP layers as its draft, e.g. --speculative-config "
             "'{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}'); a draft the trainer does not train "
             "is left untouched with gen_draft: false")
-    if mode != "in_place" or cfg.swap != "in_place":
-        raise ValueError(f"refit.gen_draft: vLLM's draft is written in place (engine_load in_place, swap in_place); "
-                         f"got engine_load resolved to {mode!r}, swap {cfg.swap!r}")
     for key, value, why in (("gen_attention_dp", cfg.gen_attention_dp != 1, "a wide expert-parallel deployment"),
                             ("lora_sync", lora, "LoRA adapters (vLLM's draft session skips its LoRA reset)")):
         if value:
@@ -61,11 +61,50 @@ def vllm_draft(model, first_layer: int) -> ModelWithDraft:
     return ModelWithDraft(model, first_layer, checkpoint_name, "vLLM")
 
 
-def begin_session(with_draft: ModelWithDraft | None, handed: tuple | None) -> None:
+def split_pieces(with_draft: ModelWithDraft | None) -> tuple:
+    """``load_weights`` mode: the predicates of the staged pieces that go to the main model's
+    ``load_weights`` and to the draft's (None, None without a draft: all to the main model)."""
+    if with_draft is None:
+        return None, None
+    return (lambda name: not with_draft.is_draft(name)), with_draft.is_draft
+
+
+def reload_draft(handed: tuple, load) -> None:
+    """``load_weights`` mode, under the pause: vLLM's layerwise reload of the handed-over draft
+    (``handed``: the draft and its model config), fed by ``load(draft)`` (its MTP pieces only: the
+    embedding and LM head it shares are the main model's, reloaded with it; vLLM's finalize puts
+    back what a reload did not load), its post-load step run as vLLM's own draft reload runs it."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup
+
+    draft, model_config = handed
+    initialize_layerwise_reload(draft)
+    with FirstLoadSetup(draft):
+        load(draft)
+        finalize_layerwise_reload(draft, model_config)
+
+
+def prepare_draft(main, handed: tuple, load, budget_bytes: int | None):
+    """``swap: staged``: the draft's version prepared beside the live draft (``prepare`` of
+    :mod:`.prepare`, fed by ``load(shadow)``), and joined to ``main`` (the model's prepared version)
+    so that one swap makes both live. The modules the draft shares with the model (its embedding
+    and LM head) are the model's to swap: the draft's shadow of them is dropped."""
+    from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup
+    from megatron_refit.engines.vllm.worker.prepare import prepare
+
+    left = None if budget_bytes is None else budget_bytes - main.nbytes
+    draft = prepare(handed[0], load, first_load_setup=FirstLoadSetup, budget_bytes=left,
+                    shared=main.modules())
+    return main.joined(draft)
+
+
+def begin_session(with_draft: ModelWithDraft | None, handed: tuple | None, *, reload: bool = False) -> None:
     """The start of a weight-update session (``handed``: vLLM's draft and its model config in a
     draft session, else None): under ``refit.gen_draft`` (``with_draft``) every refit is a draft
     session, which hands the draft over; without it no refit writes a draft. ``RuntimeError``
-    naming the call otherwise, before any byte moves."""
+    naming the call otherwise, before any byte moves. ``reload`` (``load_weights`` mode): the draft
+    must be one vLLM's reload can process again (``check_reloadable``)."""
     if with_draft is not None and handed is None:
         raise RuntimeError("megatron_refit: refit.gen_draft is on: refit through vLLM's start_draft_weight_update, "
                            "so that the draft lands with the main model")
@@ -74,3 +113,7 @@ def begin_session(with_draft: ModelWithDraft | None, handed: tuple | None) -> No
                            "does not write the draft (start_weight_update)")
     if with_draft is not None:
         with_draft.hand_over(handed[0])
+        if reload:  # load_weights mode: the draft's reload must run its experts' post-load step again
+            from megatron_refit.engines.vllm.worker.moe_reload import check_reloadable
+
+            check_reloadable(handed[0])

@@ -50,7 +50,8 @@ from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.fused.draft import ModelWithDraft
-from megatron_refit.engines.vllm.worker.draft import begin_session, check_draft_config, vllm_draft
+from megatron_refit.engines.vllm.worker.draft import (begin_session, check_draft_config, prepare_draft,
+                                                      reload_draft, split_pieces, vllm_draft)
 from megatron_refit.engines.vllm.worker.expert_maps import check_expert_maps
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
@@ -96,13 +97,14 @@ class StagedPiecesStorage:
         """The refit is complete in staging (the worker engine loads it)."""
 
     @torch.no_grad()
-    def load(self, model: torch.nn.Module | None = None) -> None:
+    def load(self, model: torch.nn.Module | None = None, only=None) -> None:
         """Into ``model``'s ``load_weights`` (None: the live model; a shadow of it under ``swap:
-        staged``: :mod:`~megatron_refit.engines.vllm.worker.prepare`). Segments of one HF tensor
+        staged``: :mod:`~megatron_refit.engines.vllm.worker.prepare`), the pieces whose names
+        ``only`` takes (None: all; vLLM's draft takes its MTP layer's). Segments of one HF tensor
         (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that tensor, at once: vLLM's loaders for
         it write every segment of this rank's rows."""
         tensors: dict[str, list[ShardSpec]] = {}  # HF tensor -> its pieces (segments: several)
-        for piece in self._pieces:
+        for piece in (p for p in self._pieces if only is None or only(p.name)):
             tensors.setdefault(families.split_segment(piece.name)[0], []).append(piece)
         def weights():  # unsegmented tensors first, then each segmented one as a whole
             for _, pieces in sorted(tensors.items(), key=lambda item: families.segment_order(item[0]) is not None):
@@ -172,7 +174,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         refuse_wide_ep(cfg)  # what vLLM's side does not receive into (EPLB's moving experts), before any check
         mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
         if cfg.gen_draft:  # a draft this engine cannot receive into, before any group is joined
-            check_draft_config(cfg, self.vllm_config, mode or "in_place", lora=bool(init_info.lora_rank))
+            check_draft_config(cfg, self.vllm_config, lora=bool(init_info.lora_rank))
         self.gen_index = self._gen_index(init_info)
         hf_config = self.model_config.hf_config
         params = hf_param_table(hf_config, self.model_config.dtype, draft=cfg.gen_draft)
@@ -196,7 +198,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                                                      pending=None if target is self.model else target.is_draft)
                 mode = "in_place"
             except RepackedParameterError as exc:
-                if mode == "in_place" or cfg.gen_draft:  # asked for: refused by name, before any byte moves
+                if mode == "in_place":  # asked for: refused by name, before any byte moves
                     raise
                 mode, why = "load_weights", f" ({exc})"
         if mode == "load_weights":
@@ -241,7 +243,7 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
 
     def start_weight_update(self) -> None:
         self._check_initialised("start_weight_update")
-        begin_session(self._with_draft, self._draft_target)
+        begin_session(self._with_draft, self._draft_target, reload=self._mode == "load_weights")
         if self._staging is not None:
             if not self._staging.done():
                 raise RuntimeError("megatron_refit: start_weight_update while the last update's staging still runs; "
@@ -311,18 +313,22 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         the train ranks (``refit/swap_unprepared``)."""
         staging = self._storage.nbytes
         budget = None if self._budget_bytes is None else self._budget_bytes - staging
-        try:
-            self._prepared = prepare(self.model, self._storage.load, first_load_setup=FirstLoadSetup,
-                                     budget_bytes=budget)
+        main, draft = split_pieces(self._with_draft)
+        try:  # both or neither: a draft that cannot be prepared loads under the pause with the model
+            prepared = prepare(self.model, lambda shadow: self._storage.load(shadow, main),
+                               first_load_setup=FirstLoadSetup, budget_bytes=budget)
+            if self._draft_target is not None:  # the draft's version beside the live draft, one swap
+                prepared = prepare_draft(prepared, self._draft_target, lambda shadow: self._storage.load(shadow, draft),
+                                         budget)
         except NotPreparableError as exc:
             self.last_swap = dict(prepared=False, why=str(exc), staging_bytes=staging)
             logger.warning("megatron_refit: swap: staged: this version loads under the pause: %s", exc)
             self._note(version, str(exc))
             return
+        self._prepared = prepared
         self._note(version, None)
         # what the device holds for the swap: the staging buffers and the shadow's processed tensors
-        self.last_swap = dict(prepared=True, prepare_s=self._prepared.seconds,
-                              staging_bytes=staging + self._prepared.nbytes)
+        self.last_swap = dict(prepared=True, prepare_s=prepared.seconds, staging_bytes=staging + prepared.nbytes)
 
     def _note(self, version: int, why: str | None) -> None:
         """Tell the train ranks whether ``version`` was prepared (``refit/swap_unprepared``); a
@@ -343,10 +349,13 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
                 from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                                      initialize_layerwise_reload)
 
+                main, draft = split_pieces(self._with_draft)
                 initialize_layerwise_reload(self.model)
                 with FirstLoadSetup(self.model):  # the experts' post-load step too (moe_reload.py)
-                    self._storage.load()
+                    self._storage.load(only=main)
                     finalize_layerwise_reload(self.model, self.model_config)
+                if self._draft_target is not None:  # a draft session: the draft's reload, its MTP pieces
+                    reload_draft(self._draft_target, lambda model: self._storage.load(model, draft))
             else:
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 

@@ -126,6 +126,14 @@ class Prepared:
         self.seconds = seconds
         """Time the preparation took, beside the serving model."""
 
+    def modules(self) -> frozenset[int]:
+        """The ids of the live modules this version swaps."""
+        return frozenset(id(pair.live) for pair in self._pairs)
+
+    def joined(self, other: Prepared) -> Prepared:
+        """This version and ``other`` (another model's: vLLM's draft) as one swap."""
+        return Prepared(self._pairs + other._pairs, self.nbytes + other.nbytes, self.seconds + other.seconds)
+
     @torch.no_grad()
     def swap(self) -> float:
         """Each live module takes its shadow's tensors and post-load attributes; returns seconds."""
@@ -193,12 +201,15 @@ def shadow_estimate(model: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def prepare(model: torch.nn.Module, load, *, first_load_setup, budget_bytes: int | None = None) -> Prepared:
+def prepare(model: torch.nn.Module, load, *, first_load_setup, budget_bytes: int | None = None,
+            shared: frozenset[int] = frozenset()) -> Prepared:
     """Run vLLM's layerwise load of the staged version (``load(shadow)`` feeds it to the shadow's
     ``load_weights``) on a shadow of ``model``, never touching the live tensors; ``NotPreparableError``
     names what cannot be. ``first_load_setup``: the MoE experts' post-load step (moe_reload).
     ``budget_bytes`` (``refit.swap_budget_mb`` less the staging buffers; None: no bound): a shadow
-    estimated larger is not made (the version loads under the pause)."""
+    estimated larger is not made (the version loads under the pause). ``shared``: ids of live
+    modules another prepared version swaps (vLLM's draft shares the model's embedding and LM
+    head): ``load`` must load none of them, and this version does not swap them."""
     t0 = time.perf_counter()
     if budget_bytes is not None and (need := shadow_estimate(model)) > budget_bytes:
         raise NotPreparableError(f"its shadow would take about {need / 2**20:.1f} MiB, over the "
@@ -247,6 +258,7 @@ def prepare(model: torch.nn.Module, load, *, first_load_setup, budget_bytes: int
             layerwise.LAYERWISE_INFO.pop(pair.shadow, None)
     if not loaded:
         raise RuntimeError("swap: staged: the shadow of the vLLM model loaded none of the staged weights")
+    pairs = [pair for pair in pairs if id(pair.live) not in shared]
     check_copyable(pairs, names)
     for pair in pairs:
         kept = {id(t) for table in ("_parameters", "_buffers") for t in pair.tables[table].values()}
