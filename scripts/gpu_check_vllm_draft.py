@@ -26,7 +26,10 @@ layer with Megatron's MTP loss) refits it under ``refit.gen_draft`` through vLLM
   accepted / drafted), as the GRPO loop reads them.
 
 ``ok`` when the trainer finished, every refit was checked, its tokens matched, the draft shares
-the target's embedding and head, moved at every refit, and vLLM proposed draft tokens.
+the target's embedding and head, moved at every refit, and vLLM proposed draft tokens. It runs
+twice: ``in_place`` (the engine eager) and ``staged`` (``refit.swap: staged``, the engine with its
+CUDA graphs captured: the model's and the draft's versions prepared beside them and swapped
+together; ``ok`` needs every version prepared, ``refit/swap_unprepared`` 0).
 
     .venv-vllm/bin/python scripts/gpu_check_vllm_draft.py [--out results/gpu_check_vllm_draft.json]
 
@@ -124,7 +127,20 @@ class _Draft:
         return out
 
 
+SWAPS = ("in_place", "staged")
+
+
 def controller(args, model: str) -> dict:
+    """Both swaps of ``model``: in place (the engine eager), and staged (its CUDA graphs captured:
+    the model's and the draft's versions prepared beside them, swapped together); ``ok`` when both
+    are and every staged version was prepared."""
+    runs = {swap: _run(args, model, swap) for swap in SWAPS}
+    runs["staged"]["prepared_all"] = all(r["report"]["summary"].get("refit/swap_unprepared") == 0
+                                         for r in (runs["staged"]["trainer"] or []))
+    return dict(ok=all(run["ok"] for run in runs.values()) and runs["staged"]["prepared_all"], **runs)
+
+
+def _run(args, model: str, swap: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM
@@ -133,11 +149,12 @@ def controller(args, model: str) -> dict:
     from megatron_refit.engines.vllm.trainer.clients import LLMClient
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc's and apply_model's functions
-    workdir = tempfile.mkdtemp(prefix="gpu_check_vllm_draft_")
+    workdir = tempfile.mkdtemp(prefix=f"gpu_check_vllm_draft_{swap}_")
     cfg = tiny_config(model)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(workdir)  # its config; weights dummy
-    llm = LLM(model=workdir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", load_format="dummy",
+    llm = LLM(model=workdir, skip_tokenizer_init=True, enforce_eager=swap == "in_place", dtype="bfloat16",
+              load_format="dummy",
               gpu_memory_utilization=0.3, max_model_len=128, speculative_config=SPECULATIVE,
               disable_log_stats=False,  # the spec-decode counters
               weight_transfer_config=WeightTransferConfig(backend="megatron_refit"))
@@ -145,7 +162,7 @@ def controller(args, model: str) -> dict:
 
     def answer(method, payload):
         if method == "settings":
-            return {"swap": "in_place", "gen_draft": True}
+            return {"swap": swap, "gen_draft": True}
         if method != "check":
             return getattr(client, method)(*payload)
         before = client.speculation()
@@ -159,7 +176,8 @@ def controller(args, model: str) -> dict:
 
     run = serve_trainer(__file__, args.trainer_python, model, workdir, answer)
     llm.shutdown() if hasattr(llm, "shutdown") else None
-    result = summary(run, speculative_config=SPECULATIVE)
+    torch.cuda.empty_cache()  # the next run's engine asks for its share of the device again
+    result = summary(run, speculative_config=SPECULATIVE, swap=swap, cuda_graphs=swap != "in_place")
     checks = run["checks"]
     result["draft_bit_exact"] = all(c["draft_bit_exact"] for c in checks)
     result["ok"] = result["ok"] and all(c["draft_shares"] == "" and c["draft_moved"]
