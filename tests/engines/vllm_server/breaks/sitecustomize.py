@@ -63,13 +63,13 @@ def _patch(worker) -> None:
     moe_reload.FirstLoadSetup.__enter__ = maybe_enter
     load = worker.StagedPiecesStorage.load
 
-    def maybe_unloaded(self, model=None):  # the layer's pieces never reach vLLM's loaders: it keeps its old weights
-        if _break() != "unload_layer":
-            return load(self, model)
+    def maybe_unloaded(self, model=None, only=None):  # the layer's pieces never reach vLLM's loaders: it keeps its
+        if _break() != "unload_layer":  # old weights
+            return load(self, model, only)
         pieces = self._pieces
         self._pieces = [p for p in pieces if not p.name.startswith("model.layers.0.")]
         try:
-            return load(self, model)
+            return load(self, model, only)
         finally:
             self._pieces = pieces
 
