@@ -79,7 +79,10 @@ class LiveModelStorage(FusedLayoutStorage):
         for name, (shape, dtype) in self._shapes.items():
             have = storage[name]
             if str(have.dtype).removeprefix("torch.") != dtype:
-                raise ValueError(f"engine parameter {name} is {have.dtype} {when}, the trainer sends {dtype}")
+                handed = not placeholders and self._pending is not None and self._pending(name)
+                raise ValueError(f"engine parameter {name} is {have.dtype} "
+                                 f"{'as the engine handed it over (a draft)' if handed else when}, the trainer "
+                                 f"sends {dtype}")
             if tuple(have.shape) != tuple(shape):
                 raise RepackedParameterError(
                     f"engine parameter {name} has shape {tuple(have.shape)} {when}, the checkpoint layout needs "
