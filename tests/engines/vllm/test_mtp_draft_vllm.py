@@ -247,6 +247,14 @@ def refitted(tmp_path_factory):
     return spawn(tmp_path_factory, _rank, MODEL, len(CASES))
 
 
+def assert_landed(check: dict, version: int, *where) -> None:
+    """An engine rank's check of refit ``version`` (:meth:`_DraftEngine.check`): the main model and
+    the draft bit-exact against vLLM's own loads, the engine ready at that version."""
+    assert check["names_equal"] and check["diff"] == [], (*where, version, check["diff"][:5])
+    assert check["draft_names"] and check["draft_diff"] == [], (*where, version, check["draft_diff"][:5])
+    assert check["state"] == "ready" and check["weights_version"] == version
+
+
 @pytest.mark.slow
 def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refitted):
     train = [out["draft"]["refits"] for out in refitted[:NUM_TRAIN]]
@@ -254,13 +262,11 @@ def test_the_trainers_mtp_layer_lands_in_vllms_deepseek_mtp_draft_bit_exact(refi
         checks = items[0]["checks"]
         assert len(checks) == TP
         for check in checks:
-            assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
-            assert check["draft_names"] and check["draft_diff"] == [], (version, check["draft_diff"][:5])
+            assert_landed(check, version)
             if version > 1:  # version 2's step moved every draft parameter (version 1's norms are the dummy's ones)
                 assert len(check["draft_moved"]) == check["draft_params"] == 18, (version, check["draft_moved"])
             assert check["shared_head"]  # the draft's LM head is still the target's, written once
             assert sorted(check["post_loaded"]) == ["DeepSeekMTP", "DeepseekV3ForCausalLM"]
-            assert check["state"] == "ready" and check["weights_version"] == version
         reports = [item["report"] for item in items]
         assert sum(r["bytes_sent"] for r in reports) == reports[0]["bytes_minimal"] > 0
         assert reports[0]["summary"]["refit/skipped_params"] == 0  # the MTP layer is held: sent, not skipped

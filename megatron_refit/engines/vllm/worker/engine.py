@@ -43,12 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from megatron_refit import families
 from megatron_refit.config.deployment import refuse_wide_ep
 from megatron_refit.endpoint.report import RefitReport
 from megatron_refit.registry import engine_named, resolved_load
 from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
-from megatron_refit.engines.segments import join_segments
 from megatron_refit.engines.fused.draft import ModelWithDraft
 from megatron_refit.engines.vllm.worker.draft import (begin_session, check_draft_config, prepare_draft,
                                                       reload_draft, split_pieces, vllm_draft)
@@ -58,71 +56,14 @@ from megatron_refit.engines.fused.live import LiveModelStorage
 from megatron_refit.engines.vllm.worker.moe_reload import FirstLoadSetup, check_reloadable
 from megatron_refit.engines.vllm.worker.rank import engine_rank
 from megatron_refit.engines.vllm.worker.prepare import NotPreparableError, Prepared, prepare
+from megatron_refit.engines.vllm.worker.staged_pieces import StagedPiecesStorage
 from megatron_refit.errors import RepackedParameterError
 from megatron_refit.group.store import note_swap
 from megatron_refit.plan.fp8_layout import fp8_param_table
 from megatron_refit.plan.gen_layout import deployment_placement, gen_target_specs
-from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.engine_side.entry import engine_refit
 
 logger = logging.getLogger("megatron_refit")
-
-
-class StagedPiecesStorage:
-    """Storage of ``load_weights`` mode: one staging tensor per piece; :meth:`load` feeds each
-    piece to the model's own ``load_weights`` as its HF tensor (the piece in its box, zeros
-    elsewhere: vLLM's loaders read only this rank's part, which is the box). The worker engine
-    calls it inside vLLM's layerwise reload, when the refit is to become live."""
-
-    holds_sent_bytes = True
-    """The staging tensors keep what the last refit wrote: delta refits start from them."""
-
-    def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], device: torch.device):
-        self.model = model
-        self._pieces = pieces
-        self._staged = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device) for p in pieces}
-
-    def target_specs(self) -> list[ShardSpec]:
-        return list(self._pieces)
-
-    @property
-    def nbytes(self) -> int:
-        """The staging buffers' bytes (on the engine's device)."""
-        return sum(t.nbytes for t in self._staged.values())
-
-    def buffer(self, name: str) -> torch.Tensor:
-        return self._staged[name]
-
-    def finalize(self) -> None:
-        """The refit is complete in staging (the worker engine loads it)."""
-
-    @torch.no_grad()
-    def load(self, model: torch.nn.Module | None = None, only=None) -> None:
-        """Into ``model``'s ``load_weights`` (None: the live model; a shadow of it under ``swap:
-        staged``: :mod:`~megatron_refit.engines.vllm.worker.prepare`), the pieces whose names
-        ``only`` takes (None: all; vLLM's draft takes its MTP layer's). Segments of one HF tensor
-        (Mamba's ``in_proj`` = [z, x, B, C, dt]) go in as that tensor, at once: vLLM's loaders for
-        it write every segment of this rank's rows."""
-        tensors: dict[str, list[ShardSpec]] = {}  # HF tensor -> its pieces (segments: several)
-        for piece in (p for p in self._pieces if only is None or only(p.name)):
-            tensors.setdefault(families.split_segment(piece.name)[0], []).append(piece)
-        def weights():  # unsegmented tensors first, then each segmented one as a whole
-            for _, pieces in sorted(tensors.items(), key=lambda item: families.segment_order(item[0]) is not None):
-                (name, whole), = join_segments({piece.name: self._whole(piece) for piece in pieces}).items()
-                yield name, whole
-
-        # one call: vLLM's loaders index the parameters once per call
-        (self.model if model is None else model).load_weights(weights())
-
-    def _whole(self, piece: ShardSpec) -> torch.Tensor:
-        """This rank's box of ``piece`` in a zero tensor of its global shape (the staging tensor
-        itself where the box is the whole tensor: vLLM's loaders copy from it, never into it)."""
-        staged = self._staged[piece.name]
-        if tuple(staged.shape) == tuple(piece.global_shape):
-            return staged
-        whole = torch.zeros(piece.global_shape, dtype=staged.dtype, device=staged.device)
-        whole[tuple(slice(a, b) for a, b in piece.box)] = staged
-        return whole
 
 
 class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRefitUpdateInfo]):
