@@ -39,6 +39,11 @@ def check_deployment(cfg) -> None:
             if getattr(cfg, key) != DEFAULTS[key]:
                 raise ValueError(f"refit.{key}={getattr(cfg, key)!r} places whole experts: it needs "
                                  "gen_expert_parallel: true")
+    if cfg.gen_eplb:  # each deployment's balancer moves its experts on its own, between any two refits
+        for key, why in (("fanout", "a relayed refit would land in another deployment's expert map"),
+                         ("overlap", "the snapshot is taken before the refit re-plans the moved experts")):
+            if getattr(cfg, key) != "off":
+                raise ValueError(f"refit.{key}={getattr(cfg, key)!r} with refit.gen_eplb: {why}; set {key}: off")
     if cfg.engine == "vllm":
         if cfg.gen_redundant_experts and not cfg.gen_eplb:
             raise ValueError(f"refit.gen_redundant_experts={cfg.gen_redundant_experts}: vLLM holds redundant "

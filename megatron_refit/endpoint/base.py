@@ -113,6 +113,11 @@ class Endpoint:
         train rank 0 shows it, every rank keeps it)."""
         self.shown_base = -1
         """The delta base this rank showed in the last handshake."""
+        self.experts_moved = False
+        """An engine rank: its engine's load balancer moved experts since the plan was built
+        (shown in the handshake: every rank of the group then re-plans before any byte moves)."""
+        self.replans = 0
+        """How often a handshake re-planned the group because an engine rank's experts moved."""
 
     def _local_specs(self) -> list[ShardSpec]:
         raise NotImplementedError
@@ -237,7 +242,9 @@ class Endpoint:
         base = self.delta_base() if self.delta != "off" and error is None else -1
         probe = int(told[0]) if self.role == "train" else 0  # the train side's ``told``: this refit's
         placement = told[1].values() if self.role == "train" else [0] * PLACEMENT_VALUES
-        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *placement])
+        moved = int(self.experts_moved and error is None)
+        rows = self.group.exchange("refit", [shown, int(error is not None), self._plan_id, base, probe, *placement,
+                                             moved])
         self.probe_due = bool(rows[0][4])
         self.placement = Placement.from_values(rows[0][5:5 + PLACEMENT_VALUES])  # train rank 0's (they agree)
         self.shown_base = base
@@ -258,6 +265,10 @@ class Endpoint:
             raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
                              f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
                              f"the engine expects a full refit")
+        if any(row[5 + PLACEMENT_VALUES] for row in rows):  # EPLB moved an engine rank's experts: re-plan them
+            self.prepare()
+            self.replans += 1
+            self._begin(f"refit {version}")
         mine = rows[self.group.rank][3]
         peers = range(self.num_train, len(rows)) if self.role == "train" else range(self.num_train)
         return version, {peer for peer in peers if mine >= 0 and rows[peer][3] == mine}

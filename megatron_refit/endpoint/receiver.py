@@ -17,8 +17,8 @@ from megatron_refit.endpoint.delta import RAW, apply, check_header, check_payloa
 from megatron_refit.endpoint.relay import DeltaNotApplicableError, forwarder, receive_relayed
 from megatron_refit.endpoint.stages import Drain, ReceiveDigests
 from megatron_refit.endpoint.report import RefitReport
-from megatron_refit.endpoint.storage import (ExpectsVersion, KeepsSentBytes, LiveBuffers, RefreshesTargets,
-                                             ReportsVersion, Storage, TracksState)
+from megatron_refit.endpoint.storage import (ExpectsVersion, KeepsSentBytes, LiveBuffers, MovesExperts,
+                                             RefreshesTargets, ReportsVersion, Storage, TracksState)
 from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.spec import ShardSpec
@@ -73,16 +73,20 @@ class Receiver(Endpoint):
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
         version = self.storage.weights_version if isinstance(self.storage, ReportsVersion) else self.weights_version
         keeps = isinstance(self.storage, KeepsSentBytes) and self.storage.holds_sent_bytes
-        if self.state != "ready" or self._moved or version is None or not keeps:
+        if self.state != "ready" or self._moved or self.experts_moved or version is None or not keeps:
             return -1
         return version
 
     def _refresh_targets(self) -> None:
-        self._moved = False
-        if not isinstance(self.storage, RefreshesTargets):
-            return
+        """The handshake's preflight: the engine's parameters re-resolved where it re-allocated them,
+        then its expert map re-read where its load balancer moves experts (``experts_moved``: the
+        group re-plans them in the handshake)."""
+        self._moved = self.experts_moved = False
         try:
-            self._moved = bool(self.storage.refresh_targets())
+            if isinstance(self.storage, RefreshesTargets):
+                self._moved = bool(self.storage.refresh_targets())
+            if isinstance(self.storage, MovesExperts):
+                self.experts_moved = bool(self.storage.refresh_experts())
         except BaseException:
             self._set_state("stale")  # the engine's storage is no longer what the last refit wrote
             raise

@@ -57,6 +57,19 @@ class RefreshesTargets(Protocol):
 
 
 @runtime_checkable
+class MovesExperts(Protocol):
+    """Optional: an engine whose load balancer (EPLB) moves routed experts between its slots
+    while serving. Called at the start of every refit, before any byte moves, after
+    :class:`RefreshesTargets`: reads the engine's current map; True where it differs from the
+    one the storage's target specs were built for (they are rebuilt for it: every rank of the
+    refit group then re-plans the experts and the refit lands in the new map, as a full one);
+    ``ValueError`` naming what is wrong where the map cannot be read (every rank then ends the
+    refit with an error before any byte moves)."""
+
+    def refresh_experts(self) -> bool: ...
+
+
+@runtime_checkable
 class ExpectsVersion(Protocol):
     """Optional: told the version a refit will deliver before its bytes move (a staged
     receiver makes it live, tagged with that version, at the swap)."""

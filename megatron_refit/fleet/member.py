@@ -22,12 +22,20 @@ class TrainerMember(Member):
         kw = dict(endpoint_kw(cfg, num_train, on_report), plans=plans, check_finite=cfg.check_finite,
                   draft=cfg.gen_draft)
         self.group = group
+        if adapters and cfg.lora_sync != "full" and cfg.gen_eplb:
+            raise ValueError(f"refit.lora_sync={cfg.lora_sync!r} with refit.gen_eplb: an adapters-only refit does not "
+                             "re-plan the experts the engine's balancer moved; set lora_sync: full")
         self.full = Refitter(group, pieces + adapters, **kw)
-        self.plan = self.full.prepare()
+        self.full.prepare()
         self.adapters = None
         if adapters and cfg.lora_sync != "full":
             self.adapters = Refitter(group, adapters, **kw)
             self.adapters.prepare()
+
+    @property
+    def plan(self):
+        """The full refit's plan (re-planned in a handshake where the engine's experts moved)."""
+        return self.full.plan
 
     def sent(self, version: int) -> None:
         """Refit ``version`` went through :meth:`endpoint` (its report is the endpoint's): the next

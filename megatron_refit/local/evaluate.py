@@ -66,6 +66,7 @@ def evaluate(spec: RunSpec, results: list[dict]) -> dict:
             loss=t_items[-1].get("loss"),
             failed_replicas=t_items[0].get("failed_replicas", {}),
             replanned=[item.get("replanned") for item in t_items],
+            replans=[item.get("replans") for item in t_items],
             serves={g["gen_index"] // spec.gen.deployment_size: item.get("serves") for g, item in landed},
             pause_s=max((item["pause_s"] for item in g_items if item.get("pause_s") is not None), default=None),
             traffic={g["gen_index"] // spec.gen.deployment_size: item.get("traffic") for g, item in landed

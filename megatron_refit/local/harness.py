@@ -22,6 +22,7 @@ from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.hf.staged import StagedHFStorage
 from megatron_refit.engines.hf.storage import HFStorage
 from megatron_refit.plan.fp8_layout import fp8_param_table
+from megatron_refit.local.fused_engine import Balancer
 from megatron_refit.local.run_spec import RunSpec
 from megatron_refit.local.traffic import Traffic
 
@@ -167,9 +168,9 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             offloader.offload()  # between steps the parameters wait in host memory
             if any(p.numel() for p in params):
                 raise RuntimeError("offload left parameters in place")
-        if rank == 0 and version - 1 in spec.remap:
+        if rank == 0 and version - 1 in spec.remap and spec.remap_rejoin:
             _await_rejoined(fleet, joined, spec.timeout_s)
-        remapped = rank == 0 and version in spec.remap
+        remapped = rank == 0 and version in spec.remap and spec.remap_rejoin
         joined = {r: fleet.joins.announced(r) for r in range(spec.gen.dp)} if remapped else None
         t0 = time.perf_counter()
         report = fleet.refit(version)
@@ -180,7 +181,8 @@ def _train_rank(rank: int, spec: RunSpec, cfg, refit_cfg):
             offloader.onload()  # for the checks below
         basis = fleet.plan.basis  # set with its holding where the plan was re-planned after the experts moved
         item = dict(report=report.as_dict(), loss=loss, failed_replicas=report.failed_replicas, wall_s=wall,
-                    replanned=basis is not None and basis.holding is not None)
+                    replanned=basis is not None and basis.holding is not None,
+                    replans=sum(m.full.replans for m in fleet.members.values()))
         if spec.collect:
             item.update(_trainer_weights(spec, built, cfg, rank))
         out.append(item)
@@ -259,7 +261,8 @@ def _reference_weights(spec: RunSpec, built):
 def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     from megatron_refit.engine_side.entry import engine_refit
 
-    backend = make_gen_backend(spec, cfg, gen_index)
+    balancer = Balancer(spec.gen.placement) if spec.remap and not spec.remap_rejoin else None
+    backend = make_gen_backend(spec, cfg, gen_index, balancer=balancer)
     lora = (spec.lora_rank, spec.lora_alpha) if spec.lora_rank else None
     member = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train, device=spec.device,
                         lora=lora)
@@ -289,7 +292,9 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["weights"] = {name: t.cpu() for name, t in weights.items()}
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
-        if version in spec.remap:  # EPLB moved the experts: the deployment rejoins with its new map
+        if version in spec.remap and balancer is not None:  # EPLB moves the experts while the engine serves
+            balancer.move(backend, spec.gen_at(version + 1, balancer.layers(backend)).placement)
+        elif version in spec.remap:  # the deployment rejoins with its new map
             member.close()
             backend = make_gen_backend(spec, cfg, gen_index, version=version + 1)
             member = engine_refit(refit_cfg, backend, gen_index=gen_index, num_train=spec.num_train,
@@ -349,8 +354,9 @@ def _failing(storage) -> list[bool]:
     return armed
 
 
-def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
-    """Engine rank ``gen_index``'s storage, laid out as refit ``version`` lands (:meth:`RunSpec.gen_at`)."""
+def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1, balancer: Balancer | None = None):
+    """Engine rank ``gen_index``'s storage, laid out as refit ``version`` lands (:meth:`RunSpec.gen_at`);
+    ``balancer``: the live expert map it reads at each refit."""
     dtype = getattr(torch, spec.dtype)
     if spec.gen.tp == 1 and not spec.wide:  # whole HF tensors; a wide deployment is vLLM-shaped
         if spec.swap == "staged":
@@ -365,7 +371,8 @@ def make_gen_backend(spec: RunSpec, cfg, gen_index: int, *, version: int = 1):
     if spec.fp8:
         params = fp8_param_table(params)
     gen = spec.gen_at(version, len(moe_layers(params)))
-    return FusedLayoutStorage.allocate(params, gen, model_shape(cfg), gen_index=gen_index, device=spec.device)
+    return FusedLayoutStorage.allocate(params, gen, model_shape(cfg), gen_index=gen_index, device=spec.device,
+                                       live_map=balancer)
 
 
 def run(spec: RunSpec, *, quiet: bool = True) -> list[dict]:

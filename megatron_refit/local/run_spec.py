@@ -73,8 +73,12 @@ class RunSpec:
     those passes were answered with, or ``"refused"``."""
     remap: tuple[int, ...] = ()
     """Versions after which every deployment's experts move (an EPLB rebalance, seeded by the
-    version: :func:`~megatron_refit.local.fused_engine.rebalanced`): its engine ranks leave and
-    rejoin with the new map, and the next refit must land in it."""
+    version: :func:`~megatron_refit.local.fused_engine.rebalanced`) while the engine serves: its
+    balancer moves them in place (:class:`~megatron_refit.local.fused_engine.Balancer`, the moved
+    slots' bytes scrambled), and the next refit must re-read the map and land in it."""
+    remap_rejoin: bool = False
+    """With :attr:`remap`: the engine ranks instead leave and rejoin with the new map (a new
+    incarnation, as a restarted engine would)."""
     draft: bool = False
     """The HF engine ranks decode with the model's MTP layers as a speculative draft
     (:class:`~megatron_refit.engines.hf.draft.MTPDraft`): the trainer's MTP layer lands there."""

@@ -210,3 +210,21 @@ def ranks_holding(placement: ExpertPlacement, layer: int, logical_expert: int) -
         raise ValueError(f"logical expert {logical_expert!r} is not one of {placement.num_logical_experts}")
     row = placement.layer_map(layer)
     return tuple(sorted({rank_of(placement, p) for p, logical in enumerate(row) if logical == logical_expert}))
+
+
+def moved(live: ExpertPlacement, current: ExpertPlacement, num_layers: int) -> bool:
+    """Whether ``live`` (an engine's map read now) puts any logical expert of the first
+    ``num_layers`` MoE layers in another slot than ``current`` (the one planned); ``ValueError``
+    where ``live`` is not a map of the same physical slots (logical and redundant experts, EP
+    size, strategy: what a load balancer cannot change)."""
+    if not isinstance(live, ExpertPlacement):
+        raise ValueError(f"the engine's live expert map must be an ExpertPlacement, got {type(live).__name__}")
+    for field in ("num_logical_experts", "ep_size", "num_redundant", "strategy"):
+        if getattr(live, field) != getattr(current, field):
+            raise ValueError(f"the engine's live expert map has {field}={getattr(live, field)!r}, the refit planned "
+                             f"{getattr(current, field)!r}: a load balancer moves experts between slots, it does "
+                             "not change the slots (restart the engine's refit connection)")
+    if len(live.physical_to_logical) not in (1, num_layers):
+        raise ValueError(f"the engine's live expert map holds {len(live.physical_to_logical)} layer maps, the model "
+                         f"{num_layers} MoE layers")
+    return any(live.layer_map(layer) != current.layer_map(layer) for layer in range(num_layers))

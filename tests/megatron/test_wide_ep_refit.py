@@ -2,8 +2,9 @@
 into one wide expert-parallel deployment of D2 x T2 with EP4 (#64), through the real refit groups over gloo:
 attention at TP rank ``i % 2`` on both data-parallel ranks, every physical expert slot
 (redundant ones included, an expert twice on one rank) filled with its logical expert, the map
-permuted and then **moved between refits** (an EPLB rebalance: the deployment's engine ranks
-rejoin with their new map and the next refit lands in it). Every refit bit-exact against
+permuted and then **moved between refits** (an EPLB rebalance while the engine serves: its ranks
+read the moved map at the next refit, the group re-plans the experts in its handshake and the refit
+lands in the new map; or the engine ranks rejoin with it). Every refit bit-exact against
 Bridge's ``export_hf_weights``, each engine rank receiving exactly its bytes once
 (``bytes_sent == bytes_minimal``)."""
 
@@ -44,11 +45,23 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_wide_ep_refit_bit_exact(case):
+    """EPLB moves the experts in place after refit 2 (their old bytes scrambled): refit 3 re-plans
+    them in the group's handshake and lands in the moved map."""
+    _check_moved(case, rejoin=False)
+
+
+def test_engine_ranks_that_rejoin_with_a_moved_map():
+    """The same move, the deployment's engine ranks leaving and rejoining with the new map (a
+    restarted engine): the train ranks re-plan at the join."""
+    _check_moved(CASES[0], rejoin=True)
+
+
+def _check_moved(case, *, rejoin: bool):
     _, overrides, train, redundant, tp = case
     experts = overrides["experts"]
     gen = _deployment(experts, redundant, tp)
     spec = RunSpec(model="qwen3-moe", overrides=dict(overrides, layers=LAYERS), train=train, gen=gen, refits=3,
-                   dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10, remap=(2,))
+                   dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10, remap=(2,), remap_rejoin=rejoin)
     result = evaluate(spec, run(spec))
     assert result["gen"] == dict(tp=tp, dp=1, attention_dp=2)
     for r in result["refits"]:
@@ -58,9 +71,12 @@ def test_wide_ep_refit_bit_exact(case):
     moved = spec.gen_at(3, LAYERS).placement
     assert moved.physical_to_logical != gen.placement.physical_to_logical  # refit 3 landed in another map
     # the train ranks re-planned only the moved experts (RefitPlan.replanned), agreed by the
-    # rejoined engine ranks' full builds; the refits before it ran on the first full build
+    # engine ranks' full builds; the refits before it ran on the first full build
     assert [r["replanned"] for r in result["refits"]] == [[False] * train.world_size] * 2 + [
         [True] * train.world_size], [r["replanned"] for r in result["refits"]]
+    # in place: once, in refit 3's handshake (a rejoin re-plans at the join instead)
+    assert [r["replans"] for r in result["refits"]] == [[0] * train.world_size] * 2 + [
+        [0 if rejoin else 1] * train.world_size], [r["replans"] for r in result["refits"]]
     assert result["refits"][0]["loss"] != result["refits"][1]["loss"]
 
 

@@ -18,14 +18,16 @@ engine's own parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_refit import families
 from megatron_refit.endpoint.storage import WeightsState
 from megatron_refit.engines.segments import split_segments
-from megatron_refit.plan.deployment import ExpertSlots
+from megatron_refit.plan.deployment import ExpertSlots, moe_layers
+from megatron_refit.plan.expert_placement import ExpertPlacement, moved
 from megatron_refit.plan.gen_layout import (VOCAB_PADDING, GenLayout, ModelShape, deployment_placement,
                                             gen_target_specs)
 from megatron_refit.plan.spec import ShardSpec
@@ -117,19 +119,68 @@ def fused_layout(pieces: list[ShardSpec], model: ModelShape, tp: int,
     return shapes, placements
 
 
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """What one engine rank's pieces are derived from: the model's HF parameters (name ->
+    (shape, dtype)), the generation layout, the model's shape and the rank's index."""
+
+    params: dict
+    layout: GenLayout
+    model: ModelShape
+    gen_index: int
+
+    def build(self, placement: ExpertPlacement | None = None) -> tuple[list[ShardSpec], ExpertSlots | None, dict,
+                                                                       dict]:
+        """``(pieces, slots, shapes, placements)`` of this rank, its experts as ``placement``
+        (default: the layout's) puts them."""
+        layout = self.layout if placement is None else replace(self.layout, placement=placement)
+        pieces = gen_target_specs(self.params, layout, self.model, style="vllm")[self.gen_index]
+        slots = expert_slots(self.params, layout, self.model, self.gen_index)
+        return (pieces, slots, *fused_layout(pieces, self.model, layout.tp, slots))
+
+
 class FusedLayoutStorage(WeightsState):
     """Storage over vLLM-shaped storage of one generation TP rank (``state`` /
-    ``require_ready``: the weights' state, for the engine loop that serves them)."""
+    ``require_ready``: the weights' state, for the engine loop that serves them). ``source``
+    and ``live_map`` (both or neither): the rank's :class:`RankLayout`, and a reader of the
+    engine's current expert map (EPLB moves experts while serving: :meth:`refresh_experts`)."""
 
     def __init__(self, storage: dict[str, torch.Tensor], pieces: list[ShardSpec],
-                 placements: dict[str, Placement], slots: ExpertSlots | None = None):
+                 placements: dict[str, Placement], slots: ExpertSlots | None = None, *,
+                 source: RankLayout | None = None, live_map: Callable[[], ExpertPlacement] | None = None):
         self._pieces = pieces
         self._placements = placements
         self.slots = slots
         """A wide deployment rank's expert slots (None: one per expert it holds)."""
+        if live_map is not None and (source is None or slots is None):
+            raise ValueError("live_map: an engine's moving expert map needs the rank's RankLayout (source) and a "
+                             "placement of its experts (gen_expert_parallel with a placement)")
+        self._source, self._live_map = source, live_map
+        self.experts_moved = 0
+        """How often :meth:`refresh_experts` found the engine's experts moved and re-laid the pieces out."""
         self._staged: dict[str, torch.Tensor] = {}
         """Sent bytes of the pieces the engine keeps transformed (by HF name)."""
         self._bind(storage)
+
+    def refresh_experts(self) -> bool:
+        """Before a refit: the engine's current expert map (``live_map()``); True, and this rank's
+        pieces and their views laid out for it, where it moved experts since the pieces were
+        built; ``ValueError`` where it is not a map of this rank's slots."""
+        if self._live_map is None:
+            return False
+        live = self._live_map()
+        if not moved(live, self.slots.placement, len(moe_layers(self._source.params))):
+            return False
+        pieces, slots, shapes, placements = self._source.build(live)
+        for name, (shape, dtype) in shapes.items():
+            have = self._storage.get(name)
+            if have is None or tuple(have.shape) != tuple(shape):
+                raise ValueError(f"the engine's moved expert map needs {name} of shape {tuple(shape)}, the engine "
+                                 f"holds {None if have is None else tuple(have.shape)}")
+        self._pieces, self._placements, self.slots = pieces, placements, slots
+        self._bind(self._storage)
+        self.experts_moved += 1
+        return True
 
     def _bind(self, storage: dict[str, torch.Tensor]) -> None:
         """Views of every piece into ``storage`` (vLLM-named tensors)."""
@@ -160,13 +211,13 @@ class FusedLayoutStorage(WeightsState):
 
     @classmethod
     def allocate(cls, params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
-                 *, gen_index: int, device: str | torch.device = "cpu") -> FusedLayoutStorage:
-        pieces = gen_target_specs(params, layout, model, style="vllm")[gen_index]
-        slots = expert_slots(params, layout, model, gen_index)
-        shapes, placements = fused_layout(pieces, model, layout.tp, slots)
+                 *, gen_index: int, device: str | torch.device = "cpu",
+                 live_map: Callable[[], ExpertPlacement] | None = None) -> FusedLayoutStorage:
+        source = RankLayout(params, layout, model, gen_index)
+        pieces, slots, shapes, placements = source.build()
         storage = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
                    for name, (shape, dtype) in shapes.items()}
-        return cls(storage, pieces, placements, slots)
+        return cls(storage, pieces, placements, slots, source=source, live_map=live_map)
 
     def target_specs(self) -> list[ShardSpec]:
         return list(self._pieces)
@@ -185,6 +236,15 @@ class FusedLayoutStorage(WeightsState):
 
     def storage(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self._storage.items()}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The vLLM-named tensors themselves (what an engine's own code writes into)."""
+        return dict(self._storage)
+
+    @property
+    def source(self) -> RankLayout | None:
+        """What this rank's pieces are derived from (None: given as they are)."""
+        return self._source
 
 
 def expected_storage(full: dict[str, torch.Tensor], pieces: list[ShardSpec], model: ModelShape,

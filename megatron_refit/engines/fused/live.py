@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit import families
-from megatron_refit.engines.fused.layout import FusedLayoutStorage, expert_slots, fused_layout
+from megatron_refit.engines.fused.layout import FusedLayoutStorage, RankLayout, fused_layout
 from megatron_refit.errors import RepackedParameterError
-from megatron_refit.plan.gen_layout import GenLayout, ModelShape, gen_target_specs
+from megatron_refit.plan.expert_placement import ExpertPlacement
+from megatron_refit.plan.gen_layout import GenLayout, ModelShape
 from megatron_refit.plan.spec import ShardSpec
 
 
@@ -54,7 +55,8 @@ class LiveModelStorage(FusedLayoutStorage):
 
     def __init__(self, model: torch.nn.Module, pieces: list[ShardSpec], model_shape: ModelShape, tp: int,
                  post_load: Callable[[], None] | None = None, slots=None,
-                 pending: Callable[[str], bool] | None = None):
+                 pending: Callable[[str], bool] | None = None, *, source: RankLayout | None = None,
+                 live_map: Callable[[], ExpertPlacement] | None = None):
         shapes, placements = fused_layout(pieces, model_shape, tp, slots)
         self.model = model
         self._shapes = shapes
@@ -67,7 +69,8 @@ class LiveModelStorage(FusedLayoutStorage):
         no delta refits unless the caller knows they stay as written and sets this True."""
         self.rebinds = 0
         """How often :meth:`refresh_targets` found the engine's storage moved and re-resolved it."""
-        super().__init__(self._live_storage(when="at construction", placeholders=True), pieces, placements, slots)
+        super().__init__(self._live_storage(when="at construction", placeholders=True), pieces, placements, slots,
+                         source=source, live_map=live_map)
 
     def _live_storage(self, when: str, placeholders: bool = False) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())
@@ -94,10 +97,13 @@ class LiveModelStorage(FusedLayoutStorage):
     @classmethod
     def for_model(cls, model, hf_params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout,
                   model_shape: ModelShape, *, gen_index: int, post_load: Callable[[], None] | None = None,
-                  pending: Callable[[str], bool] | None = None):
-        pieces = gen_target_specs(hf_params, layout, model_shape, style="vllm")[gen_index]
-        return cls(model, pieces, model_shape, layout.tp, post_load,
-                   slots=expert_slots(hf_params, layout, model_shape, gen_index), pending=pending)
+                  pending: Callable[[str], bool] | None = None, live_map: Callable[[], ExpertPlacement] | None = None):
+        """``live_map``: the engine's current expert map, read at the start of every refit (its load
+        balancer moves experts while serving: :meth:`~.layout.FusedLayoutStorage.refresh_experts`)."""
+        source = RankLayout(hf_params, layout, model_shape, gen_index)
+        pieces, slots, _, _ = source.build()
+        return cls(model, pieces, model_shape, layout.tp, post_load, slots=slots, pending=pending, source=source,
+                   live_map=live_map)
 
     def refresh_targets(self) -> bool:
         """Before a refit: True (and views re-resolved) if the engine re-allocated any
