@@ -248,14 +248,17 @@ class Endpoint:
         self.probe_due = bool(rows[0][4])
         self.placement = Placement.from_values(rows[0][5:5 + PLACEMENT_VALUES])  # train rank 0's (they agree)
         self.shown_base = base
+        failed = [rank for rank, row in enumerate(rows) if row[1]]
+        if failed:  # a second message, only then: every rank learns why (the first named, cut short)
+            why = "" if error is None else f"{type(error).__name__}: {error}"[:300]
+            first = self.group.all_gather_object(why, "refit")[failed[0]]
         if error is not None:
             raise error
         if version is None:
             version = rows[0][0]  # train rank 0's (the train ranks agree, checked below)
-        failed = [rank for rank, row in enumerate(rows) if row[1]]
         if failed:
             raise RefitAbortedError(f"refit {version}: refit rank(s) {failed} failed their checks before any byte "
-                                    f"moved (their own errors say why); this rank sent and received nothing")
+                                    f"moved (refit rank {failed[0]}: {first}); this rank sent and received nothing")
         versions = [row[0] for row in rows]
         if any(v != version for v in versions if v != ANY_VERSION):
             raise ValueError(f"refit ranks disagree on the version: {versions}")

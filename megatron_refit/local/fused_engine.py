@@ -2,7 +2,8 @@
 (:class:`~megatron_refit.engines.fused.layout.FusedLayoutStorage`), registered as
 ``refit.engine: fused``. It receives into every wide expert-parallel deployment the plan knows
 (data-parallel attention ranks, a placement with redundant experts, a map that EPLB changed
-between refits: :func:`rebalanced`, moved in place by a :class:`Balancer`), so the train ranks' side of one is tested end to end before
+between refits: :func:`rebalanced`, moved in place by a :class:`Balancer`),
+so the train ranks' side of one is tested end to end before
 an engine's own receive path takes it."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def refit_config(spec: RunSpec, port: int):
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port, **deployment,
                        bucket_mb=spec.bucket_bytes / (1 << 20), trainer_quantize_fp8=spec.fp8 == "trainer",
                        timeout_s=spec.timeout_s, delta=spec.delta, swap=spec.swap,
-                       on_replica_failure="continue" if spec.fail_replica or spec.breaks else "raise",
+                       on_replica_failure="continue" if spec.failures_expected else "raise",
                        overlap="on" if spec.overlap else "off", verify_serving=spec.verify_serving, fanout=spec.fanout,
                        serving_tolerance=spec.serving_tolerance, gen_draft=spec.draft, verify=spec.verify)
 
@@ -269,6 +269,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     size = spec.gen.deployment_size
     failing = spec.fail_replica and gen_index == spec.fail_replica[0] * size + spec.fail_rank
     fail_at = spec.fail_replica[1] if failing else None
+    bad_map = spec.bad_map is not None and gen_index // size == spec.bad_map  # fails each refit after a move
     armed = _failing(backend) if fail_at else [False]
     breaks = _breaking(backend, spec, gen_index)
     traffic = Traffic(backend, tokens_for(0, cfg.vocab_size)[:, :4]) if spec.traffic else None
@@ -280,7 +281,7 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
         try:
             report = member.receive(version)
         except Exception as exc:
-            if version != fail_at:
+            if version != fail_at and not (bad_map and any(v < version for v in spec.remap)):
                 raise
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue
@@ -293,7 +294,11 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
             item["logits"] = backend.logits(tokens_for(0, cfg.vocab_size)) if item["serves"] is True else None
         out.append(item)
         if version in spec.remap and balancer is not None:  # EPLB moves the experts while the engine serves
-            balancer.move(backend, spec.gen_at(version + 1, balancer.layers(backend)).placement)
+            placement = spec.gen_at(version + 1, balancer.layers(backend)).placement
+            if bad_map:  # a map of other slots than the refit was connected with
+                placement = replace(placement, num_redundant=placement.num_redundant + 2 * placement.ep_size,
+                                    physical_to_logical=())
+            balancer.move(backend, placement)
         elif version in spec.remap:  # the deployment rejoins with its new map
             member.close()
             backend = make_gen_backend(spec, cfg, gen_index, version=version + 1)

@@ -79,6 +79,10 @@ class RunSpec:
     remap_rejoin: bool = False
     """With :attr:`remap`: the engine ranks instead leave and rejoin with the new map (a new
     incarnation, as a restarted engine would)."""
+    bad_map: int | None = None
+    """With :attr:`remap` (in place): this replica's balancer reports, after each move, a map of
+    other slots (two more redundant experts) than the refit was connected with: its next refit
+    must fail by name before any byte moves, the others land."""
     draft: bool = False
     """The HF engine ranks decode with the model's MTP layers as a speculative draft
     (:class:`~megatron_refit.engines.hf.draft.MTPDraft`): the trainer's MTP layer lands there."""
@@ -118,6 +122,9 @@ class RunSpec:
             raise ValueError(f"remap {self.remap}: moves the experts of a deployment with a placement "
                              f"(gen.placement), between refits 1..{self.refits} (each version before the last), "
                              "without fail_replica, breaks, overlap or traffic")
+        if self.bad_map is not None and not (self.remap and not self.remap_rejoin and 0 <= self.bad_map < self.gen.dp):
+            raise ValueError(f"bad_map {self.bad_map}: a replica in 0..{self.gen.dp - 1} whose experts move in place "
+                             "(remap without remap_rejoin)")
         if self.lora_rank and (self.gen.tp != 1 or self.fp8):
             raise ValueError(f"LoRA refit needs gen TP 1 without FP8 (the HF receiver merges), got gen tp "
                              f"{self.gen.tp}, fp8 {self.fp8!r}")
@@ -129,6 +136,11 @@ class RunSpec:
     @property
     def num_gen(self) -> int:
         return self.gen.world_size
+
+    @property
+    def failures_expected(self) -> bool:
+        """A replica is made to fail a refit (``refit.on_replica_failure: continue``)."""
+        return bool(self.fail_replica or self.breaks or self.bad_map is not None)
 
     @property
     def wide(self) -> bool:

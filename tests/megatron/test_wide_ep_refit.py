@@ -99,3 +99,25 @@ def test_one_data_parallel_rank_fails_its_deployment_only():
     gens = [g for g in results if g["role"] == "gen"]
     assert [g["refits"][1]["report"] is None for g in gens] == [False] * 6 + [True, False]
     assert all(g["refits"][2]["report"]["failed_replicas"] == {} for g in gens)
+
+
+def test_a_map_of_other_slots_fails_its_deployment_by_name_before_any_byte_moves():
+    """Two deployments of D2 x T2 whose experts move in place after refit 2; deployment 1's
+    balancer then reports a map of other slots (more redundant experts than it was connected
+    with): its refit 3 fails by name on every one of its ranks before any byte moves (no engine
+    rank of it has a report), while deployment 0 re-plans its moved experts and lands bit-exact."""
+    gen = GenLayout(tp=2, dp=2, attention_dp=2, expert_parallel=True, placement=_deployment(8, 2).placement)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(**SP), gen=gen, refits=3, dtype="bfloat16", lr=1e-6,
+                   bucket_bytes=64 << 10, remap=(2,), bad_map=1)
+    results = run(spec)
+    result = evaluate(spec, results)
+    failed = [r["failed_replicas"] for r in result["refits"]]
+    assert [sorted(map(int, f)) for f in failed] == [[], [], [1]], failed
+    assert "the engine's live expert map has num_redundant=10, the refit planned 2" in failed[2][1], failed[2]
+    assert [r["bit_exact"] for r in result["refits"]] == [True, True, True]  # deployment 1 not checked at 3
+    gens = [g for g in results if g["role"] == "gen"]
+    assert [g["refits"][2]["report"] is None for g in gens] == [False] * 4 + [True] * 4
+    errors = [g["refits"][2]["error"] for g in gens[4:]]
+    assert all("live expert map has num_redundant=10" in e or e.startswith("RefitAbortedError") for e in errors), errors
+    assert result["refits"][2]["replans"] == [1] * 2  # deployment 0's handshake re-planned; 1's ended first

@@ -172,7 +172,7 @@ class FusedLayoutStorage(WeightsState):
         if not moved(live, self.slots.placement, len(moe_layers(self._source.params))):
             return False
         pieces, slots, shapes, placements = self._source.build(live)
-        for name, (shape, dtype) in shapes.items():
+        for name, (shape, _) in shapes.items():
             have = self._storage.get(name)
             if have is None or tuple(have.shape) != tuple(shape):
                 raise ValueError(f"the engine's moved expert map needs {name} of shape {tuple(shape)}, the engine "
