@@ -119,7 +119,7 @@ def engine_names() -> list[str]:
 
 
 register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM's weight-transfer backend",
-                       wide_ep=("gen_attention_dp", "gen_expert_placement"),
+                       wide_ep=("gen_attention_dp", "gen_redundant_experts", "gen_eplb", "gen_expert_placement"),
                        control="megatron_refit.engines.vllm.trainer.control:VllmControl"))
 register_engine(Engine(name="sglang", scores="client", engine_loads=("in_place",), swaps=("in_place",),
                        wide_ep=("gen_attention_dp",),

@@ -103,7 +103,8 @@ def deployment_layout(cfg, *, replicas: int, num_experts: int = 0, num_expert_gr
                                        num_expert_group=num_expert_group, eplb=cfg.gen_eplb, all2all_backend=backend)
             fallback = _fallback(strategy, placement.strategy, cfg, ep_size, num_expert_group)
         strategy = placement.strategy
-        if placement.strategy == "linear" and not placement.num_redundant and cfg.gen_attention_dp == 1:
+        if placement.strategy == "linear" and not placement.num_redundant and cfg.gen_attention_dp == 1 \
+                and not cfg.gen_eplb:  # EPLB moves experts: its map is kept to be compared with the live one
             placement = None  # the map of gen_tp ranks that GenLayout keeps by default
     layout = GenLayout(tp=cfg.gen_tp, dp=replicas, expert_parallel=cfg.gen_expert_parallel,
                        attention_dp=cfg.gen_attention_dp, placement=placement)

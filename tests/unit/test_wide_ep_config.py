@@ -4,6 +4,8 @@ refit starts (the train ranks' and every engine's), since no engine receives int
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_refit.config import RefitConfig
@@ -123,33 +125,36 @@ def test_every_wide_key_is_refused_where_a_refit_starts(key, value, shown):
 
 def test_engine_entry_points_refuse_before_touching_the_engine():
     """The generic engine entry (``engine_refit``, for an engine that declares no wide-EP key) and SGLang's
-    loader refuse before any group, storage or model is used (None here); vLLM's worker:
-    tests/engines/vllm/test_weight_transfer.py (it imports vLLM)."""
+    loader (which receives every wide key but round-robin placement, which SGLang has not) refuse before
+    any group, storage or model is used (None here); vLLM's worker: tests/engines/vllm/test_weight_transfer.py
+    (it imports vLLM)."""
     from megatron_refit.engine_side.entry import engine_refit
     from megatron_refit.engines.sglang.worker.loader import engine_refit_for
 
     config = RefitConfig.from_dict({**WIDE, "gen_tp": 1, "gen_attention_dp": 2, "engine": "no_wide_ep"})
     with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'no_wide_ep' does not receive into that"):
         engine_refit(config, None, gen_index=0, num_train=2)
-    with pytest.raises(ValueError, match=r"refit.gen_eplb=True: engine 'sglang' does not receive into that"):
-        engine_refit_for(None, {**WIDE, "gen_tp": 1, "gen_eplb": True}, num_train=2, tp_rank=0)
+    with pytest.raises(ValueError, match=r"refit.gen_expert_placement='round_robin': SGLang places its physical"):
+        engine_refit_for(None, {**WIDE, "gen_tp": 1, "gen_expert_placement": "round_robin"}, num_train=2, tp_rank=0)
 
 
 def test_an_engine_that_declares_the_keys_is_not_refused():
     """What an engine receives into is its declaration (``Engine.wide_ep``): the harness's ``fused``
-    engine takes every key, a refit of it starts; the same keys with ``vllm`` are refused by name."""
+    engine and vLLM take every key (vLLM's worker reads EPLB's live map), a refit of them starts; the
+    same keys with an engine that declares none are refused by name."""
     from megatron_refit.group.connect import check_enabled
     from megatron_refit.local.fused_engine import NAME
 
     section = {**WIDE, "gen_tp": 2, "gen_attention_dp": 2, "gen_redundant_experts": 4, "gen_eplb": True}
     check_enabled(RefitConfig.from_dict({**section, "engine": NAME}), 2)
-    with pytest.raises(ValueError, match=r"refit.gen_redundant_experts=4: engine 'vllm' does not receive"):
-        check_enabled(RefitConfig.from_dict(section), 2)  # vLLM: DP x EP yes, EPLB's moving experts not yet
+    check_enabled(RefitConfig.from_dict(section), 2)
+    with pytest.raises(ValueError, match=r"refit.gen_attention_dp=2: engine 'no_wide_ep' does not receive"):
+        check_enabled(RefitConfig.from_dict({**section, "engine": "no_wide_ep"}), 2)
 
 
 def test_the_dry_run_says_which_shipped_deployment_a_refit_refuses():
-    """Before a job starts: Kimi-K2's DP16 x TP8 vLLM deployment is received into; DeepSeek-V3's with EPLB and
-    32 redundant experts is refused by vLLM's worker, and the dry run's line says so by key."""
+    """Before a job starts: Kimi-K2's DP16 x TP8 vLLM deployment and DeepSeek-V3's with EPLB and 32 redundant
+    experts are both received into (no key refused); an engine that declares no key is refused by key."""
     import os
 
     from megatron_refit.config.deployment import refused_key
@@ -159,6 +164,7 @@ def test_the_dry_run_says_which_shipped_deployment_a_refit_refuses():
     kimi, _, _ = load_config(os.path.join(root, "configs", "kimi-k2-fp8-256to128.yaml"))
     deepseek, _, _ = load_config(os.path.join(root, "configs", "deepseek-v3-wide-ep.yaml"))
     assert kimi.gen_attention_dp == 16 and refused_key(kimi) is None
-    assert refused_key(deepseek) == "gen_redundant_experts"
-    with pytest.raises(ValueError, match=r"refit.gen_redundant_experts=32: engine 'vllm' does not receive"):
-        refuse_wide_ep(deepseek)
+    assert refused_key(deepseek) is None and deepseek.gen_eplb and deepseek.gen_redundant_experts == 32
+    refuse_wide_ep(deepseek)
+    other = dataclasses.replace(deepseek, engine="no_wide_ep")
+    assert refused_key(other) == "gen_attention_dp"

@@ -601,13 +601,12 @@ def test_weight_transfer_bad_init_info_names_the_field(engine, bad, field):
 
 
 def test_weight_transfer_refuses_a_wide_expert_parallel_deployment_by_name(engine):
-    """#64: what vLLM's worker does not receive into (EPLB's redundant, moving experts) is refused at the
-    start of ``init_transfer_engine``, before any group is joined; a deployment of data-parallel ranks
-    the engine does not run is refused naming both sides."""
+    """#64: EPLB (redundant, moving experts) that the engine does not run is refused at the start of
+    ``init_transfer_engine``, before any group is joined (EPLB it runs: test_wide_ep_eplb_vllm.py); a
+    deployment of data-parallel ranks the engine does not run is refused naming both sides."""
     info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 2, "gen_expert_parallel": True,
                                                           "gen_redundant_experts": 4, "gen_eplb": True}})
-    with pytest.raises(ValueError, match=r"refit\.gen_redundant_experts=4: engine 'vllm' does not receive into that "
-                                         r"wide expert-parallel deployment yet \(#64\)"):
+    with pytest.raises(ValueError, match=r"refit\.gen_eplb is true, but this vLLM engine runs without --enable-eplb"):
         engine.init_transfer_engine(info)
     info = engine.parse_init_info({**GOOD_INIT, "refit": {"gen_tp": 1, "gen_attention_dp": 2}})
     with pytest.raises(ValueError, match=r"init_info\.refit\.gen_attention_dp=2, but this vLLM engine runs "

@@ -50,6 +50,7 @@ from megatron_refit.engines.hf.checkpoint import hf_param_table, model_shape
 from megatron_refit.engines.fused.draft import ModelWithDraft
 from megatron_refit.engines.vllm.worker.draft import (begin_session, check_draft_config, prepare_draft,
                                                       reload_draft, split_pieces, vllm_draft)
+from megatron_refit.engines.vllm.worker.eplb_map import check_eplb_config, eplb_layout
 from megatron_refit.engines.vllm.worker.expert_maps import check_expert_maps
 from megatron_refit.engines.vllm.worker.info import MegatronRefitInitInfo, MegatronRefitUpdateInfo
 from megatron_refit.engines.fused.live import LiveModelStorage
@@ -112,7 +113,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
             raise RuntimeError("megatron_refit: init_weight_transfer_engine called twice; call "
                                "shutdown_weight_transfer_engine first")
         cfg = init_info.config
-        refuse_wide_ep(cfg)  # what vLLM's side does not receive into (EPLB's moving experts), before any check
+        refuse_wide_ep(cfg)  # what vLLM's side does not receive into, before any check
+        check_eplb_config(cfg, self.parallel_config)  # sync EPLB only, and only where the section says so
         mode = resolved_load(engine_named("vllm"), cfg.engine_load, cfg.swap)
         if cfg.gen_draft:  # a draft this engine cannot receive into, before any group is joined
             check_draft_config(cfg, self.vllm_config, lora=bool(init_info.lora_rank))
@@ -124,6 +126,9 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         shape = model_shape(hf_config)
         rank = self.gen_index % cfg.replica_size  # this rank's pieces: the same in every replica
         layout = cfg.replica_layout(shape.num_experts, getattr(hf_config, "n_group", None))
+        live_map = None
+        if cfg.gen_eplb:  # the map EPLB serves now, read again at the start of every refit (eplb_map.py)
+            layout, live_map = eplb_layout(self.model, layout, shape.num_experts)
         placement = deployment_placement(layout, shape.num_experts)
         if placement is not None:  # a wide deployment: vLLM's own expert map is the one planned
             check_expert_maps(self.model, placement, rank)
@@ -136,7 +141,8 @@ class MegatronRefitEngine(WeightTransferEngine[MegatronRefitInitInfo, MegatronRe
         if mode in (None, "in_place"):
             try:
                 storage = LiveModelStorage.for_model(target, params, layout, shape, gen_index=rank,
-                                                     pending=None if target is self.model else target.is_draft)
+                                                     pending=None if target is self.model else target.is_draft,
+                                                     live_map=live_map)
                 mode = "in_place"
             except RepackedParameterError as exc:
                 if mode == "in_place":  # asked for: refused by name, before any byte moves
