@@ -12,6 +12,7 @@ parameter is planned in one step, whatever the number of gen classes and train r
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
@@ -127,10 +128,10 @@ class Assignment:
                 per_class[c] += len(group.names) * sum(map(bool, row))
         return sum(len(ranks) * n for ranks, n in zip(self.class_ranks, per_class))
 
-    def route_bytes(self) -> dict[tuple[int, int], int]:
-        """Bytes per route (train rank, gen rank)."""
-        counts = [[Counter(senders[i] for senders in g.senders) for i in range(len(g.train_boxes))]
-                  for g in self.groups]  # names per sender tuple of each train box
+    def route_bytes(self, keep: Callable[[str], bool] | None = None) -> dict[tuple[int, int], int]:
+        """Bytes per route (train rank, gen rank); ``keep``: of the parameters it keeps only."""
+        counts = [[Counter(senders[i] for name, senders in zip(g.names, g.senders) if keep is None or keep(name))
+                   for i in range(len(g.train_boxes))] for g in self.groups]  # names per sender tuple of each train box
         out: dict[tuple[int, int], int] = defaultdict(int)
         for c, ranks in enumerate(self.class_ranks):
             for group, per_box in zip(self.groups, counts):

@@ -15,7 +15,9 @@ from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, fanout_prediction, nic_floor,
                                       overlap_stall, placement, predict, quantize_busy, quantized_bytes, staged_pause)
 from megatron_refit.plan.checks import ITEMSIZE
+from megatron_refit.plan.deployment_forwarding import FORWARDING, forwarding_routes, node_routes
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
+from megatron_refit.plan.roles import EXPERT_RE
 from megatron_refit.tools.cli import plain
 from megatron_refit.tools.dryrun import DryRun, build
 from megatron_refit.tools.dryrun_layouts import gen_text
@@ -78,6 +80,31 @@ def gen_label(run: DryRun) -> str:
     redundant = gen.placement.num_redundant if gen.placement is not None else 0
     experts = f" EP{gen.deployment_size}" if gen.expert_parallel else ""
     return f"D{gen.attention_dp}xT{gen.tp}{experts}{f' R{redundant}' if redundant else ''} x{gen.dp}"
+
+
+def forwarding_json(run: DryRun, direct_seconds: float, train_gpu: list[int], gen_gpu: list[int],
+                    cluster: Cluster) -> dict | None:
+    """The ``"deployment_forwarding"`` entry of ``--json`` (None: one DP rank per deployment): the
+    transport seconds of sending each deployment's dense weights to every DP rank from the train
+    ranks (``direct``, what the refit does) and of forwarding them from DP rank 0 in a ``chain``
+    or ``tree`` (:mod:`megatron_refit.plan.deployment_forwarding`), and the fastest (``picked``)."""
+    gen = run.gen
+    if gen.attention_dp < 2:
+        return None
+    dense = run.senders.route_bytes(keep=lambda name: EXPERT_RE.search(name) is None)
+    experts = run.senders.route_bytes(keep=lambda name: EXPERT_RE.search(name) is not None)
+    seconds, egress = {"direct": direct_seconds}, {"direct": sum(dense.values()) + sum(experts.values())}
+    shape = dict(tp=gen.tp, attention_dp=gen.attention_dp, deployments=gen.dp)
+    schemes = {mode: forwarding_routes(dense, experts, mode=mode, **shape) for mode in MODES}
+    schemes["node"] = node_routes(dense, experts, node=[gpu // cluster.gpus_per_node for gpu in gen_gpu], **shape)
+    for mode, routes in schemes.items():
+        seconds[mode] = fanout_prediction(routes, train_gpu, gen_gpu, cluster,
+                                          bucket_bytes=run.refit.bucket_bytes).seconds
+        egress[mode] = routes.bytes_from_trainers
+    picked = min(seconds, key=lambda mode: (seconds[mode], mode != "direct"))
+    return {"picked": picked, **{f"{mode}_seconds": round(t, 4) for mode, t in seconds.items()},
+            **{f"{mode}_trainer_egress_bytes": nbytes for mode, nbytes in egress.items()},
+            "dense_bytes_per_dp_rank": sum(dense.values()) // (gen.dp * gen.attention_dp)}
 
 
 def egress_json(run: DryRun, pairs: dict[tuple[int, int], int]) -> dict:
@@ -167,6 +194,13 @@ def main(argv=None) -> int:
           f"the minimal {egress['trainer_egress_minimal_bytes'] / 1e9:.1f} GB (each byte the engine holds once per "
           f"replica{'; a deployment' + chr(39) + 's data-parallel ranks each get its attention from the train ranks'
                      if run.gen.attention_dp > 1 else ''})")
+    forwarding = forwarding_json(run, transport.seconds, train_gpu, gen_gpu, cluster)
+    if forwarding is not None:
+        times = ", ".join(f"{m} {forwarding[f'{m}_seconds']:.3f} s" for m in FORWARDING)
+        print(f"a deployment's dense weights ({forwarding['dense_bytes_per_dp_rank'] / 1e9:.2f} GB on each of its "
+              f"{run.gen.attention_dp} DP ranks): {times} (transport); picked: {forwarding['picked']}"
+              + ("" if forwarding["picked"] == "direct" else
+                 " (the refit sends direct: forwarding inside a deployment is not built)"))
     quantize_max = max(quantized, default=0) / (cluster.quantize_gbps * 1e9)
     if any(quantized):
         print(f"trainer-side FP8: the busiest train rank quantizes {max(quantized) / 1e9:.2f} GB of bf16 in "
@@ -223,6 +257,7 @@ def main(argv=None) -> int:
                           "gen_tp": run.gen.tp, "gen_attention_dp": run.gen.attention_dp, "gen_dp": run.gen.dp,
                           "gen_expert_parallel_size": run.gen.deployment_size if run.gen.expert_parallel else 1,
                           **egress,
+                          **({"deployment_forwarding": forwarding} if forwarding is not None else {}),
                           "swap": swap, "predicted_pause_seconds": round(pause, 4),
                           **({"delta_density": args.delta_density, "predicted_delta_seconds": round(delta.seconds, 4),
                               "delta_bytes_fraction": round(delta_fraction(args.delta_density), 4)}

@@ -49,6 +49,23 @@ def test_wide_ep_config_cost_model_fields_are_consistent(name):
     assert result["trainer_egress_over_minimal"] == round(egress / minimal, 4)
     assert f"deployment vllm D{refit.gen_attention_dp}xT{refit.gen_tp}, EP{result['gen_expert_parallel_size']}" in text
     assert "per-gen-rank floor" in text and "trainer egress" in text and "trainer-side FP8" in text
+    # forwarding a deployment's dense weights inside it, weighed against sending them direct: from DP
+    # rank 0 in a chain or tree the trainers send them once per deployment, but DP rank 0 still takes
+    # them through its NIC and the relays add hops, so it is slower; split over the DP ranks sharing a
+    # node (node) each NIC takes a share: faster where DP ranks share nodes (D32 x T1), the same at
+    # D16 x T8 (one DP rank a node); the refit sends direct, and the tool says so where it picks another
+    forwarding = result["deployment_forwarding"]
+    assert forwarding["direct_seconds"] == result["transport_seconds"]
+    assert forwarding["direct_trainer_egress_bytes"] == egress
+    for mode in ("chain", "tree"):
+        saved = (refit.gen_attention_dp - 1) * refit.gen_dp * forwarding["dense_bytes_per_dp_rank"]
+        assert forwarding[f"{mode}_trainer_egress_bytes"] == egress - saved
+        assert forwarding[f"{mode}_seconds"] > forwarding["direct_seconds"]
+    shared = refit.gen_tp < 8  # 8 GPUs a node: DP ranks share one
+    assert (forwarding["node_seconds"] < forwarding["direct_seconds"]) == shared
+    assert forwarding["picked"] == ("node" if shared else "direct")
+    assert f"picked: {forwarding['picked']}" in text
+    assert ("forwarding inside a deployment is not built" in text) == shared
 
 
 def test_kimi_k2_at_the_record_setup_meets_the_targets():
