@@ -122,7 +122,7 @@ register_engine(Engine(name="vllm", scores="client", writes="writes through vLLM
                        wide_ep=("gen_attention_dp", "gen_redundant_experts", "gen_eplb", "gen_expert_placement"),
                        control="megatron_refit.engines.vllm.trainer.control:VllmControl"))
 register_engine(Engine(name="sglang", scores="client", engine_loads=("in_place",), swaps=("in_place",),
-                       wide_ep=("gen_attention_dp",),
+                       wide_ep=("gen_attention_dp", "gen_redundant_experts", "gen_eplb"),
                        writes="writes in place into SGLang's parameters (its weight loader hook, under SGLang's pause)",
                        control="megatron_refit.engines.sglang.trainer.control:SglangControl"))
 register_engine(Engine(name="hf", layout="full", staged_needs=None, writes="writes into a transformers model"))

@@ -68,15 +68,18 @@ class RefitConfig:
     ``num_redundant_experts`` of ``--eplb-config``, with ``gen_eplb``; SGLang
     ``--ep-num-redundant-experts``), planned at the engine's initial map; a rank that holds an
     expert in two slots receives it once and writes both. vLLM keeps redundant experts only under
-    EPLB (see ``gen_eplb``); its worker refuses a count other than the engine's by name."""
+    EPLB (see ``gen_eplb``); vLLM's worker and SGLang's loader refuse a count other than the
+    engine's by name and read the map in force (SGLang's ``--init-expert-location`` included)."""
     gen_eplb: bool = False
     """``--enable-eplb``: the engine moves experts between its slots while serving. vLLM's worker
     reads EPLB's live map of every MoE layer at the start of each refit, before any byte moves,
     and the refit lands in the slots it names (only the moved experts re-planned); sync EPLB only
     (``--eplb-config '{"use_async": false}'``: an async rebalance in flight would commit old
     experts over the refit's), and the worker refuses EPLB it runs that this key does not name.
-    The plan also lands a moved map once a deployment's ranks rejoin with it (a new incarnation).
-    SGLang's loader does not read its live map and refuses it by name (#64)."""
+    SGLang's loader reads its ``ExpertLocationMetadata`` at the start of each refit the same way
+    (its rebalance runs on the scheduler thread, between the loader's calls). The plan also lands a
+    moved map once a deployment's ranks rejoin with it (a new incarnation). Not with ``fanout``,
+    ``overlap`` or LoRA adapter sync (refused by name)."""
     gen_draft: bool = False
     """The engine decodes speculatively with the model's MTP layers as its draft (vLLM
     ``--speculative-config '{"method": "deepseek_mtp", ...}'``, SGLang ``--speculative-algorithm

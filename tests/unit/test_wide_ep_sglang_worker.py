@@ -127,17 +127,16 @@ def test_a_model_without_fused_moe_is_named():
                               None)
 
 
-@pytest.mark.parametrize("key, value", [("gen_eplb", True), ("gen_redundant_experts", 4)])
-def test_the_loader_still_refuses_moving_and_redundant_experts_before_touching_the_engine(key, value):
-    """SGLang declares ``gen_attention_dp`` only: EPLB's map moves while serving (the plan cannot be told
-    yet), redundant experts are not tested bit-exact; refused by name with no model (None here)."""
+def test_the_loader_receives_moving_and_redundant_experts_and_refuses_a_tp_rank_before_touching_the_engine():
+    """SGLang declares ``gen_attention_dp``, ``gen_redundant_experts`` and ``gen_eplb``: the loader reads
+    SGLang's live map at connect and at every refit (tests/unit/test_wide_ep_eplb_sglang_map.py); a TP
+    rank given to a DP-attention deployment is refused by name with no model (None here)."""
+    from megatron_refit.config.deployment import refuse_wide_ep
     from megatron_refit.engines.sglang.worker.loader import engine_refit_for
     from megatron_refit.registry import engine_named
 
-    assert engine_named("sglang").wide_ep == ("gen_attention_dp",)
-    section = {"gen_tp": 2, "gen_attention_dp": 2, "gen_expert_parallel": True, key: value}
-    with pytest.raises(ValueError, match=rf"refit.{key}={value!r}: engine 'sglang' does not receive into that"):
-        engine_refit_for(None, section, num_train=2)
+    assert engine_named("sglang").wide_ep == ("gen_attention_dp", "gen_redundant_experts", "gen_eplb")
+    refuse_wide_ep(_cfg(gen_eplb=True, gen_redundant_experts=4))  # nothing to refuse
     with pytest.raises(ValueError, match=r"tp_rank=0 names a TP rank of an engine without DP attention"):
-        engine_refit_for(None, {"gen_tp": 2, "gen_attention_dp": 2, "gen_expert_parallel": True}, num_train=2,
-                         tp_rank=0)
+        engine_refit_for(None, {"gen_tp": 2, "gen_attention_dp": 2, "gen_expert_parallel": True, "gen_eplb": True},
+                         num_train=2, tp_rank=0)

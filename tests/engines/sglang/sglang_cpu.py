@@ -22,14 +22,15 @@ from megatron_refit.engines.sglang.messages import LOADER
 
 
 def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str, *, attention_dp: int = 1, ep_size: int = 1,
-                dp_lm_head: bool = True, speculative_algorithm: str | None = None) -> None:
+                dp_lm_head: bool = True, speculative_algorithm: str | None = None, **server_args) -> None:
     """This process as rank ``tp_rank`` of an SGLang engine at TP ``tp`` on CPU: its world
     and model-parallel groups over gloo (rendezvous on ``port``) and the published server
     args (``device="cpu"``, float32, dummy weights, :data:`LOADER` as custom weight loader).
     ``attention_dp > 1``: ``--dp attention_dp --enable-dp-attention`` (and ``--enable-dp-lm-head``
     unless ``dp_lm_head`` is false), attention TP ``tp // attention_dp``; ``ep_size``: ``--ep-size``;
     ``speculative_algorithm``: ``--speculative-algorithm`` (``NEXTN``: the model's MTP layer as its draft,
-    :func:`build_draft`)."""
+    :func:`build_draft`); ``server_args``: more of ``ServerArgs`` (e.g. ``ep_num_redundant_experts``,
+    ``enable_eplb``)."""
     # TP >= 2 would build PyNccl ("Expected a cuda device"): no NCCL library, no PyNccl
     os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(model_dir, "no-libnccl.so")
     from sglang.srt.distributed import parallel_state
@@ -50,7 +51,7 @@ def init_sglang(tp: int, tp_rank: int, port: int, model_dir: str, *, attention_d
         if attention_dp > 1 else {}
     server_args = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, ep_size=ep_size, dtype="float32",
                              load_format="dummy", skip_tokenizer_init=True, custom_weight_loader=[LOADER],
-                             speculative_algorithm=speculative_algorithm, **dp_attention)
+                             speculative_algorithm=speculative_algorithm, **dp_attention, **server_args)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")

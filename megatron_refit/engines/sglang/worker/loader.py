@@ -58,7 +58,9 @@ def engine_refit_for(model: torch.nn.Module, refit: dict, *, num_train: int, rep
     :class:`~megatron_refit.engines.fused.live.LiveModelStorage` writing in place into ``model``'s own
     parameters, SGLang's post-load hook after every refit. In a DP-attention deployment
     (``gen_attention_dp > 1``) each FusedMoE layer's slots are first held to the plan's
-    (:func:`~megatron_refit.engines.sglang.worker.expert_location.check_expert_location`). ``refit``: the
+    (:func:`~megatron_refit.engines.sglang.worker.expert_location.check_expert_location`); under
+    ``gen_eplb`` or ``gen_redundant_experts`` the plan's map is the one SGLang serves, read again at
+    the start of every refit (:mod:`~megatron_refit.engines.sglang.worker.eplb_map`). ``refit``: the
     ``refit:`` section; its ``engine`` must be ``sglang`` (the default here). Under ``gen_draft``
     the plan covers SGLang's speculative draft too, which its runner hands over through the loader
     (:func:`refit_loader`)."""
@@ -74,6 +76,7 @@ def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: in
     from megatron_refit.engines.fused.live import LiveModelStorage
     from megatron_refit.engines.sglang.worker.draft import (DraftModelStorage, check_draft_server, draft_post_load,
                                                             sglang_draft)
+    from megatron_refit.engines.sglang.worker.eplb_map import check_eplb_config, live_layout
     from megatron_refit.engines.sglang.worker.expert_location import check_expert_location
     from megatron_refit.engines.sglang.worker.rank import engine_rank
     from megatron_refit.engine_side.entry import engine_refit
@@ -83,7 +86,7 @@ def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: in
     if cfg.engine != "sglang":
         raise ValueError(f"refit.engine is {cfg.engine!r}, but this is SGLang's megatron_refit weight loader "
                          "(set engine: sglang)")
-    refuse_wide_ep(cfg)  # what SGLang's side does not receive into (redundant experts, EPLB), before any check
+    refuse_wide_ep(cfg)  # what SGLang's side does not receive into, before any check
     if not isinstance(replica, int) or replica < 0:  # any index: one past gen_dp joins the running trainer
         raise ValueError(f"replica must be a non-negative int, got {replica!r}")
     if tp_rank is not None and cfg.gen_attention_dp != 1:
@@ -95,6 +98,10 @@ def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: in
 
         check_draft_server(cfg, get_spec().speculative_algorithm, getattr(hf_config, "num_nextn_predict_layers", 0))
     shape = model_shape(hf_config)
+    if shape.num_experts:  # SGLang's EPLB and redundant experts as the section says, before any group is joined
+        from sglang.srt.runtime_context import get_exec
+
+        check_eplb_config(cfg, get_exec().moe)
     if tp_rank is None:
         from sglang.srt.runtime_context import get_parallel
 
@@ -110,12 +117,15 @@ def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: in
         from megatron_refit.plan.fp8_layout import fp8_param_table
 
         params = fp8_param_table(params)
-    layout = cfg.replica_layout(shape.num_experts)
-    placement = deployment_placement(layout, shape.num_experts)
-    if placement is not None:  # a wide deployment: SGLang's own expert slots are the ones planned
-        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    layout, live_map = cfg.replica_layout(shape.num_experts), None
+    if shape.num_experts and (cfg.gen_eplb or deployment_placement(layout, shape.num_experts) is not None):
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata as metadata
 
-        check_expert_location(model, placement, rank, get_global_expert_location_metadata())
+        if cfg.gen_eplb or cfg.gen_redundant_experts:
+            # the map SGLang serves now (EPLB moves it, --init-expert-location sets it), read again at every refit
+            layout, live_map = live_layout(model, layout, shape.num_experts, metadata)
+        # a wide deployment: SGLang's own expert slots are the ones planned
+        check_expert_location(model, deployment_placement(layout, shape.num_experts), rank, metadata())
     with_draft = None
     if cfg.gen_draft:  # the draft's parameters are placeholders until its runner hands it over
         with_draft = sglang_draft(model, hf_config.num_hidden_layers)
@@ -124,7 +134,7 @@ def _connect(model: torch.nn.Module, refit: dict, *, num_train: int, replica: in
                                               pending=with_draft.is_draft)
     else:
         storage = LiveModelStorage.for_model(model, params, layout, shape, gen_index=rank,
-                                             post_load=sglang_post_load(model))
+                                             post_load=sglang_post_load(model), live_map=live_map)
     member = engine_refit(cfg, storage, gen_index=gen_index, num_train=num_train,
                           device=next(model.parameters()).device)
     return member, with_draft
