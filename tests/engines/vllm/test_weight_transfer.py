@@ -361,6 +361,26 @@ def _train(rank, world, port, requests, replies, tp, vllm_ports, refit_ports, wo
     return results
 
 
+def spawn_deployment(tmp_path_factory, rank, models, *, num_gen: int, num_ports: int):
+    """Bridge's shards of ``models`` saved (in ``.venv``), then ``rank`` spawned on ``NUM_TRAIN +
+    num_gen`` processes as ``rank(rank, world, port, requests, replies, vllm_port, refit_ports,
+    workdir, bridge_dir)``, ``num_ports`` refit ports: one wide deployment's run (its results)."""
+    import multiprocessing as mp
+
+    bridge = tmp_path_factory.mktemp("bridge")
+    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    proc = subprocess.run([python, str(HERE / "bridge_shards.py"), str(bridge), *models], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ctx = mp.get_context("spawn")
+    requests = [ctx.Queue() for _ in range(num_gen)]
+    replies = [ctx.Queue() for _ in range(num_gen)]
+    ports = free_ports(1 + num_ports)
+    return run_spawned(rank, NUM_TRAIN + num_gen, requests, replies, ports[0], ports[1:],
+                       str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=900,
+                       env={"VLLM_TARGET_DEVICE": "cpu"})
+
+
 FLEET_VERSIONS = (1, 2, 3, 4)
 
 

@@ -32,19 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 from unittest import mock
 
 import pytest
 import torch
 
-from megatron_refit.local.launch import free_ports, run_spawned
 
 pytest.importorskip("vllm")
 
-from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, ROOT, VERSIONS, _Engine, _init_vllm,  # noqa: E402
-                                                     _pieces, _QueueClient, _Runner, same_bytes, serve_calls)
+from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, VERSIONS, _Engine, _init_vllm,  # noqa: E402
+                                                     _pieces, _QueueClient, _Runner, same_bytes, serve_calls,
+                                                     spawn_deployment)
 
 TP, DP = 2, 2
 REDUNDANT = 4
@@ -257,21 +256,7 @@ def _rank(rank, world, port, *args):
 
 @pytest.fixture(scope="module")
 def refitted(tmp_path_factory):
-    bridge = tmp_path_factory.mktemp("bridge")
-    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    proc = subprocess.run([python, str(HERE / "bridge_shards.py"), str(bridge), *CASES], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    num_gen = TP * DP
-    requests = [ctx.Queue() for _ in range(num_gen)]
-    replies = [ctx.Queue() for _ in range(num_gen)]
-    ports = free_ports(1 + len(CASES))
-    return run_spawned(_rank, NUM_TRAIN + num_gen, requests, replies, ports[0], ports[1:],
-                       str(tmp_path_factory.mktemp("engine")), str(bridge), timeout_s=900,
-                       env={"VLLM_TARGET_DEVICE": "cpu"})
+    return spawn_deployment(tmp_path_factory, _rank, CASES, num_gen=TP * DP, num_ports=len(CASES))
 
 
 @pytest.mark.slow
