@@ -44,6 +44,18 @@ def check_deployment(cfg) -> None:
                          ("overlap", "the snapshot is taken before the refit re-plans the moved experts")):
             if getattr(cfg, key) != "off":
                 raise ValueError(f"refit.{key}={getattr(cfg, key)!r} with refit.gen_eplb: {why}; set {key}: off")
+    if cfg.gen_dense_forward not in ("off", "node"):
+        raise ValueError(f"refit.gen_dense_forward: {cfg.gen_dense_forward!r} is not one of ['off', 'node']")
+    if not isinstance(cfg.gen_node_ranks, int) or isinstance(cfg.gen_node_ranks, bool) or cfg.gen_node_ranks < 1:
+        raise ValueError(f"refit.gen_node_ranks must be a positive int, got {cfg.gen_node_ranks!r}")
+    if cfg.gen_dense_forward == "node":
+        if cfg.gen_attention_dp < 2:
+            raise ValueError("refit.gen_dense_forward: node splits the dense weights over a deployment's "
+                             f"data-parallel ranks; gen_attention_dp is {cfg.gen_attention_dp}")
+        for key, why in (("delta", "a forwarded row is written by a peer, not kept as sent"),
+                         ("fanout", "a relayed replica's ranks would need their node group's rows too")):
+            if getattr(cfg, key) != "off":
+                raise ValueError(f"refit.{key}={getattr(cfg, key)!r} with refit.gen_dense_forward: node: {why}")
     if cfg.engine == "vllm":
         if cfg.gen_redundant_experts and not cfg.gen_eplb:
             raise ValueError(f"refit.gen_redundant_experts={cfg.gen_redundant_experts}: vLLM holds redundant "

@@ -80,6 +80,16 @@ class RefitConfig:
     (its rebalance runs on the scheduler thread, between the loader's calls). The plan also lands a
     moved map once a deployment's ranks rejoin with it (a new incarnation). Not with ``fanout``,
     ``overlap`` or LoRA adapter sync (refused by name)."""
+    gen_dense_forward: str = "off"
+    """How a wide deployment's data-parallel ranks get their dense weights (attention, shared
+    experts, embeddings, norms: the same on every DP rank of a TP rank). ``off``: each from the
+    train ranks. ``node``: the DP ranks that share a node (``gen_node_ranks``) each take a share of
+    the rows from the train ranks and pass it to the others there (NVLink), so each NIC carries its
+    share only; ``costmodel --json``'s ``deployment_forwarding`` says when that is faster. Not with
+    ``delta``, ``fanout`` or LoRA adapter sync (refused by name)."""
+    gen_node_ranks: int = 8
+    """Under ``gen_dense_forward: node``: how many consecutive engine ranks of a deployment share a
+    node (its GPUs: vLLM's and SGLang's DP ranks fill nodes in order)."""
     gen_draft: bool = False
     """The engine decodes speculatively with the model's MTP layers as its draft (vLLM
     ``--speculative-config '{"method": "deepseek_mtp", ...}'``, SGLang ``--speculative-algorithm
@@ -286,7 +296,7 @@ class RefitConfig:
             raise ValueError(f"refit: unknown key(s) {unknown}; expected some of {names}")
         if isinstance(d.get("delta"), bool):  # YAML 1.1 reads `delta: off` / `on` as booleans
             d = {**d, "delta": "on" if d["delta"] else "off"}
-        for key in ("overlap", "verify_serving", "fanout"):
+        for key in ("overlap", "verify_serving", "fanout", "gen_dense_forward"):
             if isinstance(d.get(key), bool):
                 d = {**d, key: "on" if d[key] else "off"}
         config = cls(**d)  # checked in __post_init__

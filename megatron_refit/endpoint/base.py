@@ -16,9 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_refit.endpoint.bytes import contiguous_bytes
 from megatron_refit.endpoint.delta import check_mode as check_delta_mode
-from megatron_refit.endpoint.direct import resolve_direct_bytes
+from megatron_refit.endpoint.direct import direct_view, resolve_direct_bytes
 from megatron_refit.endpoint.integrity import Digester, bucket_seed, check_mode
 from megatron_refit.endpoint.report import RefitReport, report_values, summarize
 from megatron_refit.errors import RefitAbortedError
@@ -382,24 +381,5 @@ class Endpoint:
         group.release(pending)  # colocated: hand the shared buffer back
 
     def _direct_view(self, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
-        """The bucket's bytes as one flat view of this side's memory, when it can skip packing:
-        one item whose slice is contiguous, or items that lie back to back in one storage
-        exactly as they sit in the bucket (a run: see :func:`megatron_refit.plan.buckets._units`).
-        Each side decides for itself; the bytes on the wire are the same either way."""
-        if not self.group.direct_ok:
-            return None
-        first, offset = None, 0
-        for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)
-            transfer = item.transfer
-            view = contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
-            if view is None:
-                return None
-            if item.offset != offset:
-                return None
-            if first is None:
-                first = view
-            elif (view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                  or view.data_ptr() - first.data_ptr() != offset):
-                return None
-            offset += view.numel()
-        return first if len(bucket.items) == 1 else first.as_strided((offset,), (1,))
+        """:func:`~megatron_refit.endpoint.direct.direct_view` on this rank's group."""
+        return direct_view(self.group, bucket, get, side)

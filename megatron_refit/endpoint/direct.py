@@ -1,11 +1,16 @@
 """Which bytes of a refit may travel straight from (or into) a tensor's own memory instead of
 through a packed staging bucket: the size from which a transfer goes direct on a transport
-(:func:`resolve_direct_bytes`) and the pieces whose storages lie end to end, so that a run of
-them is one message (:func:`adjacent_pieces`). Both sides' endpoints ask it before they plan."""
+(:func:`resolve_direct_bytes`), the pieces whose storages lie end to end, so that a run of
+them is one message (:func:`adjacent_pieces`), both asked before the plan, and a bucket's bytes
+as one view of a side's memory where it can skip packing (:func:`direct_view`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from megatron_refit.endpoint.bytes import contiguous_bytes
 
 from megatron_refit.transport import Transport
 
@@ -33,3 +38,28 @@ def adjacent_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
             starts[storage, t.data_ptr()] = name
             ends[name] = (storage, t.data_ptr() + t.numel() * t.element_size())
     return [(a, starts[end]) for a, end in ends.items() if end in starts]
+
+
+def direct_view(group, bucket, get: Callable[[str], torch.Tensor], side: str) -> torch.Tensor | None:
+    """The bucket's bytes as one flat view of this side's memory (``get(name)``: a piece's tensor),
+    when it can skip packing on ``group``: one item whose slice is contiguous, or items that lie
+    back to back in one storage exactly as they sit in the bucket (a run: see
+    :func:`megatron_refit.plan.buckets._units`). Each side decides for itself; the bytes on the
+    wire are the same either way."""
+    if not group.direct_ok:
+        return None
+    first, offset = None, 0
+    for item in bucket.items:  # stops at the first item out of place (packed buckets: the second)
+        transfer = item.transfer
+        view = contiguous_bytes(get(transfer.name), transfer.src_box if side == "src" else transfer.dst_box)
+        if view is None:
+            return None
+        if item.offset != offset:
+            return None
+        if first is None:
+            first = view
+        elif (view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+              or view.data_ptr() - first.data_ptr() != offset):
+            return None
+        offset += view.numel()
+    return first if len(bucket.items) == 1 else first.as_strided((offset,), (1,))

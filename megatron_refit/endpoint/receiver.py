@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.endpoint.base import MAX_DIRECT_IN_FLIGHT, Endpoint
+from megatron_refit.endpoint.dense_exchange import exchange
 from megatron_refit.endpoint.delta import delta_tag
 from megatron_refit.endpoint.direct import adjacent_pieces
 from megatron_refit.endpoint.bytes import repack_bucket, unpack_bucket
@@ -21,6 +22,7 @@ from megatron_refit.endpoint.storage import (ExpectsVersion, KeepsSentBytes, Liv
                                              RefreshesTargets, ReportsVersion, Storage, TracksState)
 from megatron_refit.errors import RefitCorruptionError
 from megatron_refit.plan.checks import ITEMSIZE
+from megatron_refit.plan.dense_forward import DenseForward, node_group
 from megatron_refit.plan.spec import ShardSpec
 from megatron_refit.transport import Transport
 
@@ -34,7 +36,7 @@ class Receiver(Endpoint):
                  bucket_bytes: int = 64 << 20, verify: str = "sampled", direct_bytes: int | str | None = "auto",
                  on_report: Callable[[dict], None] | None = None, delta: str = "off",
                  replica_size: int | None = None, relay=None, stall_s: float = 0.0,
-                 gate: Callable[[int], None] | None = None):
+                 gate: Callable[[int], None] | None = None, dense_forward: tuple[int, int, int] | None = None):
         super().__init__(group, num_train=num_train, num_gen=num_gen, bucket_bytes=bucket_bytes, verify=verify,
                          direct_bytes=direct_bytes, on_report=on_report, delta=delta, replica_size=replica_size,
                          stall_s=stall_s)
@@ -55,6 +57,15 @@ class Receiver(Endpoint):
         self.gate = gate
         """The engine's :meth:`~megatron_refit.endpoint.storage.GatesTraffic.gate`, called at the start
         of a refit the train ranks will check (``refit.verify_serving``); its member releases it."""
+        self.forward: DenseForward | None = None
+        """``refit.gen_dense_forward: node`` (``dense_forward``: the deployment's ``(tp, attention_dp,
+        node_ranks)``): the rows of the dense shards this rank takes from the train ranks and passes on
+        to its node group (:mod:`~megatron_refit.endpoint.dense_exchange`); None: every piece whole."""
+        if dense_forward is not None:
+            tp, attention_dp, node_ranks = dense_forward
+            members = node_group(self.gen_index, tp=tp, attention_dp=attention_dp, node_ranks=node_ranks)
+            if len(members) > 1:
+                self.forward = DenseForward.of(list(storage.target_specs()), members, self.gen_index)
         self._set_state("stale")
 
     def _set_state(self, state: str) -> None:
@@ -63,11 +74,22 @@ class Receiver(Endpoint):
             self.storage.set_state(state, self.weights_version)
 
     def _local_specs(self) -> list[ShardSpec]:
-        return list(self.storage.target_specs())
+        specs = list(self.storage.target_specs())
+        return specs if self.forward is None else self.forward.narrow(specs)
 
     def _local_adjacent(self) -> list[tuple[str, str]]:
         # from the engine storage's addresses (it stays put between refits)
-        return adjacent_pieces({spec.name: self.storage.buffer(spec.name) for spec in self.storage.target_specs()})
+        return adjacent_pieces({spec.name: self._buffer(spec.name) for spec in self._local_specs()})
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """Where this rank's bytes of piece ``name`` go: the storage's view, or under
+        ``refit.gen_dense_forward`` its rows of a forwarded piece."""
+        view = self.storage.buffer(name)
+        rows = None if self.forward is None else self.forward.rows.get(name)
+        if rows is None:
+            return view
+        start, stop = rows[self.forward.position]
+        return view[start:stop]
 
     def delta_base(self) -> int:
         # the engine's own version (a LoRA engine's two receivers share it), while it is ready
@@ -145,14 +167,25 @@ class Receiver(Endpoint):
                 if run.forward is not None:  # its successors stop waiting for it now
                     run.forward.abort(f"relay replica {self.relay.replica}'s own refit failed: {type(exc).__name__}")
                 raise
+            failure = None
             if run.drain.draining:  # every message of the refit taken: the group is intact; the trainer learns why
                 digests.wait_sent()
+                failure = run.drain.failure
+            else:
+                digests.flush()
+                try:
+                    digests.compare()
+                except Exception as exc:  # noqa: BLE001 -- raised below, once the node group's exchange is done
+                    failure = exc
+            if self.forward is not None:  # every member of the node group, whatever its own outcome
+                failure = self._forward_dense(report, failure)
+            if failure is not None and run.drain.draining:
                 report.seconds["total"] = time.perf_counter() - start
-                self._summarize(report, run.drain.failure)
-                raise run.drain.failure
-            digests.flush()
+                self._summarize(report, failure)
+                raise failure
             try:
-                digests.compare()
+                if failure is not None:
+                    raise failure
                 t0 = time.perf_counter()
                 self.storage.finalize()
                 report.seconds["load"] += time.perf_counter() - t0
@@ -168,6 +201,18 @@ class Receiver(Endpoint):
         self._summarize(report)
         return report
 
+    def _forward_dense(self, report: RefitReport, failure: BaseException | None) -> BaseException | None:
+        """``refit.gen_dense_forward``: this rank's rows to its node group and theirs to it
+        (:func:`~megatron_refit.endpoint.dense_exchange.exchange`); the refit's failure, this rank's
+        own first."""
+        t0 = time.perf_counter()
+        try:
+            exchange(self.group, self.num_train, self.forward, self.storage.buffer, ok=failure is None)
+        except Exception as exc:  # noqa: BLE001 -- this rank's outcome, reported with the refit's
+            failure = failure or exc
+        report.seconds["transfer"] += time.perf_counter() - t0
+        return failure
+
     def _live(self) -> bool:
         return isinstance(self.storage, LiveBuffers) and self.storage.live_buffers
 
@@ -178,7 +223,7 @@ class Receiver(Endpoint):
         the weights it serves after ``finalize()`` (``live_buffers``: the HF engine's); [] elsewhere."""
         if self._landed is None or not self._live():
             return []
-        return self._landed.stale_in(self.storage.buffer)
+        return self._landed.stale_in(self._buffer)
 
     def _bucket_name(self, bucket) -> str:
         names = sorted({item.transfer.name for item in bucket.items})
@@ -195,16 +240,16 @@ class Receiver(Endpoint):
         if problem is not None:
             raise RefitCorruptionError(f"refit {version}: {self._bucket_name(bucket)}: its delta payload is "
                                        f"malformed ({problem}); nothing of it was written")
-        target = self._direct_view(bucket, self.storage.buffer, "dst")
+        target = self._direct_view(bucket, self._buffer, "dst")
         if target is not None:  # contiguous in engine storage: in place
             apply(target, encoding, payload, word)
             return target
         if not scratch or scratch[0].numel() < bucket.nbytes:
             scratch[:] = [torch.empty(bucket.nbytes, dtype=torch.uint8, device=payload.device)]
         target = scratch[0][: bucket.nbytes].zero_()  # padding as the sender packed it: zeros
-        repack_bucket(bucket, self.storage.buffer, out=target)
+        repack_bucket(bucket, self._buffer, out=target)
         apply(target, encoding, payload, word)
-        unpack_bucket(bucket, target, self.storage.buffer)
+        unpack_bucket(bucket, target, self._buffer)
         return target
 
 
@@ -257,7 +302,7 @@ class _ReceiveRun:
         direct = None
         if not self.drain.draining and encoding == RAW:
             try:
-                direct = rx._direct_view(bucket, rx.storage.buffer, "dst")
+                direct = rx._direct_view(bucket, rx._buffer, "dst")
             except Exception as exc:  # noqa: BLE001 -- this rank's storage failed: drain the rest
                 self._fail(exc)
         rx.count_path(self.report, direct is not None)
@@ -324,6 +369,6 @@ class _ReceiveRun:
         if pending.direct or encoding != RAW:  # already in engine storage
             return
         t0 = time.perf_counter()
-        unpack_bucket(bucket, buf, rx.storage.buffer)
+        unpack_bucket(bucket, buf, rx._buffer)
         report.seconds["load"] += time.perf_counter() - t0
 

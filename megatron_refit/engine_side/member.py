@@ -30,7 +30,9 @@ class EngineMember(Member):
         self._gates = storage if isinstance(storage, GatesTraffic) else None
         """An engine that keeps traffic off a checked version until its verdict (scored first)."""
         kw = dict(endpoint_kw(cfg, num_train, on_report), relay=relay,
-                  gate=None if self._gates is None else self._gates.gate)
+                  gate=None if self._gates is None else self._gates.gate,
+                  dense_forward=(cfg.gen_tp, cfg.gen_attention_dp, cfg.gen_node_ranks)
+                  if cfg.gen_dense_forward == "node" else None)
         self.group = group
         self.heartbeat = heartbeat
         """This rank's :class:`~megatron_refit.engine_side.heartbeat.Heartbeat` (stopped by :meth:`close`)."""

@@ -25,6 +25,9 @@ class TrainerMember(Member):
         if adapters and cfg.lora_sync != "full" and cfg.gen_eplb:
             raise ValueError(f"refit.lora_sync={cfg.lora_sync!r} with refit.gen_eplb: an adapters-only refit does not "
                              "re-plan the experts the engine's balancer moved; set lora_sync: full")
+        if adapters and cfg.lora_sync != "full" and cfg.gen_dense_forward != "off":
+            raise ValueError(f"refit.lora_sync={cfg.lora_sync!r} with refit.gen_dense_forward: an adapters-only refit "
+                             "plans no forwarded rows; set lora_sync: full")
         self.full = Refitter(group, pieces + adapters, **kw)
         self.full.prepare()
         self.adapters = None

@@ -1,11 +1,14 @@
 """Faults injected on purpose (tests, the demo, benchmarks): an engine error while a refit lands,
-a slow train rank, a slow link, a background refit held until the next training step."""
+a slow train rank, a slow link, a background refit held until the next training step, forwarded
+rows corrupted on the way."""
 
 from __future__ import annotations
 
 import re
 import threading
 import time
+
+import torch
 
 
 def fail_next_refit(storage, *, at_call: int = 2) -> None:
@@ -155,3 +158,18 @@ def break_post_load(storage, how: str, armed: list[bool]) -> None:
                 storage.buffer(name).data.copy_(old)
 
     storage.set_state, storage.finalize = snapshot, broken
+
+
+def corrupt_forwarded(group, armed: list[bool], *, num_train: int) -> None:
+    """While ``armed[0]``: every piece of dense rows this engine rank forwards to a peer
+    (``refit.gen_dense_forward``: an engine rank's send to another) arrives with its first byte
+    flipped, as a bad link would deliver it; its digest is the true one."""
+    isend = group.isend
+
+    def corrupting(buffer, peer, tag):
+        if armed[0] and peer >= num_train and buffer.numel() and tag < (1 << 20):
+            buffer = buffer.clone()
+            buffer.view(-1).view(torch.uint8)[0] ^= 0xFF
+        return isend(buffer, peer, tag)
+
+    group.isend = corrupting

@@ -77,7 +77,9 @@ def refit_config(spec: RunSpec, port: int):
         deployment = dict(engine=NAME, gen_attention_dp=spec.gen.attention_dp,
                           gen_expert_placement=placement.strategy if placement else "linear",
                           gen_redundant_experts=placement.num_redundant if placement else 0,
-                          gen_eplb=bool(spec.remap or (placement and placement.num_redundant)))
+                          gen_eplb=bool(spec.remap or (placement and placement.num_redundant)),
+                          **(dict(gen_dense_forward="node", gen_node_ranks=spec.dense_forward)
+                             if spec.dense_forward else {}))
     return RefitConfig(enabled=True, mode="colocated" if spec.colocated else "disaggregated",
                        gen_tp=spec.gen.tp, gen_dp=spec.gen.dp,
                        gen_expert_parallel=spec.gen.expert_parallel, host="127.0.0.1", port=port, **deployment,
@@ -270,18 +272,24 @@ def _gen_rank(gen_index: int, spec: RunSpec, cfg, refit_cfg):
     failing = spec.fail_replica and gen_index == spec.fail_replica[0] * size + spec.fail_rank
     fail_at = spec.fail_replica[1] if failing else None
     bad_map = spec.bad_map is not None and gen_index // size == spec.bad_map  # fails each refit after a move
+    corrupting = [False]
+    if spec.corrupt_forward is not None and gen_index == spec.corrupt_forward:
+        from megatron_refit.local.faults import corrupt_forwarded
+
+        corrupt_forwarded(member.group, corrupting, num_train=spec.num_train)
     armed = _failing(backend) if fail_at else [False]
     breaks = _breaking(backend, spec, gen_index)
     traffic = Traffic(backend, tokens_for(0, cfg.vocab_size)[:, :4]) if spec.traffic else None
     out = []
     for version in range(1, spec.refits + 1):
         armed[0] = version == fail_at
+        corrupting[0] = version == 2
         for at, flag in breaks:
             flag[0] = version == at
         try:
             report = member.receive(version)
         except Exception as exc:
-            if version != fail_at and not (bad_map and any(v < version for v in spec.remap)):
+            if not spec.fails(gen_index, version):
                 raise
             out.append(dict(report=None, error=f"{type(exc).__name__}: {exc}"))
             continue

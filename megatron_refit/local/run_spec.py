@@ -79,6 +79,12 @@ class RunSpec:
     remap_rejoin: bool = False
     """With :attr:`remap`: the engine ranks instead leave and rejoin with the new map (a new
     incarnation, as a restarted engine would)."""
+    dense_forward: int = 0
+    """``refit.gen_dense_forward: node`` with this many engine ranks a node (``gen_node_ranks``; 0: off)."""
+    corrupt_forward: int | None = None
+    """With :attr:`dense_forward`: this engine rank's (global index) forwarded rows are corrupted on
+    the way to its peers at refit 2 (:func:`~megatron_refit.local.faults.corrupt_forwarded`): its
+    deployment must fail by name, not serve them."""
     bad_map: int | None = None
     """With :attr:`remap` (in place): this replica's balancer reports, after each move, a map of
     other slots (two more redundant experts) than the refit was connected with: its next refit
@@ -122,6 +128,8 @@ class RunSpec:
             raise ValueError(f"remap {self.remap}: moves the experts of a deployment with a placement "
                              f"(gen.placement), between refits 1..{self.refits} (each version before the last), "
                              "without fail_replica, breaks, overlap or traffic")
+        if self.corrupt_forward is not None and not (self.dense_forward and self.refits >= 2):
+            raise ValueError(f"corrupt_forward {self.corrupt_forward}: needs dense_forward and refits >= 2")
         if self.bad_map is not None and not (self.remap and not self.remap_rejoin and 0 <= self.bad_map < self.gen.dp):
             raise ValueError(f"bad_map {self.bad_map}: a replica in 0..{self.gen.dp - 1} whose experts move in place "
                              "(remap without remap_rejoin)")
@@ -137,10 +145,21 @@ class RunSpec:
     def num_gen(self) -> int:
         return self.gen.world_size
 
+    def fails(self, gen_index: int, version: int) -> bool:
+        """Whether engine rank ``gen_index``'s refit ``version`` is made to fail: its injected
+        engine error (:attr:`fail_replica`), a map of other slots after a move (:attr:`bad_map`),
+        or its deployment's forwarded rows corrupted (:attr:`corrupt_forward`)."""
+        size = self.gen.deployment_size
+        if self.fail_replica is not None and gen_index == self.fail_replica[0] * size + self.fail_rank:
+            return version == self.fail_replica[1]
+        if self.bad_map is not None and gen_index // size == self.bad_map:
+            return any(v < version for v in self.remap)
+        return self.corrupt_forward is not None and version == 2 and gen_index // size == self.corrupt_forward // size
+
     @property
     def failures_expected(self) -> bool:
         """A replica is made to fail a refit (``refit.on_replica_failure: continue``)."""
-        return bool(self.fail_replica or self.breaks or self.bad_map is not None)
+        return bool(self.fail_replica or self.breaks or self.bad_map is not None or self.corrupt_forward is not None)
 
     @property
     def wide(self) -> bool:

@@ -11,7 +11,7 @@ rank's dense bytes over the node's DP ranks holding it, each receiving its share
 ranks and passing it to the others over NVLink (``node``: :func:`node_routes`). The routed experts
 go direct either way, each to the ranks whose slots hold it. The cost model predicts every scheme
 and says which is fastest (:func:`megatron_refit.tools.costmodel.forwarding_json`); the refit
-itself sends direct.
+runs ``direct`` or ``node`` (``refit.gen_dense_forward``: :mod:`megatron_refit.plan.dense_forward`).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def _dense_received(dense: dict[tuple[int, int], int], tp: int, attention_dp: in
 
 
 def node_routes(dense: dict[tuple[int, int], int], experts: dict[tuple[int, int], int], *, tp: int,
-                attention_dp: int, deployments: int, node: Sequence[int]) -> FanoutRoutes:
+                attention_dp: int, deployments: int, node: Sequence) -> FanoutRoutes:
     """The routes when each TP rank's dense bytes are split over the DP ranks of its deployment
-    that share a node (``node[gen rank]``), each taking an even share of every train rank's route
-    and passing it to the others (one hop); the experts direct."""
-    received = _dense_received(dense, tp, attention_dp, deployments)
+    that share a node (``node[gen rank]``: any key), each taking an even share of every train rank's
+    route and passing it to the others (one hop); the experts direct."""
+    _dense_received(dense, tp, attention_dp, deployments)  # the DP ranks' dense shards checked alike
     size = tp * attention_dp
     peers: dict[int, list[int]] = {}  # gen rank -> the ranks of its node holding its dense shard
     for base in range(0, size * deployments, size):

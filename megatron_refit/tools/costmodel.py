@@ -12,8 +12,9 @@ import json
 import sys
 
 from megatron_refit.plan.assignment import Assignment
-from megatron_refit.plan.cost import (Cluster, delta_fraction, delta_prediction, fanout_prediction, nic_floor,
-                                      overlap_stall, placement, predict, quantize_busy, quantized_bytes, staged_pause)
+from megatron_refit.plan.cost import (Cluster, Prediction, delta_fraction, delta_prediction, fanout_prediction,
+                                      nic_floor, overlap_stall, placement, predict, quantize_busy, quantized_bytes,
+                                      staged_pause)
 from megatron_refit.plan.checks import ITEMSIZE
 from megatron_refit.plan.deployment_forwarding import FORWARDING, forwarding_routes, node_routes
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
@@ -86,8 +87,11 @@ def forwarding_json(run: DryRun, direct_seconds: float, train_gpu: list[int], ge
                     cluster: Cluster) -> dict | None:
     """The ``"deployment_forwarding"`` entry of ``--json`` (None: one DP rank per deployment): the
     transport seconds of sending each deployment's dense weights to every DP rank from the train
-    ranks (``direct``, what the refit does) and of forwarding them from DP rank 0 in a ``chain``
-    or ``tree`` (:mod:`megatron_refit.plan.deployment_forwarding`), and the fastest (``picked``)."""
+    ranks (``direct``) and of forwarding them from DP rank 0 in a ``chain`` or ``tree``
+    (:mod:`megatron_refit.plan.deployment_forwarding`; modelled, not built) or split over the DP
+    ranks of a node (``node``: ``refit.gen_dense_forward``, its node groups of ``gen_node_ranks``
+    engine ranks; the rows pass on once every rank's own arrived, so its exchange is added after);
+    the fastest (``picked``) and what the config runs (``configured``)."""
     gen = run.gen
     if gen.attention_dp < 2:
         return None
@@ -95,23 +99,36 @@ def forwarding_json(run: DryRun, direct_seconds: float, train_gpu: list[int], ge
     experts = run.senders.route_bytes(keep=lambda name: EXPERT_RE.search(name) is not None)
     seconds, egress = {"direct": direct_seconds}, {"direct": sum(dense.values()) + sum(experts.values())}
     shape = dict(tp=gen.tp, attention_dp=gen.attention_dp, deployments=gen.dp)
-    schemes = {mode: forwarding_routes(dense, experts, mode=mode, **shape) for mode in MODES}
-    schemes["node"] = node_routes(dense, experts, node=[gpu // cluster.gpus_per_node for gpu in gen_gpu], **shape)
-    for mode, routes in schemes.items():
+    size, per_node = gen.deployment_size, run.refit.gen_node_ranks
+    for mode in MODES:
+        routes = forwarding_routes(dense, experts, mode=mode, **shape)
         seconds[mode] = fanout_prediction(routes, train_gpu, gen_gpu, cluster,
                                           bucket_bytes=run.refit.bucket_bytes).seconds
         egress[mode] = routes.bytes_from_trainers
+    routes = node_routes(dense, experts, node=[(g // size, g % size // per_node) for g in range(gen.world_size)],
+                         **shape)
+    receive, forward = (predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
+                                relays=relays) for pairs, relays in ((routes.from_trainers, None), ({}, routes.relays)))
+    seconds["node"] = receive.seconds + forward.seconds
+    egress["node"] = routes.bytes_from_trainers
+    into: dict[int, int] = {}
+    for (_, dst), nbytes in routes.from_trainers.items():
+        into[dst] = into.get(dst, 0) + nbytes
     picked = min(seconds, key=lambda mode: (seconds[mode], mode != "direct"))
-    return {"picked": picked, **{f"{mode}_seconds": round(t, 4) for mode, t in seconds.items()},
+    return {"picked": picked, "configured": "node" if run.refit.gen_dense_forward == "node" else "direct",
+            **{f"{mode}_seconds": round(t, 4) for mode, t in seconds.items()},
             **{f"{mode}_trainer_egress_bytes": nbytes for mode, nbytes in egress.items()},
-            "dense_bytes_per_dp_rank": sum(dense.values()) // (gen.dp * gen.attention_dp)}
+            "dense_bytes_per_dp_rank": sum(dense.values()) // (gen.dp * gen.attention_dp),
+            "node_gen_bytes_max": max(into.values(), default=0),
+            "node_bottleneck": f"{receive.bottleneck}; then the exchange in each node group, {forward.bottleneck}"}
 
 
-def egress_json(run: DryRun, pairs: dict[tuple[int, int], int]) -> dict:
-    """What the train ranks send against the least that reaches every replica: each byte the engine
-    holds once per replica (a wide deployment's attention is held alike by its data-parallel ranks,
-    and the plan sends it to each of them: no forwarding inside a deployment is built)."""
-    egress, minimal = sum(pairs.values()), run.gen.dp * run.held_bytes
+def egress_json(run: DryRun, pairs: dict[tuple[int, int], int], sent: int | None = None) -> dict:
+    """What the train ranks send (``sent``, default the plan's routes) against the least that
+    reaches every replica: each byte the engine holds once per replica (a wide deployment's
+    attention is held alike by its data-parallel ranks: sent to each of them, or under
+    ``gen_dense_forward: node`` once per node group, which forwards it)."""
+    egress, minimal = sum(pairs.values()) if sent is None else sent, run.gen.dp * run.held_bytes
     return {"trainer_egress_bytes": egress, "trainer_egress_minimal_bytes": minimal,
             "trainer_egress_over_minimal": round(egress / minimal, 4) if minimal else 0.0}
 
@@ -149,7 +166,7 @@ def main(argv=None) -> int:
         cluster = Cluster(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps,
                           efficiency=args.efficiency, latency_s=args.latency_us * 1e-6,
                           quantize_gbps=args.quantize_gbps)
-        run = build(args.config, cache_dir=args.cache_dir, prepare=False)
+        run = build(args.config, cache_dir=args.cache_dir, prepare=False, forward=False)  # each scheme from it
         model = run.refit.model
         mode = args.placement or run.refit.mode
         train_gpu, gen_gpu = placement(run.train.world_size, run.gen.world_size, mode, cluster.gpus_per_node)
@@ -165,6 +182,14 @@ def main(argv=None) -> int:
         if args.delta_density is not None:
             delta = delta_prediction(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
                                      density=args.delta_density)
+        forwarding = forwarding_json(run, transport.seconds, train_gpu, gen_gpu, cluster)
+        gen_max = run.gen_bytes_max()
+        if forwarding is not None and forwarding["configured"] == "node":  # what runs: node groups' shares
+            gen_max = forwarding["node_gen_bytes_max"]
+            extra = prediction.seconds - transport.seconds  # the trainer's FP8 quantization, as counted direct
+            transport = Prediction(seconds=forwarding["node_seconds"], per_gpu={},
+                                   bottleneck=f"node forwarding: {forwarding['node_bottleneck']}")
+            prediction = Prediction(seconds=transport.seconds + extra, bottleneck=transport.bottleneck, per_gpu={})
         fanout = None
         fanout_mode = resolve_mode(args.fanout or run.refit.fanout, pairs, tp=run.gen.deployment_size, dp=run.gen.dp,
                                    bucket_bytes=run.refit.bucket_bytes)
@@ -183,24 +208,28 @@ def main(argv=None) -> int:
           f"NIC {cluster.nic_gbps:g} GB/s per GPU, efficiency {cluster.efficiency:g}, "
           f"{cluster.latency_s * 1e6:g} us/message")
     print(f"engine: {gen_text(run)}")
-    print(f"bytes per gen rank (max): {run.gen_bytes_max() / 1e9:.2f} GB (each rank receives what it holds, "
-          f"once); bottleneck: {prediction.bottleneck}")
-    floor = nic_floor(run.gen_bytes_max(), cluster) if mode == "disaggregated" else None
+    print(f"bytes per gen rank (max): {gen_max / 1e9:.2f} GB (from the train ranks: each rank what it holds, "
+          f"once, or its node group's share of the dense rows); bottleneck: {prediction.bottleneck}")
+    floor = nic_floor(gen_max, cluster) if mode == "disaggregated" else None
     if floor is not None:
         print(f"per-gen-rank floor: {floor:.3f} s (the busiest gen rank's bytes through its own NIC); predicted "
               f"{prediction.seconds / floor:.2f}x it")
-    egress = egress_json(run, pairs)
+    node = forwarding is not None and forwarding["configured"] == "node"
+    egress = egress_json(run, pairs, forwarding["node_trainer_egress_bytes"] if node else None)
+    how = ("; a node group's data-parallel ranks each get a share of its dense rows from the train ranks" if node
+           else "; a deployment's data-parallel ranks each get its attention from the train ranks"
+           if run.gen.attention_dp > 1 else "")
     print(f"trainer egress: {egress['trainer_egress_bytes'] / 1e9:.1f} GB, {egress['trainer_egress_over_minimal']:g}x "
           f"the minimal {egress['trainer_egress_minimal_bytes'] / 1e9:.1f} GB (each byte the engine holds once per "
-          f"replica{'; a deployment' + chr(39) + 's data-parallel ranks each get its attention from the train ranks'
-                     if run.gen.attention_dp > 1 else ''})")
-    forwarding = forwarding_json(run, transport.seconds, train_gpu, gen_gpu, cluster)
+          f"replica{how})")
     if forwarding is not None:
         times = ", ".join(f"{m} {forwarding[f'{m}_seconds']:.3f} s" for m in FORWARDING)
+        picked, configured = forwarding["picked"], forwarding["configured"]
+        advice = {"direct": " (refit.gen_dense_forward: off)", "node": " (refit.gen_dense_forward: node)"}.get(
+            picked, " (modelled only: the refit runs direct or node)")
         print(f"a deployment's dense weights ({forwarding['dense_bytes_per_dp_rank'] / 1e9:.2f} GB on each of its "
-              f"{run.gen.attention_dp} DP ranks): {times} (transport); picked: {forwarding['picked']}"
-              + ("" if forwarding["picked"] == "direct" else
-                 " (the refit sends direct: forwarding inside a deployment is not built)"))
+              f"{run.gen.attention_dp} DP ranks): {times} (transport); picked: {picked}{advice}; this config runs "
+              f"{configured}")
     quantize_max = max(quantized, default=0) / (cluster.quantize_gbps * 1e9)
     if any(quantized):
         print(f"trainer-side FP8: the busiest train rank quantizes {max(quantized) / 1e9:.2f} GB of bf16 in "
@@ -249,7 +278,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"ok": prediction.seconds > 0, "model": model,
                           "predicted_seconds": round(prediction.seconds, 4), "bottleneck": prediction.bottleneck,
-                          "bytes_per_gen_rank_max": run.gen_bytes_max(),
+                          "bytes_per_gen_rank_max": gen_max,
                           "floor_seconds": round(floor, 4) if floor is not None else None,
                           "transport_seconds": round(transport.seconds, 4),
                           "quantize_seconds": round(quantize_max, 4),

@@ -40,6 +40,7 @@ from megatron_refit.config.deployment import Deployment, deployment_layout
 from megatron_refit.families import is_mtp_param
 from megatron_refit.plan.assignment import Assignment
 from megatron_refit.plan.checks import ITEMSIZE, gc_paused
+from megatron_refit.plan.dense_forward import narrow_targets
 from megatron_refit.plan.fanout import fanout_routes, resolve_mode
 from megatron_refit.plan.folded import fold_parts
 from megatron_refit.plan.fp8_layout import fp8_param_table, fp8_specs, is_quantized
@@ -136,9 +137,12 @@ def num_experts(preset: dict) -> int:
     return preset.get("num_experts") or preset.get("n_routed_experts") or 0
 
 
-def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16", prepare: bool = True) -> DryRun:
+def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16", prepare: bool = True,
+          forward: bool = True) -> DryRun:
     """Validate ``config_path`` and build its plan (see the module docstring); ``prepare``:
-    also time the slowest ranks' ``prepare()`` (step 3)."""
+    also time the slowest ranks' ``prepare()`` (step 3); ``forward`` False: plan every DP rank's
+    dense shards from the train ranks whatever ``refit.gen_dense_forward`` says (the cost model
+    weighs the schemes from that plan)."""
     refit, preset, layout = load_config(config_path)
     deployment = deployment_layout(refit, replicas=refit.gen_dp, num_experts=num_experts(preset),
                                    num_expert_group=preset.get("n_group"))
@@ -150,7 +154,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
     start, cpu_start = time.perf_counter(), time.process_time()
     with gc_paused():
-        train_specs, targets, params, skipped, targets_of = _targets(path, key, refit, preset, layout, gen)
+        train_specs, targets, params, skipped, targets_of = _targets(path, key, refit, preset, layout, gen, forward)
         senders = Assignment.build(train_specs, targets)
     plan_seconds, plan_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     refused = sorted(set(senders.unused_train_params) - set(skipped))
@@ -198,11 +202,14 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
             for t in timed}
 
 
-def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout):
+def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: TrainLayout, gen: GenLayout,
+             forward: bool = True):
     """Every train rank's pieces (derived from the cache), the engine TP ranks' targets,
     ``{HF name: (global shape, dtype)}`` of the trainer's parameters, and its MTP parameters
     (which the engine's main model does not hold: skipped by name, as the refit does), and the
-    targets of any engine layout of the model (a function)."""
+    targets of any engine layout of the model (a function). ``forward``: under
+    ``refit.gen_dense_forward: node`` the targets are what each engine rank takes from the train
+    ranks (False: every DP rank its dense shards whole, as ``off``)."""
     train_specs = derive_all_ranks(layout, load_specs(path, key), num_experts(preset))
     params = {}
     for rank_specs in {id(specs): specs for specs in train_specs.values()}.values():
@@ -221,7 +228,11 @@ def _targets(path: str, key: str, refit: RefitConfig, preset: dict, layout: Trai
         skipped = sorted({s.name for specs in train_specs.values() for s in specs} - set(targets))
 
     def targets_of(other: GenLayout):
-        return gen_targets(targets, other, model, style=refit.gen_style)
+        planned = gen_targets(targets, other, model, style=refit.gen_style)
+        if forward and refit.gen_dense_forward == "node" and other.attention_dp > 1 and model.num_experts:
+            # what each engine rank takes from the train ranks: its node group's share of the dense rows
+            planned = narrow_targets(planned, other.tp, other.attention_dp, refit.gen_node_ranks)
+        return planned
 
     return train_specs, targets_of(gen), params, skipped, targets_of
 

@@ -39,6 +39,9 @@ def gen_text(run) -> str:
         text += f"; gen_expert_placement {requested} -> {run.deployment.strategy}: {run.deployment.fallback}"
     if not gen.expert_parallel and gen.attention_dp > 1:
         text += f"; routed experts MoE-TP over the deployment's {gen.deployment_size} ranks"
+    if run.refit.gen_dense_forward == "node":
+        text += (f"; dense rows split over the DP ranks of a node ({run.refit.gen_node_ranks} engine ranks) and "
+                 "forwarded there (gen_dense_forward: node): planned as each rank takes its share")
     key = refused_key(run.refit)
     if key is not None:
         text += f"; engine {run.refit.engine} refuses it at a refit: refit.{key}={getattr(run.refit, key)!r}"
@@ -54,4 +57,5 @@ def gen_json(run) -> dict:
             "placement": run.deployment.strategy if gen.expert_parallel else None,
             "placement_fallback": run.deployment.fallback,
             "redundant_experts": gen.placement.num_redundant if gen.placement is not None else 0,
-            "eplb": run.refit.gen_eplb, "refused_key": refused_key(run.refit)}
+            "eplb": run.refit.gen_eplb, "dense_forward": run.refit.gen_dense_forward,
+            "node_ranks": run.refit.gen_node_ranks, "refused_key": refused_key(run.refit)}

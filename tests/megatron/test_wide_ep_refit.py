@@ -121,3 +121,57 @@ def test_a_map_of_other_slots_fails_its_deployment_by_name_before_any_byte_moves
     errors = [g["refits"][2]["error"] for g in gens[4:]]
     assert all("live expert map has num_redundant=10" in e or e.startswith("RefitAbortedError") for e in errors), errors
     assert result["refits"][2]["replans"] == [1] * 2  # deployment 0's handshake re-planned; 1's ended first
+
+
+@pytest.mark.parametrize("tp, node_ranks, redundant", [(1, 2, 2), (2, 4, 0)], ids=["d2t1-node2", "d2t2-node4"])
+def test_dense_rows_split_over_a_node_and_forwarded_land_bit_exact(tp, node_ranks, redundant):
+    """``refit.gen_dense_forward: node``: the two DP ranks of each TP rank share a node; each takes half
+    of every dense shard's rows from the train ranks and passes them to the other, EPLB moving the
+    experts after refit 2 too. Every refit bit-exact; the train ranks send each dense byte once per
+    deployment (bytes sent = the minimal: what the engine ranks take from them), the two DP ranks of a
+    TP rank together as much as one of them without forwarding."""
+    gen = _deployment(8, redundant, tp)
+    train = TrainLayout(**SP)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS), train=train,
+                   gen=gen, refits=3, dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10, remap=(2,),
+                   dense_forward=node_ranks)
+    results = run(spec)
+    result = evaluate(spec, results)
+    for r in result["refits"]:
+        assert r["bit_exact"] is True and r["failed_replicas"] == {}, r
+        assert r["bytes_sent"] == r["bytes_minimal"] > 0, r
+    direct = RunSpec(**{**spec.__dict__, "dense_forward": 0, "refits": 1, "remap": ()})
+    plain = evaluate(direct, run(direct))["refits"][0]
+    assert result["refits"][0]["bytes_sent"] < plain["bytes_sent"]
+    gens = [g for g in results if g["role"] == "gen"]
+    received = [g["refits"][0]["report"]["bytes_received"] for g in gens]
+    assert sum(received) == result["refits"][0]["bytes_sent"]
+
+
+def test_forwarded_rows_corrupted_on_the_way_fail_their_deployment_by_name():
+    """Two D2 x T1 deployments; deployment 1's rank 0 (engine rank 2) forwards rows that arrive with a
+    byte flipped at refit 2: its node-group peer fails with a RefitCorruptionError naming it,
+    deployment 1's refit fails by name, deployment 0 lands it bit-exact, and refit 3 lands both."""
+    gen = GenLayout(tp=1, dp=2, attention_dp=2, expert_parallel=True, placement=_deployment(8, 2, 1).placement)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(**SP), gen=gen, refits=3, dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10,
+                   dense_forward=2, corrupt_forward=2)
+    result = evaluate(spec, run(spec))
+    failed = [r["failed_replicas"] for r in result["refits"]]
+    assert [sorted(map(int, f)) for f in failed] == [[], [1], []], failed
+    assert "RefitCorruptionError: engine rank 1: the dense rows forwarded by its node-group peer, engine rank 0, " \
+           "changed on the way" in failed[1][1], failed[1]
+    assert [r["bit_exact"] for r in result["refits"]] == [True, True, True]  # deployment 1 not checked at 2
+
+
+def test_forwarded_fp8_weights_and_their_scale_tiles_split_alike():
+    """Trainer-side FP8 under ``gen_dense_forward: node`` (D2 x T1, both DP ranks on one node): each
+    dense FP8 weight splits at whole 128-row tiles, its ``scale_inv`` at the same tiles; bit-exact."""
+    aligned = dict(hidden=256, heads=4, kv_heads=2, head_dim=128, ffn=256, moe_ffn=128, vocab=512)
+    gen = _deployment(8, 2, 1)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(aligned, experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(**SP), gen=gen, refits=2, dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10,
+                   fp8="trainer", dense_forward=2)
+    result = evaluate(spec, run(spec))
+    for r in result["refits"]:
+        assert r["bit_exact"] is True and r["bytes_sent"] == r["bytes_minimal"] > 0, r

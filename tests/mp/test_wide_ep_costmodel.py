@@ -55,17 +55,20 @@ def test_wide_ep_config_cost_model_fields_are_consistent(name):
     # node (node) each NIC takes a share: faster where DP ranks share nodes (D32 x T1), the same at
     # D16 x T8 (one DP rank a node); the refit sends direct, and the tool says so where it picks another
     forwarding = result["deployment_forwarding"]
-    assert forwarding["direct_seconds"] == result["transport_seconds"]
-    assert forwarding["direct_trainer_egress_bytes"] == egress
+    configured = forwarding["configured"]
+    assert configured == ("node" if refit.gen_dense_forward == "node" else "direct")
+    assert forwarding[f"{configured}_seconds"] == result["transport_seconds"]
+    assert forwarding[f"{configured}_trainer_egress_bytes"] == egress
+    direct = forwarding["direct_trainer_egress_bytes"]
     for mode in ("chain", "tree"):
         saved = (refit.gen_attention_dp - 1) * refit.gen_dp * forwarding["dense_bytes_per_dp_rank"]
-        assert forwarding[f"{mode}_trainer_egress_bytes"] == egress - saved
+        assert forwarding[f"{mode}_trainer_egress_bytes"] == direct - saved
         assert forwarding[f"{mode}_seconds"] > forwarding["direct_seconds"]
     shared = refit.gen_tp < 8  # 8 GPUs a node: DP ranks share one
     assert (forwarding["node_seconds"] < forwarding["direct_seconds"]) == shared
-    assert forwarding["picked"] == ("node" if shared else "direct")
-    assert f"picked: {forwarding['picked']}" in text
-    assert ("forwarding inside a deployment is not built" in text) == shared
+    assert (forwarding["node_trainer_egress_bytes"] < direct) == shared
+    assert forwarding["picked"] == ("node" if shared else "direct") == configured  # the shipped configs follow it
+    assert f"picked: {forwarding['picked']}" in text and f"this config runs {configured}" in text
 
 
 def test_kimi_k2_at_the_record_setup_meets_the_targets():

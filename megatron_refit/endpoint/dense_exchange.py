@@ -1,0 +1,102 @@
+"""``refit.gen_dense_forward: node`` on an engine rank: once its own rows of the dense shards
+arrived, it passes them to the other members of its node group and takes theirs
+(:class:`~megatron_refit.plan.dense_forward.DenseForward`), over the refit group's own links.
+
+Deadlock-free on links that match sends and receives in order (NCCL's streams): the pairs of a
+node group go in one order, ``(i, j)`` by their members' positions, and each rank takes its pairs
+in that order, the lower member sending first. Each transfer is one forwarded piece's rows (a view
+into the engine's storage where contiguous, a copy otherwise); after them each side sends a digest
+of what it sent (:func:`~megatron_refit.endpoint.integrity.position_sums`) and whether its own
+refit went well: a member whose bytes did not all arrive, or rows that changed on the way, fail the
+receiving rank with a :class:`~megatron_refit.errors.RefitCorruptionError` naming the peer.
+Every member takes part whatever its own outcome, so no peer waits for rows that never come (each
+wait is bounded by the group's timeout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_refit.endpoint.integrity import position_sums
+from megatron_refit.errors import RefitCorruptionError
+from megatron_refit.plan.dense_forward import DenseForward
+
+_DIGEST_TAG = 1 << 20
+"""The digest message's tag (above every piece's index)."""
+
+
+def exchange(group, num_train: int, forward: DenseForward, buffer: Callable[[str], torch.Tensor], *,
+             ok: bool) -> int:
+    """This engine rank's part of its node group's exchange (``buffer(name)``: the piece's whole
+    view in the engine's storage; ``ok``: this rank's own bytes all arrived and checked). Returns
+    the bytes it received from its peers; raises :class:`RefitCorruptionError` naming the first peer
+    whose rows cannot be trusted, after every pair is done."""
+    names = sorted(forward.rows)
+    me = forward.group[forward.position]
+    received, failure = 0, None  # the first peer whose rows cannot be trusted, and why
+    for peer in forward.peers():
+        first = me < peer
+        outcome = [None, None]
+        for step in (0, 1):
+            if (step == 0) == first:
+                outcome[0] = _send(group, num_train + peer, names, forward, forward.position, buffer, ok)
+            else:
+                outcome[1] = _receive(group, num_train + peer, names, forward, forward.group.index(peer), buffer)
+        nbytes, why = outcome[1]
+        received += nbytes
+        if why is not None and failure is None:
+            failure = peer, why
+    if failure is not None:
+        raise RefitCorruptionError(f"engine rank {me}: the dense rows forwarded by its node-group peer, engine rank "
+                                   f"{failure[0]}, {failure[1]}")
+    return received
+
+
+def _rows(forward: DenseForward, name: str, position: int, buffer: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    start, stop = forward.rows[name][position]
+    return buffer(name)[start:stop]
+
+
+def _flat(view: torch.Tensor) -> torch.Tensor:
+    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else view.contiguous().reshape(-1).view(
+        torch.uint8)
+
+
+def _send(group, peer: int, names: list[str], forward: DenseForward, position: int, buffer, ok: bool) -> None:
+    total = torch.zeros(1, dtype=torch.int64)
+    for index, name in enumerate(names):
+        view = _rows(forward, name, position, buffer)
+        if view.numel() == 0:
+            continue
+        flat = _flat(view)
+        group.wait(group.isend(flat, peer, index))
+        total += position_sums(flat).sum().cpu()
+    digest = torch.tensor([int(ok), int(total)], dtype=torch.int64, device=group.device)
+    group.wait(group.isend(digest, peer, _DIGEST_TAG))
+
+
+def _receive(group, peer: int, names: list[str], forward: DenseForward, position: int,
+             buffer) -> tuple[int, str | None]:
+    total = torch.zeros(1, dtype=torch.int64)
+    nbytes = 0
+    for index, name in enumerate(names):
+        view = _rows(forward, name, position, buffer)
+        if view.numel() == 0:
+            continue
+        target = view.reshape(-1).view(torch.uint8) if view.is_contiguous() else torch.empty(
+            view.numel() * view.element_size(), dtype=torch.uint8, device=view.device)
+        group.wait(group.irecv(target, peer, index))
+        if not view.is_contiguous():
+            view.copy_(target.view(view.dtype).view(view.shape))
+        total += position_sums(target).sum().cpu()
+        nbytes += target.numel()
+    digest = torch.zeros(2, dtype=torch.int64, device=group.device)
+    group.wait(group.irecv(digest, peer, _DIGEST_TAG))
+    shown_ok, shown = digest.cpu().tolist()
+    if not shown_ok:
+        return nbytes, "are not this version's: its own refit failed before it forwarded them"
+    if shown != int(total):
+        return nbytes, f"changed on the way (digest {shown} sent, {int(total)} received)"
+    return nbytes, None
