@@ -30,9 +30,10 @@ from tests.engines.vllm.test_weight_transfer import (HERE, NUM_TRAIN, VERSIONS, 
                                                      _pieces, _QueueClient, _vllm_config, serve_calls, spawn_deployment)
 
 TP, DP = 2, 2
-CASES = {"qwen3-moe-e8": True, "qwen3-moe-e64": True, "qwen3-moe-e8:moe-tp": False}
+CASES = {"qwen3-moe-e8": True, "qwen3-moe-e64": True, "qwen3-moe-e8:moe-tp": False, "qwen3-moe-e64:node": True}
 """Case -> expert parallelism; ``:moe-tp``: without it, vLLM shards each expert tensor-parallel over
-all D x T ranks (``FusedMoEParallelConfig``'s flattened TP)."""
+all D x T ranks (``FusedMoEParallelConfig``'s flattened TP); ``:node``: the four ranks on one node,
+``refit.gen_dense_forward: node`` (each DP rank takes half of its TP rank's dense rows, forwards them)."""
 MODELS = ("qwen3-moe-e8", "qwen3-moe-e64")  # made by bridge_shards.py
 
 
@@ -70,7 +71,8 @@ def _train(rank, world, port, requests, replies, vllm_port, refit_ports, workdir
         saved = load(bridge_dir, model, 1, rank)
         weights = _pieces(saved["weights"])
         refit = dict(gen_tp=TP, gen_dp=1, gen_attention_dp=DP, gen_expert_parallel=CASES[case], port=refit_ports[n],
-                     bucket_mb=0.25, timeout_s=120)
+                     bucket_mb=0.25, timeout_s=120,
+                     **(dict(gen_dense_forward="node", gen_node_ranks=TP * DP) if case.endswith(":node") else {}))
         engine = WeightTransferTrainerFactory.trainer_init(
             MegatronRefitTrainerInitInfo(refit=refit, num_train=NUM_TRAIN, rank=rank), client=client,
             source=LocalShardSource(weights))
@@ -130,3 +132,21 @@ def test_without_expert_parallelism_each_expert_is_tensor_parallel_over_the_depl
             assert check["state"] == "ready" and check["weights_version"] == version
             assert check["w13"][0][0] == 8  # every expert on every rank, sliced
         assert sum(item["report"]["bytes_sent"] for item in items) == items[0]["report"]["bytes_minimal"] > 0
+
+
+@pytest.mark.slow
+def test_dense_rows_forwarded_inside_a_node_land_bit_exact_in_vllms_own_parameters(refitted):
+    """``gen_dense_forward: node`` into vLLM's real workers: each DP rank takes half of its TP rank's
+    dense rows from the train ranks and the two pass them on; every refit bit-exact against vLLM's
+    own load, the train ranks sending less than to the same deployment without forwarding."""
+    train = [rank_out["qwen3-moe-e64:node"] for rank_out in refitted[:NUM_TRAIN]]
+    direct = [rank_out["qwen3-moe-e64"] for rank_out in refitted[:NUM_TRAIN]]
+    for version, items, plain in zip(VERSIONS, zip(*train), zip(*direct)):
+        checks = items[0]["checks"]
+        for check in checks:
+            assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
+            assert check["state"] == "ready" and check["weights_version"] == version
+        sent = sum(item["report"]["bytes_sent"] for item in items)
+        assert sent == items[0]["report"]["bytes_minimal"] > 0
+        assert sent < sum(item["report"]["bytes_sent"] for item in plain)
+        assert sum(check["report"]["bytes_received"] for check in checks) == sent
