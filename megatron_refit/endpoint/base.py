@@ -267,13 +267,19 @@ class Endpoint:
             raise ValueError(f"refit {version}: refit ranks use different plans (ranks by plan: "
                              f"{list(by_plan.values())}); e.g. a trainer sending LoRA adapters only while "
                              f"the engine expects a full refit")
-        if any(row[5 + PLACEMENT_VALUES] for row in rows):  # EPLB moved an engine rank's experts: re-plan them
+        replanned = any(row[5 + PLACEMENT_VALUES] for row in rows)
+        if replanned:  # EPLB moved an engine rank's experts: re-planned, this refit in full on every pair
             self.prepare()
             self.replans += 1
+            self._replanned()
             self._begin(f"refit {version}")
         mine = rows[self.group.rank][3]
         peers = range(self.num_train, len(rows)) if self.role == "train" else range(self.num_train)
-        return version, {peer for peer in peers if mine >= 0 and rows[peer][3] == mine}
+        return version, {peer for peer in peers if mine >= 0 and rows[peer][3] == mine and not replanned}
+
+    def _replanned(self) -> None:
+        """The plan changed in this refit's handshake: what was kept per bucket of the old one is
+        dropped (a sender's delta copies)."""
 
     def _begin(self, phase: str) -> None:
         self.group.begin(phase)

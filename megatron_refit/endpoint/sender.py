@@ -138,6 +138,10 @@ class Refitter(Endpoint):
         """The next refit sends every byte, never a delta (its receiver may not hold what it wrote)."""
         self._delta.base = -1
 
+    def _replanned(self) -> None:
+        self._delta.previous.clear()  # copies of the old plan's buckets: this refit keeps the new ones
+        self._delta.base = -1
+
     def refit(self, version: int, *, probe: bool = False, placement: Placement = DIRECT) -> RefitReport:
         """Send this rank's buckets of refit ``version`` (collective over the group; ``probe``: its
         replica scores the serving probe over the group after it, ``placement``: where its bytes go

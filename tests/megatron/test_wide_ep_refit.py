@@ -175,3 +175,19 @@ def test_forwarded_fp8_weights_and_their_scale_tiles_split_alike():
     result = evaluate(spec, run(spec))
     for r in result["refits"]:
         assert r["bit_exact"] is True and r["bytes_sent"] == r["bytes_minimal"] > 0, r
+
+
+def test_delta_refits_around_an_expert_move_stay_bit_exact():
+    """``refit.delta: on`` with EPLB moving the experts after refit 2: refit 2 is a delta, refit 3 is
+    re-planned in its handshake and sent in full (every engine rank's experts moved here, so each
+    shows no delta base; a re-plan also sends full on pairs whose ranks did not move and drops the
+    senders' copies of the old plan's buckets), refit 4 a delta again from the new plan's copies;
+    all bit-exact."""
+    gen = _deployment(8, 2)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(**SP), gen=gen, refits=4, dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10,
+                   remap=(2,), delta="on")
+    result = evaluate(spec, run(spec))
+    assert [r["bit_exact"] for r in result["refits"]] == [True] * 4, [r["failed_replicas"] for r in result["refits"]]
+    assert [r["delta"] for r in result["refits"]] == [False, True, False, True]
+    assert [r["replans"] for r in result["refits"]][2] == [1] * 2
