@@ -147,11 +147,20 @@ class RunSpec:
 
     def fails(self, gen_index: int, version: int) -> bool:
         """Whether engine rank ``gen_index``'s refit ``version`` is made to fail: its injected
-        engine error (:attr:`fail_replica`), a map of other slots after a move (:attr:`bad_map`),
-        or its deployment's forwarded rows corrupted (:attr:`corrupt_forward`)."""
+        engine error (:attr:`fail_replica`; under :attr:`dense_forward` its node group's too), a
+        map of other slots after a move (:attr:`bad_map`), or its deployment's forwarded rows
+        corrupted (:attr:`corrupt_forward`)."""
         size = self.gen.deployment_size
-        if self.fail_replica is not None and gen_index == self.fail_replica[0] * size + self.fail_rank:
-            return version == self.fail_replica[1]
+        if self.fail_replica is not None:
+            failing = self.fail_replica[0] * size + self.fail_rank
+            group = (failing,)
+            if self.dense_forward:  # its node group's peers are told its rows are not this version's
+                from megatron_refit.plan.dense_forward import node_group
+
+                group = node_group(failing, tp=self.gen.tp, attention_dp=self.gen.attention_dp,
+                                   node_ranks=self.dense_forward)
+            if gen_index in group:
+                return version == self.fail_replica[1]
         if self.bad_map is not None and gen_index // size == self.bad_map:
             return any(v < version for v in self.remap)
         return self.corrupt_forward is not None and version == 2 and gen_index // size == self.corrupt_forward // size

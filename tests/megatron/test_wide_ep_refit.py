@@ -191,3 +191,21 @@ def test_delta_refits_around_an_expert_move_stay_bit_exact():
     assert [r["bit_exact"] for r in result["refits"]] == [True] * 4, [r["failed_replicas"] for r in result["refits"]]
     assert [r["delta"] for r in result["refits"]] == [False, True, False, True]
     assert [r["replans"] for r in result["refits"]][2] == [1] * 2
+
+
+def test_a_node_group_peer_whose_own_refit_failed_fails_the_others_by_name():
+    """Two D2 x T1 deployments under ``gen_dense_forward: node``; deployment 1's DP rank 0 raises an
+    engine error while refit 2 lands (its bytes drained, not written): it still takes part in the
+    exchange, telling its peer that its rows are not this version's, so the peer fails by name
+    instead of serving them; deployment 0 lands, and refit 3 lands both."""
+    gen = GenLayout(tp=1, dp=2, attention_dp=2, expert_parallel=True, placement=_deployment(8, 2, 1).placement)
+    spec = RunSpec(model="qwen3-moe", overrides=dict(experts=8, num_experts_per_tok=2, layers=LAYERS),
+                   train=TrainLayout(**SP), gen=gen, refits=3, dtype="bfloat16", lr=1e-6, bucket_bytes=64 << 10,
+                   dense_forward=2, fail_replica=(1, 2), fail_rank=0)
+    result = evaluate(spec, run(spec))
+    failed = [r["failed_replicas"] for r in result["refits"]]
+    assert [sorted(map(int, f)) for f in failed] == [[], [1], []], failed
+    assert "rank 0 (DP rank 0, TP rank 0): RuntimeError: engine error" in failed[1][1], failed[1]
+    assert "rank 1 (DP rank 1, TP rank 0): RefitCorruptionError: engine rank 1: the dense rows forwarded by its " \
+           "node-group peer, engine rank 0, are not this version's" in failed[1][1], failed[1]
+    assert [r["bit_exact"] for r in result["refits"]] == [True, True, True]
