@@ -38,11 +38,15 @@ TP, DP = 2, 2
 NUM_GEN = TP * DP
 VERSIONS = (1, 2)
 MODELS = ("qwen3-moe-e8", "qwen3-moe-e64")
+CASES = (*MODELS, "qwen3-moe-e8:node")
+"""``:node``: ``refit.gen_dense_forward: node``, the four ranks on one node (each attention-DP rank takes
+half of its attention-TP rank's dense rows from the train ranks and forwards them to the other)."""
 
 
-def _refit_section(port: int) -> dict:
+def _refit_section(port: int, case: str = "") -> dict:
     return dict(engine="sglang", gen_tp=TP, gen_dp=1, gen_attention_dp=DP, gen_expert_parallel=True, port=port,
-                bucket_mb=0.25, timeout_s=120)
+                bucket_mb=0.25, timeout_s=120,
+                **(dict(gen_dense_forward="node", gen_node_ranks=NUM_GEN) if case.endswith(":node") else {}))
 
 
 def _gen(rank, sglang_port, refit_ports, bridge_dir, workdir):
@@ -63,7 +67,8 @@ def _gen(rank, sglang_port, refit_ports, bridge_dir, workdir):
 
     parallel = get_parallel()
     results = dict(ranks=(parallel.tp_rank, parallel.attn_dp_rank, parallel.attn_tp_rank, parallel.moe_ep_rank))
-    for n, name in enumerate(MODELS):
+    for n, case in enumerate(CASES):
+        name = case.partition(":")[0]
         model, reference = build_model(dirs[name], expert_location=True), build_model(dirs[name], expert_location=True)
         with torch.no_grad():  # SGLang's dummy init is seeded: both would start equal. Every
             for param in (*model.parameters(), *reference.parameters()):  # element unwritten stays NaN
@@ -80,7 +85,7 @@ def _gen(rank, sglang_port, refit_ports, bridge_dir, workdir):
         except ValueError as exc:
             moved = str(exc)
 
-        member = engine_refit_for(model, _refit_section(refit_ports[n]), num_train=NUM_TRAIN, replica=0)
+        member = engine_refit_for(model, _refit_section(refit_ports[n], case), num_train=NUM_TRAIN, replica=0)
         checks = []
         for version in VERSIONS:
             report = member.receive(version).as_dict()
@@ -92,7 +97,7 @@ def _gen(rank, sglang_port, refit_ports, bridge_dir, workdir):
                                bytes_received=report["bytes_received"]))
         member.close()
         w13 = [p.shape[0] for p_name, p in model.named_parameters() if p_name.endswith("w13_weight")]
-        results[name] = dict(checks=checks, moved=moved, w13=w13)
+        results[case] = dict(checks=checks, moved=moved, w13=w13)
     return results
 
 
@@ -105,9 +110,10 @@ def _train(rank, sglang_port, refit_ports, bridge_dir, workdir):
     from megatron_refit.refit import trainer_refit_from_pieces
 
     results = {}
-    for n, name in enumerate(MODELS):
+    for n, case in enumerate(CASES):
+        name = case.partition(":")[0]
         pieces = [TensorPiece(spec, tensor) for spec, tensor in load(bridge_dir, name, 1, rank)["weights"]]
-        cfg = RefitConfig.from_dict({"enabled": True, **_refit_section(refit_ports[n])})
+        cfg = RefitConfig.from_dict({"enabled": True, **_refit_section(refit_ports[n], case)})
         fleet = trainer_refit_from_pieces(cfg, pieces, [], rank=rank, num_train=NUM_TRAIN)
         reports = []
         for version in VERSIONS:
@@ -116,7 +122,7 @@ def _train(rank, sglang_port, refit_ports, bridge_dir, workdir):
                     piece.data = tensor
             reports.append(fleet.refit(version).as_dict())
         fleet.close()
-        results[name] = reports
+        results[case] = reports
     return results
 
 
@@ -131,7 +137,7 @@ def refitted(tmp_path_factory):
     proc = subprocess.run([python, str(BRIDGE_SHARDS), str(bridge), *MODELS], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ports = free_ports(1 + len(MODELS))  # SGLang's group, one refit group per model
+    ports = free_ports(1 + len(CASES))  # SGLang's group, one refit group per case
     return run_spawned(_rank, NUM_TRAIN + NUM_GEN, ports[0], ports[1:], str(bridge),
                        str(tmp_path_factory.mktemp("sglang-wide-ep")), timeout_s=300)
 
@@ -167,3 +173,22 @@ def test_wide_ep_refit_lands_in_sglangs_own_expert_slots(refitted, name, experts
         received = [out["checks"][i]["bytes_received"] for out in gens]
         # each rank: its attention shard (the same on both attention-DP ranks of a TP rank) and its experts only
         assert received[0] == received[2] and received[1] == received[3] and sum(received) == sent
+
+
+@pytest.mark.slow
+def test_dense_rows_forwarded_inside_a_node_land_bit_exact_in_sglangs_own_parameters(refitted):
+    """``gen_dense_forward: node`` into SGLang's real DP-attention deployment: every element of every
+    rank written, equal to SGLang's own load; the train ranks send the minimal of that plan, less
+    than to the same deployment without forwarding."""
+    gens = [out["qwen3-moe-e8:node"] for out in refitted[NUM_TRAIN:]]
+    for i, version in enumerate(VERSIONS):
+        for out in gens:
+            check = out["checks"][i]
+            assert check["names_equal"] and check["diff"] == [], (version, check["diff"][:5])
+            assert check["state"] == "ready" and check["weights_version"] == version
+        reports = [rank_out["qwen3-moe-e8:node"][i] for rank_out in refitted[:NUM_TRAIN]]
+        direct = [rank_out["qwen3-moe-e8"][i] for rank_out in refitted[:NUM_TRAIN]]
+        sent = sum(report["bytes_sent"] for report in reports)
+        assert sent == reports[0]["bytes_minimal"] > 0
+        assert sent < sum(report["bytes_sent"] for report in direct)
+        assert sum(out["checks"][i]["bytes_received"] for out in gens) == sent
