@@ -195,3 +195,18 @@ def prefill_logprobs(model: torch.nn.Module, model_dir: str, sequences: list[lis
         out.append([(None, seq[0], None)] + [(values[i - 1], seq[i], None) for i in range(1, len(seq))])
         start += len(seq)
     return out
+
+
+def saved_bridge_shards(tmp_path_factory, *names: str) -> str:
+    """Bridge's real local shards and exports of ``names`` (``tests/engines/vllm/bridge_shards.py``,
+    run in ``.venv``: Megatron is not in SGLang's venv), saved in a fresh directory (returned)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    bridge = tmp_path_factory.mktemp("bridge")
+    python = os.environ.get("MEGATRON_PYTHON", str(root / ".venv" / "bin" / "python"))
+    script = root / "tests" / "engines" / "vllm" / "bridge_shards.py"
+    proc = subprocess.run([python, str(script), str(bridge), *names], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return str(bridge)

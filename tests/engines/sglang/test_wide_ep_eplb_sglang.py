@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -168,13 +167,11 @@ def _rank(rank, world, port, *args):
 
 @pytest.fixture(scope="module")
 def refitted(tmp_path_factory):
-    bridge = tmp_path_factory.mktemp("bridge")
-    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    proc = subprocess.run([python, str(BRIDGE_SHARDS), str(bridge), NAME], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from .sglang_cpu import saved_bridge_shards
+
+    bridge = saved_bridge_shards(tmp_path_factory, NAME)
     sglang_port, refit_port = free_ports(2)
-    return run_spawned(_rank, NUM_TRAIN + NUM_GEN, sglang_port, refit_port, str(bridge),
+    return run_spawned(_rank, NUM_TRAIN + NUM_GEN, sglang_port, refit_port, bridge,
                        str(tmp_path_factory.mktemp("sglang-eplb")), timeout_s=300)
 
 

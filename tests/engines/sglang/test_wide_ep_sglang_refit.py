@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -132,13 +131,11 @@ def _rank(rank, world, port, *args):
 
 @pytest.fixture(scope="module")
 def refitted(tmp_path_factory):
-    bridge = tmp_path_factory.mktemp("bridge")
-    python = os.environ.get("MEGATRON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    proc = subprocess.run([python, str(BRIDGE_SHARDS), str(bridge), *MODELS], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from .sglang_cpu import saved_bridge_shards
+
+    bridge = saved_bridge_shards(tmp_path_factory, *MODELS)
     ports = free_ports(1 + len(CASES))  # SGLang's group, one refit group per case
-    return run_spawned(_rank, NUM_TRAIN + NUM_GEN, ports[0], ports[1:], str(bridge),
+    return run_spawned(_rank, NUM_TRAIN + NUM_GEN, ports[0], ports[1:], bridge,
                        str(tmp_path_factory.mktemp("sglang-wide-ep")), timeout_s=300)
 
 
