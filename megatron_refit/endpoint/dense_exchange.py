@@ -6,9 +6,10 @@ Deadlock-free on links that match sends and receives in order (NCCL's streams): 
 node group go in one order, ``(i, j)`` by their members' positions, and each rank takes its pairs
 in that order, the lower member sending first. Each transfer is one forwarded piece's rows (a view
 into the engine's storage where contiguous, a copy otherwise); after them each side sends a digest
-of what it sent (:func:`~megatron_refit.endpoint.integrity.position_sums`) and whether its own
-refit went well: a member whose bytes did not all arrive, or rows that changed on the way, fail the
-receiving rank with a :class:`~megatron_refit.errors.RefitCorruptionError` naming the peer.
+of what it sent (:func:`~megatron_refit.endpoint.integrity.position_sums`, summed on the device;
+none under ``refit.verify: off``) and whether its own refit went well: a member whose bytes did not
+all arrive, or rows that changed on the way, fail the receiving rank with a
+:class:`~megatron_refit.errors.RefitCorruptionError` naming the peer.
 Every member takes part whatever its own outcome, so no peer waits for rows that never come (each
 wait is bounded by the group's timeout).
 """
@@ -28,11 +29,12 @@ _DIGEST_TAG = 1 << 20
 
 
 def exchange(group, num_train: int, forward: DenseForward, buffer: Callable[[str], torch.Tensor], *,
-             ok: bool) -> int:
+             ok: bool, check: bool = True) -> int:
     """This engine rank's part of its node group's exchange (``buffer(name)``: the piece's whole
-    view in the engine's storage; ``ok``: this rank's own bytes all arrived and checked). Returns
-    the bytes it received from its peers; raises :class:`RefitCorruptionError` naming the first peer
-    whose rows cannot be trusted, after every pair is done."""
+    view in the engine's storage; ``ok``: this rank's own bytes all arrived and checked; ``check``:
+    digest the rows, as ``refit.verify`` other than ``off``). Returns the bytes it received from its
+    peers; raises :class:`RefitCorruptionError` naming the first peer whose rows cannot be trusted,
+    after every pair is done."""
     names = sorted(forward.rows)
     me = forward.group[forward.position]
     received, failure = 0, None  # the first peer whose rows cannot be trusted, and why
@@ -41,9 +43,10 @@ def exchange(group, num_train: int, forward: DenseForward, buffer: Callable[[str
         outcome = [None, None]
         for step in (0, 1):
             if (step == 0) == first:
-                outcome[0] = _send(group, num_train + peer, names, forward, forward.position, buffer, ok)
+                outcome[0] = _send(group, num_train + peer, names, forward, forward.position, buffer, ok, check)
             else:
-                outcome[1] = _receive(group, num_train + peer, names, forward, forward.group.index(peer), buffer)
+                outcome[1] = _receive(group, num_train + peer, names, forward, forward.group.index(peer), buffer,
+                                      check)
         nbytes, why = outcome[1]
         received += nbytes
         if why is not None and failure is None:
@@ -64,22 +67,24 @@ def _flat(view: torch.Tensor) -> torch.Tensor:
         torch.uint8)
 
 
-def _send(group, peer: int, names: list[str], forward: DenseForward, position: int, buffer, ok: bool) -> None:
-    total = torch.zeros(1, dtype=torch.int64)
+def _send(group, peer: int, names: list[str], forward: DenseForward, position: int, buffer, ok: bool,
+          check: bool) -> None:
+    total = torch.zeros(1, dtype=torch.int64, device=group.device)  # summed on the device: one sync at the end
     for index, name in enumerate(names):
         view = _rows(forward, name, position, buffer)
         if view.numel() == 0:
             continue
         flat = _flat(view)
         group.wait(group.isend(flat, peer, index))
-        total += position_sums(flat).sum().cpu()
-    digest = torch.tensor([int(ok), int(total)], dtype=torch.int64, device=group.device)
+        if check:
+            total += position_sums(flat).sum().to(total.device)
+    digest = torch.cat([torch.tensor([int(ok)], dtype=torch.int64, device=group.device), total])
     group.wait(group.isend(digest, peer, _DIGEST_TAG))
 
 
 def _receive(group, peer: int, names: list[str], forward: DenseForward, position: int,
-             buffer) -> tuple[int, str | None]:
-    total = torch.zeros(1, dtype=torch.int64)
+             buffer, check: bool) -> tuple[int, str | None]:
+    total = torch.zeros(1, dtype=torch.int64, device=group.device)
     nbytes = 0
     for index, name in enumerate(names):
         view = _rows(forward, name, position, buffer)
@@ -90,13 +95,14 @@ def _receive(group, peer: int, names: list[str], forward: DenseForward, position
         group.wait(group.irecv(target, peer, index))
         if not view.is_contiguous():
             view.copy_(target.view(view.dtype).view(view.shape))
-        total += position_sums(target).sum().cpu()
+        if check:
+            total += position_sums(target).sum().to(total.device)
         nbytes += target.numel()
     digest = torch.zeros(2, dtype=torch.int64, device=group.device)
     group.wait(group.irecv(digest, peer, _DIGEST_TAG))
     shown_ok, shown = digest.cpu().tolist()
     if not shown_ok:
         return nbytes, "are not this version's: its own refit failed before it forwarded them"
-    if shown != int(total):
-        return nbytes, f"changed on the way (digest {shown} sent, {int(total)} received)"
+    if check and shown != int(total.cpu()):
+        return nbytes, f"changed on the way (digest {shown} sent, {int(total.cpu())} received)"
     return nbytes, None

@@ -207,7 +207,8 @@ class Receiver(Endpoint):
         own first."""
         t0 = time.perf_counter()
         try:
-            exchange(self.group, self.num_train, self.forward, self.storage.buffer, ok=failure is None)
+            exchange(self.group, self.num_train, self.forward, self.storage.buffer, ok=failure is None,
+                     check=self.verify != "off")
         except Exception as exc:  # noqa: BLE001 -- this rank's outcome, reported with the refit's
             failure = failure or exc
         report.seconds["transfer"] += time.perf_counter() - t0
