@@ -16,6 +16,7 @@ from megatron_refit.plan.cost import (Cluster, Prediction, delta_fraction, delta
                                       nic_floor, overlap_stall, placement, predict, quantize_busy, quantized_bytes,
                                       staged_pause)
 from megatron_refit.plan.checks import ITEMSIZE
+from megatron_refit.plan.dense_forward import node_group
 from megatron_refit.plan.deployment_forwarding import FORWARDING, forwarding_routes, node_routes
 from megatron_refit.plan.fanout import MODES, fanout_routes, resolve_mode
 from megatron_refit.plan.roles import EXPERT_RE
@@ -99,14 +100,15 @@ def forwarding_json(run: DryRun, direct_seconds: float, train_gpu: list[int], ge
     experts = run.senders.route_bytes(keep=lambda name: EXPERT_RE.search(name) is not None)
     seconds, egress = {"direct": direct_seconds}, {"direct": sum(dense.values()) + sum(experts.values())}
     shape = dict(tp=gen.tp, attention_dp=gen.attention_dp, deployments=gen.dp)
-    size, per_node = gen.deployment_size, run.refit.gen_node_ranks
+    per_node = run.refit.gen_node_ranks
     for mode in MODES:
         routes = forwarding_routes(dense, experts, mode=mode, **shape)
         seconds[mode] = fanout_prediction(routes, train_gpu, gen_gpu, cluster,
                                           bucket_bytes=run.refit.bucket_bytes).seconds
         egress[mode] = routes.bytes_from_trainers
-    routes = node_routes(dense, experts, node=[(g // size, g % size // per_node) for g in range(gen.world_size)],
-                         **shape)
+    groups = [node_group(g, tp=gen.tp, attention_dp=gen.attention_dp, node_ranks=per_node)
+              for g in range(gen.world_size)]
+    routes = node_routes(dense, experts, node=groups, **shape)  # the refit's own node groups
     receive, forward = (predict(pairs, train_gpu, gen_gpu, cluster, bucket_bytes=run.refit.bucket_bytes,
                                 relays=relays) for pairs, relays in ((routes.from_trainers, None), ({}, routes.relays)))
     seconds["node"] = receive.seconds + forward.seconds
