@@ -89,7 +89,8 @@ class RefitConfig:
     ``delta``, ``fanout`` or LoRA adapter sync (refused by name)."""
     gen_node_ranks: int = 8
     """Under ``gen_dense_forward: node``: how many consecutive engine ranks of a deployment share a
-    node (its GPUs: vLLM's and SGLang's DP ranks fill nodes in order)."""
+    node (its GPUs: vLLM's and SGLang's DP ranks fill nodes in order). A value other than the
+    cluster's costs speed (rows forwarded over the NICs), never bytes: the exchange is the same."""
     gen_draft: bool = False
     """The engine decodes speculatively with the model's MTP layers as its draft (vLLM
     ``--speculative-config '{"method": "deepseek_mtp", ...}'``, SGLang ``--speculative-algorithm
