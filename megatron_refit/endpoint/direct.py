@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from megatron_refit.endpoint.bytes import contiguous_bytes
-
 from megatron_refit.transport import Transport
 
 

@@ -164,10 +164,12 @@ def corrupt_forwarded(group, armed: list[bool], *, num_train: int) -> None:
     """While ``armed[0]``: every piece of dense rows this engine rank forwards to a peer
     (``refit.gen_dense_forward``: an engine rank's send to another) arrives with its first byte
     flipped, as a bad link would deliver it; its digest is the true one."""
+    from megatron_refit.endpoint.stages import DIGEST_TAG
+
     isend = group.isend
 
     def corrupting(buffer, peer, tag):
-        if armed[0] and peer >= num_train and buffer.numel() and tag < (1 << 20):
+        if armed[0] and peer >= num_train and buffer.numel() and tag < DIGEST_TAG:
             buffer = buffer.clone()
             buffer.view(-1).view(torch.uint8)[0] ^= 0xFF
         return isend(buffer, peer, tag)

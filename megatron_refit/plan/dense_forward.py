@@ -93,10 +93,9 @@ class DenseForward:
             if rows is None:
                 out.append(spec)
                 continue
-            start, stop = rows[self.position]
-            if stop > start:
-                first = spec.box[0][0]
-                out.append(replace(spec, box=((first + start, first + stop), *spec.box[1:])))
+            box = _rows_of(spec.box, rows[self.position])
+            if box is not None:
+                out.append(replace(spec, box=box))
         return out
 
     def peers(self) -> tuple[int, ...]:
@@ -130,7 +129,12 @@ def narrow_targets(targets, tp: int, attention_dp: int, node_ranks: int):
 def _narrow_box(name: str, box, group: tuple[int, ...], rank: int):
     if box is None or len(group) < 2:
         return box
-    start, stop = _split(name, box[0][1] - box[0][0], len(group))[group.index(rank)]
+    return _rows_of(box, _split(name, box[0][1] - box[0][0], len(group))[group.index(rank)])
+
+
+def _rows_of(box, rows: tuple[int, int]):
+    """``box`` cut to ``rows`` (relative to its first row); None where they are empty."""
+    start, stop = rows
     if stop <= start:
         return None
     return ((box[0][0] + start, box[0][0] + stop), *box[1:])

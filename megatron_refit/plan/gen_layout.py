@@ -344,6 +344,20 @@ def gen_target_classes(
     return list(zip(targets.ranks, per_class))
 
 
+def gen_rank_specs(params: dict[str, tuple[tuple[int, ...], str]], layout: GenLayout, model: ModelShape,
+                   gen_index: int, *, style: str = "vllm") -> list[ShardSpec]:
+    """The ShardSpecs engine rank ``gen_index`` must hold: :func:`gen_target_specs`' entry for it,
+    without making every other class's (an engine rank's own storage, built again when its
+    experts move)."""
+    targets = gen_targets(params, layout, model, style=style)
+    which = next((c for c, ranks in enumerate(targets.ranks) if gen_index in ranks), None)
+    if which is None:
+        raise ValueError(f"gen rank {gen_index} is not one of the layout's {layout.world_size} ranks")
+    trusted = ShardSpec.trusted
+    return [trusted(name, shape, dtype, boxes[which], is_expert=EXPERT_RE.search(name) is not None)
+            for name, (shape, dtype, boxes) in targets.params.items() if boxes[which] is not None]
+
+
 def gen_target_specs(
     params: dict[str, tuple[tuple[int, ...], str]],
     layout: GenLayout,

@@ -29,7 +29,7 @@ from megatron_refit.engines.segments import split_segments
 from megatron_refit.plan.deployment import ExpertSlots, moe_layers
 from megatron_refit.plan.expert_placement import ExpertPlacement, moved
 from megatron_refit.plan.gen_layout import (VOCAB_PADDING, GenLayout, ModelShape, deployment_placement,
-                                            gen_target_specs)
+                                            gen_rank_specs)
 from megatron_refit.plan.spec import ShardSpec
 
 _VOCAB = families.vocab_names()
@@ -134,7 +134,7 @@ class RankLayout:
         """``(pieces, slots, shapes, placements)`` of this rank, its experts as ``placement``
         (default: the layout's) puts them."""
         layout = self.layout if placement is None else replace(self.layout, placement=placement)
-        pieces = gen_target_specs(self.params, layout, self.model, style="vllm")[self.gen_index]
+        pieces = gen_rank_specs(self.params, layout, self.model, self.gen_index)
         slots = expert_slots(self.params, layout, self.model, self.gen_index)
         return (pieces, slots, *fused_layout(pieces, self.model, layout.tp, slots))
 
