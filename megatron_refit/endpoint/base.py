@@ -162,9 +162,9 @@ class Endpoint:
                 plan, prints = self._build(pieces, frozenset(name for g in gathered for name in g[6]))
                 if self.plans is not None:
                     self.plans[key] = plan, prints
-        # two strings a rank; only where they disagree, every rank's route fingerprints, to name
-        # the ranks (every rank sees the same summaries, so every rank takes the same branch)
-        if not in_agreement(plan, self.group.all_gather_object(agreement(prints), "prepare")):
+        # 16 numbers a rank, in the control header; only where they disagree, every rank's route
+        # fingerprints, to name the ranks (every rank sees the same summaries: the same branch)
+        if not in_agreement(plan, self.group.exchange("prepare", agreement(prints))):
             bad = disagreeing(plan, self.group.all_gather_object(prints, "prepare"))
             raise ValueError(f"refit plan fingerprint mismatch on refit ranks {bad}: ranks built different plans")
         self.plan = plan

@@ -5,38 +5,45 @@ only where they disagree, the ranks named from the full fingerprints (:func:`dis
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import Counter
 
 from megatron_refit.plan.refit_plan import RefitPlan
 
 ROUTE_SUM_BITS = 256
+SUMMARY_VALUES = 16
+"""A rank's :func:`agreement`: 8 words of 32 bits of its plan fingerprint's sha256, then 8 of its route sum."""
+_WORDS = struct.Struct(">8I")
 
 
-def agreement(prints: dict) -> tuple[str, str]:
-    """``(plan fingerprint, route sum)`` of one rank's :meth:`RefitPlan.fingerprints`: what
-    ``prepare()`` gathers from every rank, two strings however many routes the rank holds. The
-    route sum adds a sha256 of each route's ends and digest (mod 2**256); every route is held by
-    one train rank and one gen rank, so the train ranks' sums add up to the gen ranks' exactly
-    when both ends of every route hold it alike (:func:`in_agreement`)."""
+def agreement(prints: dict) -> tuple[int, ...]:
+    """What ``prepare()`` gathers from every rank of its :meth:`RefitPlan.fingerprints`:
+    :data:`SUMMARY_VALUES` numbers however many routes the rank holds (they travel in the
+    control header, no message to decode per rank). The sha256 of the plan fingerprint, and the
+    route sum: a sha256 of each route's ends and digest added up (mod 2**256). Every route is
+    held by one train rank and one gen rank, so the train ranks' sums add up to the gen ranks'
+    exactly when both ends of every route hold it alike (:func:`in_agreement`)."""
     total = 0
     for route, digest in prints.items():
         if route != "plan":
             total += int.from_bytes(hashlib.sha256(f"{route[0]} {route[1]} {digest}".encode()).digest(), "big")
-    return prints["plan"], format(total % (1 << ROUTE_SUM_BITS), "x")
+    plan = hashlib.sha256(str(prints["plan"]).encode()).digest()
+    return _WORDS.unpack(plan) + _WORDS.unpack((total % (1 << ROUTE_SUM_BITS)).to_bytes(32, "big"))
 
 
 def in_agreement(plan: RefitPlan, summaries: list) -> bool:
-    """Whether every refit rank built this plan (each rank's :func:`agreement`, by refit rank):
-    one plan fingerprint, and the train ranks' route sums adding up to the gen ranks'. The same
-    answer on every rank, in O(ranks); where it is False, :func:`disagreeing` over the full
-    fingerprints names the ranks."""
-    try:
-        if len({summary[0] for summary in summaries}) != 1:
-            return False
-        sums = [int(summary[1], 16) for summary in summaries]
-    except (TypeError, ValueError, IndexError, KeyError):  # a malformed summary: found by name in the full check
+    """Whether every refit rank built this plan (each rank's :func:`agreement`, by refit rank;
+    a row may carry more values after it, as the control header's rows do): one plan
+    fingerprint, and the train ranks' route sums adding up to the gen ranks'. The same answer on
+    every rank, in O(ranks); where it is False, :func:`disagreeing` over the full fingerprints
+    names the ranks."""
+    if len(summaries) != len(plan.train_global) + len(plan.gen_global):
         return False
-    if len(sums) != len(plan.train_global) + len(plan.gen_global):
+    try:
+        if len({tuple(summary[:8]) for summary in summaries}) != 1:
+            return False
+        sums = [int.from_bytes(_WORDS.pack(*summary[8:SUMMARY_VALUES]), "big") for summary in summaries]
+    except (TypeError, struct.error):  # a malformed summary: found by name in the full check
         return False
     mod = 1 << ROUTE_SUM_BITS
     return (sum(sums[rank] for rank in plan.train_global) % mod) == (sum(sums[rank] for rank in plan.gen_global) % mod)

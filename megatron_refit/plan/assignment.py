@@ -18,7 +18,7 @@ from operator import attrgetter, itemgetter
 
 from megatron_refit.errors import PlanError
 from megatron_refit.plan.box_groups import BoxGroup, Builder
-from megatron_refit.plan.buckets import Transfer
+from megatron_refit.plan.buckets import Transfer, new_tuple
 from megatron_refit.plan.checks import check_target, check_tiling, gc_paused, index_specs, unproduced_hint
 from megatron_refit.plan.gen_layout import GenTargets
 from megatron_refit.plan.spec import Box, ShardSpec, intersect, relative
@@ -73,12 +73,17 @@ class Assignment:
         group = builder.group
         only = [(senders,) for senders in builder.solo]  # a one-box parameter's senders: one tuple per rank
         fast: dict[tuple, tuple] = {}  # a one-box, one-holder group's appenders and bytes, by the boxes' identity
-        several: dict[tuple, object] = {}  # a one-box group of several holders, the same way
+        several: dict[tuple, tuple] = {}  # a one-box group of several holders, the same way
+        rotations = builder.lists  # each holders list's turn state, by identity
         needed = []
         params = targets.params
+        unheld: dict[int, bool] = {}  # a boxes tuple no class holds, by identity (targets keep them alive)
         for name in sorted(params):  # the turns count on in name order
             shape, dtype, gen_boxes = params[name]
-            if gen_boxes.count(None) == len(gen_boxes):
+            skip = unheld.get(id(gen_boxes))
+            if skip is None:
+                skip = unheld[id(gen_boxes)] = gen_boxes.count(None) == len(gen_boxes)
+            if skip:
                 continue
             train = train_meta.get(name)
             if train is None:
@@ -101,10 +106,18 @@ class Assignment:
                     add_senders(only[rank])
                     load[rank] += sent
                     continue
-                members = several.get((dtype, id(gen_boxes), id(box)))  # whole experts under expert DP
-                if members is None:
-                    members = several[dtype, id(gen_boxes), id(box)] = group(dtype, gen_boxes, boxes)
-                builder.add_turn(members, name, holders)
+                hit = several.get((dtype, id(gen_boxes), id(box)))  # whole experts under expert DP
+                if hit is None:
+                    members = group(dtype, gen_boxes, boxes)
+                    members.turned.add(0)
+                    hit = several[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append)
+                state = rotations.get(id(holders))  # Builder.add_turn, inlined
+                if state is None:
+                    state = builder.rotations(holders)
+                n = state[0] % len(holders)
+                state[0] += 1
+                hit[0](name)
+                hit[1](state[2][n] or builder.rotated(state, n, True))
                 continue
             builder.add(group(dtype, gen_boxes, boxes), name, boxes)
         groups = builder.finish()  # the load counted in full
@@ -215,7 +228,8 @@ class Assignment:
                         holders = senders[i]
                         sender = holders[turn % len(holders)]
                         if src is None or sender == src:
-                            mine.append(Transfer(name, sender, gen_rank, src_box, dst_box, box, g.dtype, nbytes))
+                            mine.append(new_tuple(Transfer, (name, sender, gen_rank, src_box, dst_box, box, g.dtype,
+                                                             nbytes)))
             mine.sort(key=attrgetter("name"))  # stable: a name's pieces stay in train box order
             out += mine
         return out

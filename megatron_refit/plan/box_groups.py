@@ -20,6 +20,7 @@ where the engine's ranks hold changes (EPLB moves an expert), no other parameter
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from megatron_refit.errors import PlanError
@@ -63,9 +64,10 @@ class Builder:
         self.values: dict[tuple, int] = {}
         self.members: dict[tuple, Members] = {}  # by (dtype, gen boxes, train boxes) as numbers
         self.by_id: dict[tuple, Members] = {}  # the same by the boxes' identities
-        self.turns: dict[tuple[int, ...], list] = {}  # per holder set: [boxes numbered so far, its rotations]
-        self.pending: dict[tuple[int, int, int], list] = {}
-        """Boxes of several holders not yet in ``load``, counted per (rotation, group, train box): :meth:`finish`."""
+        self.turns: dict[tuple[int, ...], list] = {}
+        """Per holder set: ``[its boxes numbered so far, its rotations, each rotation as a 1-tuple, the set]``
+        (a rotation None until taken)."""
+        self.lists: dict[int, list] = {}  # the same by a holders list's identity (the index's lists stay alive)
         self.solo = [(rank,) for rank in range(len(load))]
         self.overlap: dict[tuple[int, int], int] = {}  # by identity: boxes stay alive meanwhile
 
@@ -132,36 +134,61 @@ class Builder:
 
     def add_turn(self, members: Members, name: str, ranks: list[int]) -> None:
         """:meth:`add` of a parameter of one train box held by several ``ranks``."""
+        members.turned.add(0)
         members.names.append(name)
-        members.senders.append((self._turn(members, 0, ranks),))
+        state = self.rotations(ranks)
+        n = state[0] % len(ranks)
+        state[0] += 1
+        members.senders.append(state[2][n] or self.rotated(state, n, True))
+
+    def rotations(self, ranks: list[int]) -> list:
+        """The turn state of holder set ``ranks`` (see :attr:`turns`; its rotations made as
+        they are taken, :meth:`rotated`: a dense box of 128 DP replicas takes a few)."""
+        state = self.lists.get(id(ranks))
+        if state is None:
+            key = tuple(ranks)
+            state = self.turns.get(key)
+            if state is None:
+                state = self.turns[key] = [0, [None] * len(key), [None] * len(key), key]
+            self.lists[id(ranks)] = state
+        return state
+
+    @staticmethod
+    def rotated(state: list, n: int, single: bool = False) -> tuple:
+        """Rotation ``n`` of a holder set's state (``single``: as a 1-tuple, one box's senders)."""
+        rotated = state[1][n]
+        if rotated is None:
+            key = state[3]
+            rotated = state[1][n] = key[n:] + key[:n]
+        if not single:
+            return rotated
+        state[2][n] = (rotated,)
+        return state[2][n]
 
     def _turn(self, members: Members, i: int, ranks: list[int]) -> Senders:
-        """The next box of holder set ``ranks``: its senders, its bytes counted for :meth:`finish`."""
-        turns = self.turns.get(key := tuple(ranks))
-        if turns is None:
-            turns = self.turns[key] = [0, [key[start:] + key[:start] for start in range(len(key))]]
-        rotated = turns[1][turns[0] % len(key)]
-        turns[0] += 1
-        count = self.pending.get(tally := (id(rotated), id(members), i))
-        if count is None:
-            self.pending[tally] = [1, rotated, members, i]
-        else:
-            count[0] += 1
-        return rotated
+        """The next box of holder set ``ranks``: its senders (its bytes are counted by :meth:`finish`)."""
+        members.turned.add(i)
+        state = self.rotations(ranks)
+        n = state[0] % len(ranks)
+        state[0] += 1
+        return state[1][n] or self.rotated(state, n)
 
     def finish(self) -> tuple[BoxGroup, ...]:
-        """The groups, with every box's bytes in ``load``."""
-        for count, rotated, members, i in self.pending.values():
-            for rank, nbytes in zip(rotated, members.shares(i, len(rotated))):
-                self.load[rank] += count * nbytes
-        self.pending.clear()
+        """The groups, with the bytes of every box of several holders in ``load``: each group's
+        boxes counted per rotation (the rotations are shared tuples) and added once."""
+        for m in self.members.values():
+            for i in m.turned:
+                for rotated, count in Counter(senders[i] for senders in m.senders).items():
+                    if len(rotated) > 1:  # a box of one holder is in load already
+                        for rank, nbytes in zip(rotated, m.shares(i, len(rotated))):
+                            self.load[rank] += count * nbytes
         return tuple(replace(m.group, names=tuple(m.names), senders=tuple(m.senders)) for m in self.members.values())
 
 
 class Members:
     """The parameters of one group while the plan is built."""
 
-    __slots__ = ("group", "order", "sent", "names", "senders", "copies", "_shares")
+    __slots__ = ("group", "order", "sent", "names", "senders", "copies", "turned", "_shares")
 
     def __init__(self, group: BoxGroup, order: list[int], copies: list[int]) -> None:
         self.group = group
@@ -172,6 +199,8 @@ class Members:
         """Bytes each train box (in order) sends to all classes."""
         self.names: list[str] = []
         self.senders: list[tuple[Senders, ...]] = []
+        self.turned: set[int] = set()
+        """The train boxes (in order) that some parameter's several holders send in turns."""
         self._shares: dict[tuple[int, int], list[int]] = {}
 
     def shares(self, i: int, num_holders: int) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain, compress, repeat
 
 from megatron_refit.plan.box_groups import BoxGroup
-from megatron_refit.plan.buckets import Transfer
+from megatron_refit.plan.buckets import BY_DST_NAME, BY_NAME, Transfer, new_tuple
 from megatron_refit.plan.folded import is_folded, stems_of
 from megatron_refit.plan.spec import box_numel, intersect, relative
 
@@ -296,8 +296,9 @@ def _transfers(previous, basis: Basis, experts: _Experts, held: list[list[int]],
             for i in unit_names[u]:
                 g = groups[group_id[i]]
                 for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
-                    out.append(Transfer(names[i], s[turn % len(s)], rank, src_box, dst_box, box, g.dtype, nbytes))
-        out.sort(key=lambda t: t.name)  # stable: a name's pieces in train box order
+                    out.append(new_tuple(Transfer, (names[i], s[turn % len(s)], rank, src_box, dst_box, box, g.dtype,
+                                                    nbytes)))
+        out.sort(key=BY_NAME)  # stable: a name's pieces in train box order
         return out
     for u in basis.cache["sends"]:
         for turn, dst in enumerate(holding.ranks_of(u)):
@@ -305,8 +306,8 @@ def _transfers(previous, basis: Basis, experts: _Experts, held: list[list[int]],
                 g = groups[group_id[i]]
                 for s, (src_box, dst_box, box, nbytes) in zip(g.senders[position[i]], geometry[id(g)]):
                     if s[turn % len(s)] == rank:
-                        out.append(Transfer(names[i], rank, dst, src_box, dst_box, box, g.dtype, nbytes))
-    out.sort(key=lambda t: (t.dst_rank, t.name))  # by gen rank, then name (stable: train box order)
+                        out.append(new_tuple(Transfer, (names[i], rank, dst, src_box, dst_box, box, g.dtype, nbytes)))
+    out.sort(key=BY_DST_NAME)  # by gen rank, then name (stable: train box order)
     return out
 
 

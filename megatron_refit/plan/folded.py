@@ -31,7 +31,7 @@ from array import array
 from itertools import repeat
 
 from megatron_refit.errors import PlanError
-from megatron_refit.plan.pieces import Layout, Names
+from megatron_refit.plan.pieces import Layout, Names, narrow, type_code, widen
 from megatron_refit.plan.roles import EXPERT_RE
 
 
@@ -44,8 +44,7 @@ def fold(names: Names, layout: Layout) -> tuple[tuple, tuple]:
     """``pack()``'s parts with their foldable stems folded (unchanged where none is)."""
     name_list, pairs = names
     kinds, raw = layout
-    kind_of = array("I")
-    kind_of.frombytes(raw)
+    kind_of = widen(raw, len(name_list))
     whole = [box == tuple((0, n) for n in shape) for shape, _, box, _, _ in kinds]
     stems: dict[str, dict[int, dict[str, list[int]]]] = {}  # prefix -> expert -> suffix -> indices
     where: dict[int, str] = {}  # index -> its stem
@@ -79,7 +78,7 @@ def fold(names: Names, layout: Layout) -> tuple[tuple, tuple]:
     outer = [pair for pair in moved if max(pair) >= len(plain)]  # to or from an expert: where the experts are
     return ((tuple(map(name_list.__getitem__, plain)), tuple(x for pair in inner for x in pair),
              tuple((prefix, suffixes) for prefix, suffixes, _, _ in folded)),
-            (kinds, array("I", map(kind_of.__getitem__, plain)).tobytes(),
+            (kinds, narrow(array("I", map(kind_of.__getitem__, plain))),
              array("I", [k for _, _, ks, _ in folded for k in ks]).tobytes(),
              tuple(array("I", row).tobytes() for *_, row in folded),
              array("i", [x for pair in outer for x in pair]).tobytes()))
@@ -128,8 +127,9 @@ def unfold(side: str, rank: int, names: tuple, layout: tuple, spelled: list | No
     stem's experts' suffixes in turn)."""
     if not is_folded((names, layout)):
         return names, layout
-    if not (isinstance(names[0], tuple) and isinstance(names[1], tuple) and isinstance(layout[1], bytes)
-            and len(layout[1]) % 4 == 0):
+    plain_kinds = widen(layout[1], len(names[0])) if isinstance(names[0], tuple) and isinstance(layout[1], bytes) \
+        else None
+    if not (isinstance(names[1], tuple) and plain_kinds is not None):
         raise PlanError(f"{side} rank {rank}: malformed folded pieces (expected ((names, pairs, stems), "
                         "(kinds, bytes, bytes, rows, bytes)))")
     if not isinstance(layout[4], bytes) or len(layout[4]) % 8:
@@ -139,24 +139,24 @@ def unfold(side: str, rank: int, names: tuple, layout: tuple, spelled: list | No
     outer.frombytes(layout[4])
     pairs = (*pairs, *outer)
     every = list(plain)  # the folded order: the pairs' indices
-    kind_of = array("I")
-    kind_of.frombytes(layout[1])
+    kind_of = array("I", plain_kinds)
     for prefix, suffixes, suffix_kinds, experts in stems_of(side, rank, names, layout):
         every += [head + suffix for head in [f"{prefix}{e}." for e in experts] for suffix in suffixes]
         kind_of.extend(suffix_kinds * len(experts))
     if spelled is not None:
         spelled += every
     kinds = dict(zip(every, kind_of))
+    code = type_code(max(kind_of, default=0))  # as pack() writes them
     if len(kinds) == len(every):  # names once each (else the plan names the one listed twice)
         order = sorted(every)  # runs already in order: the other names, each stem's experts
-        kind_of = array("I", map(kinds.__getitem__, order))
+        kind_of = array(code, map(kinds.__getitem__, order))
         if not pairs:
             return (tuple(order), ()), (layout[0], kind_of.tobytes())
         at = dict(zip(order, range(len(order))))
         position = array("l", (at[name] for name in every))
     else:
         ranked = sorted(range(len(every)), key=every.__getitem__)
-        order, kind_of = list(map(every.__getitem__, ranked)), array("I", map(kind_of.__getitem__, ranked))
+        order, kind_of = list(map(every.__getitem__, ranked)), array(code, map(kind_of.__getitem__, ranked))
         position = array("l", repeat(0, len(every)))
         for n, i in enumerate(ranked):
             position[i] = n

@@ -27,7 +27,35 @@ Names = tuple[tuple[str, ...], tuple[int, ...]]
 """``(names sorted, flat pairs (a, b, a, b, ...) of indices, in order: piece b starts where a ends)``."""
 
 Layout = tuple[tuple[tuple, ...], bytes]
-"""``(kinds, each name's kind as uint32)``; a kind is ``(global shape, dtype, box, pp stage, expert)``."""
+"""``(kinds, each name's kind as uint8, uint16 or uint32: :func:`narrow`)``; a kind is ``(global shape, dtype, box,
+pp stage, expert)``."""
+
+
+WIDTHS = {1: "B", 2: "H", 4: "I"}
+"""Bytes per kind index -> its array type code: a part's kind indices travel in the fewest bytes
+that hold the largest (a rank holds up to 10^5 names of a few dozen kinds: one byte each)."""
+
+
+def type_code(top: int) -> str:
+    """The array type code of kind indices up to ``top``, as :func:`narrow` writes them."""
+    return "B" if top < 1 << 8 else "H" if top < 1 << 16 else "I"
+
+
+def narrow(kind_of) -> bytes:
+    """Kind indices as a part carries them: each in 1, 2 or 4 bytes, the fewest that hold the largest."""
+    code = type_code(max(kind_of, default=0))
+    return (kind_of if isinstance(kind_of, array) and kind_of.typecode == code else array(code, kind_of)).tobytes()
+
+
+def widen(raw: bytes, count: int) -> array | None:
+    """The kind indices of ``count`` names from ``raw`` (:func:`narrow`'s, the width read from
+    the sizes); None where no width fits."""
+    code = WIDTHS.get(len(raw) // count) if count and len(raw) % count == 0 else None if count or raw else "B"
+    if code is None:
+        return None
+    out = array(code)
+    out.frombytes(raw)
+    return out
 
 
 def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[Names, Layout]:
@@ -45,7 +73,7 @@ def pack(specs: list[ShardSpec], adjacent: list[tuple[str, str]] = ()) -> tuple[
     pairs = tuple(x for pair in sorted((index.get(a, -1), index.get(b, -1)) for a, b in adjacent) for x in pair)
     plain = tuple((tuple(shape), dtype, tuple(map(tuple, box)), int(stage), bool(expert))  # as peers decode them
                   for shape, dtype, box, stage, expert in kinds)
-    return (names, pairs), (plain, kind_of.tobytes())
+    return (names, pairs), (plain, narrow(kind_of))
 
 
 def kind_indices(side: str, rank: int, names: Names, layout: Layout, checked: dict | None = None) -> array:
@@ -57,10 +85,8 @@ def kind_indices(side: str, rank: int, names: Names, layout: Layout, checked: di
             and all(isinstance(x, t) for x, t in zip((*names, *layout), (tuple, tuple, tuple, bytes)))):
         raise PlanError(f"{side} rank {rank}: malformed pieces (expected ((names, pairs), (kinds, bytes)) of tuples)")
     (name_list, pairs), (kinds, raw) = parts
-    kind_of = array("I")
-    if len(raw) % kind_of.itemsize == 0:
-        kind_of.frombytes(raw)
-    if len(kind_of) != len(name_list) or len(raw) % kind_of.itemsize:
+    kind_of = widen(raw, len(name_list))
+    if kind_of is None:
         raise PlanError(f"{side} rank {rank}: {len(name_list)} names but {len(raw)} bytes of kind indices")
     if kind_of and (checked is None or (raw, len(kinds)) not in checked):
         if max(kind_of) >= len(kinds):
@@ -82,15 +108,22 @@ def kind_indices(side: str, rank: int, names: Names, layout: Layout, checked: di
     return kind_of
 
 
-def kind_specs(side: str, rank: int, names: Names, layout: Layout, kind_of: array) -> list[ShardSpec]:
+def kind_specs(side: str, rank: int, names: Names, layout: Layout, kind_of: array,
+               firsts: dict | None = None) -> list[ShardSpec]:
     """One validated ShardSpec per kind (named after its first name), so that every piece of
-    the rank can be built trusted."""
+    the rank can be built trusted. ``firsts``: each kind's first index by the kind indices'
+    bytes, kept by a caller whose ranks number kinds alike (an engine's TP ranks: one scan)."""
     name_list, kinds = names[0], layout[0]
-    first = {}
-    for i, k in enumerate(kind_of):
-        first.setdefault(k, i)
-        if len(first) == len(kinds):
-            break
+    first = None if firsts is None else firsts.get(layout[1])
+    if first is None:
+        first = {}
+        for i, k in enumerate(kind_of):
+            if k not in first:
+                first[k] = i
+                if len(first) == len(kinds):
+                    break
+        if firsts is not None:
+            firsts[layout[1]] = first
     out = []
     for k, kind in enumerate(kinds):
         name = name_list[first[k]] if k in first else "(unused kind)"
@@ -124,7 +157,8 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
     spec of its global shape and dtype. Each distinct part (the gather's equal objects: DP
     replicas) is read once, so the work grows with the distinct parts, not with the world. The
     same validation and errors: a malformed part, a name listed twice on a rank, a parameter
-    whose global shape or dtype differs between ranks."""
+    whose global shape or dtype differs between ranks. The names of one part held alone share
+    one list of holders: the index's lists are read only."""
     if sorted(parts) != list(range(len(parts))):
         raise PlanError(f"{side} ranks must be 0..{len(parts) - 1}, got {sorted(parts)}")
     sharing: dict[tuple[int, int], list[int]] = {}
@@ -133,7 +167,7 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
         sharing.setdefault((id(names), id(layout)), []).append(rank)
     index: dict[str, dict] = {}
     meta: dict[str, ShardSpec] = {}
-    merged: list[list[int]] = []  # holder lists that more than one part added to: sorted at the end
+    merged: dict[int, list[int]] = {}  # holder lists that more than one part added to (copies): sorted at the end
     checked: dict = {}
     layouts: dict[int, list[ShardSpec]] = {}  # a layout's kinds, read once (EP ranks share one)
     for ranks in sharing.values():
@@ -151,7 +185,7 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
             boxes = index.get(name)
             if boxes is None:
                 check_dtype(name, spec.dtype)
-                index[name] = {spec.box: list(ranks)}
+                index[name] = {spec.box: ranks}  # the part's holders, shared by its names: copied where merged
                 meta[name] = spec
                 continue
             first = meta[name]
@@ -160,11 +194,13 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
                                 f"vs {spec.global_shape} {spec.dtype} on {side} rank {ranks[0]}")
             holders = boxes.get(spec.box)
             if holders is None:
-                boxes[spec.box] = list(ranks)
-            else:
+                boxes[spec.box] = ranks
+            elif id(holders) in merged:
                 holders += ranks
-                merged.append(holders)
-    for holders in merged:
+            else:
+                boxes[spec.box] = holders = holders + ranks
+                merged[id(holders)] = holders
+    for holders in merged.values():
         holders.sort()
     return index, meta
 
@@ -199,7 +235,7 @@ def pack_targets(targets: GenTargets) -> dict[int, tuple[Names, Layout]]:
             class_names, kind_of = tuple(name for name, _ in held), array("I", (k for _, k in held))
         else:
             class_names, kind_of = tuple(names), array("I", map(table.__getitem__, sig_of))
-        parts = (lists.setdefault(class_names, (class_names, ())), (tuple(kinds), kind_of.tobytes()))
+        parts = (lists.setdefault(class_names, (class_names, ())), (tuple(kinds), narrow(kind_of)))
         out.update(dict.fromkeys(ranks, parts))
     return out
 
@@ -237,9 +273,10 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
             same = names_of[id(names)] = by_names.setdefault(names, [])
         same.append(c)
     kinds = []
+    firsts: dict = {}
     for c, (names, layout) in enumerate(parts):
         kind_of = indices[names, layout]
-        specs = kind_specs("gen", ranks[c][0], names, layout, kind_of)
+        specs = kind_specs("gen", ranks[c][0], names, layout, kind_of, firsts)
         kinds.append((kind_of, [(s.global_shape, s.dtype, s.box) for s in specs]))
     table: dict[str, tuple] = {}
     interned: dict[tuple, tuple] = {}  # equal box tuples as one object: the assignment groups by identity

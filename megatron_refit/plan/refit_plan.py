@@ -20,7 +20,7 @@ from megatron_refit.plan.expert_moves import Basis, movable, replan
 from megatron_refit.plan.folded import unfold, unfold_parts
 from megatron_refit.plan.pieces import (Layout, Names, adjacent_names, gen_targets_of, index_parts, kind_indices, pack,
                                       unpack)
-from megatron_refit.plan.spec import Box, ShardSpec, box_shape
+from megatron_refit.plan.spec import ShardSpec, box_shape
 
 __all__ = ["ITEMSIZE", "PlanError", "RefitPlan", "gc_paused"]
 
@@ -311,21 +311,18 @@ class RefitPlan:
                   f"bytes {self.train_bytes}", f"transfers {self.num_transfers}", f"settings {self.settings}"]
         out: dict = {"plan": hashlib.sha256("\n".join(shared).encode()).hexdigest()}
         routes: dict[tuple[int, int], list[str]] = {}
-        text: dict[int, str] = {}  # each box's text once, by identity: the plan's boxes are shared and alive
-
-        def box(value: Box) -> str:
-            got = text.get(id(value))
-            if got is None:
-                got = text[id(value)] = str(value)
-            return got
-
+        # a transfer's geometry as text once per global box object, checked by identity (the
+        # plan's boxes are shared and alive): transfers of one group share their three boxes
+        text: dict[int, tuple] = {}
         for bucket in self.buckets:
             lines = routes.setdefault((bucket.src_rank, bucket.dst_rank), [])
             lines.append(f"bucket {bucket.index} {bucket.nbytes}")
-            for item in bucket.items:
-                t = item.transfer
-                lines.append(f"  {item.offset} {t.name} {t.dtype} {t.nbytes} {box(t.global_box)} {box(t.src_box)} "
-                             f"{box(t.dst_box)}")
+            for (name, _, _, src_box, dst_box, global_box, dtype, nbytes), offset in bucket.items:
+                got = text.get(id(global_box))
+                if got is None or got[0] is not src_box or got[1] is not dst_box or got[2] != (dtype, nbytes):
+                    got = text[id(global_box)] = (src_box, dst_box, (dtype, nbytes), global_box,
+                                                  f"{dtype} {nbytes} {global_box} {src_box} {dst_box}")
+                lines.append(f"  {offset} {name} {got[4]}")
         for route, lines in routes.items():
             out[route] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         return out

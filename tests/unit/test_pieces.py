@@ -5,6 +5,8 @@ receivers' ShardSpecs on reduced shipped layouts is tests/unit/test_assignment.p
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from megatron_refit import wire
@@ -116,6 +118,8 @@ def test_ranks_sharing_names_but_numbering_kinds_otherwise_plan_alike():
     them alike, per rank where they do not (here rank 1 lists its kinds in reverse)."""
     from array import array
 
+    from megatron_refit.plan.pieces import widen
+
     parts = _gen_parts()
     (names, pairs), (kinds, raw) = parts[1]
     names = parts[0][0][0]  # one names list, as the gather returns it
@@ -123,7 +127,7 @@ def test_ranks_sharing_names_but_numbering_kinds_otherwise_plan_alike():
     want = gen_targets_of(dict(parts))
     parts[1] = ((names, pairs), (kinds, raw))
     assert gen_targets_of(dict(parts)) == want
-    reverse = array("I", (len(kinds) - 1 - k for k in array("I", raw)))
+    reverse = array("I", (len(kinds) - 1 - k for k in widen(raw, len(names))))  # 4 bytes each: read as well
     parts[1] = ((names, pairs), (kinds[::-1], reverse.tobytes()))
     got = gen_targets_of(dict(parts))
     assert got == want and len(got.ranks) == 2
@@ -135,8 +139,8 @@ def _broken(rank: int, how: str) -> dict:
     (names, pairs), (kinds, raw) = parts[rank]
     if how == "index":
         raw = raw[:-4] + (len(kinds)).to_bytes(4, "little")
-    elif how == "count":
-        raw = raw[:-4]
+    elif how == "count":  # one kind index short (each in one byte: narrow)
+        raw = raw[:-1]
     elif how == "box":
         shape, dtype, box, stage, expert = kinds[0]
         kinds = ((shape, dtype, ((0, shape[0] + 1),) + box[1:], stage, expert),) + kinds[1:]
@@ -159,7 +163,7 @@ def _broken(rank: int, how: str) -> dict:
 
 @pytest.mark.parametrize("how, match", [
     ("index", r"gen rank 1: kind index (\d+) out of range for \1 kinds"),
-    ("count", r"gen rank 1: 6 names but 20 bytes of kind indices"),
+    ("count", r"gen rank 1: 6 names but 5 bytes of kind indices"),
     ("box", r"gen rank 1: malformed piece kind .*outside global shape"),
     ("kind", r"gen rank 1: malformed piece kind \(8, 'bf16'\): expected \(global shape, dtype, box, pp stage"),
     ("name", r"gen rank 1: a piece name is 7, not a string"),
@@ -207,3 +211,26 @@ def test_malformed_train_parts_are_refused_naming_the_rank(how, match):
     parts = _broken(1, how)  # gen parts of two ranks, the second broken: as train parts here
     with pytest.raises(PlanError, match=match):
         index_parts("train", parts)
+
+
+@pytest.mark.parametrize("top, width", [(0, 1), (255, 1), (256, 2), ((1 << 16) - 1, 2), (1 << 16, 4)])
+def test_kind_indices_travel_in_the_fewest_bytes_that_hold_the_largest(top, width):
+    """A rank's tens of thousands of kind indices of a few dozen kinds: one byte each on the
+    wire (pack, pack_targets, fold); read back at any width from the sizes alone."""
+    from megatron_refit.plan.pieces import narrow, widen
+
+    values = [0, top, top // 2, 1 if top else 0]
+    raw = narrow(values)
+    assert len(raw) == width * len(values)
+    assert list(widen(raw, len(values))) == values
+    assert list(widen(array("I", values).tobytes(), len(values))) == values  # 4 bytes each: read as well
+    assert widen(raw + b"\0", len(values)) is None and widen(raw, len(values) + 1) is None
+    assert list(widen(b"", 0)) == [] and widen(b"\0", 0) is None
+    assert widen(b"\0" * 3 * len(values), len(values)) is None  # no 3-byte width
+
+
+def test_an_engine_ranks_part_carries_one_byte_a_name():
+    parts = _gen_parts()
+    (names, _), (kinds, raw) = parts[0]
+    assert len(kinds) < 256 and len(raw) == len(names)
+    assert gen_targets_of(dict(parts)).params  # and plans

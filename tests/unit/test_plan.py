@@ -336,7 +336,7 @@ def test_disagreeing_ranks_are_named_the_same_everywhere():
 
 
 def test_agreement_summaries_catch_what_the_full_fingerprints_catch():
-    """prepare() gathers two strings a rank (agreement) and gathers the full fingerprints only
+    """prepare() gathers 16 numbers a rank (agreement) and gathers the full fingerprints only
     where in_agreement is False: every disagreement disagreeing() names must turn it False."""
     from megatron_refit.plan.agreement import agreement, disagreeing, in_agreement
 
@@ -360,6 +360,9 @@ def test_agreement_summaries_catch_what_the_full_fingerprints_catch():
         assert not in_agreement(plan, [agreement(p) for p in odd]), why
         assert disagreeing(plan, odd), why
     summaries = [agreement(p) for p in prints]
-    for bad in (None, ("x",), (summaries[0][0], "not hex")):
-        assert not in_agreement(plan, summaries[:3] + [bad] + summaries[4:])
+    assert all(len(s) == 16 and all(isinstance(v, int) and 0 <= v < 1 << 32 for v in s) for s in summaries)
+    rows = [list(s) + [0] * 4 for s in summaries]  # as the control header's rows come back: padded
+    assert in_agreement(plan, rows)
+    for bad in (None, (1,), summaries[3][:8] + (1 << 32,) * 8, summaries[3][:8] + ("x",) * 8, summaries[3][:12]):
+        assert not in_agreement(plan, summaries[:3] + [bad] + summaries[4:]), bad
     assert not in_agreement(plan, summaries[:-1])  # a rank missing
