@@ -9,7 +9,8 @@ train worlds 256, 1,024, 2,048 and 4,096 (DP 8 … 128) into an engine of 256 ra
 Each world is one dry run (``python -m megatron_refit.dryrun``, its enumeration from the cache as
 users run it); each timed rank's prepare runs in a process of its own
 (:mod:`megatron_refit.tools.prepare_rank`), so its peak RSS is the rank's. Per world: the worst
-rank's prepare seconds and peak RSS. Then, at 1,024:
+rank's prepare seconds (the median of ``--repeat`` processes, 3 by default: this 2-core machine is
+shared and one run can take twice another) and peak RSS. Then, at 1,024:
 
 - ``join_replan_s``: a train rank's ``prepare()`` when a replica of a layout it has planned (re)joins:
   each gathered part it already decoded found by its digest, the plan by its key
@@ -61,9 +62,9 @@ def world_config(engine: str, world: int, out_dir: str) -> str:
     return path
 
 
-def dry_run(path: str, cache_dir: str) -> dict:
+def dry_run(path: str, cache_dir: str, repeat: int = 1) -> dict:
     done = subprocess.run([sys.executable, "-m", "megatron_refit.dryrun", "--config", path, "--json",
-                           "--cache-dir", cache_dir], capture_output=True, text=True, cwd=ROOT)
+                           "--cache-dir", cache_dir, "--repeat", str(repeat)], capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"dry run of {path} failed: {done.stderr.strip()[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -75,12 +76,16 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
     p.add_argument("--cold", action="store_true", help="also run the smallest world with an empty enumeration cache")
     p.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="each timed rank's prepare (and EPLB re-plan) in this many processes: their median")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     cache = os.path.join(ROOT, "configs", "cache")
-    out: dict = {"engine": args.engine, "config": CONFIGS[args.engine], "worlds": {}}
+    out: dict = {"engine": args.engine, "config": CONFIGS[args.engine], "repeat": args.repeat, "worlds": {}}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
         for world in args.worlds:
-            result = dry_run(world_config(args.engine, world, tmp), cache)
+            result = dry_run(world_config(args.engine, world, tmp), cache, args.repeat)
             row = {"prepare_s": result["prepare_seconds"], "peak_rss_mb": result["prepare_peak_rss_mb"],
                    "rank": result["prepare_rank"], "plan_s": result["plan_seconds"],
                    "enumerate_s": result["enumerate_seconds"], "rejoin_s": result["rejoin_seconds"]}
@@ -97,7 +102,7 @@ def main(argv=None) -> int:
                   f"{result['prepare_seconds']:.3f} s", flush=True)
         if 1024 in args.worlds:
             out["join_replan_s"] = out["worlds"]["1024"]["rejoin_s"]
-            wide = dry_run(world_config("wide", 1024, tmp), cache)
+            wide = dry_run(world_config("wide", 1024, tmp), cache, args.repeat)
             out["eplb_replan_s"] = wide["eplb_replan_seconds"]
             out["eplb_full_prepare_s"] = wide["prepare_seconds"]
             print(f"join re-plan {out['join_replan_s'] * 1e3:.1f} ms; EPLB map change re-planned in "

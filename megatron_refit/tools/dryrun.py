@@ -18,7 +18,7 @@ Validates a training YAML's ``refit:`` section and the trainer layout in its Bri
    receives the most: decoding every distinct gathered part from its wire form, then
    :func:`megatron_refit.plan.refit_plan.build_local_plan` (the whole plan validated, that
    rank's transfers and buckets expanded), its route fingerprints, and every rank's agreement
-   summary decoded and checked (:func:`~megatron_refit.plan.agreement.in_agreement`).
+   summary (16 numbers in the control header) checked (:func:`~megatron_refit.plan.agreement.in_agreement`).
 
 ``plan_seconds`` covers step 2; ``peak_rss_mb`` the whole life of this process (reading the
 YAML included, step 3 too); the enumeration's time is reported apart.
@@ -138,9 +138,10 @@ def num_experts(preset: dict) -> int:
 
 
 def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloat16", prepare: bool = True,
-          forward: bool = True) -> DryRun:
+          forward: bool = True, repeat: int = 1) -> DryRun:
     """Validate ``config_path`` and build its plan (see the module docstring); ``prepare``:
-    also time the slowest ranks' ``prepare()`` (step 3); ``forward`` False: plan every DP rank's
+    also time the slowest ranks' ``prepare()`` (step 3; ``repeat``: each rank's median of that
+    many processes); ``forward`` False: plan every DP rank's
     dense shards from the train ranks whatever ``refit.gen_dense_forward`` says (the cost model
     weighs the schemes from that plan)."""
     refit, preset, layout = load_config(config_path)
@@ -165,8 +166,9 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
     if prepare and refit.gen_eplb:  # one deployment's ranks re-plan its move: gen rank 0, the busiest sender
         ranks = [("gen", 0), ("train", max(range(len(senders.train_bytes)), key=senders.train_bytes.__getitem__))]
         eplb = time_eplb(train_specs, gen, targets_of, ranks, bucket_bytes=refit.bucket_bytes, optional=frozenset(
-            skipped), direct_bytes=refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes)
-    prepare = time_prepare(train_specs, targets, senders, refit, frozenset(skipped)) if prepare else {}
+            skipped), direct_bytes=refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes,
+            repeat=repeat)
+    prepare = time_prepare(train_specs, targets, senders, refit, frozenset(skipped), repeat) if prepare else {}
     sizes: dict[int, int] = {}  # DP replicas share one list of specs
     local = [sizes.setdefault(id(specs), sum(math.prod(s.shape) * ITEMSIZE[s.dtype] for s in specs))
              for _, specs in sorted(train_specs.items())]
@@ -180,7 +182,7 @@ def build(config_path: str, *, cache_dir: str | None = None, dtype: str = "bfloa
 
 
 def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitConfig,
-                 optional: frozenset[str] = frozenset()) -> dict[str, tuple[float, int, float]]:
+                 optional: frozenset[str] = frozenset(), repeat: int = 1) -> dict[str, tuple[float, int, float]]:
     """Step 3 of the module docstring, with ``refit``'s buckets on NCCL (``direct_mb: null``:
     one bucket): ``{"train rank i" / "gen rank j": (seconds, transfers, peak RSS MB)}``, each rank
     timed in a process of its own (:mod:`megatron_refit.tools.prepare_rank`). Each distinct part
@@ -197,7 +199,7 @@ def time_prepare(train_specs: dict, targets, senders: Assignment, refit: RefitCo
     ranks = [(side, max(range(len(c)), key=c.__getitem__)) for side, c in (("train", sent), ("gen", received))]
     direct = refit.bucket_bytes if refit.direct_bytes == "auto" else refit.direct_bytes
     timed = time_ranks(parts, ranks, num_train=len(train_specs), bucket_bytes=refit.bucket_bytes,
-                       direct_bytes=direct, optional=optional)
+                       direct_bytes=direct, optional=optional, repeat=repeat)
     return {f"{t['side']} rank {t['rank']}": (t["seconds"], t["transfers"], t["peak_rss_mb"], t["rejoin_seconds"])
             for t in timed}
 
@@ -319,10 +321,15 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None, help="enumeration cache (default: <config dir>/cache)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(ITEMSIZE), help="training dtype")
     p.add_argument("--no-prepare", action="store_true", help="plan only: skip timing the slowest ranks' prepare()")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time each rank's prepare() in this many processes and report the median (a busy machine)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     model = None
     try:
-        run = build(args.config, cache_dir=args.cache_dir, dtype=args.dtype, prepare=not args.no_prepare)
+        run = build(args.config, cache_dir=args.cache_dir, dtype=args.dtype, prepare=not args.no_prepare,
+                    repeat=args.repeat)
         model = run.refit.model
     except (ValueError, FileNotFoundError) as e:  # the user's input: name it, report not ok
         print(f"error: {e}", file=sys.stderr)

@@ -45,9 +45,11 @@ def moved(placement: ExpertPlacement, seed: int = 0) -> ExpertPlacement:
 
 
 def time_eplb(train_specs: dict, gen, targets_of, ranks: list[tuple[str, int]], *, bucket_bytes: int,
-              direct_bytes: int | None, optional: frozenset[str], timeout_s: float = 600.0) -> list[dict]:
+              direct_bytes: int | None, optional: frozenset[str], timeout_s: float = 600.0,
+              repeat: int = 1) -> list[dict]:
     """Each of ``ranks``' re-plan when one deployment of ``gen`` (a GenLayout with a placement)
-    moves its experts; ``targets_of(layout)``: the dry run's engine targets of a layout."""
+    moves its experts; ``targets_of(layout)``: the dry run's engine targets of a layout
+    (``repeat``: the median of that many runs, :func:`~megatron_refit.tools.prepare_rank.run_child`)."""
     one = dataclasses.replace(gen, dp=1)
     packed: dict[int, tuple] = {}
     for _, specs in sorted(train_specs.items()):
@@ -62,7 +64,7 @@ def time_eplb(train_specs: dict, gen, targets_of, ranks: list[tuple[str, int]], 
             write_gathered(path, train + [gen_parts[r] for r in range(len(gen_parts))], num_train=len(train),
                            bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, optional=optional)
         return [run_child("megatron_refit.tools.eplb_replan", [*paths, "--side", side, "--rank", str(rank)],
-                          f"{side} rank {rank}'s EPLB re-plan", timeout_s) for side, rank in ranks]
+                          f"{side} rank {rank}'s EPLB re-plan", timeout_s, repeat) for side, rank in ranks]
 
 
 def _gathered(path: str) -> tuple[list, dict, list]:
@@ -92,8 +94,8 @@ def replan_once(before: str, after: str, side: str, rank: int) -> dict:
         if again is None:
             again = build_local_plan([(decoded[n], decoded[lay]) for n, lay in parts[:num_train]]
                                      + list(gen.values()), num_train, **kw)
-        blob = wire.dumps(agreement(again.fingerprints()))
-        in_agreement(again, [wire.loads(blob) for _ in new_parts])
+        summary = agreement(again.fingerprints())  # every rank's, as the control header's rows come back
+        in_agreement(again, [list(summary) for _ in new_parts])
         seconds = time.perf_counter() - start
     return {"side": side, "rank": rank, "seconds": seconds, "replanned": again.basis is not None
             and again.basis.holding is not None, "transfers": len(again.transfers)}

@@ -6,7 +6,7 @@ every rank (each distinct part in its wire form, once) to a file, and runs
 times. The child does what that rank's ``prepare()`` does after the gather, and nothing else:
 decode every distinct part, :func:`~megatron_refit.plan.refit_plan.build_local_plan` (the
 whole plan validated, the rank's own transfers and buckets expanded), its route fingerprints,
-and every rank's agreement summary decoded and checked. Its peak RSS (``VmHWM``) is that of a
+and every rank's agreement summary (16 numbers a rank) checked. Its peak RSS (``VmHWM``) is that of a
 rank's prepare, not the dry run's (which also builds the whole plan), holding the gathered
 bytes as a rank does. It imports neither Megatron nor torch.
 
@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -79,9 +80,10 @@ def prepare_once(path: str, side: str, rank: int) -> dict:
                                 direct_bytes=header["direct_bytes"], local=(side, rank),
                                 optional=frozenset(header["optional"]))
         prints = plan.fingerprints()
-        blob = wire.dumps(agreement(prints))
-        # every rank's summary (each taken as this rank's: the time is the same, the answer is not)
-        in_agreement(plan, [wire.loads(blob) for _ in gathered])
+        summary = agreement(prints)
+        # every rank's summary as the control header's rows come back (each taken as this rank's:
+        # the time is the same, the answer is not)
+        in_agreement(plan, [list(summary) for _ in gathered])
     seconds = time.perf_counter() - start
     # a replica of this layout (re)joins: the peers announce the digests of what they hold, the
     # rank finds each decoded part and the plan it built by them (Endpoint.plans), and checks
@@ -95,30 +97,47 @@ def prepare_once(path: str, side: str, rank: int) -> dict:
     again = [(decoded_by_digest[digests[n]], decoded_by_digest[digests[lay]]) for n, lay in header["parts"]]
     cached, _ = plans[(tuple(digests[n] for n, _ in header["parts"]), tuple(digests[lay] for _, lay in header["parts"]),
                        (side, rank))]
-    in_agreement(cached, [wire.loads(blob) for _ in again])
+    in_agreement(cached, [list(summary) for _ in again])
     rejoin = time.perf_counter() - start
     return {"side": side, "rank": rank, "seconds": seconds, "transfers": len(plan.transfers),
             "peak_rss_mb": peak_rss_mb(), "rejoin_seconds": rejoin}
 
 
 def time_ranks(parts: list[tuple], ranks: list[tuple[str, int]], *, num_train: int, bucket_bytes: int,
-               direct_bytes: int | None, optional: frozenset[str], timeout_s: float = 600.0) -> list[dict]:
-    """:func:`prepare_once` of each of ``ranks``, each in a fresh child process."""
+               direct_bytes: int | None, optional: frozenset[str], timeout_s: float = 600.0,
+               repeat: int = 1) -> list[dict]:
+    """:func:`prepare_once` of each of ``ranks``, each in a fresh child process (``repeat``
+    times: :func:`run_child`)."""
     with tempfile.TemporaryDirectory(prefix="refit-prepare-") as tmp:
         path = os.path.join(tmp, "gathered.bin")
         write_gathered(path, parts, num_train=num_train, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
                        optional=optional)
         return [run_child("megatron_refit.tools.prepare_rank", [path, "--side", side, "--rank", str(rank)],
-                          f"{side} rank {rank}'s prepare", timeout_s) for side, rank in ranks]
+                          f"{side} rank {rank}'s prepare", timeout_s, repeat) for side, rank in ranks]
 
 
-def run_child(module: str, args: list[str], what: str, timeout_s: float) -> dict:
+def run_child(module: str, args: list[str], what: str, timeout_s: float, repeat: int = 1) -> dict:
     """The JSON last line of ``python -m module *args`` (a rank timed in a process of its own);
-    ``RuntimeError`` naming ``what`` with the child's error where it fails."""
-    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"timing {what} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    ``RuntimeError`` naming ``what`` with the child's error where it fails. ``repeat`` > 1: that
+    many fresh processes, one after the other, and each of their timings (the keys ending in
+    ``seconds``) their median, with every run's in ``runs_seconds``; the peak RSS the largest."""
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    runs = []
+    for _ in range(repeat):
+        done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                              timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"timing {what} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if repeat == 1:
+        return runs[0]
+    out = dict(runs[0], runs_seconds=[run["seconds"] for run in runs])
+    for key in (k for k in out if k.endswith("seconds") and k != "runs_seconds"):
+        out[key] = statistics.median(run[key] for run in runs)
+    if "peak_rss_mb" in out:
+        out["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
+    return out
 
 
 def peak_rss_mb() -> float:
