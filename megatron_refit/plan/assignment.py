@@ -200,9 +200,7 @@ class Assignment:
         position = {rank: (c, j) for c, ranks in enumerate(self.class_ranks) for j, rank in enumerate(ranks)}
         if dst is not None and dst not in position:
             raise ValueError(f"gen rank {dst} is not in this plan (0..{len(position) - 1})")
-        groups = [(g, list(zip(g.names, g.senders)) if src is None else
-                   [(name, senders) for name, senders in zip(g.names, g.senders) if any(src in s for s in senders)])
-                  for g in self.groups]
+        groups = [(g, list(zip(g.names, g.senders)) if src is None else _sent_by(g, src)) for g in self.groups]
         groups = [(g, members) for g, members in groups if members]
         geometry: dict[tuple[int, int], tuple[Box, Box, Box]] = {}  # by identity: boxes stay alive meanwhile
 
@@ -233,6 +231,13 @@ class Assignment:
             mine.sort(key=attrgetter("name"))  # stable: a name's pieces stay in train box order
             out += mine
         return out
+
+
+def _sent_by(g: BoxGroup, src: int) -> list[tuple[str, tuple]]:
+    """``(name, senders)`` of the group's parameters that train rank ``src`` sends a box of."""
+    if len(g.train_boxes) == 1:  # the common case (whole experts, replicated norms): one holder set a name
+        return [(name, senders) for name, senders in zip(g.names, g.senders) if src in senders[0]]
+    return [(name, senders) for name, senders in zip(g.names, g.senders) if any(src in s for s in senders)]
 
 
 def _check_tilings(train_index: dict, train_meta: dict) -> None:

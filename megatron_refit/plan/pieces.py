@@ -248,40 +248,40 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
     the classes' name counts, with no ShardSpec per piece."""
     if sorted(gen) != list(range(len(gen))):
         raise PlanError(f"gen ranks must be 0..{len(gen) - 1}, got {sorted(gen)}")
-    classes: dict[tuple, list[int]] = {}
-    # by identity first (the gather returns equal parts as one object): a part is hashed (all
-    # its names) once per distinct object, not once per rank
+    classes: dict[tuple, list[int]] = {}  # by (canonical names' identity, layout)
+    # by identity first (the gather returns equal parts as one object): a names list is hashed
+    # (all its names) once per distinct object, not once per rank or class
     seen: dict[tuple[int, int], list[int]] = {}
-    indices: dict[tuple, array] = {}
+    canonical: dict[tuple, Names] = {}  # names lists by value: the first such object
+    canonical_of: dict[int, Names] = {}  # the same by identity
+    found: dict[tuple, tuple] = {}  # a class's (names, layout, kind indices)
     checked: dict = {}
     for rank in range(len(gen)):
         names, layout = gen[rank]
         members = seen.get((id(names), id(layout)))
         if members is None:  # checked before it is hashed: a peer's parts may be anything
             kind_of = kind_indices("gen", rank, names, layout, checked)
-            key = (names, layout)
+            same = canonical_of.get(id(names))
+            if same is None:
+                same = canonical_of[id(names)] = canonical.setdefault(names, names)
+            key = (id(same), layout)
             members = seen[id(names), id(layout)] = classes.setdefault(key, [])
-            indices.setdefault(key, kind_of)
+            found.setdefault(key, (same, layout, kind_of))
         members.append(rank)
     ranks = tuple(tuple(r) for r in classes.values())
-    parts = list(classes)
-    by_names: dict[tuple, list[int]] = {}  # classes sharing one names list (an engine's TP ranks)
-    names_of: dict[int, list[int]] = {}  # the same by identity
-    for c, (names, _) in enumerate(parts):
-        same = names_of.get(id(names))
-        if same is None:
-            same = names_of[id(names)] = by_names.setdefault(names, [])
-        same.append(c)
+    parts = [found[key] for key in classes]
+    by_names: dict[int, tuple[Names, list[int]]] = {}  # classes sharing one names list (an engine's TP ranks)
+    for c, (names, _, _) in enumerate(parts):
+        by_names.setdefault(id(names), (names, []))[1].append(c)
     kinds = []
     firsts: dict = {}
-    for c, (names, layout) in enumerate(parts):
-        kind_of = indices[names, layout]
+    for c, (names, layout, kind_of) in enumerate(parts):
         specs = kind_specs("gen", ranks[c][0], names, layout, kind_of, firsts)
         kinds.append((kind_of, [(s.global_shape, s.dtype, s.box) for s in specs]))
     table: dict[str, tuple] = {}
     interned: dict[tuple, tuple] = {}  # equal box tuples as one object: the assignment groups by identity
     merged: dict[tuple[int, int], tuple] = {}  # by the entries' identity: names of one pattern merge once
-    for names, members in by_names.items():
+    for names, members in by_names.values():
         name_list = names[0]
         if len(set(name_list)) != len(name_list):
             twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
