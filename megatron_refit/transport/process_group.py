@@ -35,8 +35,9 @@ REFITS, NEXT_REFIT = "megatron_refit/refits", "megatron_refit/next_refit"
 """Store keys: the number of refits rank 0 began on the group, and ``NEXT_REFIT/<n>``, set
 when refit ``n`` begins (engine ranks between refits wait for it)."""
 
-MAGIC = 0x52_46_49_54_0005
-"""First word of every control header: "RFIT" and the protocol version."""
+MAGIC = 0x52_46_49_54_0006
+"""First word of every control header: "RFIT" and the protocol version (6: prepare()'s digests, sizes and
+agreement in the header rows, kind indices narrowed: plan.pieces.narrow)."""
 
 CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet": 6, "overlap": 7, "probe": 8,
          "served": 9, "fanout": 10, "verdict": 11}
