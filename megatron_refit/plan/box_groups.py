@@ -177,8 +177,11 @@ class Builder:
         """The groups, with the bytes of every box of several holders in ``load``: each group's
         boxes counted per rotation (the rotations are shared tuples) and added once."""
         for m in self.members.values():
+            one = len(m.order) == 1  # one train box: a parameter's senders counted whole, at C speed
             for i in m.turned:
-                for rotated, count in Counter(senders[i] for senders in m.senders).items():
+                counts = Counter(m.senders) if one else Counter(senders[i] for senders in m.senders)
+                for key, count in counts.items():
+                    rotated = key[0] if one else key
                     if len(rotated) > 1:  # a box of one holder is in load already
                         for rank, nbytes in zip(rotated, m.shares(i, len(rotated))):
                             self.load[rank] += count * nbytes
