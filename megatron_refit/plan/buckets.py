@@ -217,6 +217,25 @@ def _units(route: list[Transfer], bucket_bytes: int, direct_bytes: int | None, s
     return units
 
 
+def _never(transfer: Transfer) -> bool:
+    return False
+
+
+def _one_bucket(route: list[Transfer], bucket_bytes: int, direct_bytes: int | None) -> tuple[BucketItem, ...] | None:
+    """The route's items packed as :func:`_pack` packs them where they all fit one bucket and
+    none goes direct (then no transfer is split and no run forms); None otherwise."""
+    items, end = [], 0
+    for transfer in route:
+        if direct_bytes is not None and transfer.nbytes >= direct_bytes:
+            return None
+        offset = -(-end // ALIGN) * ALIGN
+        end = offset + transfer.nbytes
+        if end > bucket_bytes:
+            return None
+        items.append(new_tuple(BucketItem, (transfer, offset)))
+    return tuple(items)
+
+
 def bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | None,
                src_next: Adjacency | None = None, dst_next: Adjacency | None = None,
                whole: Callable[[Transfer], bool] | None = None) -> list[Bucket]:
@@ -225,11 +244,17 @@ def bucketize(transfers: list[Transfer], bucket_bytes: int, direct_bytes: int | 
     by_route: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for transfer in transfers:
         by_route[transfer.src_rank, transfer.dst_rank].append(transfer)
+    src_next, dst_next, whole = src_next or {}, dst_next or {}, whole or _never
     buckets = []
     for src, dst in sorted(by_route):
-        route = sorted(by_route[src, dst], key=BY_NAME_BOX)
-        units = _units(route, bucket_bytes, direct_bytes, (src_next or {}).get(src, {}),
-                       (dst_next or {}).get(dst, {}), whole or (lambda t: False))
+        route = by_route[src, dst]
+        route.sort(key=BY_NAME_BOX)
+        one = _one_bucket(route, bucket_bytes, direct_bytes)
+        if one is not None:  # the common small route: one bucket, no runs (each transfer below direct_bytes)
+            buckets.append(Bucket(src, dst, 0, one, one[-1].offset + one[-1].transfer.nbytes,
+                                  sum(t.nbytes for t in route)))
+            continue
+        units = _units(route, bucket_bytes, direct_bytes, src_next.get(src, {}), dst_next.get(dst, {}), whole)
         for index, items in enumerate(_pack(units, bucket_bytes, direct_bytes)):
             nbytes = items[-1].offset + items[-1].transfer.nbytes
             payload = sum(item.transfer.nbytes for item in items)

@@ -156,6 +156,25 @@ def test_buckets_respect_size_and_alignment():
     assert all(b.dst_rank == 1 for b in plan.buckets_to(1))
 
 
+@pytest.mark.parametrize("bucket_bytes, direct_bytes", [(1 << 20, None), (1 << 20, 1 << 20), (200, None), (200, 64),
+                                                        (40, 24)])
+def test_a_small_route_packs_as_the_general_packer_packs_it(bucket_bytes, direct_bytes):
+    """bucketize packs a route that fits one bucket with none of its transfers going direct
+    without the general packer (_one_bucket): the same buckets as _pack gives, every route."""
+    from megatron_refit.plan.buckets import BY_NAME_BOX, Bucket, _pack, bucketize
+
+    plan = RefitPlan.build(train_specs(), gen_specs(2), bucket_bytes=bucket_bytes)
+    by_route: dict = {}
+    for t in plan.transfers:
+        by_route.setdefault((t.src_rank, t.dst_rank), []).append(t)
+    want = []
+    for (src, dst), route in sorted(by_route.items()):
+        packed = _pack([[t] for t in sorted(route, key=BY_NAME_BOX)], bucket_bytes, direct_bytes)
+        want += [Bucket(src, dst, i, tuple(items), items[-1].offset + items[-1].transfer.nbytes,
+                        sum(item.transfer.nbytes for item in items)) for i, items in enumerate(packed)]
+    assert bucketize(list(plan.transfers), bucket_bytes, direct_bytes) == want
+
+
 def test_row_larger_than_bucket_gets_own_bucket():
     # A row of down_proj is 12 bf16 = 24 bytes > 16: every row alone in a bucket.
     plan = RefitPlan.build(train_specs(), gen_specs(1), bucket_bytes=16)
