@@ -20,7 +20,10 @@ shared and one run can take twice another) and peak RSS. Then, at 1,024:
   the busiest train rank's re-plan of one deployment's refit group
   (:meth:`~megatron_refit.plan.refit_plan.RefitPlan.replanned`, the new engine parts decoded,
   fingerprints and agreement included), from the wide config's dry run at 1,024
-  (``eplb_replan_seconds``; :mod:`megatron_refit.tools.eplb_replan`).
+  (``eplb_replan_seconds``; :mod:`megatron_refit.tools.eplb_replan`);
+- ``wide_first_prepare_s``: the slower of the same two ranks' first prepare of that deployment's
+  group (1,024 train ranks + DP32 x TP1, FP8; keeping what a move needs), the figure a wide-EP run
+  pays at start; its 7 other deployments' groups find the plan by its key.
 
 ``--cold`` also runs the smallest world with an empty enumeration cache once (the enumeration's
 seconds reported apart). The last line is JSON::
@@ -105,8 +108,10 @@ def main(argv=None) -> int:
             wide = dry_run(world_config("wide", 1024, tmp), cache, args.repeat)
             out["eplb_replan_s"] = wide["eplb_replan_seconds"]
             out["eplb_full_prepare_s"] = wide["prepare_seconds"]
+            out["wide_first_prepare_s"] = wide["eplb_first_prepare_seconds"]
             print(f"join re-plan {out['join_replan_s'] * 1e3:.1f} ms; EPLB map change re-planned in "
-                  f"{out['eplb_replan_s'] * 1e3:.0f} ms (the wide engine at 1,024; its full prepare "
+                  f"{out['eplb_replan_s'] * 1e3:.0f} ms (the wide engine at 1,024: a deployment group's first "
+                  f"prepare {out['wide_first_prepare_s']:.3f} s; all 8 deployments' in one plan "
                   f"{wide['prepare_seconds']:.3f} s)", flush=True)
     worlds = out["worlds"]
     if "256" in worlds and "4096" in worlds:

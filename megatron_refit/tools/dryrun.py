@@ -304,7 +304,9 @@ def summary_lines(run: DryRun) -> list[str]:
     if run.eplb:
         lines.append("EPLB move     " + "; ".join(f"{t['side']} rank {t['rank']} {t['seconds'] * 1e3:.0f} ms"
                                                   f"{'' if t['replanned'] else ' (a full build)'}" for t in run.eplb)
-                     + " (one deployment's experts all moved, re-planned in a process of its own)")
+                     + " (one deployment's experts all moved, re-planned in a process of its own); the "
+                     + "deployment group's first prepare "
+                     + "; ".join(f"{t['side']} rank {t['rank']} {t['first_seconds']:.2f} s" for t in run.eplb))
     fanout = fanout_bytes(run)
     lines.append(f"fan-out       {fanout['mode']}: the train ranks send {fanout['bytes_from_trainers'] / gb:.2f} GB, "
                  f"the replicas relay {fanout['bytes_relayed'] / gb:.2f} GB (refit.fanout: {run.refit.fanout})")
@@ -350,6 +352,7 @@ def main(argv=None) -> int:
             "enumerate_seconds": round(run.enumerate_seconds, 2),
             "rejoin_seconds": round(run.rejoin_seconds, 4),
             "eplb_replan_seconds": round(max(t["seconds"] for t in run.eplb), 4) if run.eplb else None,
+            "eplb_first_prepare_seconds": round(max(t["first_seconds"] for t in run.eplb), 3) if run.eplb else None,
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
             "train": run.train.describe_keys(),

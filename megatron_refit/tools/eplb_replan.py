@@ -73,15 +73,21 @@ def _gathered(path: str) -> tuple[list, dict, list]:
 
 
 def replan_once(before: str, after: str, side: str, rank: int) -> dict:
-    """``{"side", "rank", "seconds", "replanned", "transfers"}``: the rank's plan of BEFORE, then
-    its re-plan for AFTER's engine parts, timed (``replanned`` False: a full build was needed)."""
+    """``{"side", "rank", "seconds", "first_seconds", "replanned", "transfers"}``: the rank's plan
+    of BEFORE (``first_seconds``: the group's first prepare), then its re-plan for AFTER's engine
+    parts, timed (``replanned`` False: a full build was needed)."""
     blobs, header, parts = _gathered(before)
     num_train = header["num_train"]
     kw = dict(bucket_bytes=header["bucket_bytes"], direct_bytes=header["direct_bytes"], local=(side, rank),
               optional=frozenset(header["optional"]))
-    with gc_paused():
+    first = time.perf_counter()
+    with gc_paused():  # the group's first prepare (as prepare_once times it), keeping what a move needs
         decoded = [wire.loads(blob) for blob in blobs]
         plan = build_local_plan([(decoded[n], decoded[lay]) for n, lay in parts], num_train, **kw)
+        summary = list(agreement(plan.fingerprints()))
+        in_agreement(plan, [summary] * len(parts))  # every rank's, as the control header's rows come back
+    first = time.perf_counter() - first
+    with gc_paused():
         new_blobs, _, new_parts = _gathered(after)
         known = {hashlib.sha256(blob).digest(): part for blob, part in zip(blobs, decoded)}
         digests = [hashlib.sha256(blob).digest() for blob in new_blobs]  # what the gather hands over with them
@@ -97,7 +103,7 @@ def replan_once(before: str, after: str, side: str, rank: int) -> dict:
         summary = agreement(again.fingerprints())  # every rank's, as the control header's rows come back
         in_agreement(again, [list(summary) for _ in new_parts])
         seconds = time.perf_counter() - start
-    return {"side": side, "rank": rank, "seconds": seconds, "replanned": again.basis is not None
+    return {"side": side, "rank": rank, "seconds": seconds, "first_seconds": first, "replanned": again.basis is not None
             and again.basis.holding is not None, "transfers": len(again.transfers)}
 
 

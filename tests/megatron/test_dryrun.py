@@ -245,9 +245,11 @@ def test_dry_run_of_shipped_config(config):
     if refit.gen_eplb:
         (line,) = [line for line in text.splitlines() if line.startswith("EPLB move ")]
         assert "a full build" not in line, line
-        assert 0 < result["eplb_replan_seconds"] < result["prepare_seconds"]
+        assert 0 < result["eplb_replan_seconds"] < result["eplb_first_prepare_seconds"] < 60
+        assert "the deployment group's first prepare" in line
     else:
-        assert result["eplb_replan_seconds"] is None and "\nEPLB move " not in text
+        assert result["eplb_replan_seconds"] is None and result["eplb_first_prepare_seconds"] is None
+        assert "\nEPLB move " not in text
 
 
 @pytest.mark.parametrize("config", ["recipe-llama3-70b", "recipe-kimi-k2", "recipe-deepseek-v3",
