@@ -50,7 +50,10 @@ def narrow(kind_of) -> bytes:
 def widen(raw: bytes, count: int) -> array | None:
     """The kind indices of ``count`` names from ``raw`` (:func:`narrow`'s, the width read from
     the sizes); None where no width fits."""
-    code = WIDTHS.get(len(raw) // count) if count and len(raw) % count == 0 else None if count or raw else "B"
+    if not count:
+        code = None if raw else "B"
+    else:
+        code = None if len(raw) % count else WIDTHS.get(len(raw) // count)
     if code is None:
         return None
     out = array(code)
