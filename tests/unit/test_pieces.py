@@ -234,3 +234,33 @@ def test_an_engine_ranks_part_carries_one_byte_a_name():
     (names, _), (kinds, raw) = parts[0]
     assert len(kinds) < 256 and len(raw) == len(names)
     assert gen_targets_of(dict(parts)).params  # and plans
+
+
+def test_holders_merged_across_parts_are_copies_in_rank_order_and_the_index_stays_as_built():
+    """index_parts shares one holders list among a part's names and copies it where another
+    part holds the name too (its lists are read only); building the assignment from the index
+    leaves it as it was, and twice gives the same assignment."""
+    import copy
+
+    from megatron_refit.plan.assignment import Assignment
+    from megatron_refit.plan.checks import index_specs
+    from megatron_refit.plan.pieces import index_parts
+
+    def spec(name):
+        return ShardSpec(name, (8,), "bfloat16", full_box((8,)))
+
+    shared = pack([spec("model.norm.weight"), spec("x0")])
+    parts = {0: shared, 1: pack([spec("model.norm.weight"), spec("x1")]),
+             2: pack([spec("model.norm.weight"), spec("x0"), spec("x2")]), 3: shared}
+    index, meta = index_parts("train", parts)
+    want, _ = index_specs("train", {rank: unpack("train", rank, *part) for rank, part in parts.items()})
+    assert {name: dict(boxes) for name, boxes in want.items()} == index
+    assert index["model.norm.weight"] == {((0, 8),): [0, 1, 2, 3]} and index["x0"] == {((0, 8),): [0, 2, 3]}
+    assert index["x1"] == {((0, 8),): [1]} and index["x2"] == {((0, 8),): [2]}
+    before = copy.deepcopy(index)
+    targets = gen_targets_of({0: pack([spec(n) for n in ("model.norm.weight", "x0", "x1", "x2")])})
+    first = Assignment.from_index(index, meta, 4, targets)
+    assert index == before
+    assert Assignment.from_index(index, meta, 4, targets) == first
+    # each holder set's first box from its first holder (norm of [0, 1, 2, 3], x0 of [0, 2, 3]), x1 and x2 by theirs
+    assert first.train_bytes == (32, 16, 16, 0)
