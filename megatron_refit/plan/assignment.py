@@ -111,7 +111,7 @@ class Assignment:
                     members = group(dtype, gen_boxes, boxes)
                     members.turned.add(0)
                     hit = several[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append)
-                state = rotations.get(id(holders))  # Builder.add_turn, inlined
+                state = rotations.get(id(holders))  # the next turn of this holder set (Builder._turn, inlined)
                 if state is None:
                     state = builder.rotations(holders)
                 n = state[0] % len(holders)

@@ -132,15 +132,6 @@ class Builder:
         members.names.append(name)
         members.senders.append(tuple(senders))
 
-    def add_turn(self, members: Members, name: str, ranks: list[int]) -> None:
-        """:meth:`add` of a parameter of one train box held by several ``ranks``."""
-        members.turned.add(0)
-        members.names.append(name)
-        state = self.rotations(ranks)
-        n = state[0] % len(ranks)
-        state[0] += 1
-        members.senders.append(state[2][n] or self.rotated(state, n, True))
-
     def rotations(self, ranks: list[int]) -> list:
         """The turn state of holder set ``ranks`` (see :attr:`turns`; its rotations made as
         they are taken, :meth:`rotated`: a dense box of 128 DP replicas takes a few)."""
