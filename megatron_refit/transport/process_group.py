@@ -44,9 +44,10 @@ CALLS = {"prepare": 1, "refit": 2, "close": 3, "message": 4, "report": 5, "fleet
 """The calls control messages belong to (the header's second word)."""
 
 HEADER_VALUES = 20
+"""Values a control header carries after (magic, call, sequence)."""
+
 DIGEST_WORDS = struct.Struct(">8I")
 """A sha256 as 8 words of 32 bits: how a digest travels in the control header."""
-"""Values a control header carries after (magic, call, sequence)."""
 
 FIRST_FAILURE = "megatron_refit_first_failure"
 """Store key: the first failure any rank of the group reported."""
@@ -322,10 +323,10 @@ class ProcessGroupTransport(Transport):
         ``(objects, each rank's object's sha256)``. ``known``: objects this rank decoded in an
         earlier gather, by digest (a replica rejoining): still broadcast, not decoded again."""
         blob = wire.dumps(obj)
-        digest = hashlib.sha256(blob).digest()
-        mine = digest.hex()
+        raw = hashlib.sha256(blob).digest()
+        mine = raw.hex()
         # each rank's digest and size in the control header (9 numbers): nothing to decode per rank
-        rows = self.exchange(call, [*DIGEST_WORDS.unpack(digest), len(blob)])
+        rows = self.exchange(call, [*DIGEST_WORDS.unpack(raw), len(blob)])
         announced = [(DIGEST_WORDS.pack(*row[:8]).hex(), row[8]) for row in rows]
         holder: dict[str, int] = {}
         for rank, (digest, _) in enumerate(announced):
