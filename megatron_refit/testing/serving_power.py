@@ -128,12 +128,16 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             found = expert_shift(values, last, [r for row in reference.routes for r in row]) if last else None
             return scaled_move(found)
 
-        clean, engine = [], HFStorage.from_config(cfg, dtype=torch.bfloat16)
+        clean, engine, probes = [], HFStorage.from_config(cfg, dtype=torch.bfloat16), []
         for version in range(1, CLEAN_REFITS + 1):
             train_step(built, optimizer, torch.randint(0, cfg.vocab_size, (8, 33), generator=rng))
             load(engine, version)
             probe, reference, _ = check.take_reference()
+            probes.append(probe.sequences)
             clean.append(verdict(engine, version, probe, reference))
+        # the versions whose probe was extended anew (the router trained: it routed fewer experts),
+        # where a passed check measures the calibration again (plan.calibration.due)
+        extended = [v for v in range(2, CLEAN_REFITS + 1) if probes[v - 1] != probes[v - 2]]
         faults, kept = {}, dict(check.profiles)
         for fault in FAULTS:  # each judged against the last clean check (a fault that passes is no baseline)
             check.profiles = dict(kept)
@@ -141,7 +145,7 @@ def power_rank(rank, world, port, states=tuple(STATES)):
             break_engine(broken.model, fault)
             faults[fault] = verdict(broken, CLEAN_REFITS + 1, probe, reference)
         profile = check.profiles[0]
-        found[state] = dict(clean=clean, faults=faults, loss=loss, experts=check.experts,
+        found[state] = dict(clean=clean, faults=faults, loss=loss, experts=check.experts, probe_extended=extended,
                             tolerance=check.tolerance, relative=check.relative,
                             calibration=dict(version=profile.version, tail=profile.tail, bulk=profile.bulk,
                                              tail_limit=limits(profile).tail, bulk_limit=limits(profile).bulk))

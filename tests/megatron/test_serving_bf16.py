@@ -5,9 +5,10 @@ them (a corpus loss near 0.01, where single clean tokens move far between refits
 engine's weights not read back (``readback: false``: as on vLLM and SGLang, whose post-load steps
 re-pack). In each, the first check is judged against the rounding bound (each token within 0.02 +
 0.1 x (|its logit| + |the largest logit|), 90 % of the probe's tokens within 0.2 of that) and
-measures the replica's clean noise; the next 19 checks are also held to the limits calibrated
-from it (``plan.calibration``: the probe's tail and bulk against the calibration, and each expert's
-tokens against the replica's last passed check). In every state: 20 clean refits at an RL learning
+measures the replica's clean noise (again where the probe is extended anew: the router trained);
+the next 19 checks are also held to the limits calibrated from it (``plan.calibration``: the
+probe's tail and bulk against the calibration, and each expert's tokens against the replica's last
+passed check). In every state: 20 clean refits at an RL learning
 rate (1e-6) pass (trained hard, the rounding bound itself fails some clean refits on some CPUs and
 thread counts: the known limit, docs/guide-serving.md "What passes"), and a NaN in one routed
 expert, a wrong RoPE base and a post-load scale error (the final norm x1.1) are caught; on the
@@ -53,7 +54,10 @@ def test_bf16_serving_check_passes_clean_rl_refits_and_catches_what_log_probs_ca
         if state in CLEAN:
             assert not failed, f"{state}: {len(failed)} of 20 clean refits failed: {failed[0]}"
             assert [bool(r["calibrated"]) for r in got["clean"]] == [False] + [True] * 19  # the first calibrates
-        assert got["calibration"]["version"] == 1 and got["calibration"]["tail_limit"] < 1.0
+        # calibrated at the first check, or where the probe was last extended anew (on some CPUs a
+        # clean refit of the peaked model moves its router: version 5 on an Ice Lake Xeon, 2026-12-07)
+        assert got["calibration"]["version"] == max([1, *got["probe_extended"]]), got["probe_extended"]
+        assert got["calibration"]["tail_limit"] < 1.0
         for fault, result in got["faults"].items():
             caught = "does not serve the trainer's model" in result.get("message", "")
             assert caught or fault not in CAUGHT[state], f"{state}: {fault} passed (max |Δ| {result['max_dlogprob']})"
