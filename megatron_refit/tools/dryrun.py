@@ -350,8 +350,8 @@ def main(argv=None) -> int:
             "prepare_rank": max(run.prepare, key=lambda who: run.prepare[who][0], default=""),
             "prepare_peak_rss_mb": round(run.prepare_rss_mb, 1),
             "enumerate_seconds": round(run.enumerate_seconds, 2),
-            "rejoin_seconds": round(run.rejoin_seconds, 4),
-            "eplb_replan_seconds": round(max(t["seconds"] for t in run.eplb), 4) if run.eplb else None,
+            "rejoin_seconds": round(run.rejoin_seconds, 6),  # tens of µs for a small model
+            "eplb_replan_seconds": round(max(t["seconds"] for t in run.eplb), 6) if run.eplb else None,
             "eplb_first_prepare_seconds": round(max(t["first_seconds"] for t in run.eplb), 3) if run.eplb else None,
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "num_params": run.num_params,
