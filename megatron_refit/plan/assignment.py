@@ -74,6 +74,7 @@ class Assignment:
         only = [(senders,) for senders in builder.solo]  # a one-box parameter's senders: one tuple per rank
         fast: dict[tuple, tuple] = {}  # a one-box, one-holder group's appenders and bytes, by the boxes' identity
         several: dict[tuple, tuple] = {}  # a one-box group of several holders, the same way
+        alone: dict[tuple, tuple] = {}  # the same (and its holder) by the identity of a one-box, one-holder dict
         rotations = builder.lists  # each holders list's turn state, by identity
         needed = []
         params = targets.params
@@ -92,6 +93,12 @@ class Assignment:
                 check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)
             boxes = train_index[name]
+            hit = alone.get((id(gen_boxes), id(boxes)))
+            if hit is not None:  # the names of one train part and kind share their boxes (index_parts)
+                hit[0](name)
+                hit[1](hit[2])
+                load[hit[3]] += hit[4]
+                continue
             if len(boxes) == 1:  # the common case (whole experts under EP): inlined
                 (box, holders), = boxes.items()
                 if len(holders) == 1:
@@ -102,6 +109,7 @@ class Assignment:
                                                                       members.sent[0])
                     add_name, add_senders, sent = hit
                     rank = holders[0]
+                    alone[id(gen_boxes), id(boxes)] = (add_name, add_senders, only[rank], rank, sent)
                     add_name(name)
                     add_senders(only[rank])
                     load[rank] += sent
@@ -243,10 +251,12 @@ def _sent_by(g: BoxGroup, src: int) -> list[tuple[str, tuple]]:
 def _check_tilings(train_index: dict, train_meta: dict) -> None:
     """Each train parameter's boxes tile its shape exactly, checked once per distinct (shape,
     boxes) by the objects' identity (every shape and box stays alive meanwhile); the first bad
-    parameter by name is named."""
+    parameter by name is named. Names that share one boxes dict (``index_parts``: a part's names
+    of one kind, whose spec they share) are checked once, found at C speed."""
     tiled: set[tuple[int, ...]] = set()
     try:
-        for name, boxes in train_index.items():
+        for name in dict(zip(map(id, train_index.values()), train_index)).values():  # a name of each boxes dict
+            boxes = train_index[name]
             shape = train_meta[name].global_shape
             key = (id(shape), *map(id, boxes)) if len(boxes) > 1 else (id(shape), id(next(iter(boxes))))
             if key not in tiled:
@@ -256,4 +266,3 @@ def _check_tilings(train_index: dict, train_meta: dict) -> None:
         for name in sorted(train_index):
             check_tiling(name, train_meta[name].global_shape, list(train_index[name]))
         raise
-

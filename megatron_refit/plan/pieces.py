@@ -161,7 +161,8 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
     replicas) is read once, so the work grows with the distinct parts, not with the world. The
     same validation and errors: a malformed part, a name listed twice on a rank, a parameter
     whose global shape or dtype differs between ranks. The names of one part held alone share
-    one list of holders: the index's lists are read only."""
+    one list of holders, and those of one kind one boxes dict (and their spec), until another
+    part adds to them: the index's dicts and lists are read only."""
     if sorted(parts) != list(range(len(parts))):
         raise PlanError(f"{side} ranks must be 0..{len(parts) - 1}, got {sorted(parts)}")
     sharing: dict[tuple[int, int], list[int]] = {}
@@ -171,6 +172,7 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
     index: dict[str, dict] = {}
     meta: dict[str, ShardSpec] = {}
     merged: dict[int, list[int]] = {}  # holder lists that more than one part added to (copies): sorted at the end
+    shared: dict[int, dict] = {}  # boxes dicts that one part's names of one kind share (copied where merged)
     checked: dict = {}
     layouts: dict[int, list[ShardSpec]] = {}  # a layout's kinds, read once (EP ranks share one)
     for ranks in sharing.values():
@@ -183,18 +185,25 @@ def index_parts(side: str, parts: dict[int, tuple[Names, Layout]]) -> tuple[dict
         if len(set(name_list)) != len(name_list):
             twice = next(a for a, b in zip(name_list, name_list[1:]) if a == b)
             raise PlanError(f"{twice}: listed twice on {side} rank {ranks[0]}")
+        alone: list[dict | None] = [None] * len(specs)  # the part's boxes of each kind, shared by its names
         for name, k in zip(name_list, kind_of):
             spec = specs[k]
             boxes = index.get(name)
             if boxes is None:
-                check_dtype(name, spec.dtype)
-                index[name] = {spec.box: ranks}  # the part's holders, shared by its names: copied where merged
+                boxes = alone[k]
+                if boxes is None:
+                    check_dtype(name, spec.dtype)
+                    boxes = alone[k] = {spec.box: ranks}
+                    shared[id(boxes)] = boxes
+                index[name] = boxes
                 meta[name] = spec
                 continue
             first = meta[name]
             if first is not spec and (first.global_shape, first.dtype) != (spec.global_shape, spec.dtype):
                 raise PlanError(f"{name}: {side} pieces disagree: global shape {first.global_shape} {first.dtype} "
                                 f"vs {spec.global_shape} {spec.dtype} on {side} rank {ranks[0]}")
+            if id(boxes) in shared:  # the name's own boxes from here on
+                boxes = index[name] = boxes.copy()
             holders = boxes.get(spec.box)
             if holders is None:
                 boxes[spec.box] = ranks

@@ -236,6 +236,35 @@ def test_an_engine_ranks_part_carries_one_byte_a_name():
     assert gen_targets_of(dict(parts)).params  # and plans
 
 
+def test_names_of_one_part_and_kind_share_boxes_until_another_part_adds_to_one():
+    """index_parts gives a part's names of one kind one boxes dict (the assignment and the
+    tiling check take them once by its identity); where another part adds a box or a holder
+    to one of them, that name's dict is its own copy and its siblings keep theirs unchanged.
+    The assignment equals the one from index_specs' dict per name."""
+    from megatron_refit.plan.assignment import Assignment
+    from megatron_refit.plan.checks import index_specs
+    from megatron_refit.plan.pieces import index_parts
+
+    def half(name, lo):
+        return ShardSpec(name, (8, 4), "bfloat16", ((lo, lo + 4), (0, 4)))
+
+    names = ("a", "b", "c", "d")
+    parts = {0: pack([half(n, 0) for n in names]), 1: pack([half("a", 4), half("b", 4), half("c", 4),
+                                                             half("d", 4)]),
+             2: pack([half("b", 0)])}  # b's first half held twice, a's and c's as split
+    index, meta = index_parts("train", parts)
+    want, want_meta = index_specs("train", {rank: unpack("train", rank, *part) for rank, part in parts.items()})
+    assert {name: dict(boxes) for name, boxes in want.items()} == index
+    assert index["a"] is not index["b"] and index["a"] is not index["c"]  # each merged: its own copy
+    assert index["b"] == {((0, 4), (0, 4)): [0, 2], ((4, 8), (0, 4)): [1]}
+    lone = index_parts("train", {0: pack([half(n, 0) for n in names])})[0]
+    assert lone["a"] is lone["b"] is lone["c"] is lone["d"] == {((0, 4), (0, 4)): [0]}  # shared while unmerged
+    targets = gen_targets_of({0: pack([ShardSpec(n, (8, 4), "bfloat16", full_box((8, 4))) for n in names])})
+    assert Assignment.from_index(index, meta, 3, targets) == Assignment.from_index(want, want_meta, 3, targets)
+    with pytest.raises(PlanError, match=r"^a: train pieces cover 16 elements"):  # the shared dict checked by name
+        Assignment.from_index(lone, index_parts("train", {0: pack([half(n, 0) for n in names])})[1], 1, targets)
+
+
 def test_holders_merged_across_parts_are_copies_in_rank_order_and_the_index_stays_as_built():
     """index_parts shares one holders list among a part's names and copies it where another
     part holds the name too (its lists are read only); building the assignment from the index
