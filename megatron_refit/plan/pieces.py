@@ -293,6 +293,7 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
     table: dict[str, tuple] = {}
     interned: dict[tuple, tuple] = {}  # equal box tuples as one object: the assignment groups by identity
     merged: dict[tuple[int, int], tuple] = {}  # by the entries' identity: names of one pattern merge once
+    first: dict[int, int] = {}  # each entry's first gen rank, by its identity (entries stay alive meanwhile)
     for names, members in by_names.values():
         name_list = names[0]
         if len(set(name_list)) != len(name_list):
@@ -305,22 +306,22 @@ def gen_targets_of(gen: dict[int, tuple[Names, Layout]]) -> GenTargets:
         for name, key in zip(name_list, zip(*(kinds[c][0] for c in firsts))):
             entry = rows.get(key)
             if entry is None:
-                entry = rows[key] = _row(name, tuple(key[d] for d in spread), members, kinds, ranks, interned)
+                entry = rows[key] = _row(name, tuple(key[d] for d in spread), members, kinds, ranks, interned, first)
             prev = table.get(name)
             if prev is None:
                 table[name] = entry
                 continue
             done = merged.get((id(prev), id(entry)))
             if done is None:  # the entries kept alive with it: their ids stay theirs
-                done = merged[id(prev), id(entry)] = (prev, entry, _merge(name, prev, entry, interned))
+                done = merged[id(prev), id(entry)] = (prev, entry, _merge(name, prev, entry, interned, first))
             table[name] = done[2]
-    params = {name: entry[:3] for name, entry in sorted(table.items())}
-    return GenTargets(ranks=ranks, params=params)
+    return GenTargets(ranks=ranks, params=dict(sorted(table.items())))  # the entries as they are: no copy a name
 
 
-def _row(name: str, row: tuple, members: list[int], kinds: list, ranks: tuple, interned: dict) -> tuple:
-    """``(global shape, dtype, box per class, first gen rank)`` of a name whose kind in each
-    class of ``members`` is ``row``."""
+def _row(name: str, row: tuple, members: list[int], kinds: list, ranks: tuple, interned: dict,
+         first_of: dict[int, int]) -> tuple:
+    """``(global shape, dtype, box per class)`` of a name whose kind in each class of ``members``
+    is ``row``; its first gen rank into ``first_of`` by its identity."""
     boxes: list = [None] * len(ranks)
     shape = dtype = None
     first = None
@@ -333,15 +334,19 @@ def _row(name: str, row: tuple, members: list[int], kinds: list, ranks: tuple, i
                             f"{kind_shape} {kind_dtype} on gen rank {ranks[c][0]}")
         boxes[c] = box
     boxes = tuple(boxes)
-    return shape, dtype, interned.setdefault(boxes, boxes), first
+    entry = shape, dtype, interned.setdefault(boxes, boxes)
+    first_of[id(entry)] = first
+    return entry
 
 
-def _merge(name: str, a: tuple, b: tuple, interned: dict) -> tuple:
+def _merge(name: str, a: tuple, b: tuple, interned: dict, first_of: dict[int, int]) -> tuple:
     """One name held by classes with different names lists (e.g. dense weights under expert
     parallelism)."""
     if (a[0], a[1]) != (b[0], b[1]):
-        first, second = sorted((a, b), key=lambda e: e[3])
-        raise PlanError(f"{name}: global shape {first[0]} dtype {first[1]} on gen rank {first[3]}, "
-                        f"{second[0]} {second[1]} on gen rank {second[3]}")
+        first, second = sorted((a, b), key=lambda e: first_of[id(e)])
+        raise PlanError(f"{name}: global shape {first[0]} dtype {first[1]} on gen rank {first_of[id(first)]}, "
+                        f"{second[0]} {second[1]} on gen rank {first_of[id(second)]}")
     boxes = tuple(x if x is not None else y for x, y in zip(a[2], b[2]))
-    return a[0], a[1], interned.setdefault(boxes, boxes), min(a[3], b[3])
+    entry = a[0], a[1], interned.setdefault(boxes, boxes)
+    first_of[id(entry)] = min(first_of[id(a)], first_of[id(b)])
+    return entry
