@@ -93,7 +93,7 @@ class Assignment:
                 check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)
             boxes = train_index[name]
-            hit = alone.get((id(gen_boxes), id(boxes)))
+            hit = alone.get((dtype, id(gen_boxes), id(boxes)))
             if hit is not None:  # the names of one train part and kind share their boxes (index_parts)
                 hit[0](name)
                 hit[1](hit[2])
@@ -109,7 +109,7 @@ class Assignment:
                                                                       members.sent[0])
                     add_name, add_senders, sent = hit
                     rank = holders[0]
-                    alone[id(gen_boxes), id(boxes)] = (add_name, add_senders, only[rank], rank, sent)
+                    alone[dtype, id(gen_boxes), id(boxes)] = (add_name, add_senders, only[rank], rank, sent)
                     add_name(name)
                     add_senders(only[rank])
                     load[rank] += sent
