@@ -72,9 +72,8 @@ class Assignment:
         builder = Builder(ranks, load)
         group = builder.group
         only = [(senders,) for senders in builder.solo]  # a one-box parameter's senders: one tuple per rank
-        fast: dict[tuple, tuple] = {}  # a one-box, one-holder group's appenders and bytes, by the boxes' identity
-        several: dict[tuple, tuple] = {}  # a one-box group of several holders, the same way
-        alone: dict[tuple, tuple] = {}  # the same (and its holder) by the identity of a one-box, one-holder dict
+        alone: dict[tuple, tuple] = {}  # a one-box, one-holder dict's group appenders, senders, holder and bytes
+        several: dict[tuple, tuple] = {}  # a one-box group of several holders' appenders, by the boxes' identity
         rotations = builder.lists  # each holders list's turn state, by identity
         needed = []
         params = targets.params
@@ -93,41 +92,32 @@ class Assignment:
                 check_target(name, shape, dtype, train.global_shape, train.dtype)
             needed.append(name)
             boxes = train_index[name]
-            hit = alone.get((dtype, id(gen_boxes), id(boxes)))
-            if hit is not None:  # the names of one train part and kind share their boxes (index_parts)
-                hit[0](name)
-                hit[1](hit[2])
-                load[hit[3]] += hit[4]
-                continue
-            if len(boxes) == 1:  # the common case (whole experts under EP): inlined
+            hit = alone.get((dtype, id(gen_boxes), id(boxes)))  # a train part's names of one kind share boxes
+            if hit is None:
+                if len(boxes) != 1:
+                    builder.add(group(dtype, gen_boxes, boxes), name, boxes)
+                    continue
                 (box, holders), = boxes.items()
-                if len(holders) == 1:
-                    hit = fast.get((dtype, id(gen_boxes), id(box)))
+                if len(holders) > 1:  # whole experts under expert DP: the holder set's next turn (Builder._turn)
+                    hit = several.get((dtype, id(gen_boxes), id(box)))
                     if hit is None:
                         members = group(dtype, gen_boxes, boxes)
-                        hit = fast[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append,
-                                                                      members.sent[0])
-                    add_name, add_senders, sent = hit
-                    rank = holders[0]
-                    alone[dtype, id(gen_boxes), id(boxes)] = (add_name, add_senders, only[rank], rank, sent)
-                    add_name(name)
-                    add_senders(only[rank])
-                    load[rank] += sent
+                        members.turned.add(0)
+                        hit = several[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append)
+                    state = rotations.get(id(holders))
+                    if state is None:
+                        state = builder.rotations(holders)
+                    n = state[0] % len(holders)
+                    state[0] += 1
+                    hit[0](name)
+                    hit[1](state[2][n] or builder.rotated(state, n, True))
                     continue
-                hit = several.get((dtype, id(gen_boxes), id(box)))  # whole experts under expert DP
-                if hit is None:
-                    members = group(dtype, gen_boxes, boxes)
-                    members.turned.add(0)
-                    hit = several[dtype, id(gen_boxes), id(box)] = (members.names.append, members.senders.append)
-                state = rotations.get(id(holders))  # the next turn of this holder set (Builder._turn, inlined)
-                if state is None:
-                    state = builder.rotations(holders)
-                n = state[0] % len(holders)
-                state[0] += 1
-                hit[0](name)
-                hit[1](state[2][n] or builder.rotated(state, n, True))
-                continue
-            builder.add(group(dtype, gen_boxes, boxes), name, boxes)
+                members = group(dtype, gen_boxes, boxes)  # the common case (whole experts under EP)
+                hit = alone[dtype, id(gen_boxes), id(boxes)] = (members.names.append, members.senders.append,
+                                                                only[holders[0]], holders[0], members.sent[0])
+            hit[0](name)
+            hit[1](hit[2])
+            load[hit[3]] += hit[4]
         groups = builder.finish()  # the load counted in full
         return cls(class_ranks=ranks, groups=groups, train_bytes=tuple(load),
                    unused_train_params=tuple(sorted(set(train_meta).difference(needed))))
