@@ -100,7 +100,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-calibrate-") as tmp:
         tree = os.path.join(tmp, "baseline")
         os.mkdir(tree)
-        export(args.baseline, tree)
+        try:
+            export(args.baseline, tree)
+        except ValueError as e:  # the user's --baseline: named, no traceback
+            p.error(str(e))
         for r in range(args.rounds):
             base = {config: baseline_prepare(tree, config) for config in TABLE}
             now = current(tmp)
